@@ -1,0 +1,105 @@
+// The three ways to get device memory, each a memory_resource that calls the driver on
+// every allocate and deallocate (no caching: that is pool/'s job).
+//
+//   runtime_resource   cudaMalloc / cudaFree
+//   driver_resource    cuMemAlloc / cuMemFree with the device's primary context pushed
+//   vmm_resource       cuMemCreate + cuMemAddressReserve + cuMemMap + cuMemSetAccess,
+//                      sizes rounded up to the queried granularity; freeing unmaps,
+//                      releases the handle and frees the range, in that order
+//
+// Invariants:
+//  - each live allocation is in the process-wide ownership registry under exactly one
+//    resource, so memory handed to the wrong resource is recognised and refused, never
+//    passed to the wrong CUDA free;
+//  - vmm: reserved_bytes == sum of granularity-rounded sizes of live allocations.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "gpumem/backend/memory_resource.hpp"
+#include "gpumem/backend/vmm_mapping.hpp"
+
+namespace gpumem {
+
+namespace detail {
+// Shared bookkeeping of the backends: live allocations, registry, stats.
+class tracked_resource : public memory_resource {
+ public:
+  tracked_resource(platform& platform, int device) : memory_resource(platform, device) {}
+  ~tracked_resource() override;
+  resource_stats stats() const override;
+  std::string validate() const override;
+
+ protected:
+  // Records a new allocation (`reserved` bytes held from the driver for it).
+  void track(void* ptr, std::size_t bytes, std::size_t reserved);
+  // Checks that ptr/bytes is a live allocation of this resource and removes it; throws
+  // gpumem::invalid_argument otherwise. Returns the reserved bytes it held.
+  std::size_t untrack(void* ptr, std::size_t bytes);
+  // Puts an untracked allocation back (its driver free failed).
+  void retrack(void* ptr, std::size_t bytes, std::size_t reserved) { track(ptr, bytes, reserved); }
+  std::string holdings() const;
+  // Removes every live allocation (for destructors, which then free them).
+  std::vector<void*> take_all();
+
+  mutable std::mutex mutex_;
+
+ private:
+  struct entry {
+    std::size_t bytes;
+    std::size_t reserved;
+  };
+  std::unordered_map<void*, entry> live_;
+  resource_stats stats_{};
+};
+}  // namespace detail
+
+class runtime_resource final : public detail::tracked_resource {
+ public:
+  explicit runtime_resource(platform& platform, int device = 0);
+  ~runtime_resource() override;
+  std::string_view name() const noexcept override { return "runtime"; }
+  // cudaMalloc guarantees 256-byte alignment and no more.
+  std::size_t max_alignment() const noexcept override { return 256; }
+
+ protected:
+  void* do_allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) override;
+  void do_deallocate(void* ptr, std::size_t bytes, stream_handle stream) override;
+};
+
+class driver_resource final : public detail::tracked_resource {
+ public:
+  explicit driver_resource(platform& platform, int device = 0);
+  ~driver_resource() override;
+  std::string_view name() const noexcept override { return "driver"; }
+  std::size_t max_alignment() const noexcept override { return 256; }
+
+ protected:
+  void* do_allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) override;
+  void do_deallocate(void* ptr, std::size_t bytes, stream_handle stream) override;
+};
+
+class vmm_resource final : public detail::tracked_resource {
+ public:
+  // Throws gpumem::cuda_error when the device does not support VMM.
+  explicit vmm_resource(platform& platform, int device = 0);
+  ~vmm_resource() override;
+  std::string_view name() const noexcept override { return "vmm"; }
+  std::size_t max_alignment() const noexcept override { return std::size_t{1} << 30; }
+  std::size_t granularity() const noexcept { return granularity_; }
+
+ protected:
+  void* do_allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) override;
+  void do_deallocate(void* ptr, std::size_t bytes, stream_handle stream) override;
+
+ private:
+  std::size_t granularity_ = 0;
+  std::unordered_map<void*, vmm_mapping> mappings_;  // guarded by mutex_
+};
+
+}  // namespace gpumem

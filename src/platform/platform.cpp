@@ -1,0 +1,115 @@
+// The seam's shared pieces: operation names, status text, and the default platform.
+#include "gpumem/platform/platform.hpp"
+
+#include <cstdlib>
+#include <mutex>
+
+#include "gpumem/errors.hpp"
+#include "gpumem/platform/cuda_platform.hpp"
+#include "gpumem/platform/sim_platform.hpp"
+
+namespace gpumem {
+
+std::string_view platform_op_name(platform_op op) noexcept {
+  switch (op) {
+    case platform_op::device_count: return "cudaGetDeviceCount";
+    case platform_op::device_properties: return "cudaGetDeviceProperties";
+    case platform_op::granularity: return "cuMemGetAllocationGranularity";
+    case platform_op::mem_info: return "cudaMemGetInfo";
+    case platform_op::reserve_range: return "cuMemAddressReserve";
+    case platform_op::free_range: return "cuMemAddressFree";
+    case platform_op::create_physical: return "cuMemCreate";
+    case platform_op::release_physical: return "cuMemRelease";
+    case platform_op::map: return "cuMemMap";
+    case platform_op::unmap: return "cuMemUnmap";
+    case platform_op::set_access: return "cuMemSetAccess";
+    case platform_op::runtime_malloc: return "cudaMalloc";
+    case platform_op::runtime_free: return "cudaFree";
+    case platform_op::driver_alloc: return "cuMemAlloc";
+    case platform_op::driver_free: return "cuMemFree";
+    case platform_op::host_alloc: return "cudaMallocHost";
+    case platform_op::host_free: return "cudaFreeHost";
+    case platform_op::stream_create: return "cudaStreamCreate";
+    case platform_op::stream_destroy: return "cudaStreamDestroy";
+    case platform_op::stream_synchronize: return "cudaStreamSynchronize";
+    case platform_op::event_create: return "cudaEventCreate";
+    case platform_op::event_destroy: return "cudaEventDestroy";
+    case platform_op::event_record: return "cudaEventRecord";
+    case platform_op::event_query: return "cudaEventQuery";
+    case platform_op::event_synchronize: return "cudaEventSynchronize";
+    case platform_op::stream_wait_event: return "cudaStreamWaitEvent";
+    case platform_op::memcpy_async: return "cudaMemcpyAsync";
+    case platform_op::memset_async: return "cudaMemsetAsync";
+    case platform_op::count_: break;
+  }
+  return "unknown";
+}
+
+std::string status::describe() const {
+  if (ok()) return "success";
+  std::string text{platform_op_name(call)};
+  text += ": ";
+  text += name.empty() ? "error " + std::to_string(code) : name;
+  if (!message.empty()) text += " (" + message + ")";
+  return text;
+}
+
+namespace {
+
+struct default_platforms {
+  std::mutex mutex;
+  platform* cuda = nullptr;   // leaked on purpose: resources may outlive main()
+  platform* sim = nullptr;
+  std::string cuda_reason;
+  bool cuda_probed = false;
+
+  platform* probe_cuda() {
+    if (!cuda_probed) {
+      cuda_probed = true;
+      cuda = make_cuda_platform(&cuda_reason).release();
+    }
+    return cuda;
+  }
+  platform* get_sim() {
+    if (sim == nullptr) sim = new sim_platform();
+    return sim;
+  }
+};
+
+default_platforms& platforms() {
+  static auto* instance = new default_platforms();  // never destroyed
+  return *instance;
+}
+
+}  // namespace
+
+std::string cuda_unavailable_reason() {
+  auto& p = platforms();
+  std::lock_guard lock(p.mutex);
+  p.probe_cuda();
+  return p.cuda_reason;
+}
+
+platform& platform_by_name(std::string_view name) {
+  auto& p = platforms();
+  std::lock_guard lock(p.mutex);
+  if (name == "sim") return *p.get_sim();
+  if (name == "cuda") {
+    if (auto* cuda = p.probe_cuda()) return *cuda;
+    throw cuda_error("cuInit", 100, "CUDA_ERROR_NO_DEVICE", p.cuda_reason,
+                     "gpumem::platform_by_name(\"cuda\")");
+  }
+  if (name == "auto" || name.empty()) {
+    if (auto* cuda = p.probe_cuda()) return *cuda;
+    return *p.get_sim();
+  }
+  throw invalid_argument("unknown platform '" + std::string(name) +
+                         "': expected cuda, sim or auto");
+}
+
+platform& default_platform() {
+  const char* env = std::getenv("GPUMEM_DEVICE");
+  return platform_by_name(env != nullptr ? env : "auto");
+}
+
+}  // namespace gpumem
