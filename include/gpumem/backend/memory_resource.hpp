@@ -33,8 +33,17 @@ struct resource_stats {
   std::size_t live_allocations = 0;
   std::size_t reserved_bytes = 0;     // device memory held from the driver now
   std::size_t peak_reserved_bytes = 0;
+  std::size_t cached_bytes = 0;       // reserved but not handed out (pools)
   std::uint64_t allocations = 0;      // successful allocate calls
   std::uint64_t deallocations = 0;
+  std::uint64_t alloc_retries = 0;    // allocations that had to free cached memory first
+  std::uint64_t oom_count = 0;        // out_of_memory thrown
+  // peak reserved / peak live requested; 0 before the first allocation.
+  double fragmentation() const noexcept {
+    return peak_live_bytes == 0 ? 0.0
+                                : static_cast<double>(peak_reserved_bytes) /
+                                      static_cast<double>(peak_live_bytes);
+  }
 };
 
 class memory_resource {

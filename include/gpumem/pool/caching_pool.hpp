@@ -1,0 +1,46 @@
+// caching_pool: a PyTorch-style caching allocator over any memory_resource (runtime,
+// driver or vmm backend). Segments come from the upstream resource — 2 MiB segments for
+// small requests, granularity-rounded ones for large — and are carved into blocks by
+// best fit with splitting and merging; freed blocks stay cached for reuse.
+//
+// Invariants: reserved_bytes == sum of live segment sizes; a segment goes back upstream
+// only when one free block spans it entirely; blocks never merge across segments.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+
+#include "gpumem/pool/pool_base.hpp"
+
+namespace gpumem {
+
+class caching_pool final : public pool_base {
+ public:
+  // REQUIRES: upstream outlives the pool.
+  explicit caching_pool(memory_resource& upstream, pool_options options = {});
+  ~caching_pool() override;
+  std::string_view name() const noexcept override { return "caching_pool"; }
+  std::size_t segment_count() const;
+
+ protected:
+  bool grow(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
+            std::size_t alignment, stream_handle stream) override;
+  std::size_t release_cached() override;
+  std::string describe_holdings() const override;
+  std::string validate_holdings() const override;
+
+ private:
+  struct segment {
+    std::size_t size;
+    std::uint32_t arena_id;
+  };
+  bool add_segment(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
+                   stream_handle stream);
+
+  memory_resource& upstream_;
+  std::map<std::uintptr_t, segment> segments_;
+  std::uint32_t next_segment_id_ = 1;
+};
+
+}  // namespace gpumem

@@ -1,0 +1,119 @@
+// What every caching pool shares: two block arenas (small requests and large ones, so
+// small blocks never pin large free runs), stream-ordered reuse, the out-of-memory
+// sequence, stats and the OOM report. Subclasses supply memory (grow) and give it back
+// (release_cached).
+//
+// Allocation, in order: an exact-size block freed earlier on the same stream; the best
+// free fit on the same stream; after merging cached blocks, again; a block freed on
+// another stream whose free is known complete (event) or made so (stream wait, when
+// configured); grow; release cached memory and grow again; else out_of_memory.
+//
+// Stream-ordered reuse: a block freed on stream S is reused at once by S. Another stream
+// T takes it only when an event recorded on S after the free has completed, or (policy
+// wait) after T has been made to wait on that event. No block is handed out earlier.
+//
+// Invariants (validate()):
+//  - reserved_bytes == what the subclass holds from the driver;
+//  - allocated + cached + free (arenas) <= reserved;
+//  - live requested bytes == sum of requested sizes of live blocks.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "gpumem/backend/memory_resource.hpp"
+#include "gpumem/pool/pool_options.hpp"
+
+namespace gpumem {
+
+namespace detail {
+class block_arena;
+}
+
+// One live allocation, for reports ("the biggest live allocations").
+struct live_allocation {
+  std::uintptr_t address = 0;
+  std::size_t requested = 0;
+  std::size_t size = 0;
+  std::uintptr_t stream = 0;
+};
+
+class pool_base : public memory_resource {
+ public:
+  ~pool_base() override;
+  resource_stats stats() const override;
+  std::string validate() const override;
+  std::size_t max_alignment() const noexcept override { return alignment_limit_; }
+  const pool_options& options() const noexcept { return options_; }
+
+  // Gives cached memory back to the driver (everything not handed out, where the
+  // subclass can). Returns bytes released.
+  std::size_t trim();
+  // The largest free block (merged), bytes.
+  std::size_t largest_free_block() const;
+  // Live allocations, biggest first (at most `limit`).
+  std::vector<live_allocation> biggest_live(std::size_t limit) const;
+  // The OOM report text for a request of `bytes` (what out_of_memory carries).
+  std::string memory_report(std::size_t bytes) const;
+
+ protected:
+  pool_base(platform& platform, int device, pool_options options, std::size_t alignment_limit);
+
+  void* do_allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) final;
+  void do_deallocate(void* ptr, std::size_t bytes, stream_handle stream) final;
+
+  // Adds memory to `arena` so a block of `size` bytes aligned to `alignment` fits on
+  // `stream`. Returns false when the device (or the limit) has no more; throws
+  // gpumem::cuda_error on other driver failures, after undoing partial work.
+  virtual bool grow(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
+                    std::size_t alignment, stream_handle stream) = 0;
+  // Gives back what can be given; returns bytes released. REQUIRES: mutex_ held.
+  virtual std::size_t release_cached() = 0;
+  // Subclass-specific lines for the report (segments, pages...). REQUIRES: mutex_ held.
+  virtual std::string describe_holdings() const = 0;
+  virtual std::string validate_holdings() const { return {}; }
+
+  // REQUIRES: mutex_ held. Subclasses update it as they take and return memory.
+  void add_reserved(std::size_t bytes);
+  void sub_reserved(std::size_t bytes);
+  std::size_t reserved_locked() const noexcept { return stats_.reserved_bytes; }
+  // Waits for outstanding work on every stream that has freed blocks (before memory
+  // that such blocks occupy is unmapped or freed). REQUIRES: mutex_ held.
+  void synchronize_streams_with_free_blocks();
+
+  detail::block_arena& arena(std::uint32_t id) { return *arenas_[id]; }
+  const detail::block_arena& arena(std::uint32_t id) const { return *arenas_[id]; }
+  static constexpr std::uint32_t small_arena = 0;
+  static constexpr std::uint32_t large_arena = 1;
+
+  void set_alignment_limit(std::size_t limit) noexcept { alignment_limit_ = limit; }
+
+  mutable std::mutex mutex_;
+  pool_options options_;
+
+ private:
+  struct stream_state {
+    std::uint64_t frees = 0;            // blocks freed on this stream so far
+    event_handle event{};               // recorded lazily when another stream wants memory
+    std::uint64_t event_epoch = 0;      // `frees` when the event was recorded
+    bool event_pending = false;
+    std::uint64_t completed_epoch = 0;  // frees up to here are known complete
+  };
+
+  void* allocate_slow(std::uint32_t arena_id, std::size_t size, std::size_t alignment,
+                      stream_handle stream, std::size_t requested);
+  bool free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch, stream_handle wanted_by);
+  std::string report_locked(std::size_t bytes) const;
+
+  std::unique_ptr<detail::block_arena> arenas_[2];
+  std::unordered_map<std::uintptr_t, stream_state> streams_;
+  std::size_t alignment_limit_;
+  resource_stats stats_{};
+};
+
+}  // namespace gpumem

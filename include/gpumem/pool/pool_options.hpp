@@ -1,0 +1,44 @@
+// Options shared by the pools, settable from C++ or from a configuration string in the
+// style of PYTORCH_CUDA_ALLOC_CONF: "key:value,key:value" (GPUMEM_CONF in the environment).
+//
+//   reserve:BYTES            physical memory taken up front (suffixes K, M, G, T; or a
+//   reserve_fraction:F       fraction of device memory, 0 < F <= 1)
+//   limit:BYTES              hard cap on reserved bytes (0: none)
+//   release_threshold:BYTES  cached bytes kept before the pool gives memory back
+//                            (default: keep all, like cudaMemPool's threshold "never")
+//   small_threshold:BYTES    requests up to this size use the small-block arena (1M)
+//   cross_stream:wait|event  reuse another stream's freed block by making the new stream
+//                            wait on it (wait) or only once its event completed (event)
+//   va_reserve:BYTES         vmm_page_pool's virtual range (default 2x device memory)
+//
+// Unknown keys and malformed values throw gpumem::invalid_argument naming them.
+#pragma once
+
+#include <cstddef>
+#include <limits>
+#include <string>
+#include <string_view>
+
+namespace gpumem {
+
+enum class cross_stream_policy { event, wait };
+
+struct pool_options {
+  std::size_t reserve_bytes = 0;
+  double reserve_fraction = 0.0;
+  std::size_t limit_bytes = 0;
+  std::size_t release_threshold = std::numeric_limits<std::size_t>::max();
+  std::size_t small_threshold = std::size_t{1} << 20;
+  cross_stream_policy cross_stream = cross_stream_policy::event;
+  std::size_t va_reserve_bytes = 0;
+
+  static pool_options parse(std::string_view config);
+  // GPUMEM_CONF, or defaults when unset.
+  static pool_options from_environment();
+  std::string to_string() const;
+};
+
+// "2G", "512M", "4096", "1.5G" -> bytes; throws gpumem::invalid_argument.
+std::size_t parse_bytes(std::string_view text);
+
+}  // namespace gpumem

@@ -1,0 +1,80 @@
+// Allocation traces and their deterministic replay against any memory_resource.
+//
+// Formats read (gzip'd or plain, detected by content):
+//  - PyTorch-derived CSV  "action,addr,size,stream,time_us" (shared/traces/README.md):
+//    `alloc` and `free_completed` drive the replay; `segment_*` and `free_requested` are
+//    what PyTorch itself did and are skipped;
+//  - RMM logging_resource_adaptor CSV "Thread,Time,Action,Pointer,Size,Stream":
+//    `allocate` and `free`.
+// Frees are matched to allocations by address; a free of an address never allocated in
+// the trace (allocated before recording began) is dropped and counted.
+//
+// Invariant of a loaded trace: every free names an earlier, still-live alloc id.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "gpumem/backend/memory_resource.hpp"
+
+namespace gpumem {
+
+struct trace_event {
+  enum class kind : std::uint8_t { alloc, free };
+  kind op = kind::alloc;
+  std::uint32_t id = 0;       // allocation number, 0..allocs-1
+  std::uint64_t size = 0;     // bytes requested
+  std::uint32_t stream = 0;   // index into trace::streams
+};
+
+struct trace {
+  std::string source;
+  std::string format;                 // "pytorch" or "rmm"
+  std::vector<trace_event> events;
+  std::vector<std::uint64_t> streams; // original stream handles; index 0 = first seen
+  std::size_t allocs = 0;
+  std::size_t frees = 0;
+  std::size_t unmatched_frees = 0;
+  std::size_t live_at_end = 0;
+  std::size_t peak_live_bytes = 0;    // of requested bytes, over the trace
+  std::uint64_t max_size = 0;
+};
+
+// Reads a trace file; throws gpumem::invalid_argument naming the file and line when it is
+// malformed (unknown header, bad number, unknown action).
+trace load_trace(const std::string& path);
+// Parses trace text (already decompressed).
+trace parse_trace(const std::string& text, const std::string& source);
+
+struct replay_options {
+  int passes = 1;           // replay the trace this many times on one allocator
+  bool touch = false;       // write the first bytes of each block (sim: proves mapping)
+};
+
+struct replay_result {
+  std::string allocator;
+  std::size_t peak_live_bytes = 0;
+  std::size_t peak_reserved_bytes = 0;
+  double fragmentation = 0;            // peak reserved / peak live
+  std::uint64_t allocs = 0;
+  std::uint64_t frees = 0;
+  double ns_per_event_cold = 0;        // first pass
+  double ns_per_event_warm = 0;        // last pass (== cold with one pass)
+  std::map<std::string, std::uint64_t> driver_calls;  // CUDA call name -> count
+  double driver_ns = 0;                // modelled (sim) driver time
+  bool oom = false;
+  std::uint64_t oom_event = 0;         // event index where it happened
+  std::string oom_message;
+  // Live and reserved bytes sampled over the (first) pass, for plots.
+  std::vector<std::pair<std::uint64_t, std::size_t>> live_samples;
+  std::vector<std::pair<std::uint64_t, std::size_t>> reserved_samples;
+};
+
+// Replays `t` on `resource`. Streams other than the trace's first map to streams created
+// on the resource's platform. Stops at the first out_of_memory (reported, not thrown).
+replay_result replay_trace(const trace& t, memory_resource& resource, const replay_options& options);
+
+}  // namespace gpumem

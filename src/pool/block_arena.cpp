@@ -1,0 +1,328 @@
+#include "pool/block_arena.hpp"
+
+#include <algorithm>
+#include <unordered_set>
+
+namespace gpumem::detail {
+
+block_arena::block_arena(std::size_t unit, std::size_t max_cached_blocks)
+    : unit_(unit), max_cached_blocks_(max_cached_blocks) {}
+
+block_arena::~block_arena() {
+  for (block* b : all_records_) delete b;
+}
+
+block* block_arena::new_block() {
+  if (!spare_blocks_.empty()) {
+    block* b = spare_blocks_.back();
+    spare_blocks_.pop_back();
+    *b = block{};
+    return b;
+  }
+  block* b = new block{};
+  all_records_.push_back(b);
+  return b;
+}
+
+void block_arena::delete_block(block* b) { spare_blocks_.push_back(b); }
+
+void block_arena::insert_free(block* b) {
+  b->st = block::state::free;
+  free_.insert(b);
+  free_bytes_ += b->size;
+}
+
+void block_arena::erase_free(block* b) {
+  free_.erase(b);
+  free_bytes_ -= b->size;
+}
+
+void block_arena::add_region(std::uintptr_t addr, std::size_t size, std::uint32_t segment,
+                             std::uintptr_t stream) {
+  block* b = new_block();
+  b->addr = addr;
+  b->size = size;
+  b->segment = segment;
+  b->stream = stream;
+  b->st = block::state::free;
+  // Link with the regions that end where this one starts and start where it ends.
+  if (auto left = region_end_.find(addr);
+      left != region_end_.end() && left->second->segment == segment) {
+    b->prev = left->second;
+    left->second->next = b;
+    region_end_.erase(left);
+  } else {
+    region_start_[addr] = b;
+  }
+  if (auto right = region_start_.find(addr + size);
+      right != region_start_.end() && right->second->segment == segment) {
+    b->next = right->second;
+    right->second->prev = b;
+    region_start_.erase(right);
+  } else {
+    region_end_[addr + size] = b;
+  }
+  insert_free(merge(b));
+}
+
+block* block_arena::merge(block* b) {
+  while (b->prev != nullptr && b->prev->st == block::state::free &&
+         b->prev->stream == b->stream) {
+    block* p = b->prev;
+    erase_free(p);
+    b->addr = p->addr;
+    b->size += p->size;
+    b->prev = p->prev;
+    if (b->prev != nullptr)
+      b->prev->next = b;
+    else
+      region_start_[b->addr] = b;
+    delete_block(p);
+  }
+  while (b->next != nullptr && b->next->st == block::state::free &&
+         b->next->stream == b->stream) {
+    block* n = b->next;
+    erase_free(n);
+    b->size += n->size;
+    b->next = n->next;
+    if (b->next != nullptr)
+      b->next->prev = b;
+    else
+      region_end_[b->addr + b->size] = b;
+    delete_block(n);
+  }
+  return b;
+}
+
+block* block_arena::take(block* b, std::size_t size, std::size_t alignment,
+                         std::uintptr_t stream, std::size_t requested) {
+  erase_free(b);
+  const std::uintptr_t aligned = (b->addr + alignment - 1) / alignment * alignment;
+  if (aligned > b->addr) {
+    // Front padding stays free, as its own block.
+    block* front = new_block();
+    front->addr = b->addr;
+    front->size = aligned - b->addr;
+    front->segment = b->segment;
+    front->stream = b->stream;
+    front->prev = b->prev;
+    front->next = b;
+    if (front->prev != nullptr)
+      front->prev->next = front;
+    else
+      region_start_[front->addr] = front;
+    b->prev = front;
+    b->addr = aligned;
+    b->size -= front->size;
+    insert_free(front);
+  }
+  if (b->size - size >= unit_) {
+    block* tail = new_block();
+    tail->addr = b->addr + size;
+    tail->size = b->size - size;
+    tail->segment = b->segment;
+    tail->stream = b->stream;
+    tail->prev = b;
+    tail->next = b->next;
+    if (tail->next != nullptr)
+      tail->next->prev = tail;
+    else
+      region_end_[tail->addr + tail->size] = tail;
+    b->next = tail;
+    b->size = size;
+    insert_free(tail);
+  }
+  b->st = block::state::allocated;
+  b->stream = stream;
+  b->requested = requested;
+  live_.emplace(b->addr, b);
+  allocated_bytes_ += b->size;
+  requested_bytes_ += requested;
+  return b;
+}
+
+block* block_arena::allocate(std::size_t size, std::size_t alignment, std::uintptr_t stream,
+                             std::size_t requested) {
+  size = round(size);
+  if (alignment <= unit_) {
+    // Hot path: an exact-size block freed earlier on this stream.
+    auto q = quick_.find({stream, size});
+    if (q != quick_.end() && q->second != nullptr) {
+      block* b = q->second;
+      q->second = b->quick_next;
+      b->quick_next = nullptr;
+      --cached_blocks_;
+      cached_bytes_ -= b->size;
+      b->st = block::state::allocated;
+      b->requested = requested;
+      live_.emplace(b->addr, b);
+      allocated_bytes_ += b->size;
+      requested_bytes_ += requested;
+      return b;
+    }
+    alignment = unit_;
+  }
+  // Best fit; with a larger alignment, ask for enough room to align inside the block.
+  const std::size_t need = size + (alignment > unit_ ? alignment - unit_ : 0);
+  block probe;
+  probe.stream = stream;
+  probe.size = need;
+  probe.addr = 0;
+  auto it = free_.lower_bound(&probe);
+  if (it == free_.end() || (*it)->stream != stream) return nullptr;
+  return take(*it, size, alignment, stream, requested);
+}
+
+block* block_arena::allocate_from_other_streams(std::size_t size, std::size_t alignment,
+                                                std::uintptr_t stream, std::size_t requested,
+                                                const std::function<bool(const block&)>& usable) {
+  size = round(size);
+  if (alignment < unit_) alignment = unit_;
+  const std::size_t need = size + (alignment > unit_ ? alignment - unit_ : 0);
+  block* best = nullptr;
+  for (block* b : free_) {
+    if (b->stream == stream || b->size < need) continue;
+    if (best != nullptr && b->size >= best->size) continue;
+    if (usable(*b)) best = b;
+  }
+  if (best == nullptr) return nullptr;
+  return take(best, size, alignment, stream, requested);
+}
+
+block* block_arena::find_live(std::uintptr_t ptr) const {
+  auto it = live_.find(ptr);
+  return it == live_.end() ? nullptr : it->second;
+}
+
+void block_arena::release(block* b, std::uintptr_t stream, std::uint64_t free_epoch) {
+  live_.erase(b->addr);
+  allocated_bytes_ -= b->size;
+  requested_bytes_ -= b->requested;
+  b->requested = 0;
+  b->stream = stream;
+  b->free_epoch = free_epoch;
+  if (cached_blocks_ >= max_cached_blocks_) flush();
+  b->st = block::state::cached;
+  auto& head = quick_[{stream, b->size}];
+  b->quick_next = head;
+  head = b;
+  ++cached_blocks_;
+  cached_bytes_ += b->size;
+}
+
+void block_arena::flush() {
+  for (auto& [key, head] : quick_) {
+    while (head != nullptr) {
+      block* b = head;
+      head = b->quick_next;
+      b->quick_next = nullptr;
+      cached_bytes_ -= b->size;
+      b->st = block::state::free;  // so neighbours being merged see it as free
+      insert_free(merge(b));
+    }
+  }
+  quick_.clear();
+  cached_blocks_ = 0;
+}
+
+std::vector<block*> block_arena::free_blocks() const { return {free_.begin(), free_.end()}; }
+
+void block_arena::carve(block* b, std::uintptr_t from, std::size_t len) {
+  erase_free(b);
+  const std::uintptr_t end = b->addr + b->size;
+  block* left = nullptr;
+  block* right = nullptr;
+  if (from > b->addr) {
+    left = new_block();
+    *left = *b;
+    left->size = from - b->addr;
+    left->next = nullptr;
+    if (left->prev != nullptr)
+      left->prev->next = left;
+    else
+      region_start_[left->addr] = left;
+  } else if (b->prev != nullptr) {
+    b->prev->next = nullptr;
+  } else {
+    region_start_.erase(b->addr);
+  }
+  if (from + len < end) {
+    right = new_block();
+    *right = *b;
+    right->addr = from + len;
+    right->size = end - (from + len);
+    right->prev = nullptr;
+    if (right->next != nullptr)
+      right->next->prev = right;
+    else
+      region_end_[end] = right;
+  } else if (b->next != nullptr) {
+    b->next->prev = nullptr;
+  } else {
+    region_end_.erase(end);
+  }
+  // The gap opens new region edges on both sides.
+  if (left != nullptr)
+    region_end_[from] = left;
+  else if (b->prev != nullptr)
+    region_end_[from] = b->prev;
+  if (right != nullptr)
+    region_start_[from + len] = right;
+  else if (b->next != nullptr)
+    region_start_[from + len] = b->next;
+  if (left != nullptr) insert_free(left);
+  if (right != nullptr) insert_free(right);
+  delete_block(b);
+}
+
+std::size_t block_arena::largest_free_block() const {
+  std::size_t largest = 0;
+  for (const block* b : free_) largest = std::max(largest, b->size);
+  return largest;
+}
+
+std::vector<const block*> block_arena::live_blocks_list() const {
+  std::vector<const block*> out;
+  out.reserve(live_.size());
+  for (auto& [a, b] : live_) out.push_back(b);
+  return out;
+}
+
+std::string block_arena::validate() const {
+  std::size_t free_sum = 0, cached_sum = 0, live_sum = 0, requested_sum = 0;
+  for (const block* b : free_) {
+    if (b->st != block::state::free) return "free index holds a non-free block";
+    free_sum += b->size;
+    for (const block* n : {b->prev, b->next}) {
+      if (n != nullptr && n->st == block::state::free && n->stream == b->stream)
+        return "two adjacent free blocks of one stream were not merged";
+    }
+  }
+  std::size_t cached_count = 0;
+  for (auto& [key, head] : quick_) {
+    for (const block* b = head; b != nullptr; b = b->quick_next) {
+      if (b->st != block::state::cached) return "quick list holds a non-cached block";
+      if (b->size != key.second || b->stream != key.first) return "quick list key mismatch";
+      cached_sum += b->size;
+      ++cached_count;
+    }
+  }
+  for (auto& [addr, b] : live_) {
+    if (b->st != block::state::allocated || b->addr != addr) return "live map inconsistent";
+    live_sum += b->size;
+    requested_sum += b->requested;
+  }
+  const std::unordered_set<const block*> spare(spare_blocks_.begin(), spare_blocks_.end());
+  for (const block* b : all_records_) {
+    if (spare.contains(b)) continue;
+    if (b->next != nullptr && (b->next->prev != b || b->next->addr != b->addr + b->size))
+      return "neighbour links broken";
+  }
+  if (free_sum != free_bytes_) return "free_bytes wrong";
+  if (cached_sum != cached_bytes_ || cached_count != cached_blocks_) return "cached count wrong";
+  if (live_sum != allocated_bytes_) return "allocated_bytes wrong";
+  if (requested_sum != requested_bytes_) return "requested_bytes wrong";
+  return {};
+}
+
+}  // namespace gpumem::detail

@@ -1,0 +1,133 @@
+// block_arena: the block bookkeeping shared by caching_pool and vmm_page_pool.
+//
+// Memory is handed to the arena as free regions; the arena carves them into blocks:
+// best fit by (stream, size, address), split on allocation, merged with free address
+// neighbours of the same segment and stream on flush. Freed blocks first go to exact-size
+// quick lists (the hot path: no tree operations); quick lists are flushed into the merged
+// free index when a request misses, so merging happens before the pool ever grows.
+//
+// Invariants (validate()):
+//  - blocks of a segment tile their regions: b->next->addr == b->addr + b->size;
+//  - no two address-adjacent blocks are both in the merged free index with the same stream;
+//  - every free-index entry is state::free, every quick-list entry state::cached, every
+//    live entry state::allocated;
+//  - free_bytes + cached_bytes + allocated_bytes == sum of region sizes held.
+// Not thread-safe: the owning pool serializes calls.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace gpumem::detail {
+
+struct block {
+  enum class state : std::uint8_t { allocated, cached, free };
+  std::uintptr_t addr = 0;
+  std::size_t size = 0;
+  block* prev = nullptr;        // address neighbour below, same segment (nullptr at an edge)
+  block* next = nullptr;        // address neighbour above
+  block* quick_next = nullptr;  // quick-list link
+  std::uint32_t segment = 0;
+  state st = state::free;
+  std::uintptr_t stream = 0;    // stream whose order makes this block safe to reuse
+  std::uint64_t free_epoch = 0; // the stream's free counter when it was freed
+  std::size_t requested = 0;    // bytes the user asked for (allocated blocks)
+};
+
+class block_arena {
+ public:
+  // granularity of block sizes and addresses (512 B, like PyTorch).
+  explicit block_arena(std::size_t unit = 512, std::size_t max_cached_blocks = 4096);
+  ~block_arena();
+  block_arena(const block_arena&) = delete;
+  block_arena& operator=(const block_arena&) = delete;
+
+  std::size_t unit() const noexcept { return unit_; }
+  std::size_t round(std::size_t bytes) const noexcept { return (bytes + unit_ - 1) / unit_ * unit_; }
+
+  // Adds [addr, addr+size) as free memory of `segment` for `stream`, merging with free
+  // neighbours that are address-adjacent in the same segment and stream.
+  void add_region(std::uintptr_t addr, std::size_t size, std::uint32_t segment,
+                  std::uintptr_t stream);
+
+  // A block of at least `size` bytes (rounded) aligned to `alignment`, on `stream`:
+  // quick list first, then best fit. nullptr when nothing fits. `requested` is recorded.
+  block* allocate(std::size_t size, std::size_t alignment, std::uintptr_t stream,
+                  std::size_t requested);
+  // Best fit among free blocks of another stream that `usable` accepts; the block is
+  // re-tagged to `stream`. nullptr when none.
+  block* allocate_from_other_streams(std::size_t size, std::size_t alignment,
+                                     std::uintptr_t stream, std::size_t requested,
+                                     const std::function<bool(const block&)>& usable);
+
+  // The allocated block at ptr, or nullptr.
+  block* find_live(std::uintptr_t ptr) const;
+  // Returns an allocated block; it is reusable in `stream`'s order.
+  void release(block* b, std::uintptr_t stream, std::uint64_t free_epoch);
+
+  // Moves every quick-list block into the merged free index (merging neighbours).
+  void flush();
+  // Every free (merged) block, for reclaim and trim. Valid until the next mutation.
+  std::vector<block*> free_blocks() const;
+  // Removes [from, from+len) from free block b; the rest stays free. The removed memory is
+  // no longer the arena's.
+  void carve(block* b, std::uintptr_t from, std::size_t len);
+
+  std::size_t free_bytes() const noexcept { return free_bytes_; }
+  std::size_t cached_bytes() const noexcept { return cached_bytes_; }
+  std::size_t allocated_bytes() const noexcept { return allocated_bytes_; }
+  std::size_t requested_bytes() const noexcept { return requested_bytes_; }
+  std::size_t live_blocks() const noexcept { return live_.size(); }
+  std::size_t largest_free_block() const;
+  std::vector<const block*> live_blocks_list() const;
+  std::string validate() const;
+
+ private:
+  struct by_stream_size_addr {
+    bool operator()(const block* a, const block* b) const noexcept {
+      if (a->stream != b->stream) return a->stream < b->stream;
+      if (a->size != b->size) return a->size < b->size;
+      return a->addr < b->addr;
+    }
+  };
+  struct quick_key_hash {
+    std::size_t operator()(const std::pair<std::uintptr_t, std::size_t>& k) const noexcept {
+      return std::hash<std::uint64_t>{}(k.first * 0x9e3779b97f4a7c15ULL ^ k.second);
+    }
+  };
+
+  block* new_block();
+  void delete_block(block* b);
+  void insert_free(block* b);
+  void erase_free(block* b);
+  // Splits b so it starts at `at` (front part returned to the free index).
+  block* take(block* b, std::size_t size, std::size_t alignment, std::uintptr_t stream,
+              std::size_t requested);
+  // Merges a free block with free neighbours of its stream; returns the result.
+  block* merge(block* b);
+
+  std::size_t unit_;
+  std::size_t max_cached_blocks_;
+  std::set<block*, by_stream_size_addr> free_;
+  std::unordered_map<std::pair<std::uintptr_t, std::size_t>, block*, quick_key_hash> quick_;
+  std::size_t cached_blocks_ = 0;
+  std::unordered_map<std::uintptr_t, block*> live_;
+  // Blocks at the edges of contiguous regions, by their outer address, so a region added
+  // next to an existing one is linked to it (and can merge).
+  std::map<std::uintptr_t, block*> region_start_;  // start address -> first block
+  std::map<std::uintptr_t, block*> region_end_;    // end address -> last block
+  std::vector<block*> spare_blocks_;  // recycled block records
+  std::vector<block*> all_records_;   // every record ever made, for cleanup
+  std::size_t free_bytes_ = 0;
+  std::size_t cached_bytes_ = 0;
+  std::size_t allocated_bytes_ = 0;
+  std::size_t requested_bytes_ = 0;
+};
+
+}  // namespace gpumem::detail

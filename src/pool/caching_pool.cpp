@@ -1,0 +1,113 @@
+#include "gpumem/pool/caching_pool.hpp"
+
+#include <sstream>
+
+#include "gpumem/errors.hpp"
+#include "pool/block_arena.hpp"
+
+namespace gpumem {
+
+namespace {
+constexpr std::size_t small_segment = std::size_t{2} << 20;
+constexpr std::size_t large_rounding = std::size_t{2} << 20;
+}  // namespace
+
+caching_pool::caching_pool(memory_resource& upstream, pool_options options)
+    : pool_base(upstream.device_platform(), upstream.device(), options, upstream.max_alignment()),
+      upstream_(upstream) {
+  std::size_t reserve = options.reserve_bytes;
+  if (options.reserve_fraction > 0)
+    reserve = static_cast<std::size_t>(options.reserve_fraction *
+                                       static_cast<double>(device_total_bytes()));
+  if (reserve > 0) {
+    std::lock_guard lock(mutex_);
+    reserve = (reserve + large_rounding - 1) / large_rounding * large_rounding;
+    if (!add_segment(arena(large_arena), large_arena, reserve, {}))
+      throw out_of_memory("gpumem: caching_pool could not reserve " + format_bytes(reserve) +
+                          " up front on device " + std::to_string(device()));
+  }
+}
+
+caching_pool::~caching_pool() {
+  // Everything goes back upstream, live blocks too (their owner is gone).
+  for (auto& [base, seg] : segments_) {
+    try {
+      upstream_.deallocate(reinterpret_cast<void*>(base), seg.size);
+    } catch (...) {
+      // Destructors never throw; a failing driver at shutdown leaks nothing we can reach.
+    }
+  }
+}
+
+std::size_t caching_pool::segment_count() const {
+  std::lock_guard lock(mutex_);
+  return segments_.size();
+}
+
+bool caching_pool::add_segment(detail::block_arena& arena, std::uint32_t arena_id,
+                               std::size_t size, stream_handle stream) {
+  if (options_.limit_bytes != 0 && reserved_locked() + size > options_.limit_bytes)
+    return false;
+  void* p = nullptr;
+  try {
+    p = upstream_.allocate(size, upstream_.max_alignment());
+  } catch (const out_of_memory&) {
+    return false;
+  }
+  const auto base = reinterpret_cast<std::uintptr_t>(p);
+  segments_.emplace(base, segment{size, arena_id});
+  arena.add_region(base, size, next_segment_id_++, stream.value);
+  add_reserved(size);
+  return true;
+}
+
+bool caching_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
+                        std::size_t alignment, stream_handle stream) {
+  std::size_t need = size + (alignment > arena.unit() ? alignment : 0);
+  need = arena_id == small_arena && need <= small_segment
+             ? small_segment
+             : (need + large_rounding - 1) / large_rounding * large_rounding;
+  return add_segment(arena, arena_id, need, stream);
+}
+
+std::size_t caching_pool::release_cached() {
+  arena(small_arena).flush();
+  arena(large_arena).flush();
+  synchronize_streams_with_free_blocks();
+  std::size_t released = 0;
+  for (std::uint32_t id : {small_arena, large_arena}) {
+    for (detail::block* b : arena(id).free_blocks()) {
+      if (b->prev != nullptr || b->next != nullptr) continue;
+      auto seg = segments_.find(b->addr);
+      if (seg == segments_.end() || seg->second.size != b->size) continue;
+      const std::size_t size = b->size;
+      try {
+        upstream_.deallocate(reinterpret_cast<void*>(b->addr), size);
+      } catch (const cuda_error&) {
+        continue;  // keep it; the pool stays consistent
+      }
+      arena(id).carve(b, seg->first, size);
+      segments_.erase(seg);
+      sub_reserved(size);
+      released += size;
+    }
+  }
+  return released;
+}
+
+std::string caching_pool::describe_holdings() const {
+  std::ostringstream out;
+  std::size_t small = 0, large = 0;
+  for (auto& [b, s] : segments_) (s.arena_id == small_arena ? small : large) += 1;
+  out << "  segments from the '" << upstream_.name() << "' resource: " << small << " small, "
+      << large << " large\n";
+  return out.str();
+}
+
+std::string caching_pool::validate_holdings() const {
+  std::size_t total = 0;
+  for (auto& [b, s] : segments_) total += s.size;
+  return total == reserved_locked() ? "" : "segments do not add up to reserved";
+}
+
+}  // namespace gpumem

@@ -1,0 +1,227 @@
+#include "gpumem/pool/pool_base.hpp"
+
+#include <algorithm>
+#include <sstream>
+
+#include "gpumem/errors.hpp"
+#include "pool/block_arena.hpp"
+
+namespace gpumem {
+
+pool_base::pool_base(platform& platform, int device, pool_options options,
+                     std::size_t alignment_limit)
+    : memory_resource(platform, device),
+      options_(options),
+      alignment_limit_(alignment_limit) {
+  arenas_[small_arena] = std::make_unique<detail::block_arena>();
+  arenas_[large_arena] = std::make_unique<detail::block_arena>();
+}
+
+pool_base::~pool_base() {
+  for (auto& [stream, s] : streams_)
+    if (s.event.value != 0) (void)device_platform().event_destroy(s.event);
+}
+
+void* pool_base::do_allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) {
+  std::lock_guard lock(mutex_);
+  const std::uint32_t id = bytes <= options_.small_threshold ? small_arena : large_arena;
+  detail::block_arena& a = *arenas_[id];
+  const std::size_t size = a.round(bytes);
+  detail::block* b = a.allocate(size, alignment, stream.value, bytes);
+  void* ptr = b != nullptr ? reinterpret_cast<void*>(b->addr)
+                           : allocate_slow(id, size, alignment, stream, bytes);
+  stats_.live_bytes += bytes;
+  stats_.live_allocations += 1;
+  stats_.allocations += 1;
+  if (stats_.live_bytes > stats_.peak_live_bytes) stats_.peak_live_bytes = stats_.live_bytes;
+  return ptr;
+}
+
+void* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std::size_t alignment,
+                               stream_handle stream, std::size_t requested) {
+  detail::block_arena& a = *arenas_[id];
+  a.flush();
+  if (auto* b = a.allocate(size, alignment, stream.value, requested))
+    return reinterpret_cast<void*>(b->addr);
+  if (streams_.size() > 1 || (streams_.size() == 1 && !streams_.contains(stream.value))) {
+    auto* b = a.allocate_from_other_streams(
+        size, alignment, stream.value, requested,
+        [&](const detail::block& blk) { return free_is_complete(blk.stream, blk.free_epoch, stream); });
+    if (b != nullptr) return reinterpret_cast<void*>(b->addr);
+  }
+  if (grow(a, id, size, alignment, stream)) {
+    if (auto* b = a.allocate(size, alignment, stream.value, requested))
+      return reinterpret_cast<void*>(b->addr);
+  }
+  // Memory pressure: give back everything cached, then try once more.
+  stats_.alloc_retries += 1;
+  release_cached();
+  if (grow(a, id, size, alignment, stream)) {
+    if (auto* b = a.allocate(size, alignment, stream.value, requested))
+      return reinterpret_cast<void*>(b->addr);
+  }
+  stats_.oom_count += 1;
+  throw out_of_memory(report_locked(requested));
+}
+
+bool pool_base::free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch,
+                                 stream_handle wanted_by) {
+  auto& s = streams_[freed_on];
+  if (s.completed_epoch >= epoch) return true;
+  platform& p = device_platform();
+  if (s.event.value == 0) {
+    auto ev = p.event_create(device());
+    if (!ev) throw_cuda_error(ev.error(), "pool: event for cross-stream reuse");
+    s.event = ev.value();
+  }
+  if (!s.event_pending || s.event_epoch < epoch) {
+    // The event covers all work queued on the stream so far, which includes every use of
+    // blocks freed up to now.
+    if (auto st = p.event_record(s.event, stream_handle{freed_on}); !st)
+      throw_cuda_error(st, "pool: cross-stream event record");
+    s.event_pending = true;
+    s.event_epoch = s.frees;
+  }
+  if (options_.cross_stream == cross_stream_policy::wait) {
+    if (auto st = p.stream_wait_event(wanted_by, s.event); !st)
+      throw_cuda_error(st, "pool: cross-stream wait");
+    return true;  // wanted_by's later work now runs after the freed block's last use
+  }
+  auto done = p.event_query(s.event);
+  if (!done) throw_cuda_error(done.error(), "pool: cross-stream event query");
+  if (done.value()) {
+    s.completed_epoch = s.event_epoch;
+    s.event_pending = false;
+  }
+  return s.completed_epoch >= epoch;
+}
+
+void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream) {
+  std::lock_guard lock(mutex_);
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  const std::uint32_t id = bytes <= options_.small_threshold ? small_arena : large_arena;
+  detail::block* b = arenas_[id]->find_live(addr);
+  if (b == nullptr || b->requested != bytes) {
+    detail::block* other = arenas_[1 - id]->find_live(addr);
+    const detail::block* found = b != nullptr ? b : other;
+    if (found != nullptr)
+      throw invalid_argument("deallocate: size mismatch for pointer of the '" +
+                             std::string(name()) + "' pool: allocated " +
+                             std::to_string(found->requested) + " bytes, freed as " +
+                             std::to_string(bytes));
+    throw invalid_argument("deallocate: unknown pointer, interior pointer or double free: "
+                           "the '" + std::string(name()) + "' pool (device " +
+                           std::to_string(device()) + ") has no live allocation at " +
+                           std::to_string(addr));
+  }
+  auto& s = streams_[stream.value];
+  arenas_[id]->release(b, stream.value, ++s.frees);
+  stats_.live_bytes -= bytes;
+  stats_.live_allocations -= 1;
+  stats_.deallocations += 1;
+  if (options_.release_threshold != std::numeric_limits<std::size_t>::max() &&
+      stats_.reserved_bytes - arenas_[0]->allocated_bytes() - arenas_[1]->allocated_bytes() >
+          options_.release_threshold)
+    release_cached();
+}
+
+void pool_base::synchronize_streams_with_free_blocks() {
+  for (auto& [stream, s] : streams_) {
+    if (auto st = device_platform().stream_synchronize(stream_handle{stream}); !st)
+      throw_cuda_error(st, "pool: synchronize before giving memory back");
+    s.completed_epoch = s.frees;
+  }
+}
+
+std::size_t pool_base::trim() {
+  std::lock_guard lock(mutex_);
+  return release_cached();
+}
+
+void pool_base::add_reserved(std::size_t bytes) {
+  stats_.reserved_bytes += bytes;
+  if (stats_.reserved_bytes > stats_.peak_reserved_bytes)
+    stats_.peak_reserved_bytes = stats_.reserved_bytes;
+}
+
+void pool_base::sub_reserved(std::size_t bytes) { stats_.reserved_bytes -= bytes; }
+
+resource_stats pool_base::stats() const {
+  std::lock_guard lock(mutex_);
+  resource_stats s = stats_;
+  s.cached_bytes = s.reserved_bytes - arenas_[0]->allocated_bytes() - arenas_[1]->allocated_bytes();
+  return s;
+}
+
+std::size_t pool_base::largest_free_block() const {
+  std::lock_guard lock(mutex_);
+  return std::max(arenas_[0]->largest_free_block(), arenas_[1]->largest_free_block());
+}
+
+std::vector<live_allocation> pool_base::biggest_live(std::size_t limit) const {
+  std::lock_guard lock(mutex_);
+  std::vector<live_allocation> all;
+  for (const auto& a : arenas_)
+    for (const detail::block* b : a->live_blocks_list())
+      all.push_back({b->addr, b->requested, b->size, b->stream});
+  std::sort(all.begin(), all.end(),
+            [](const auto& x, const auto& y) { return x.requested > y.requested; });
+  if (all.size() > limit) all.resize(limit);
+  return all;
+}
+
+std::string pool_base::memory_report(std::size_t bytes) const {
+  std::lock_guard lock(mutex_);
+  return report_locked(bytes);
+}
+
+std::string pool_base::report_locked(std::size_t bytes) const {
+  std::ostringstream r;
+  const std::size_t allocated = arenas_[0]->allocated_bytes() + arenas_[1]->allocated_bytes();
+  r << "gpumem: out of memory on device " << device() << " (" << device_platform().kind()
+    << "): the '" << name() << "' pool could not allocate " << format_bytes(bytes) << " ("
+    << bytes << " bytes).\n";
+  r << "  live (requested): " << format_bytes(stats_.live_bytes) << " in "
+    << stats_.live_allocations << " allocations\n";
+  r << "  reserved: " << format_bytes(stats_.reserved_bytes) << " (peak "
+    << format_bytes(stats_.peak_reserved_bytes) << "); cached, not handed out: "
+    << format_bytes(stats_.reserved_bytes - allocated) << "\n";
+  r << "  largest free block: "
+    << format_bytes(std::max(arenas_[0]->largest_free_block(), arenas_[1]->largest_free_block()))
+    << "\n";
+  auto info = device_platform().mem_info(device());
+  if (info)
+    r << "  device: " << format_bytes(info.value().total) << " total, "
+      << format_bytes(info.value().free) << " free\n";
+  if (options_.limit_bytes != 0) r << "  limit: " << format_bytes(options_.limit_bytes) << "\n";
+  r << describe_holdings();
+  std::vector<live_allocation> all;
+  for (const auto& a : arenas_)
+    for (const detail::block* b : a->live_blocks_list())
+      all.push_back({b->addr, b->requested, b->size, b->stream});
+  std::sort(all.begin(), all.end(),
+            [](const auto& x, const auto& y) { return x.requested > y.requested; });
+  if (!all.empty()) r << "  biggest live allocations:\n";
+  for (std::size_t i = 0; i < all.size() && i < 5; ++i) {
+    char addr[32];
+    std::snprintf(addr, sizeof addr, "0x%llx", static_cast<unsigned long long>(all[i].address));
+    r << "    " << format_bytes(all[i].requested) << " at " << addr << " (stream "
+      << all[i].stream << ")\n";
+  }
+  return r.str();
+}
+
+std::string pool_base::validate() const {
+  std::lock_guard lock(mutex_);
+  for (const auto& a : arenas_)
+    if (auto why = a->validate(); !why.empty()) return why;
+  const std::size_t held = arenas_[0]->allocated_bytes() + arenas_[0]->cached_bytes() +
+                           arenas_[0]->free_bytes() + arenas_[1]->allocated_bytes() +
+                           arenas_[1]->cached_bytes() + arenas_[1]->free_bytes();
+  if (held > stats_.reserved_bytes) return "arenas hold more than is reserved";
+  if (arenas_[0]->requested_bytes() + arenas_[1]->requested_bytes() != stats_.live_bytes)
+    return "live bytes do not match the live blocks";
+  return validate_holdings();
+}
+
+}  // namespace gpumem

@@ -1,0 +1,112 @@
+#include "gpumem/pool/pool_options.hpp"
+
+#include <cmath>
+#include <cstdlib>
+#include <sstream>
+
+#include "gpumem/errors.hpp"
+
+namespace gpumem {
+
+namespace {
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
+  return s;
+}
+
+double parse_number(std::string_view text, std::string_view key) {
+  const std::string str(text);
+  char* end = nullptr;
+  const double v = std::strtod(str.c_str(), &end);
+  if (str.empty() || end != str.c_str() + str.size() || !std::isfinite(v) || v < 0)
+    throw invalid_argument("config: value '" + str + "' of '" + std::string(key) +
+                           "' is not a non-negative number");
+  return v;
+}
+
+}  // namespace
+
+std::size_t parse_bytes(std::string_view text) {
+  text = trim(text);
+  double scale = 1;
+  if (!text.empty()) {
+    switch (text.back()) {
+      case 'K': case 'k': scale = 1024.0; break;
+      case 'M': case 'm': scale = 1024.0 * 1024; break;
+      case 'G': case 'g': scale = 1024.0 * 1024 * 1024; break;
+      case 'T': case 't': scale = 1024.0 * 1024 * 1024 * 1024; break;
+      default: break;
+    }
+    if (scale != 1) text.remove_suffix(1);
+  }
+  const double v = parse_number(text, "size") * scale;
+  if (v > 1.8e19) throw invalid_argument("config: size '" + std::string(text) + "' is too large");
+  return static_cast<std::size_t>(v);
+}
+
+pool_options pool_options::parse(std::string_view config) {
+  pool_options o;
+  while (!config.empty()) {
+    const auto comma = config.find(',');
+    std::string_view item = trim(config.substr(0, comma));
+    config = comma == std::string_view::npos ? std::string_view{} : config.substr(comma + 1);
+    if (item.empty()) continue;
+    const auto colon = item.find(':');
+    if (colon == std::string_view::npos)
+      throw invalid_argument("config: '" + std::string(item) + "' is not key:value");
+    const std::string_view key = trim(item.substr(0, colon));
+    const std::string_view value = trim(item.substr(colon + 1));
+    if (key == "reserve") {
+      o.reserve_bytes = parse_bytes(value);
+    } else if (key == "reserve_fraction") {
+      o.reserve_fraction = parse_number(value, key);
+      if (o.reserve_fraction > 1.0)
+        throw invalid_argument("config: reserve_fraction must be in [0, 1]");
+    } else if (key == "limit") {
+      o.limit_bytes = parse_bytes(value);
+    } else if (key == "release_threshold") {
+      o.release_threshold = value == "never" ? std::numeric_limits<std::size_t>::max()
+                                             : parse_bytes(value);
+    } else if (key == "small_threshold") {
+      o.small_threshold = parse_bytes(value);
+    } else if (key == "cross_stream") {
+      if (value == "wait")
+        o.cross_stream = cross_stream_policy::wait;
+      else if (value == "event")
+        o.cross_stream = cross_stream_policy::event;
+      else
+        throw invalid_argument("config: cross_stream must be 'wait' or 'event', not '" +
+                               std::string(value) + "'");
+    } else if (key == "va_reserve") {
+      o.va_reserve_bytes = parse_bytes(value);
+    } else {
+      throw invalid_argument("config: unknown key '" + std::string(key) +
+                             "' (known: reserve, reserve_fraction, limit, release_threshold, "
+                             "small_threshold, cross_stream, va_reserve)");
+    }
+  }
+  return o;
+}
+
+pool_options pool_options::from_environment() {
+  const char* env = std::getenv("GPUMEM_CONF");
+  return env == nullptr ? pool_options{} : parse(env);
+}
+
+std::string pool_options::to_string() const {
+  std::ostringstream out;
+  out << "reserve:" << reserve_bytes << ",reserve_fraction:" << reserve_fraction
+      << ",limit:" << limit_bytes << ",release_threshold:";
+  if (release_threshold == std::numeric_limits<std::size_t>::max())
+    out << "never";
+  else
+    out << release_threshold;
+  out << ",small_threshold:" << small_threshold
+      << ",cross_stream:" << (cross_stream == cross_stream_policy::wait ? "wait" : "event")
+      << ",va_reserve:" << va_reserve_bytes;
+  return out.str();
+}
+
+}  // namespace gpumem

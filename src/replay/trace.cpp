@@ -1,0 +1,241 @@
+#include "gpumem/replay/trace.hpp"
+
+#include <algorithm>
+#include <array>
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <unordered_map>
+
+#include "gpumem/errors.hpp"
+#include "gpumem/platform/sim_platform.hpp"
+
+#if GPUMEM_HAVE_ZLIB
+#include <zlib.h>
+#endif
+
+namespace gpumem {
+
+namespace {
+
+std::string read_all(const std::string& path) {
+  std::string text;
+#if GPUMEM_HAVE_ZLIB
+  // gzread reads plain files unchanged, so one path serves both.
+  gzFile f = gzopen(path.c_str(), "rb");
+  if (f == nullptr) throw invalid_argument("trace: cannot open '" + path + "'");
+  char buf[1 << 16];
+  int n;
+  while ((n = gzread(f, buf, sizeof buf)) > 0) text.append(buf, static_cast<std::size_t>(n));
+  const bool failed = n < 0;
+  gzclose(f);
+  if (failed) throw invalid_argument("trace: '" + path + "' is not a readable gzip or text file");
+#else
+  std::FILE* probe = std::fopen(path.c_str(), "rb");
+  if (probe == nullptr) throw invalid_argument("trace: cannot open '" + path + "'");
+  std::fclose(probe);
+  const std::string cmd = "gzip -dcf -- '" + path + "'";
+  std::FILE* p = ::popen(cmd.c_str(), "r");
+  if (p == nullptr) throw invalid_argument("trace: cannot run gzip for '" + path + "'");
+  char buf[1 << 16];
+  std::size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) text.append(buf, n);
+  if (::pclose(p) != 0) throw invalid_argument("trace: '" + path + "' could not be decompressed");
+#endif
+  return text;
+}
+
+std::vector<std::string_view> split(std::string_view line) {
+  std::vector<std::string_view> fields;
+  std::size_t start = 0;
+  for (std::size_t i = 0; i <= line.size(); ++i) {
+    if (i == line.size() || line[i] == ',') {
+      std::string_view f = line.substr(start, i - start);
+      while (!f.empty() && (f.front() == ' ' || f.front() == '"')) f.remove_prefix(1);
+      while (!f.empty() && (f.back() == ' ' || f.back() == '"' || f.back() == '\r')) f.remove_suffix(1);
+      fields.push_back(f);
+      start = i + 1;
+    }
+  }
+  return fields;
+}
+
+std::uint64_t parse_u64(std::string_view f, const std::string& where) {
+  std::uint64_t v = 0;
+  int base = 10;
+  if (f.size() > 2 && f[0] == '0' && (f[1] == 'x' || f[1] == 'X')) {
+    f.remove_prefix(2);
+    base = 16;
+  }
+  auto [p, ec] = std::from_chars(f.data(), f.data() + f.size(), v, base);
+  if (ec != std::errc{} || p != f.data() + f.size() || f.empty())
+    throw invalid_argument("trace: " + where + ": '" + std::string(f) + "' is not a number");
+  return v;
+}
+
+}  // namespace
+
+trace parse_trace(const std::string& text, const std::string& source) {
+  trace t;
+  t.source = source;
+  std::size_t pos = 0, line_no = 0;
+  int col_action = -1, col_addr = -1, col_size = -1, col_stream = -1;
+  std::unordered_map<std::uint64_t, std::pair<std::uint32_t, std::uint64_t>> live;  // addr -> id,size
+  std::unordered_map<std::uint64_t, std::uint32_t> stream_index;
+  std::size_t live_bytes = 0;
+  while (pos < text.size()) {
+    std::size_t end = text.find('\n', pos);
+    if (end == std::string::npos) end = text.size();
+    std::string_view line(text.data() + pos, end - pos);
+    pos = end + 1;
+    ++line_no;
+    if (line.empty() || line == "\r") continue;
+    auto f = split(line);
+    const std::string where = source + ":" + std::to_string(line_no);
+    if (col_action < 0) {
+      for (int i = 0; i < static_cast<int>(f.size()); ++i) {
+        if (f[i] == "action") { col_action = i; t.format = "pytorch"; }
+        if (f[i] == "Action") { col_action = i; t.format = "rmm"; }
+        if (f[i] == "addr" || f[i] == "Pointer") col_addr = i;
+        if (f[i] == "size" || f[i] == "Size") col_size = i;
+        if (f[i] == "stream" || f[i] == "Stream") col_stream = i;
+      }
+      if (col_action < 0 || col_addr < 0 || col_size < 0)
+        throw invalid_argument("trace: " + where +
+                               ": unknown header; expected 'action,addr,size,stream,time_us' "
+                               "(PyTorch) or 'Thread,Time,Action,Pointer,Size,Stream' (RMM)");
+      continue;
+    }
+    const int needed = std::max({col_action, col_addr, col_size, col_stream});
+    if (static_cast<int>(f.size()) <= needed)
+      throw invalid_argument("trace: " + where + ": expected at least " +
+                             std::to_string(needed + 1) + " fields");
+    const std::string_view action = f[static_cast<std::size_t>(col_action)];
+    const bool is_alloc = action == "alloc" || action == "allocate";
+    const bool is_free = action == "free_completed" || action == "free";
+    if (!is_alloc && !is_free) {
+      if (action == "segment_alloc" || action == "segment_free" || action == "free_requested" ||
+          action == "segment_map" || action == "segment_unmap" || action == "snapshot" ||
+          action == "oom" || action == "allocate failure")
+        continue;
+      throw invalid_argument("trace: " + where + ": unknown action '" + std::string(action) + "'");
+    }
+    const std::uint64_t addr = parse_u64(f[static_cast<std::size_t>(col_addr)], where);
+    const std::uint64_t size = parse_u64(f[static_cast<std::size_t>(col_size)], where);
+    const std::uint64_t stream =
+        col_stream >= 0 && !f[static_cast<std::size_t>(col_stream)].empty()
+            ? parse_u64(f[static_cast<std::size_t>(col_stream)], where)
+            : 0;
+    auto [sit, fresh] = stream_index.emplace(stream, static_cast<std::uint32_t>(t.streams.size()));
+    if (fresh) t.streams.push_back(stream);
+    if (is_alloc) {
+      if (size == 0) continue;  // nothing to replay
+      const auto id = static_cast<std::uint32_t>(t.allocs++);
+      live[addr] = {id, size};
+      t.events.push_back({trace_event::kind::alloc, id, size, sit->second});
+      live_bytes += size;
+      t.peak_live_bytes = std::max(t.peak_live_bytes, live_bytes);
+      t.max_size = std::max(t.max_size, size);
+    } else {
+      auto it = live.find(addr);
+      if (it == live.end()) {
+        ++t.unmatched_frees;
+        continue;
+      }
+      t.events.push_back({trace_event::kind::free, it->second.first, it->second.second, sit->second});
+      live_bytes -= it->second.second;
+      ++t.frees;
+      live.erase(it);
+    }
+  }
+  if (col_action < 0) throw invalid_argument("trace: " + source + " is empty");
+  t.live_at_end = live.size();
+  return t;
+}
+
+trace load_trace(const std::string& path) { return parse_trace(read_all(path), path); }
+
+replay_result replay_trace(const trace& t, memory_resource& resource, const replay_options& options) {
+  replay_result r;
+  r.allocator = std::string(resource.name());
+  r.peak_live_bytes = t.peak_live_bytes;
+  platform& p = resource.device_platform();
+  auto* sim = dynamic_cast<sim_platform*>(&p);
+
+  // The trace's first stream is the default stream; others get streams of their own.
+  std::vector<stream_handle> streams(t.streams.size());
+  for (std::size_t i = 1; i < streams.size(); ++i) {
+    auto s = p.stream_create(resource.device());
+    if (!s) throw cuda_error(std::string(platform_op_name(s.error().call)), s.error().code,
+                             s.error().name, s.error().message, "replay_trace: stream");
+    streams[i] = s.value();
+  }
+  std::array<std::uint64_t, platform_op_count> calls_before{};
+  for (std::size_t i = 0; i < platform_op_count; ++i)
+    calls_before[i] = p.calls_made(static_cast<platform_op>(i));
+  const std::uint64_t modelled_before = sim != nullptr ? sim->modelled_ns() : 0;
+
+  std::vector<void*> ptrs(t.allocs, nullptr);
+  const std::size_t sample_every = std::max<std::size_t>(1, t.events.size() / 2000);
+  std::size_t live = 0;
+  for (int pass = 0; pass < options.passes && !r.oom; ++pass) {
+    const auto start = std::chrono::steady_clock::now();
+    std::uint64_t index = 0;
+    for (const trace_event& e : t.events) {
+      if (e.op == trace_event::kind::alloc) {
+        try {
+          void* ptr = resource.allocate(e.size, default_alignment, streams[e.stream]);
+          ptrs[e.id] = ptr;
+          if (options.touch) static_cast<volatile char*>(ptr)[0] = 1;
+        } catch (const out_of_memory& oom) {
+          r.oom = true;
+          r.oom_event = index;
+          r.oom_message = oom.what();
+          break;
+        }
+        live += e.size;
+        ++r.allocs;
+      } else {
+        resource.deallocate(ptrs[e.id], e.size, streams[e.stream]);
+        ptrs[e.id] = nullptr;
+        live -= e.size;
+        ++r.frees;
+      }
+      if (pass == 0 && index % sample_every == 0) {
+        r.live_samples.emplace_back(index, live);
+        r.reserved_samples.emplace_back(index, resource.stats().reserved_bytes);
+      }
+      ++index;
+    }
+    const double ns = std::chrono::duration<double, std::nano>(
+                          std::chrono::steady_clock::now() - start).count();
+    const double per_event = index == 0 ? 0 : ns / static_cast<double>(index);
+    if (pass == 0) r.ns_per_event_cold = per_event;
+    r.ns_per_event_warm = per_event;
+    // Allocations still live at the end of a pass are freed before the next one.
+    for (const trace_event& e : t.events) {
+      if (e.op == trace_event::kind::alloc && ptrs[e.id] != nullptr) {
+        resource.deallocate(ptrs[e.id], e.size, streams[e.stream]);
+        ptrs[e.id] = nullptr;
+        live -= e.size;
+      }
+    }
+  }
+  const resource_stats s = resource.stats();
+  r.peak_reserved_bytes = s.peak_reserved_bytes;
+  r.fragmentation = r.peak_live_bytes == 0
+                        ? 0
+                        : static_cast<double>(r.peak_reserved_bytes) /
+                              static_cast<double>(r.peak_live_bytes);
+  for (std::size_t i = 0; i < platform_op_count; ++i) {
+    const auto op = static_cast<platform_op>(i);
+    const std::uint64_t n = p.calls_made(op) - calls_before[i];
+    if (n != 0) r.driver_calls[std::string(platform_op_name(op))] = n;
+  }
+  if (sim != nullptr) r.driver_ns = static_cast<double>(sim->modelled_ns() - modelled_before);
+  for (std::size_t i = 1; i < streams.size(); ++i) (void)p.stream_destroy(streams[i]);
+  return r;
+}
+
+}  // namespace gpumem
