@@ -675,6 +675,29 @@ class cuda_platform final : public platform {
     return status::success();
   }
 
+  result<void*> async_malloc(int device, std::size_t size, stream_handle stream) override {
+    constexpr platform_op op = platform_op::async_malloc;
+    calls_.add(op);
+    device_guard guard(api_);
+    cudaError_t e = guard.enter(device);
+    if (e != cudaSuccess) return runtime_failure(op, e);
+    void* ptr = nullptr;
+    e = cudaMallocAsync(&ptr, size, to_cuda(stream));
+    if (e != cudaSuccess) return runtime_failure(op, e);
+    return ptr;
+  }
+
+  status async_free(void* ptr, stream_handle stream) override {
+    constexpr platform_op op = platform_op::async_free;
+    calls_.add(op);
+    device_guard guard(api_);
+    cudaError_t e = guard.enter_stream_device(stream);
+    if (e != cudaSuccess) return runtime_failure(op, e);
+    e = cudaFreeAsync(ptr, to_cuda(stream));
+    if (e != cudaSuccess) return runtime_failure(op, e);
+    return status::success();
+  }
+
  private:
   status driver_failure(platform_op op, CUresult r) const {
     const char* name = nullptr;

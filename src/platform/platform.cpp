@@ -40,6 +40,8 @@ std::string_view platform_op_name(platform_op op) noexcept {
     case platform_op::stream_wait_event: return "cudaStreamWaitEvent";
     case platform_op::memcpy_async: return "cudaMemcpyAsync";
     case platform_op::memset_async: return "cudaMemsetAsync";
+    case platform_op::async_malloc: return "cudaMallocAsync";
+    case platform_op::async_free: return "cudaFreeAsync";
     case platform_op::count_: break;
   }
   return "unknown";

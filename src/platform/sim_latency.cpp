@@ -83,6 +83,9 @@ std::uint64_t modelled_latency_ns(platform_op op, std::size_t bytes) noexcept {
     case platform_op::set_access: ns = interpolate(cu_set_access, bytes); break;
     case platform_op::host_alloc: ns = interpolate(host_alloc, bytes); break;
     case platform_op::host_free: ns = interpolate(host_free, bytes); break;
+    // Warm cudaMemPool: 0.58 us / 0.70 us whatever the size (BASELINES.md).
+    case platform_op::async_malloc: ns = 580; break;
+    case platform_op::async_free: ns = 700; break;
     // Stream-ordered and bookkeeping calls: sub-microsecond launches, not measured in
     // BASELINES.md; charged a nominal 1 us (copies: plus the bytes read and written at 4.3 TB/s).
     case platform_op::memcpy_async:

@@ -810,4 +810,27 @@ status sim_platform::memset_async(void* dst, int value, std::size_t bytes, strea
   return status::success();
 }
 
+result<void*> sim_platform::async_malloc(int device, std::size_t size, stream_handle stream) {
+  GPUMEM_SIM_ENTER(platform_op::async_malloc, size);
+  {
+    std::lock_guard lock(state_->mutex);
+    if (!known_stream(*state_, stream))
+      return fail(platform_op::async_malloc, failure_kind::invalid_value, "unknown stream");
+  }
+  return sim_allocate(*state_, platform_op::async_malloc, device, size);
+}
+
+status sim_platform::async_free(void* ptr, stream_handle stream) {
+  GPUMEM_SIM_ENTER(platform_op::async_free, 0);
+  int device = 0;
+  {
+    std::lock_guard lock(state_->mutex);
+    if (!known_stream(*state_, stream))
+      return fail(platform_op::async_free, failure_kind::invalid_value, "unknown stream");
+    auto it = state_->device_allocations.find(ptr);
+    if (it != state_->device_allocations.end()) device = it->second.device;
+  }
+  return sim_release(*state_, platform_op::async_free, device, ptr);
+}
+
 }  // namespace gpumem

@@ -53,6 +53,8 @@ enum class platform_op : std::uint8_t {
   stream_wait_event,
   memcpy_async,
   memset_async,
+  async_malloc,
+  async_free,
   count_
 };
 inline constexpr std::size_t platform_op_count = static_cast<std::size_t>(platform_op::count_);
@@ -230,6 +232,10 @@ class platform {
   virtual status memcpy_async(void* dst, const void* src, std::size_t bytes,
                               stream_handle stream) = 0;
   virtual status memset_async(void* dst, int value, std::size_t bytes, stream_handle stream) = 0;
+  // cudaMallocAsync / cudaFreeAsync on the device's default memory pool: the peer gpumem
+  // is measured against.
+  virtual result<void*> async_malloc(int device, std::size_t size, stream_handle stream) = 0;
+  virtual status async_free(void* ptr, stream_handle stream) = 0;
 
   // --- accounting ----------------------------------------------------------------------
   const call_counters& calls() const noexcept { return calls_; }

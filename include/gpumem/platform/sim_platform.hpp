@@ -117,6 +117,9 @@ class sim_platform final : public platform {
   status memcpy_async(void* dst, const void* src, std::size_t bytes,
                       stream_handle stream) override;
   status memset_async(void* dst, int value, std::size_t bytes, stream_handle stream) override;
+  // Sim has no stream-ordered pool of its own: these allocate and free at once.
+  result<void*> async_malloc(int device, std::size_t size, stream_handle stream) override;
+  status async_free(void* ptr, stream_handle stream) override;
 
   struct state;  // detail
 

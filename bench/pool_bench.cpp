@@ -1,0 +1,177 @@
+// pool_bench: allocation speed of gpumem's pools against cudaMalloc and cudaMallocAsync,
+// measured side by side in one process on one device (cuda when present, else sim, whose
+// figures are host-only and say nothing about a GPU).
+//
+//   same_size   allocate + free of one cached 1 MiB block, repeated
+//   mixed_64    64 live blocks of random sizes 512 B - 8 MiB (log-uniform); each step frees
+//               one at random and allocates a new random size (BASELINES.md's cudaMallocAsync
+//               figure uses the same shape)
+//   grow_512    a fresh vmm_page_pool serves one 1 GiB request: 512 pages created, mapped
+//               and given access; reported per page
+//
+// Usage: pool_bench [--device auto|cuda|sim] [--json FILE]
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpumem/backend.hpp"
+#include "gpumem/platform.hpp"
+#include "gpumem/pool.hpp"
+
+using namespace gpumem;
+using clock_type = std::chrono::steady_clock;
+
+namespace {
+
+struct allocator_fns {
+  std::string name;
+  std::function<void*(std::size_t)> alloc;
+  std::function<void(void*, std::size_t)> free;
+  int iterations_scale = 1;  // slow allocators run fewer steps
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// ns per alloc+free pair
+double run_same_size(const allocator_fns& a, int steps) {
+  std::vector<double> reps;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = clock_type::now();
+    for (int i = 0; i < steps; ++i) a.free(a.alloc(1 << 20), 1 << 20);
+    reps.push_back(std::chrono::duration<double, std::nano>(clock_type::now() - t0).count() / steps);
+  }
+  return median(reps);
+}
+
+double run_mixed(const allocator_fns& a, int steps, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> log_size(std::log2(512.0), std::log2(8.0 * (1 << 20)));
+  std::uniform_int_distribution<int> slot(0, 63);
+  auto random_size = [&] {
+    return (static_cast<std::size_t>(std::exp2(log_size(rng))) + 511) / 512 * 512;
+  };
+  std::vector<std::size_t> sizes(64);
+  std::vector<void*> ptrs(64);
+  for (int i = 0; i < 64; ++i) ptrs[i] = a.alloc(sizes[i] = random_size());
+  // Pre-draw the sequence so the timed loop does only allocator work.
+  std::vector<std::pair<int, std::size_t>> seq(static_cast<std::size_t>(steps));
+  for (auto& s : seq) s = {slot(rng), random_size()};
+  std::vector<double> reps;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = clock_type::now();
+    for (auto [i, size] : seq) {
+      a.free(ptrs[i], sizes[i]);
+      ptrs[i] = a.alloc(sizes[i] = size);
+    }
+    reps.push_back(std::chrono::duration<double, std::nano>(clock_type::now() - t0).count() / steps);
+  }
+  for (int i = 0; i < 64; ++i) a.free(ptrs[i], sizes[i]);
+  return median(reps);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string device = "auto", json_path;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--device") && i + 1 < argc) device = argv[++i];
+    else if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
+    else {
+      std::fprintf(stderr, "usage: pool_bench [--device auto|cuda|sim] [--json FILE]\n");
+      return 2;
+    }
+  }
+  platform& p = platform_by_name(device);
+  const bool sim = p.kind() == "sim";
+  auto props = p.properties(0);
+  std::printf("pool_bench on %s (%s)%s\n", props ? props.value().name.c_str() : "?",
+              std::string(p.kind()).c_str(),
+              sim ? " -- sim: host-only figures, not GPU measurements" : "");
+
+  runtime_resource raw_runtime(p, 0);
+  runtime_resource pool_upstream(p, 0);
+  caching_pool caching(pool_upstream);
+  vmm_page_pool vmm_pool(p, 0);
+
+  std::vector<allocator_fns> allocators;
+  allocators.push_back({"vmm_page_pool", [&](std::size_t n) { return vmm_pool.allocate(n); },
+                        [&](void* q, std::size_t n) { vmm_pool.deallocate(q, n); }});
+  allocators.push_back({"caching_pool", [&](std::size_t n) { return caching.allocate(n); },
+                        [&](void* q, std::size_t n) { caching.deallocate(q, n); }});
+  allocators.push_back({"cudaMallocAsync",
+                        [&](std::size_t n) {
+                          auto r = p.async_malloc(0, n, {});
+                          if (!r) throw std::runtime_error(r.error().describe());
+                          return r.value();
+                        },
+                        [&](void* q, std::size_t) {
+                          if (auto s = p.async_free(q, {}); !s) throw std::runtime_error(s.describe());
+                        }});
+  allocators.push_back({"cudaMalloc", [&](std::size_t n) { return raw_runtime.allocate(n); },
+                        [&](void* q, std::size_t n) { raw_runtime.deallocate(q, n); }, 200});
+
+  struct row {
+    std::string name;
+    double same, mixed;
+  };
+  std::vector<row> rows;
+  for (auto& a : allocators) {
+    const int steps = 200000 / a.iterations_scale;
+    run_same_size(a, steps / 10);  // warm up: pools and cudaMemPool fill
+    run_mixed(a, steps / 10, 7);
+    rows.push_back({a.name, run_same_size(a, steps), run_mixed(a, steps, 42)});
+  }
+  (void)p.stream_synchronize({});
+
+  // Growth by 512 pages on fresh pools (each pool gives its memory back when destroyed).
+  std::vector<double> grow_reps;
+  std::uint64_t creates = 0, maps = 0, accesses = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    vmm_page_pool fresh(p, 0);
+    const std::size_t bytes = 512 * fresh.page_size();
+    const auto c0 = p.calls_made(platform_op::create_physical);
+    const auto m0 = p.calls_made(platform_op::map);
+    const auto s0 = p.calls_made(platform_op::set_access);
+    const auto t0 = clock_type::now();
+    void* q = fresh.allocate(bytes);
+    grow_reps.push_back(std::chrono::duration<double, std::nano>(clock_type::now() - t0).count() / 512);
+    creates = p.calls_made(platform_op::create_physical) - c0;
+    maps = p.calls_made(platform_op::map) - m0;
+    accesses = p.calls_made(platform_op::set_access) - s0;
+    fresh.deallocate(q, bytes);
+  }
+
+  const row& async_row = *std::find_if(rows.begin(), rows.end(), [](auto& r) { return r.name == "cudaMallocAsync"; });
+  std::printf("\n%-16s %16s %16s %14s %14s\n", "allocator", "same_size ns/pair", "mixed_64 ns/pair",
+              "vs async same", "vs async mixed");
+  for (auto& r : rows)
+    std::printf("%-16s %16.1f %16.1f %13.1fx %13.1fx\n", r.name.c_str(), r.same, r.mixed,
+                async_row.same / r.same, async_row.mixed / r.mixed);
+  std::printf("\ngrow_512: %.0f ns per page (median of 5; %llu cuMemCreate, %llu cuMemMap, %llu cuMemSetAccess per growth)\n",
+              median(grow_reps), static_cast<unsigned long long>(creates),
+              static_cast<unsigned long long>(maps), static_cast<unsigned long long>(accesses));
+
+  if (!json_path.empty()) {
+    std::FILE* f = std::fopen(json_path.c_str(), "w");
+    if (f != nullptr) {
+      std::fprintf(f, "{\"platform\": \"%s\", \"device\": \"%s\", \"rows\": [", std::string(p.kind()).c_str(),
+                   props ? props.value().name.c_str() : "?");
+      for (std::size_t i = 0; i < rows.size(); ++i)
+        std::fprintf(f, "%s{\"allocator\": \"%s\", \"same_size_ns_per_pair\": %.2f, \"mixed_64_ns_per_pair\": %.2f}",
+                     i ? ", " : "", rows[i].name.c_str(), rows[i].same, rows[i].mixed);
+      std::fprintf(f, "], \"grow_512_ns_per_page\": %.1f}\n", median(grow_reps));
+      std::fclose(f);
+    }
+  }
+  return 0;
+}
