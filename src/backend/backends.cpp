@@ -25,6 +25,16 @@ void tracked_resource::track(void* ptr, std::size_t bytes, std::size_t reserved)
     stats_.peak_reserved_bytes = stats_.reserved_bytes;
 }
 
+void tracked_resource::retrack(void* ptr, std::size_t bytes, std::size_t reserved) {
+  std::lock_guard lock(mutex_);
+  live_.emplace(ptr, entry{bytes, reserved});
+  registry_add(ptr, bytes, this);
+  stats_.live_bytes += bytes;
+  stats_.live_allocations += 1;
+  stats_.reserved_bytes += reserved;
+  stats_.deallocations -= 1;
+}
+
 std::size_t tracked_resource::untrack(void* ptr, std::size_t bytes) {
   std::lock_guard lock(mutex_);
   auto it = live_.find(ptr);

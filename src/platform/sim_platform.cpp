@@ -500,8 +500,11 @@ status sim_platform::map(std::uintptr_t va, std::size_t size, physical_handle ha
   auto h = s.handles.find(handle.value);
   if (h == s.handles.end() || h->second.released)
     return fail(platform_op::map, failure_kind::invalid_value, "unknown physical handle");
-  if (size == 0 || va % g != 0 || size % g != 0 || offset % g != 0 ||
-      offset + size > h->second.size)
+  // As the real driver (CUDA 13): a mapping starts at offset 0 of its handle.
+  if (offset != 0)
+    return fail(platform_op::map, failure_kind::not_supported,
+                "cuMemMap offset must be 0 (the driver maps handles from their start)");
+  if (size == 0 || va % g != 0 || size % g != 0 || offset + size > h->second.size)
     return fail(platform_op::map, failure_kind::invalid_value,
                 "address, size or offset not granularity-aligned, or past the handle's end");
   if (s.range_containing(va, size) == s.ranges.end())

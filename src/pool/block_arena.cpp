@@ -70,6 +70,8 @@ block* block_arena::merge(block* b) {
          b->prev->stream == b->stream) {
     block* p = b->prev;
     erase_free(p);
+    // The merged block is safe for another stream only once its latest free is.
+    b->free_epoch = std::max(b->free_epoch, p->free_epoch);
     b->addr = p->addr;
     b->size += p->size;
     b->prev = p->prev;
@@ -83,6 +85,7 @@ block* block_arena::merge(block* b) {
          b->next->stream == b->stream) {
     block* n = b->next;
     erase_free(n);
+    b->free_epoch = std::max(b->free_epoch, n->free_epoch);
     b->size += n->size;
     b->next = n->next;
     if (b->next != nullptr)
@@ -105,6 +108,7 @@ block* block_arena::take(block* b, std::size_t size, std::size_t alignment,
     front->size = aligned - b->addr;
     front->segment = b->segment;
     front->stream = b->stream;
+    front->free_epoch = b->free_epoch;  // still unsafe for other streams until then
     front->prev = b->prev;
     front->next = b;
     if (front->prev != nullptr)
@@ -122,6 +126,7 @@ block* block_arena::take(block* b, std::size_t size, std::size_t alignment,
     tail->size = b->size - size;
     tail->segment = b->segment;
     tail->stream = b->stream;
+    tail->free_epoch = b->free_epoch;
     tail->prev = b;
     tail->next = b->next;
     if (tail->next != nullptr)
@@ -227,7 +232,7 @@ void block_arena::flush() {
 
 std::vector<block*> block_arena::free_blocks() const { return {free_.begin(), free_.end()}; }
 
-void block_arena::carve(block* b, std::uintptr_t from, std::size_t len) {
+block* block_arena::carve(block* b, std::uintptr_t from, std::size_t len) {
   erase_free(b);
   const std::uintptr_t end = b->addr + b->size;
   block* left = nullptr;
@@ -273,6 +278,7 @@ void block_arena::carve(block* b, std::uintptr_t from, std::size_t len) {
   if (left != nullptr) insert_free(left);
   if (right != nullptr) insert_free(right);
   delete_block(b);
+  return left;
 }
 
 std::size_t block_arena::largest_free_block() const {

@@ -76,8 +76,8 @@ class block_arena {
   // Every free (merged) block, for reclaim and trim. Valid until the next mutation.
   std::vector<block*> free_blocks() const;
   // Removes [from, from+len) from free block b; the rest stays free. The removed memory is
-  // no longer the arena's.
-  void carve(block* b, std::uintptr_t from, std::size_t len);
+  // no longer the arena's. Returns the free piece left below `from` (nullptr if none).
+  block* carve(block* b, std::uintptr_t from, std::size_t len);
 
   std::size_t free_bytes() const noexcept { return free_bytes_; }
   std::size_t cached_bytes() const noexcept { return cached_bytes_; }

@@ -27,7 +27,7 @@ vmm_page_pool::vmm_page_pool(platform& platform, int device, pool_options option
   if (!range) throw_cuda_error(range.error(), "vmm_page_pool: reserve the virtual range");
   va_base_ = range.value();
   va_pages_ = va / page_;
-  page_table_.assign(va_pages_, page_ref{});
+  page_table_.assign(va_pages_, no_chunk);
   va_free_.emplace(0, va_pages_);
 
   std::size_t reserve = options.reserve_bytes;
@@ -36,7 +36,7 @@ vmm_page_pool::vmm_page_pool(platform& platform, int device, pool_options option
                                        static_cast<double>(device_total_bytes()));
   if (reserve > 0) {
     std::lock_guard lock(mutex_);
-    if (!create_chunk((reserve + page_ - 1) / page_)) {
+    if (!create_chunks((reserve + page_ - 1) / page_)) {
       (void)platform.free_range(va_base_, va_pages_ * page_);
       throw out_of_memory("gpumem: vmm_page_pool could not reserve " + format_bytes(reserve) +
                           " up front on device " + std::to_string(device));
@@ -48,40 +48,63 @@ vmm_page_pool::~vmm_page_pool() {
   // Never throws: unmap every page, release every handle, free the range, ignoring a
   // driver that is already shutting down.
   platform& p = device_platform();
-  for (std::size_t i = 0; i < va_pages_; ++i)
-    if (page_table_[i].chunk != no_chunk) (void)p.unmap(page_address(i), page_);
-  for (auto& c : chunks_)
-    if (c.live) (void)p.release_physical(c.handle);
+  for (auto& c : chunks_) {
+    if (!c.live) continue;
+    if (c.mapped_at != no_page) (void)p.unmap(page_address(c.mapped_at), c.pages * page_);
+    (void)p.release_physical(c.handle);
+  }
   (void)p.free_range(va_base_, va_pages_ * page_);
 }
 
 vmm_page_counts vmm_page_pool::page_counts() const {
   std::lock_guard lock(mutex_);
   vmm_page_counts c = counts_;
-  c.spare_pages = spare_.size();
+  c.spare_pages = spare_pages();
   c.mapped_pages = 0;
   c.handles = 0;
   for (auto& ch : chunks_) {
-    c.mapped_pages += ch.mapped;
-    c.handles += ch.live ? 1 : 0;
+    if (!ch.live) continue;
+    c.mapped_pages += ch.mapped_at != no_page ? ch.pages : 0;
+    c.handles += 1;
   }
   return c;
 }
 
-bool vmm_page_pool::create_chunk(std::size_t pages) {
+std::size_t vmm_page_pool::spare_pages() const {
+  std::size_t n = 0;
+  for (std::uint32_t id : spare_) n += chunks_[id].pages;
+  return n;
+}
+
+bool vmm_page_pool::create_chunks(std::size_t pages) {
   const std::size_t bytes = pages * page_;
   if (options_.limit_bytes != 0 && reserved_locked() + bytes > options_.limit_bytes) return false;
-  auto h = device_platform().create_physical(device(), bytes);
-  if (!h) {
-    if (h.error().kind == failure_kind::out_of_memory) return false;
-    throw_cuda_error(h.error(), "vmm_page_pool: create physical memory");
+  const std::size_t first_new = chunks_.size();
+  const std::size_t spare_before = spare_.size();
+  // Undo this call's chunks when a later one fails: all or nothing.
+  auto undo = [&] {
+    for (std::size_t i = first_new; i < chunks_.size(); ++i) {
+      (void)device_platform().release_physical(chunks_[i].handle);
+      sub_reserved(chunks_[i].pages * page_);
+      counts_.pages_created -= chunks_[i].pages;
+    }
+    chunks_.resize(first_new);
+    spare_.resize(spare_before);
+  };
+  for (std::size_t left = pages; left > 0;) {
+    const std::size_t n = std::min(left, max_chunk_pages);
+    auto h = device_platform().create_physical(device(), n * page_);
+    if (!h) {
+      undo();
+      if (h.error().kind == failure_kind::out_of_memory) return false;
+      throw_cuda_error(h.error(), "vmm_page_pool: create physical memory");
+    }
+    spare_.push_back(static_cast<std::uint32_t>(chunks_.size()));
+    chunks_.push_back(chunk{h.value(), n, no_page, true});
+    add_reserved(n * page_);
+    counts_.pages_created += n;
+    left -= n;
   }
-  const auto id = static_cast<std::uint32_t>(chunks_.size());
-  chunks_.push_back(chunk{h.value(), pages, 0, true});
-  for (std::size_t i = 0; i < pages; ++i)
-    spare_.push_back(page_ref{id, static_cast<std::uint32_t>(i)});
-  add_reserved(bytes);
-  counts_.pages_created += pages;
   return true;
 }
 
@@ -105,8 +128,8 @@ std::size_t vmm_page_pool::reclaim(std::size_t wanted) {
   struct candidate {
     std::uint32_t arena_id;
     detail::block* b;
-    std::size_t first_page;
-    std::size_t pages;
+    std::vector<std::uint32_t> chunks;  // wholly inside b, by ascending address
+    std::size_t pages = 0;
   };
   std::vector<candidate> found;
   for (std::uint32_t id : {small_arena, large_arena}) {
@@ -114,116 +137,148 @@ std::size_t vmm_page_pool::reclaim(std::size_t wanted) {
     for (detail::block* b : arena(id).free_blocks()) {
       const std::size_t first = (b->addr - va_base_ + page_ - 1) / page_;
       const std::size_t end = (b->addr + b->size - va_base_) / page_;
-      if (end > first) found.push_back({id, b, first, end - first});
+      candidate c{id, b, {}, 0};
+      for (std::size_t p = first; p < end;) {
+        const std::uint32_t ch = page_table_[p];
+        const chunk& k = chunks_[ch];
+        if (k.mapped_at >= first && k.mapped_at + k.pages <= end) {
+          c.chunks.push_back(ch);
+          c.pages += k.pages;
+        }
+        p = k.mapped_at + k.pages;
+      }
+      if (c.pages > 0) found.push_back(std::move(c));
     }
   }
   if (found.empty()) return 0;
-  // Biggest runs first: fewest blocks cut.
+  // Biggest first: fewest blocks cut.
   std::sort(found.begin(), found.end(),
             [](const candidate& x, const candidate& y) { return x.pages > y.pages; });
   // Work queued on any stream may still touch these pages: let it finish before unmapping.
   synchronize_streams_with_free_blocks();
   std::size_t got = 0;
   for (auto& c : found) {
+    // Highest address first, so the piece left below each carve is the block to cut next.
+    detail::block* b = c.b;
+    for (auto it = c.chunks.rbegin(); it != c.chunks.rend() && got < wanted && b != nullptr; ++it) {
+      chunk& k = chunks_[*it];
+      if (auto s = device_platform().unmap(page_address(k.mapped_at), k.pages * page_); !s)
+        throw_cuda_error(s, "vmm_page_pool: unmap a free chunk to reuse it");
+      b = arena(c.arena_id).carve(b, page_address(k.mapped_at), k.pages * page_);
+      for (std::size_t p = 0; p < k.pages; ++p) page_table_[k.mapped_at + p] = no_chunk;
+      va_insert(k.mapped_at, k.pages);
+      k.mapped_at = no_page;
+      spare_.push_back(*it);
+      got += k.pages;
+      counts_.pages_reclaimed += k.pages;
+    }
     if (got >= wanted) break;
-    const std::size_t take = std::min(c.pages, wanted - got);
-    std::size_t done = 0;
-    status failed;
-    for (; done < take; ++done) {
-      const std::size_t page = c.first_page + done;
-      if (auto s = device_platform().unmap(page_address(page), page_); !s) {
-        failed = s;
-        break;
-      }
-      page_ref ref = page_table_[page];
-      page_table_[page] = page_ref{};
-      chunks_[ref.chunk].mapped -= 1;
-      spare_.push_back(ref);
-    }
-    if (done > 0) {
-      arena(c.arena_id).carve(c.b, page_address(c.first_page), done * page_);
-      va_insert(c.first_page, done);
-      got += done;
-      counts_.pages_reclaimed += done;
-    }
-    if (!failed.ok()) throw_cuda_error(failed, "vmm_page_pool: unmap a free page to reuse it");
   }
   return got;
 }
 
-bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
+bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t size,
                          std::size_t alignment, stream_handle stream) {
   const std::size_t pad = alignment > arena.unit() ? alignment - arena.unit() : 0;
   const std::size_t pages = (size + pad + page_ - 1) / page_;
-  // Physical pages first: kept ones, then reclaimed ones, then new memory.
-  if (spare_.size() < pages) reclaim(pages - spare_.size());
-  if (spare_.size() < pages && !create_chunk(pages - spare_.size())) return false;
+  // Physical chunks first: kept ones, then reclaimed ones, then new memory.
+  std::size_t have = spare_pages();
+  if (have < pages) have += reclaim(pages - have);
+  if (have < pages && !create_chunks(pages - have)) return false;
+
+  // Choose kept chunks covering `pages`: largest first, then the smallest that closes
+  // the gap, so little extra is mapped.
+  std::sort(spare_.begin(), spare_.end(), [&](std::uint32_t a, std::uint32_t b) {
+    return chunks_[a].pages < chunks_[b].pages;
+  });
+  std::vector<std::uint32_t> chosen;
+  std::size_t covered = 0;
+  while (covered < pages) {
+    const std::size_t gap = pages - covered;
+    auto fit = std::find_if(spare_.begin(), spare_.end(),
+                            [&](std::uint32_t id) { return chunks_[id].pages >= gap; });
+    if (fit == spare_.end()) fit = std::prev(spare_.end());
+    covered += chunks_[*fit].pages;
+    chosen.push_back(*fit);
+    spare_.erase(fit);
+  }
 
   // Virtual pages: first fit, lowest address first, so runs land next to earlier ones
   // and merge with them.
   auto run = std::find_if(va_free_.begin(), va_free_.end(),
-                          [&](const auto& r) { return r.second >= pages; });
-  if (run == va_free_.end()) return false;  // virtual range exhausted
+                          [&](const auto& r) { return r.second >= covered; });
+  if (run == va_free_.end()) {
+    spare_.insert(spare_.end(), chosen.begin(), chosen.end());
+    return false;  // virtual range exhausted
+  }
   const std::size_t first = run->first;
-  const std::size_t remaining = run->second - pages;
+  const std::size_t remaining = run->second - covered;
   va_free_.erase(run);
-  if (remaining > 0) va_free_.emplace(first + pages, remaining);
+  if (remaining > 0) va_free_.emplace(first + covered, remaining);
 
-  // Map the most recently kept pages; undo everything on failure.
-  std::size_t mapped = 0;
+  // Map the chunks side by side; one access grant over the whole run. Undo on failure.
+  std::size_t at = first, mapped = 0;
   status failed;
-  for (; mapped < pages; ++mapped) {
-    const page_ref ref = spare_[spare_.size() - 1 - mapped];
-    if (auto s = device_platform().map(page_address(first + mapped), page_,
-                                       chunks_[ref.chunk].handle, ref.index * page_);
-        !s) {
+  for (; mapped < chosen.size(); ++mapped) {
+    const chunk& k = chunks_[chosen[mapped]];
+    if (auto s = device_platform().map(page_address(at), k.pages * page_, k.handle, 0); !s) {
       failed = s;
       break;
     }
+    at += k.pages;
   }
-  if (failed.ok()) failed = device_platform().set_access(device(), page_address(first), pages * page_);
+  if (failed.ok()) failed = device_platform().set_access(device(), page_address(first), covered * page_);
   if (!failed.ok()) {
-    for (std::size_t i = 0; i < mapped; ++i) (void)device_platform().unmap(page_address(first + i), page_);
-    va_insert(first, pages);
+    at = first;
+    for (std::size_t i = 0; i < mapped; ++i) {
+      (void)device_platform().unmap(page_address(at), chunks_[chosen[i]].pages * page_);
+      at += chunks_[chosen[i]].pages;
+    }
+    spare_.insert(spare_.end(), chosen.begin(), chosen.end());
+    va_insert(first, covered);
     if (failed.kind == failure_kind::out_of_memory) return false;
-    throw_cuda_error(failed, "vmm_page_pool: map pages");
+    throw_cuda_error(failed, "vmm_page_pool: map chunks");
   }
-  for (std::size_t i = 0; i < pages; ++i) {
-    const page_ref ref = spare_.back();
-    spare_.pop_back();
-    page_table_[first + i] = ref;
-    chunks_[ref.chunk].mapped += 1;
+  at = first;
+  for (std::uint32_t id : chosen) {
+    chunk& k = chunks_[id];
+    k.mapped_at = at;
+    for (std::size_t p = 0; p < k.pages; ++p) page_table_[at + p] = id;
+    at += k.pages;
   }
-  arena.add_region(page_address(first), pages * page_, 0, stream.value);
-  (void)arena_id;
+  arena.add_region(page_address(first), covered * page_, 0, stream.value);
   return true;
 }
 
 std::size_t vmm_page_pool::release_cached() {
   reclaim(va_pages_);
   std::size_t released = 0;
-  for (std::uint32_t id = 0; id < chunks_.size(); ++id) {
+  std::vector<std::uint32_t> kept;
+  for (std::uint32_t id : spare_) {
     chunk& c = chunks_[id];
-    if (!c.live || c.mapped != 0) continue;
-    if (auto s = device_platform().release_physical(c.handle); !s) continue;  // keep it
+    if (auto s = device_platform().release_physical(c.handle); !s) {
+      kept.push_back(id);  // keep it; the pool stays consistent
+      continue;
+    }
     c.live = false;
     const std::size_t bytes = c.pages * page_;
     sub_reserved(bytes);
     released += bytes;
     counts_.pages_released += c.pages;
-    std::erase_if(spare_, [id](const page_ref& r) { return r.chunk == id; });
   }
+  spare_ = std::move(kept);
   return released;
 }
 
 std::string vmm_page_pool::describe_holdings() const {
   std::size_t mapped = 0, handles = 0;
   for (auto& c : chunks_) {
-    mapped += c.mapped;
-    handles += c.live ? 1 : 0;
+    if (!c.live) continue;
+    mapped += c.mapped_at != no_page ? c.pages : 0;
+    handles += 1;
   }
   std::ostringstream out;
-  out << "  pages of " << format_bytes(page_) << ": " << mapped << " mapped, " << spare_.size()
+  out << "  pages of " << format_bytes(page_) << ": " << mapped << " mapped, " << spare_pages()
       << " kept unmapped for reuse, in " << handles << " physical handles; "
       << counts_.pages_reclaimed << " pages remapped so far\n";
   return out.str();
@@ -231,16 +286,20 @@ std::string vmm_page_pool::describe_holdings() const {
 
 std::string vmm_page_pool::validate_holdings() const {
   std::size_t live_pages = 0, mapped = 0;
-  for (auto& c : chunks_)
-    if (c.live) {
-      live_pages += c.pages;
-      mapped += c.mapped;
-    }
-  if (live_pages * page_ != reserved_locked()) return "handles do not add up to reserved";
+  for (std::uint32_t id = 0; id < chunks_.size(); ++id) {
+    const chunk& c = chunks_[id];
+    if (!c.live) continue;
+    live_pages += c.pages;
+    if (c.mapped_at == no_page) continue;
+    mapped += c.pages;
+    for (std::size_t p = 0; p < c.pages; ++p)
+      if (page_table_[c.mapped_at + p] != id) return "page table disagrees with a chunk's mapping";
+  }
+  if (live_pages * page_ != reserved_locked()) return "chunks do not add up to reserved";
   std::size_t table_mapped = 0;
-  for (auto& r : page_table_) table_mapped += r.chunk != no_chunk ? 1 : 0;
-  if (table_mapped != mapped) return "page table disagrees with handle mapping counts";
-  if (mapped + spare_.size() != live_pages) return "pages neither mapped nor spare";
+  for (std::uint32_t id : page_table_) table_mapped += id != no_chunk ? 1 : 0;
+  if (table_mapped != mapped) return "page table maps pages of no live chunk";
+  if (mapped + spare_pages() != live_pages) return "chunk pages neither mapped nor spare";
   return {};
 }
 

@@ -207,6 +207,12 @@ TEST_P(resource_contract, allocates_every_size_aligned_and_disjoint) {
         << "allocations of " << sorted[i - 1].bytes << " and " << sorted[i].bytes
         << " bytes overlap";
   EXPECT_EQ(r.stats().peak_live_bytes, sum);
+  // vmm: reserved_bytes == sum of granularity-rounded sizes of live allocations.
+  if (std::size_t g = vmm_granularity(r)) {
+    std::size_t rounded = 0;
+    for (auto& l : allocations) rounded += (l.bytes + g - 1) / g * g;
+    EXPECT_EQ(r.stats().reserved_bytes, rounded);
+  }
 
   // Free in an interleaved order: odd positions first, then even.
   std::size_t freed = 0;

@@ -41,8 +41,8 @@ class tracked_resource : public memory_resource {
   // Checks that ptr/bytes is a live allocation of this resource and removes it; throws
   // gpumem::invalid_argument otherwise. Returns the reserved bytes it held.
   std::size_t untrack(void* ptr, std::size_t bytes);
-  // Puts an untracked allocation back (its driver free failed).
-  void retrack(void* ptr, std::size_t bytes, std::size_t reserved) { track(ptr, bytes, reserved); }
+  // Puts an untracked allocation back (its driver free failed), as if never freed.
+  void retrack(void* ptr, std::size_t bytes, std::size_t reserved);
   std::string holdings() const;
   // Removes every live allocation (for destructors, which then free them).
   std::vector<void*> take_all();

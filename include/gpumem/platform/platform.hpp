@@ -201,6 +201,7 @@ class platform {
   // Memory is freed once the handle is released AND no mapping of it remains.
   virtual status release_physical(physical_handle handle) = 0;
   // Maps [offset, offset+size) of handle at va; access is not granted until set_access.
+  // The CUDA 13 driver accepts offset 0 only (sim refuses others the same way).
   virtual status map(std::uintptr_t va, std::size_t size, physical_handle handle,
                      std::size_t offset) = 0;
   // REQUIRES: [va, va+size) covers whole mappings.

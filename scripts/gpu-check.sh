@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# On a GPU machine, in one go: build (Release), run the whole test suite and the GPU
+# tests (compute-sanitizer over the GPU tests), gpumem info, the trace replays on the GPU
+# and the pool benchmark. Logs go to $OUT (default ./gpu-check-out); a short table last.
+#   .deps/googletest   GoogleTest sources, when the machine has no libgtest-dev
+#   .gpurun/*.csv.gz   extra traces to replay (e.g. infer_llama.csv.gz)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-check-out}
+mkdir -p "$OUT"
+BUILD=build-gpu
+gtest_arg=()
+[ -d .deps/googletest ] && gtest_arg=(-DGPUMEM_GTEST_SOURCE="$PWD/.deps/googletest")
+{ date -u; nvidia-smi -L; } | tee "$OUT/machine.txt"
+cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release "${gtest_arg[@]}" >"$OUT/build.log" 2>&1 &&
+  cmake --build $BUILD -j 16 >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+$BUILD/tools/gpumem info | tee "$OUT/info.txt"
+$BUILD/tools/gpumem info --json --bandwidth >"$OUT/info.json"
+grep -E 'measured|platform"' "$OUT/info.json"
+$BUILD/tests/gpumem_gpu_tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+$BUILD/tests/gpumem_tests 2>&1 >"$OUT/all_tests.log"; tail -4 "$OUT/all_tests.log"
+grep -E "SKIPPED|FAILED" "$OUT/all_tests.log" | head -20
+if command -v compute-sanitizer >/dev/null; then
+  compute-sanitizer --tool memcheck --leak-check full $BUILD/tests/gpumem_gpu_tests >"$OUT/sanitizer.log" 2>&1
+  echo "compute-sanitizer exit $?: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)"
+fi
+$BUILD/bench/pool_bench --device cuda --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
+$BUILD/tools/gpumem replay data/train_llama.csv.gz --device cuda --passes 2 2>/dev/null | tee "$OUT/replay_train.txt"
+for t in .gpurun/*.csv.gz; do
+  [ -f "$t" ] || continue
+  $BUILD/tools/gpumem replay "$t" --device cuda --passes 2 --allocator vmm_page_pool 2>/dev/null | tee "$OUT/replay_$(basename "$t" .csv.gz).txt" | tail -1
+  $BUILD/tools/gpumem replay "$t" --device cuda --passes 2 --allocator caching_pool 2>/dev/null | tail -1
+done

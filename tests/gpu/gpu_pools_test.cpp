@@ -1,0 +1,204 @@
+// GPU tests: the real driver under the VMM seam and the pools. Each test skips, saying
+// why, when no CUDA device is present (CI has none).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "gpumem/backend.hpp"
+#include "gpumem/errors.hpp"
+#include "gpumem/platform.hpp"
+#include "gpumem/pool.hpp"
+
+namespace {
+
+using namespace gpumem;
+
+platform* cuda() {
+  static std::string why;
+  static std::unique_ptr<platform> p = make_cuda_platform(&why);
+  return p.get();
+}
+
+#define REQUIRE_GPU()                                                                 \
+  do {                                                                                \
+    if (cuda() == nullptr) {                                                          \
+      std::string why;                                                                \
+      (void)make_cuda_platform(&why);                                                 \
+      GTEST_SKIP() << "no CUDA device: " << why;                                      \
+    }                                                                                 \
+  } while (0)
+
+// Copies `bytes` of a pattern into device memory and back; true when they round-trip.
+bool round_trip(platform& p, void* device_ptr, std::size_t bytes, unsigned char seed) {
+  std::vector<unsigned char> in(bytes), out(bytes, 0);
+  for (std::size_t i = 0; i < bytes; ++i) in[i] = static_cast<unsigned char>(seed + i * 7);
+  if (!p.memcpy_async(device_ptr, in.data(), bytes, {})) return false;
+  if (!p.memcpy_async(out.data(), device_ptr, bytes, {})) return false;
+  if (!p.stream_synchronize({})) return false;
+  return in == out;
+}
+
+std::vector<unsigned char> read_back(platform& p, const void* device_ptr, std::size_t bytes) {
+  std::vector<unsigned char> out(bytes);
+  EXPECT_TRUE(p.memcpy_async(out.data(), device_ptr, bytes, {}).ok());
+  EXPECT_TRUE(p.stream_synchronize({}).ok());
+  return out;
+}
+
+TEST(gpu_platform, one_handle_mapped_twice_shows_the_same_bytes) {
+  REQUIRE_GPU();
+  platform& p = *cuda();
+  const std::size_t g = p.granularity(0).value().recommended;
+  auto a = p.reserve_range(g, g);
+  auto b = p.reserve_range(g, g);
+  auto h = p.create_physical(0, g);
+  ASSERT_TRUE(a && b && h);
+  ASSERT_TRUE(p.map(a.value(), g, h.value(), 0));
+  ASSERT_TRUE(p.map(b.value(), g, h.value(), 0));
+  ASSERT_TRUE(p.set_access(0, a.value(), g));
+  ASSERT_TRUE(p.set_access(0, b.value(), g));
+  ASSERT_TRUE(p.memset_async(reinterpret_cast<void*>(a.value()), 0x5a, 4096, {}));
+  auto seen = read_back(p, reinterpret_cast<void*>(b.value()), 4096);
+  EXPECT_EQ(seen, std::vector<unsigned char>(4096, 0x5a));
+  EXPECT_TRUE(p.unmap(a.value(), g));
+  EXPECT_TRUE(p.unmap(b.value(), g));
+  EXPECT_TRUE(p.release_physical(h.value()));
+  EXPECT_TRUE(p.free_range(a.value(), g));
+  EXPECT_TRUE(p.free_range(b.value(), g));
+}
+
+TEST(gpu_platform, async_malloc_round_trip) {
+  REQUIRE_GPU();
+  platform& p = *cuda();
+  auto ptr = p.async_malloc(0, 1 << 20, {});
+  ASSERT_TRUE(ptr);
+  EXPECT_TRUE(round_trip(p, ptr.value(), 1 << 20, 3));
+  EXPECT_TRUE(p.async_free(ptr.value(), {}));
+  EXPECT_TRUE(p.stream_synchronize({}));
+}
+
+TEST(gpu_pools, vmm_page_pool_blocks_hold_data) {
+  REQUIRE_GPU();
+  vmm_page_pool pool(*cuda(), 0);
+  std::vector<std::pair<void*, std::size_t>> live;
+  for (std::size_t size : {512ul, 4096ul, 1ul << 20, 3ul << 20, 64ul << 20}) {
+    void* ptr = pool.allocate(size);
+    ASSERT_TRUE(round_trip(*cuda(), ptr, size, static_cast<unsigned char>(size)));
+    live.emplace_back(ptr, size);
+  }
+  for (auto [ptr, size] : live) pool.deallocate(ptr, size);
+  EXPECT_EQ(pool.validate(), "");
+  EXPECT_GT(pool.trim(), 0u);
+  EXPECT_EQ(pool.stats().reserved_bytes, 0u);
+}
+
+TEST(gpu_pools, remap_reuses_free_pages_and_keeps_live_bytes) {
+  REQUIRE_GPU();
+  platform& p = *cuda();
+  pool_options options;
+  options.small_threshold = 0;
+  vmm_page_pool pool(p, 0, options);
+  const std::size_t page = pool.page_size();
+  // 16 blocks of 4 pages; free every other one: 32 free pages, no free run over 4 pages.
+  std::vector<void*> blocks;
+  for (int i = 0; i < 16; ++i) {
+    blocks.push_back(pool.allocate(4 * page));
+    ASSERT_TRUE(p.memset_async(blocks.back(), i + 1, 4 * page, {}));
+  }
+  for (int i = 0; i < 16; i += 2) pool.deallocate(blocks[i], 4 * page);
+  const auto creates = p.calls_made(platform_op::create_physical);
+  void* big = pool.allocate(24 * page);  // needs stitching
+  EXPECT_EQ(p.calls_made(platform_op::create_physical), creates) << "grew instead of remapping";
+  EXPECT_GT(pool.page_counts().pages_reclaimed, 0u);
+  EXPECT_TRUE(round_trip(p, big, 24 * page, 9));
+  for (int i = 1; i < 16; i += 2) {
+    auto bytes = read_back(p, blocks[i], 4 * page);
+    EXPECT_EQ(bytes.front(), i + 1);
+    EXPECT_EQ(bytes.back(), i + 1);
+    pool.deallocate(blocks[i], 4 * page);
+  }
+  pool.deallocate(big, 24 * page);
+  EXPECT_EQ(pool.validate(), "");
+}
+
+TEST(gpu_pools, caching_pool_over_each_backend) {
+  REQUIRE_GPU();
+  platform& p = *cuda();
+  runtime_resource runtime(p, 0);
+  driver_resource driver(p, 0);
+  vmm_resource vmm(p, 0);
+  for (memory_resource* upstream : {static_cast<memory_resource*>(&runtime),
+                                    static_cast<memory_resource*>(&driver),
+                                    static_cast<memory_resource*>(&vmm)}) {
+    caching_pool pool(*upstream);
+    void* a = pool.allocate(1000);
+    void* b = pool.allocate(5 << 20);
+    EXPECT_TRUE(round_trip(p, a, 1000, 1)) << upstream->name();
+    EXPECT_TRUE(round_trip(p, b, 5 << 20, 2)) << upstream->name();
+    pool.deallocate(a, 1000);
+    pool.deallocate(b, 5 << 20);
+    EXPECT_EQ(pool.validate(), "");
+  }
+}
+
+TEST(gpu_pools, cross_stream_reuse_waits_for_the_free) {
+  REQUIRE_GPU();
+  platform& p = *cuda();
+  auto s1 = p.stream_create(0);
+  auto s2 = p.stream_create(0);
+  ASSERT_TRUE(s1 && s2);
+  {
+    pool_options options;
+    options.cross_stream = cross_stream_policy::wait;
+    vmm_page_pool pool(p, 0, options);
+    void* a = pool.allocate(1 << 20, 256, s1.value());
+    ASSERT_TRUE(p.memset_async(a, 1, 1 << 20, s1.value()));
+    pool.deallocate(a, 1 << 20, s1.value());
+    const auto waits = p.calls_made(platform_op::stream_wait_event);
+    void* b = pool.allocate(1 << 20, 256, s2.value());
+    EXPECT_EQ(a, b);
+    EXPECT_GT(p.calls_made(platform_op::stream_wait_event), waits);
+    ASSERT_TRUE(p.memset_async(b, 2, 1 << 20, s2.value()));
+    ASSERT_TRUE(p.stream_synchronize(s2.value()));
+    pool.deallocate(b, 1 << 20, s2.value());
+  }
+  EXPECT_TRUE(p.stream_destroy(s1.value()));
+  EXPECT_TRUE(p.stream_destroy(s2.value()));
+}
+
+TEST(gpu_pools, fixed_block_pool_on_vmm_pages) {
+  REQUIRE_GPU();
+  vmm_page_pool pages(*cuda(), 0);
+  fixed_block_pool blocks(pages, 64 << 10);
+  std::vector<fixed_block_pool::block_id> ids;
+  for (int i = 0; i < 100; ++i) ids.push_back(blocks.allocate());
+  for (auto id : ids) ASSERT_TRUE(round_trip(*cuda(), blocks.address(id), 64 << 10, id & 0xff));
+  for (auto id : ids) blocks.free(id);
+  EXPECT_EQ(blocks.validate(), "");
+  EXPECT_GT(blocks.shrink(), 0u);
+}
+
+TEST(gpu_backends, driver_alloc_restores_no_context_state_and_oom_is_typed) {
+  REQUIRE_GPU();
+  driver_resource driver(*cuda(), 0);
+  void* a = driver.allocate(1 << 20);
+  EXPECT_TRUE(round_trip(*cuda(), a, 1 << 20, 4));
+  driver.deallocate(a, 1 << 20);
+  vmm_resource vmm(*cuda(), 0);
+  // Larger than free memory but within the device total: a typed OOM with a report.
+  auto info = cuda()->mem_info(0).value();
+  const std::size_t too_big = info.total - (info.total - info.free) / 2;
+  if (too_big > info.free) {
+    try {
+      void* p = vmm.allocate(too_big);
+      vmm.deallocate(p, too_big);
+      ADD_FAILURE() << "expected out_of_memory";
+    } catch (const out_of_memory& e) {
+      EXPECT_NE(std::string(e.what()).find("free"), std::string::npos);
+    }
+  }
+}
+
+}  // namespace
