@@ -11,10 +11,10 @@ mkdir -p "$OUT"
 BUILD=build-gpu
 gtest_arg=()
 [ -d .deps/googletest ] && gtest_arg=(-DGPUMEM_GTEST_SOURCE="$PWD/.deps/googletest")
-{ date -u; nvidia-smi -L; } | tee "$OUT/machine.txt"
-cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release "${gtest_arg[@]}" >"$OUT/build.log" 2>&1 &&
-  cmake --build $BUILD -j 16 >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-$BUILD/tools/gpumem info | tee "$OUT/info.txt"
+{ date -u; nvidia-smi -L; } | tee "$OUT/info.txt"
+cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release "${gtest_arg[@]}" >"$BUILD.log" 2>&1 &&
+  cmake --build $BUILD -j 16 >>"$BUILD.log" 2>&1 || { tail -40 "$BUILD.log"; exit 1; }
+$BUILD/tools/gpumem info | tee -a "$OUT/info.txt"
 $BUILD/tools/gpumem info --json --bandwidth >"$OUT/info.json"
 grep -E 'measured|platform"' "$OUT/info.json"
 $BUILD/tests/gpumem_gpu_tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
@@ -29,5 +29,4 @@ $BUILD/tools/gpumem replay data/train_llama.csv.gz --device cuda --passes 2 2>/d
 for t in .gpurun/*.csv.gz; do
   [ -f "$t" ] || continue
   $BUILD/tools/gpumem replay "$t" --device cuda --passes 2 --allocator vmm_page_pool 2>/dev/null | tee "$OUT/replay_$(basename "$t" .csv.gz).txt" | tail -1
-  $BUILD/tools/gpumem replay "$t" --device cuda --passes 2 --allocator caching_pool 2>/dev/null | tail -1
 done
