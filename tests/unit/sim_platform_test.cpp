@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <cstdio>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -455,7 +456,13 @@ TEST(sim_platform, DISABLED_host_mapping_limit_fails_cleanly) {
   std::size_t mapped = 0;
   status refused;
   for (std::size_t i = 0; i < n; ++i) {
-    status s = sim.map(range.value() + 2 * i * page, page, handles[i], 0);
+    status s;
+    try {
+      s = sim.map(range.value() + 2 * i * page, page, handles[i], 0);
+    } catch (const std::bad_alloc&) {
+      std::fprintf(stderr, "DEBUG: sim.map threw bad_alloc at mapping %zu\n", i);
+      throw;
+    }
     if (!s.ok()) {
       refused = s;
       break;
