@@ -24,7 +24,10 @@ block* block_arena::new_block() {
   return b;
 }
 
-void block_arena::delete_block(block* b) { spare_blocks_.push_back(b); }
+void block_arena::delete_block(block* b) {
+  b->st = block::state::recycled;
+  spare_blocks_.push_back(b);
+}
 
 void block_arena::insert_free(block* b) {
   b->st = block::state::free;
@@ -228,6 +231,21 @@ void block_arena::flush() {
   }
   quick_.clear();
   cached_blocks_ = 0;
+}
+
+void block_arena::retag_free(std::uintptr_t from, std::uintptr_t to) {
+  flush();
+  std::vector<block*> moving;
+  for (block* b : free_)
+    if (b->stream == from) moving.push_back(b);
+  for (block* b : moving) {
+    // An earlier merge may have absorbed b; only blocks still indexed are moved.
+    if (b->st != block::state::free || b->stream != from) continue;
+    erase_free(b);
+    b->stream = to;
+    b->free_epoch = 0;
+    insert_free(merge(b));
+  }
 }
 
 std::vector<block*> block_arena::free_blocks() const { return {free_.begin(), free_.end()}; }

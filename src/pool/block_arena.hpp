@@ -27,7 +27,7 @@
 namespace gpumem::detail {
 
 struct block {
-  enum class state : std::uint8_t { allocated, cached, free };
+  enum class state : std::uint8_t { allocated, cached, free, recycled /* record unused */ };
   std::uintptr_t addr = 0;
   std::size_t size = 0;
   block* prev = nullptr;        // address neighbour below, same segment (nullptr at an edge)
@@ -73,6 +73,9 @@ class block_arena {
 
   // Moves every quick-list block into the merged free index (merging neighbours).
   void flush();
+  // Re-tags every cached and free block of stream `from` as free on `to`, safe at once
+  // (free epoch 0), merging as it goes. REQUIRES: `from`'s work has completed.
+  void retag_free(std::uintptr_t from, std::uintptr_t to);
   // Every free (merged) block, for reclaim and trim. Valid until the next mutation.
   std::vector<block*> free_blocks() const;
   // Removes [from, from+len) from free block b; the rest stays free. The removed memory is

@@ -1,6 +1,8 @@
 #include "gpumem/pool/pool_base.hpp"
 
 #include <algorithm>
+#include <cstdio>
+#include <limits>
 #include <sstream>
 
 #include "gpumem/errors.hpp"
@@ -15,6 +17,7 @@ pool_base::pool_base(platform& platform, int device, pool_options options,
       alignment_limit_(alignment_limit) {
   arenas_[small_arena] = std::make_unique<detail::block_arena>();
   arenas_[large_arena] = std::make_unique<detail::block_arena>();
+  streams_.try_emplace(0);  // the default stream: fresh and reserved memory is tagged with it
 }
 
 pool_base::~pool_base() {
@@ -40,14 +43,26 @@ void* pool_base::do_allocate(std::size_t bytes, std::size_t alignment, stream_ha
 void* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std::size_t alignment,
                                stream_handle stream, std::size_t requested) {
   detail::block_arena& a = *arenas_[id];
+  streams_.try_emplace(stream.value);
   a.flush();
   if (auto* b = a.allocate(size, alignment, stream.value, requested))
     return reinterpret_cast<void*>(b->addr);
-  if (streams_.size() > 1 || (streams_.size() == 1 && !streams_.contains(stream.value))) {
-    auto* b = a.allocate_from_other_streams(
-        size, alignment, stream.value, requested,
-        [&](const detail::block& blk) { return free_is_complete(blk.stream, blk.free_epoch, stream); });
-    if (b != nullptr) return reinterpret_cast<void*>(b->addr);
+  auto from_other_streams = [&](detail::block_arena& arena) {
+    return streams_.size() > 1
+               ? arena.allocate_from_other_streams(
+                     size, alignment, stream.value, requested,
+                     [&](const detail::block& blk) {
+                       return free_is_complete(blk.stream, blk.free_epoch, &stream);
+                     })
+               : nullptr;
+  };
+  if (auto* b = from_other_streams(a)) return reinterpret_cast<void*>(b->addr);
+  if (id == small_arena && small_may_use_large_arena()) {
+    detail::block_arena& large = *arenas_[large_arena];
+    large.flush();
+    if (auto* b = large.allocate(size, alignment, stream.value, requested))
+      return reinterpret_cast<void*>(b->addr);
+    if (auto* b = from_other_streams(large)) return reinterpret_cast<void*>(b->addr);
   }
   if (grow(a, id, size, alignment, stream)) {
     if (auto* b = a.allocate(size, alignment, stream.value, requested))
@@ -64,8 +79,12 @@ void* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std::size_t a
   throw out_of_memory(report_locked(requested));
 }
 
+bool pool_base::free_known_complete(const detail::block& b) {
+  return free_is_complete(b.stream, b.free_epoch, nullptr);
+}
+
 bool pool_base::free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch,
-                                 stream_handle wanted_by) {
+                                 const stream_handle* wanted_by) {
   auto& s = streams_[freed_on];
   if (s.completed_epoch >= epoch) return true;
   platform& p = device_platform();
@@ -82,8 +101,8 @@ bool pool_base::free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch,
     s.event_pending = true;
     s.event_epoch = s.frees;
   }
-  if (options_.cross_stream == cross_stream_policy::wait) {
-    if (auto st = p.stream_wait_event(wanted_by, s.event); !st)
+  if (wanted_by != nullptr && options_.cross_stream == cross_stream_policy::wait) {
+    if (auto st = p.stream_wait_event(*wanted_by, s.event); !st)
       throw_cuda_error(st, "pool: cross-stream wait");
     return true;  // wanted_by's later work now runs after the freed block's last use
   }
@@ -99,20 +118,28 @@ bool pool_base::free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch,
 void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream) {
   std::lock_guard lock(mutex_);
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
-  const std::uint32_t id = bytes <= options_.small_threshold ? small_arena : large_arena;
+  // The arena its size points to, else the other (small blocks may live in the large one).
+  std::uint32_t id = bytes <= options_.small_threshold ? small_arena : large_arena;
   detail::block* b = arenas_[id]->find_live(addr);
+  if (b == nullptr) {
+    id = 1 - id;
+    b = arenas_[id]->find_live(addr);
+  }
   if (b == nullptr || b->requested != bytes) {
-    detail::block* other = arenas_[1 - id]->find_live(addr);
-    const detail::block* found = b != nullptr ? b : other;
-    if (found != nullptr)
-      throw invalid_argument("deallocate: size mismatch for pointer of the '" +
-                             std::string(name()) + "' pool: allocated " +
-                             std::to_string(found->requested) + " bytes, freed as " +
+    char where[32];
+    std::snprintf(where, sizeof where, "0x%llx", static_cast<unsigned long long>(addr));
+    if (b != nullptr)
+      throw invalid_argument("deallocate: size mismatch for pointer " + std::string(where) +
+                             " of the '" + std::string(name()) + "' pool: allocated " +
+                             std::to_string(b->requested) + " bytes, freed as " +
                              std::to_string(bytes));
-    throw invalid_argument("deallocate: unknown pointer, interior pointer or double free: "
+    if (ptr == nullptr)
+      throw invalid_argument("deallocate: null pointer passed to the '" + std::string(name()) +
+                             "' pool");
+    throw invalid_argument("deallocate: unknown pointer " + std::string(where) +
+                           " (never allocated here, an interior pointer, or a double free): "
                            "the '" + std::string(name()) + "' pool (device " +
-                           std::to_string(device()) + ") has no live allocation at " +
-                           std::to_string(addr));
+                           std::to_string(device()) + ") has no live allocation there");
   }
   auto& s = streams_[stream.value];
   arenas_[id]->release(b, stream.value, ++s.frees);
@@ -123,6 +150,18 @@ void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream
       stats_.reserved_bytes - arenas_[0]->allocated_bytes() - arenas_[1]->allocated_bytes() >
           options_.release_threshold)
     release_cached();
+}
+
+void pool_base::release_stream(stream_handle stream) {
+  std::lock_guard lock(mutex_);
+  auto it = streams_.find(stream.value);
+  if (it == streams_.end() || stream.value == 0) return;
+  // Its blocks become the default stream's, safe at once: the stream's work is done.
+  if (auto st = device_platform().stream_synchronize(stream); !st)
+    throw_cuda_error(st, "pool: synchronize a stream being released");
+  for (auto& a : arenas_) a->retag_free(stream.value, 0);
+  if (it->second.event.value != 0) (void)device_platform().event_destroy(it->second.event);
+  streams_.erase(it);
 }
 
 void pool_base::synchronize_streams_with_free_blocks() {

@@ -58,6 +58,18 @@ pool_options pool_options::parse(std::string_view config) {
       throw invalid_argument("config: '" + std::string(item) + "' is not key:value");
     const std::string_view key = trim(item.substr(0, colon));
     const std::string_view value = trim(item.substr(colon + 1));
+    try {
+      apply(o, key, value);
+    } catch (const invalid_argument& e) {
+      if (std::string(e.what()).find("'" + std::string(key) + "'") != std::string::npos) throw;
+      throw invalid_argument(std::string(e.what()) + " (in '" + std::string(key) + "')");
+    }
+  }
+  return o;
+}
+
+void pool_options::apply(pool_options& o, std::string_view key, std::string_view value) {
+  {
     if (key == "reserve") {
       o.reserve_bytes = parse_bytes(value);
     } else if (key == "reserve_fraction") {
@@ -87,7 +99,6 @@ pool_options pool_options::parse(std::string_view config) {
                              "small_threshold, cross_stream, va_reserve)");
     }
   }
-  return o;
 }
 
 pool_options pool_options::from_environment() {

@@ -124,7 +124,7 @@ void vmm_page_pool::va_insert(std::size_t first, std::size_t count) {
   va_free_.emplace(first, count);
 }
 
-std::size_t vmm_page_pool::reclaim(std::size_t wanted) {
+std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait) {
   struct candidate {
     std::uint32_t arena_id;
     detail::block* b;
@@ -135,6 +135,7 @@ std::size_t vmm_page_pool::reclaim(std::size_t wanted) {
   for (std::uint32_t id : {small_arena, large_arena}) {
     arena(id).flush();
     for (detail::block* b : arena(id).free_blocks()) {
+      if (!wait && !free_known_complete(*b)) continue;
       const std::size_t first = (b->addr - va_base_ + page_ - 1) / page_;
       const std::size_t end = (b->addr + b->size - va_base_) / page_;
       candidate c{id, b, {}, 0};
@@ -155,7 +156,7 @@ std::size_t vmm_page_pool::reclaim(std::size_t wanted) {
   std::sort(found.begin(), found.end(),
             [](const candidate& x, const candidate& y) { return x.pages > y.pages; });
   // Work queued on any stream may still touch these pages: let it finish before unmapping.
-  synchronize_streams_with_free_blocks();
+  if (wait) synchronize_streams_with_free_blocks();
   std::size_t got = 0;
   for (auto& c : found) {
     // Highest address first, so the piece left below each carve is the block to cut next.
@@ -182,9 +183,26 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
   const std::size_t pad = alignment > arena.unit() ? alignment - arena.unit() : 0;
   const std::size_t pages = (size + pad + page_ - 1) / page_;
   // Physical chunks first: kept ones, then reclaimed ones, then new memory.
+  // Enough virtual address space first, so a failure leaves nothing behind.
+  if (std::none_of(va_free_.begin(), va_free_.end(),
+                   [&](const auto& r) { return r.second >= pages; }))
+    return false;
   std::size_t have = spare_pages();
-  if (have < pages) have += reclaim(pages - have);
+  if (have < pages) have += reclaim(pages - have, false);
+  const std::size_t first_new = chunks_.size();
   if (have < pages && !create_chunks(pages - have)) return false;
+  // Undoes this call's new chunks (all spare) when the rest fails.
+  auto release_new_chunks = [&] {
+    for (std::uint32_t id = static_cast<std::uint32_t>(first_new); id < chunks_.size(); ++id) {
+      chunk& c = chunks_[id];
+      if (!c.live || c.mapped_at != no_page) continue;
+      if (!device_platform().release_physical(c.handle)) continue;
+      c.live = false;
+      sub_reserved(c.pages * page_);
+      counts_.pages_created -= c.pages;
+      std::erase(spare_, id);
+    }
+  };
 
   // Choose kept chunks covering `pages`: largest first, then the smallest that closes
   // the gap, so little extra is mapped.
@@ -209,6 +227,7 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
                           [&](const auto& r) { return r.second >= covered; });
   if (run == va_free_.end()) {
     spare_.insert(spare_.end(), chosen.begin(), chosen.end());
+    release_new_chunks();
     return false;  // virtual range exhausted
   }
   const std::size_t first = run->first;
@@ -236,6 +255,7 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
     }
     spare_.insert(spare_.end(), chosen.begin(), chosen.end());
     va_insert(first, covered);
+    release_new_chunks();
     if (failed.kind == failure_kind::out_of_memory) return false;
     throw_cuda_error(failed, "vmm_page_pool: map chunks");
   }
@@ -251,7 +271,7 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
 }
 
 std::size_t vmm_page_pool::release_cached() {
-  reclaim(va_pages_);
+  reclaim(va_pages_, true);
   std::size_t released = 0;
   std::vector<std::uint32_t> kept;
   for (std::uint32_t id : spare_) {

@@ -163,8 +163,25 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
   platform& p = resource.device_platform();
   auto* sim = dynamic_cast<sim_platform*>(&p);
 
-  // The trace's first stream is the default stream; others get streams of their own.
-  std::vector<stream_handle> streams(t.streams.size());
+  // The trace's first stream is the default stream; others get streams of their own,
+  // released from the resource and destroyed on every way out.
+  struct stream_set {
+    platform& p;
+    memory_resource& resource;
+    std::vector<stream_handle> handles;
+    ~stream_set() {
+      for (std::size_t i = 1; i < handles.size(); ++i) {
+        if (handles[i].value == 0) continue;
+        try {
+          resource.release_stream(handles[i]);
+        } catch (...) {
+          // Destruction must not throw; the stream is still destroyed below.
+        }
+        (void)p.stream_destroy(handles[i]);
+      }
+    }
+  } owned{p, resource, std::vector<stream_handle>(t.streams.size())};
+  std::vector<stream_handle>& streams = owned.handles;
   for (std::size_t i = 1; i < streams.size(); ++i) {
     auto s = p.stream_create(resource.device());
     if (!s) throw cuda_error(std::string(platform_op_name(s.error().call)), s.error().code,
@@ -234,7 +251,6 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
     if (n != 0) r.driver_calls[std::string(platform_op_name(op))] = n;
   }
   if (sim != nullptr) r.driver_ns = static_cast<double>(sim->modelled_ns() - modelled_before);
-  for (std::size_t i = 1; i < streams.size(); ++i) (void)p.stream_destroy(streams[i]);
   return r;
 }
 

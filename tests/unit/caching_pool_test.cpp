@@ -207,7 +207,7 @@ TEST_F(CachingPool, WaitPolicyReusesAnotherStreamsBlockAtOnce) {
   sim.hold_events(false);
 }
 
-// Bug: block_arena::take() gives the tail split off a freed block free_epoch 0, so the rest
+// Regression (fixed 2026-11-30), it was: block_arena::take() gives the tail split off a freed block free_epoch 0, so the rest
 // of a block freed on s1 (still in use by s1's queued work) counts as complete for s2.
 TEST_F(CachingPool, TheRestOfASplitFreedBlockIsNotHandedToAnotherStreamEarly) {
   runtime_caching_pool env(sim);
@@ -313,12 +313,11 @@ TEST_F(CachingPool, ReserveUpFrontServesTheFirstLargeAllocations) {
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
 }
 
-// Bug: the reserve is a free block of the default stream, and pool_base::allocate_slow only
+// Regression (fixed 2026-11-30), it was: the reserve is a free block of the default stream, and pool_base::allocate_slow only
 // looks at other streams' blocks once some stream has freed something (streams_ is empty
 // until the first deallocate). So allocations on any other stream grow new segments beside
 // the idle reserve — and with a limit, the reserve is given back to make room.
-// Known failing at the 2026-11-30 stop (closing note): CachingPool.ReserveUpFrontServesAllocationsOnAnyStream
-TEST_F(CachingPool, DISABLED_ReserveUpFrontServesAllocationsOnAnyStream) {
+TEST_F(CachingPool, ReserveUpFrontServesAllocationsOnAnyStream) {
   pool_options o;
   o.reserve_bytes = 32 * MiB;
   runtime_caching_pool env(sim, o);
@@ -332,8 +331,7 @@ TEST_F(CachingPool, DISABLED_ReserveUpFrontServesAllocationsOnAnyStream) {
   pool.deallocate(a, 8 * MiB, s1);
 }
 
-// Known failing at the 2026-11-30 stop (closing note): CachingPool.AFreshSegmentsFreeTailServesAnotherStream
-TEST_F(CachingPool, DISABLED_AFreshSegmentsFreeTailServesAnotherStream) {
+TEST_F(CachingPool, AFreshSegmentsFreeTailServesAnotherStream) {
   // Same cause: s1's new segment has a free tail that no work ever touched, but s2 cannot
   // use it until some stream has freed a block.
   runtime_caching_pool env(sim);
@@ -348,10 +346,9 @@ TEST_F(CachingPool, DISABLED_AFreshSegmentsFreeTailServesAnotherStream) {
   pool.deallocate(a, 64 * KiB, s1);
 }
 
-// Bug (design gap): the up-front reserve goes into the large-block arena only, so small
+// Regression (fixed 2026-11-30), it was: the up-front reserve goes into the large-block arena only, so small
 // requests (<= small_threshold, 1 MiB) grow new 2 MiB segments beside an idle reserve.
-// Known failing at the 2026-11-30 stop (closing note): CachingPool.ReserveUpFrontServesSmallAllocationsToo
-TEST_F(CachingPool, DISABLED_ReserveUpFrontServesSmallAllocationsToo) {
+TEST_F(CachingPool, ReserveUpFrontServesSmallAllocationsToo) {
   pool_options o;
   o.reserve_bytes = 32 * MiB;
   runtime_caching_pool env(sim, o);
@@ -633,8 +630,7 @@ TEST(PoolOptions, MalformedTextIsRefusedWithTheOffendingPart) {
 
 // A malformed value should say which key it belongs to: "config: value '1X' of 'size'"
 // leaves the user to guess which of reserve/limit/... in a long GPUMEM_CONF is wrong.
-// Known failing at the 2026-11-30 stop (closing note): PoolOptions.MalformedValuesNameTheirKey
-TEST(PoolOptions, DISABLED_MalformedValuesNameTheirKey) {
+TEST(PoolOptions, MalformedValuesNameTheirKey) {
   for (const char* text : {"limit:abc", "reserve:1X", "release_threshold:lots", "va_reserve:-5",
                            "small_threshold:"}) {
     const std::string key = std::string(text).substr(0, std::string(text).find(':'));

@@ -282,8 +282,7 @@ std::string two_stream_trace_text() {
   return text;
 }
 
-// Known failing at the 2026-11-30 stop (closing note): Replay.TwoStreamTraceOnTheCachingPool
-TEST_F(Replay, DISABLED_TwoStreamTraceOnTheCachingPool) {
+TEST_F(Replay, TwoStreamTraceOnTheCachingPool) {
   const trace t = parse_trace(two_stream_trace_text(), "two-stream");
   ASSERT_EQ(t.streams.size(), 2u);
   runtime_resource upstream(sim);
@@ -299,12 +298,11 @@ TEST_F(Replay, DISABLED_TwoStreamTraceOnTheCachingPool) {
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
 }
 
-// Bug (replay_trace x pools): replay_trace destroys the streams it created while the pool
+// Regression (fixed 2026-11-30), it was: replay_trace destroys the streams it created while the pool
 // still has blocks tagged with them and keeps them in its stream table; the next grow
 // (vmm_page_pool::reclaim) or trim (synchronize_streams_with_free_blocks) calls
 // cudaStreamSynchronize on the destroyed stream and throws cuda_error.
-// Known failing at the 2026-11-30 stop (closing note): Replay.APoolStaysUsableAfterAMultiStreamReplay
-TEST_F(Replay, DISABLED_APoolStaysUsableAfterAMultiStreamReplay) {
+TEST_F(Replay, APoolStaysUsableAfterAMultiStreamReplay) {
   const trace t = parse_trace(two_stream_trace_text(), "two-stream");
   vmm_page_pool pool(sim);
   const replay_result first = replay_trace(t, pool, replay_options{});

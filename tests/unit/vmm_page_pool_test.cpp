@@ -70,30 +70,28 @@ TEST_F(VmmPagePool, ReusesAFreedBlockWithoutDriverCalls) {
   pool.deallocate(large, 8 * MiB);
 }
 
-// Known failing at the 2026-11-30 stop (closing note): VmmPagePool.GrowthCreatesChunksOfExactlyTheMissingPagesAndGrantsAccessOnce
-TEST_F(VmmPagePool, DISABLED_GrowthCreatesChunksOfExactlyTheMissingPagesAndGrantsAccessOnce) {
+TEST_F(VmmPagePool, GrowthCreatesExactlyTheMissingPagesAndGrantsAccessOnce) {
   vmm_page_pool pool(sim);
   const auto maps = calls(platform_op::map);
   const auto access = calls(platform_op::set_access);
-  void* p = pool.allocate(7 * MiB);  // 4 pages: one chunk
-  EXPECT_EQ(calls(platform_op::create_physical), 1u);
-  EXPECT_EQ(calls(platform_op::map), maps + 1);
-  EXPECT_EQ(calls(platform_op::set_access), access + 1);
+  void* p = pool.allocate(7 * MiB);  // 4 pages, one handle each (each page moves alone)
+  EXPECT_EQ(calls(platform_op::create_physical), 4u);
+  EXPECT_EQ(calls(platform_op::map), maps + 4);
+  EXPECT_EQ(calls(platform_op::set_access), access + 1) << "one access grant per grown run";
   vmm_page_counts c = pool.page_counts();
   EXPECT_EQ(c.mapped_pages, 4u);
-  EXPECT_EQ(c.handles, 1u);
+  EXPECT_EQ(c.handles, 4u);
   EXPECT_EQ(c.pages_created, 4u);
   EXPECT_EQ(pool.stats().reserved_bytes, 8 * MiB);
   fill(p, 7 * MiB, 0x42);
   EXPECT_TRUE(holds(p, 7 * MiB, 0x42));
   expect_page_accounting(pool);
 
-  // 20 pages: chunks of at most 16 pages (so each can move alone), one access grant.
+  // The 1 MiB left in p's last page does not help a 40 MiB request: 20 new pages.
   void* q = pool.allocate(40 * MiB);
   c = pool.page_counts();
   EXPECT_EQ(c.pages_created, 24u);
-  EXPECT_EQ(c.handles, 3u);
-  EXPECT_EQ(calls(platform_op::create_physical), 3u);
+  EXPECT_EQ(c.handles, 24u);
   EXPECT_EQ(calls(platform_op::set_access), access + 2);
   EXPECT_EQ(pool.stats().reserved_bytes, 48 * MiB);
   fill(q, 40 * MiB, 0x43);
@@ -202,14 +200,13 @@ TEST_F(VmmPagePool, PartlyUsedPagesAreNeverReclaimed) {
 
 // --- stream-ordered reuse ------------------------------------------------------------------
 
-// Bug: vmm_page_pool::grow() reclaims whole free pages from cached blocks of ANY stream
+// Regression (fixed 2026-11-30), it was: vmm_page_pool::grow() reclaims whole free pages from cached blocks of ANY stream
 // after synchronize_streams_with_free_blocks() (a cudaStreamSynchronize of every stream
 // that ever freed), then maps them at the lowest free address — here p's own address. So
 // s2 gets s1's freed block while s1's event is still incomplete, by stalling the host on
 // the allocation path: neither of the two routes pool_base.hpp promises (event complete,
 // or the wait policy) and a hidden synchronize where the design promises none.
-// Known failing at the 2026-11-30 stop (closing note): VmmPagePool.AnotherStreamWaitsForTheFreeingStreamsEvent
-TEST_F(VmmPagePool, DISABLED_AnotherStreamWaitsForTheFreeingStreamsEvent) {
+TEST_F(VmmPagePool, AnotherStreamWaitsForTheFreeingStreamsEvent) {
   vmm_page_pool pool(sim);
   const stream_handle s1 = make_stream(), s2 = make_stream();
   sim.hold_events(true);
@@ -300,12 +297,11 @@ TEST_F(VmmPagePool, WaitPolicyReusesAnotherStreamsBlockAtOnce) {
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
 }
 
-// Bug: block_arena::take() gives the tail split off a freed block free_epoch 0 (see
+// Regression (fixed 2026-11-30), it was: block_arena::take() gives the tail split off a freed block free_epoch 0 (see
 // block_arena_test SplittingAFreedBlockKeepsItsFreeEpoch). With that fixed, grow()'s
 // synchronize-and-reclaim (AnotherStreamWaitsForTheFreeingStreamsEvent) still hands the
 // tail's pages to s2 at the same address; both fixes are needed.
-// Known failing at the 2026-11-30 stop (closing note): VmmPagePool.TheRestOfASplitFreedBlockIsNotHandedToAnotherStreamEarly
-TEST_F(VmmPagePool, DISABLED_TheRestOfASplitFreedBlockIsNotHandedToAnotherStreamEarly) {
+TEST_F(VmmPagePool, TheRestOfASplitFreedBlockIsNotHandedToAnotherStreamEarly) {
   vmm_page_pool pool(sim);
   const stream_handle s1 = make_stream(), s2 = make_stream();
   sim.hold_events(true);
@@ -396,12 +392,11 @@ TEST_F(VmmPagePool, UnderPressureFreePagesAreReclaimedBeforeFailing) {
   expect_page_accounting(pool);
 }
 
-// Bug: grow() creates the physical chunk before it looks for a free virtual run; when the
+// Regression (fixed 2026-11-30), it was: grow() creates the physical chunk before it looks for a free virtual run; when the
 // range is exhausted it returns false with the new chunk left as spare pages, so the
 // failed allocation leaves reserved_bytes 2 MiB higher (an extra handle nothing can use)
 // although an entry point that throws must leave the pool as it was.
-// Known failing at the 2026-11-30 stop (closing note): VmmPagePool.VirtualRangeExhaustionIsOutOfMemoryAndLeaksNothing
-TEST_F(VmmPagePool, DISABLED_VirtualRangeExhaustionIsOutOfMemoryAndLeaksNothing) {
+TEST_F(VmmPagePool, VirtualRangeExhaustionIsOutOfMemoryAndLeaksNothing) {
   pool_options o;
   o.va_reserve_bytes = 16 * MiB;
   vmm_page_pool pool(sim, 0, o);
@@ -409,7 +404,7 @@ TEST_F(VmmPagePool, DISABLED_VirtualRangeExhaustionIsOutOfMemoryAndLeaksNothing)
   void* b = pool.allocate(8 * MiB);
   EXPECT_THROW(pool.allocate(2 * MiB), out_of_memory);
   EXPECT_EQ(pool.stats().reserved_bytes, 16 * MiB);
-  EXPECT_EQ(pool.page_counts().handles, 2u);
+  EXPECT_EQ(pool.page_counts().handles, 8u) << "a failed growth kept a new handle";
   expect_page_accounting(pool);
   pool.deallocate(a, 8 * MiB);
   void* c = pool.allocate(2 * MiB);  // fits in a's freed run
@@ -418,11 +413,7 @@ TEST_F(VmmPagePool, DISABLED_VirtualRangeExhaustionIsOutOfMemoryAndLeaksNothing)
   expect_page_accounting(pool);
 }
 
-// Bug: the reserve is created as chunks of 16 pages, and grow() maps a whole spare chunk
-// for any request ("the smallest that closes the gap"), so the first 64 KiB request maps
-// all 32 MiB of the reserve into the small arena. That chunk can never be reclaimed while
-// the 64 KiB block lives (reclaim takes only chunks wholly inside a free block), so the
-// next 8 MiB request creates new physical memory beside an idle 32 MiB reserve.
+// The reserve's pages serve the first requests of any size and stream.
 TEST_F(VmmPagePool, ReserveUpFrontMakesTheFirstAllocationsCreateNothing) {
   pool_options o;
   o.reserve_bytes = 32 * MiB;
@@ -448,8 +439,7 @@ TEST_F(VmmPagePool, ReserveFractionOfTheDevice) {
   EXPECT_EQ(pool.stats().reserved_bytes, 128 * MiB);
 }
 
-// Known failing at the 2026-11-30 stop (closing note): VmmPagePool.AReserveTheDeviceCannotHoldThrowsOutOfMemoryAndLeavesNothing
-TEST_F(VmmPagePool, DISABLED_AReserveTheDeviceCannotHoldThrowsOutOfMemoryAndLeavesNothing) {
+TEST_F(VmmPagePool, AReserveTheDeviceCannotHoldThrowsOutOfMemoryAndLeavesNothing) {
   pool_options o;
   o.reserve_bytes = 768 * MiB;
   vmm_page_pool first(sim, 0, o);

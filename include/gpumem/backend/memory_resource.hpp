@@ -65,6 +65,10 @@ class memory_resource {
   virtual std::string_view name() const noexcept = 0;
   virtual std::size_t max_alignment() const noexcept = 0;
   virtual resource_stats stats() const = 0;
+  // The caller is about to destroy `stream`: forget it, so nothing later records events on
+  // it or waits for it. Memory freed on it becomes reusable by every stream once its work
+  // has completed (the pool synchronizes the stream). No-op for resources without caches.
+  virtual void release_stream(stream_handle stream) { (void)stream; }
   // Structural self-check: "" when valid, else what is wrong.
   virtual std::string validate() const { return {}; }
   bool is_valid() const { return validate().empty(); }

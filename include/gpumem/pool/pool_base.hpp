@@ -33,6 +33,7 @@ namespace gpumem {
 
 namespace detail {
 class block_arena;
+struct block;
 }
 
 // One live allocation, for reports ("the biggest live allocations").
@@ -54,6 +55,7 @@ class pool_base : public memory_resource {
   // Gives cached memory back to the driver (everything not handed out, where the
   // subclass can). Returns bytes released.
   std::size_t trim();
+  void release_stream(stream_handle stream) override;
   // The largest free block (merged), bytes.
   std::size_t largest_free_block() const;
   // Live allocations, biggest first (at most `limit`).
@@ -85,6 +87,12 @@ class pool_base : public memory_resource {
   // Waits for outstanding work on every stream that has freed blocks (before memory
   // that such blocks occupy is unmapped or freed). REQUIRES: mutex_ held.
   void synchronize_streams_with_free_blocks();
+  // Is the last use of free block `b` known complete, without waiting? (An event is
+  // recorded on its stream if needed and queried.) REQUIRES: mutex_ held.
+  bool free_known_complete(const detail::block& b);
+  // Small requests may take free space of the large arena before the pool grows
+  // (caching_pool: so an up-front reservation serves every size).
+  virtual bool small_may_use_large_arena() const noexcept { return false; }
 
   detail::block_arena& arena(std::uint32_t id) { return *arenas_[id]; }
   const detail::block_arena& arena(std::uint32_t id) const { return *arenas_[id]; }
@@ -107,7 +115,9 @@ class pool_base : public memory_resource {
 
   void* allocate_slow(std::uint32_t arena_id, std::size_t size, std::size_t alignment,
                       stream_handle stream, std::size_t requested);
-  bool free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch, stream_handle wanted_by);
+  // wanted_by: the stream that would reuse the memory (policy wait makes it wait);
+  // nullptr: only ask whether the free is complete.
+  bool free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch, const stream_handle* wanted_by);
   std::string report_locked(std::size_t bytes) const;
 
   std::unique_ptr<detail::block_arena> arenas_[2];

@@ -36,6 +36,9 @@ struct pool_options {
   // GPUMEM_CONF, or defaults when unset.
   static pool_options from_environment();
   std::string to_string() const;
+
+ private:
+  static void apply(pool_options& o, std::string_view key, std::string_view value);
 };
 
 // "2G", "512M", "4096", "1.5G" -> bytes; throws gpumem::invalid_argument.

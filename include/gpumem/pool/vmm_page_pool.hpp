@@ -6,7 +6,7 @@
 //  - A chunk is the unit of mapping: the driver maps a handle only from its start
 //    (cuMemMap offset 0), so chunks are kept small enough to move alone (<= 32 MiB).
 //  - Growing by N pages takes, in order: unmapped chunks kept for reuse; chunks
-//    reclaimed from cached free blocks anywhere in the range (unmapped there and mapped
+//    reclaimed from cached free blocks whose last use is known complete, anywhere in the range (unmapped there and mapped
 //    here: a request does not grow reserved memory while free chunks exist — the GMLake
 //    "stitching" idea); and only then new chunks for the missing pages. The chosen chunks
 //    are mapped side by side into one fresh virtual run, with ONE cuMemSetAccess over it.
@@ -73,8 +73,10 @@ class vmm_page_pool final : public pool_base {
   bool create_chunks(std::size_t pages);
   std::size_t spare_pages() const;
   // Unmaps chunks lying wholly inside cached free blocks into spare_, until `wanted`
-  // pages are reclaimed. Returns the pages reclaimed.
-  std::size_t reclaim(std::size_t wanted);
+  // pages are reclaimed. Returns the pages reclaimed. A block's memory is unmapped only
+  // once its last use is complete: without `wait`, blocks whose free is not yet known
+  // complete (event query) are skipped; with `wait`, every stream is synchronized first.
+  std::size_t reclaim(std::size_t wanted, bool wait);
   void va_insert(std::size_t first, std::size_t count);
 
   std::size_t page_ = 0;
