@@ -192,6 +192,12 @@ resource_stats pool_base::stats() const {
   return s;
 }
 
+pool_base::arena_bytes pool_base::bytes_in_arena(bool small) const {
+  std::lock_guard lock(mutex_);
+  const auto& a = *arenas_[small ? small_arena : large_arena];
+  return {a.allocated_bytes(), a.cached_bytes(), a.free_bytes()};
+}
+
 std::size_t pool_base::largest_free_block() const {
   std::lock_guard lock(mutex_);
   return std::max(arenas_[0]->largest_free_block(), arenas_[1]->largest_free_block());

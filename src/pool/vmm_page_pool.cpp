@@ -1,6 +1,7 @@
 #include "gpumem/pool/vmm_page_pool.hpp"
 
 #include <algorithm>
+#include <span>
 #include <sstream>
 
 #include "gpumem/errors.hpp"
@@ -159,23 +160,54 @@ std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait) {
   if (wait) synchronize_streams_with_free_blocks();
   std::size_t got = 0;
   for (auto& c : found) {
-    // Highest address first, so the piece left below each carve is the block to cut next.
-    detail::block* b = c.b;
-    for (auto it = c.chunks.rbegin(); it != c.chunks.rend() && got < wanted && b != nullptr; ++it) {
-      chunk& k = chunks_[*it];
-      if (auto s = device_platform().unmap(page_address(k.mapped_at), k.pages * page_); !s)
-        throw_cuda_error(s, "vmm_page_pool: unmap a free chunk to reuse it");
-      b = arena(c.arena_id).carve(b, page_address(k.mapped_at), k.pages * page_);
-      for (std::size_t p = 0; p < k.pages; ++p) page_table_[k.mapped_at + p] = no_chunk;
-      va_insert(k.mapped_at, k.pages);
-      k.mapped_at = no_page;
-      spare_.push_back(*it);
-      got += k.pages;
-      counts_.pages_reclaimed += k.pages;
+    // Take chunks from the top of the block down: they are adjacent, so [lo, hi) is one
+    // run, unmapped (where the driver allows) in one call and carved out at once.
+    const std::size_t n = c.chunks.size();
+    std::size_t take = 0, pages = 0;
+    while (take < n && got + pages < wanted) pages += chunks_[c.chunks[n - 1 - take++]].pages;
+    // On a driver failure only the top `done` chunks are unmapped: record exactly those.
+    auto [done, failed] = unmap_run({c.chunks.end() - static_cast<std::ptrdiff_t>(take), c.chunks.end()});
+    if (done < take) {
+      pages = 0;
+      for (std::size_t i = n - done; i < n; ++i) pages += chunks_[c.chunks[i]].pages;
     }
+    const std::size_t lo = done == 0 ? 0 : chunks_[c.chunks[n - done]].mapped_at;
+    if (done > 0) arena(c.arena_id).carve(c.b, page_address(lo), pages * page_);
+    for (std::size_t i = n - done; i < n; ++i) {
+      chunk& k = chunks_[c.chunks[i]];
+      for (std::size_t p = 0; p < k.pages; ++p) page_table_[k.mapped_at + p] = no_chunk;
+      k.mapped_at = no_page;
+      spare_.push_back(c.chunks[i]);
+    }
+    if (done > 0) {
+      va_insert(lo, pages);
+      got += pages;
+      counts_.pages_reclaimed += pages;
+    }
+    if (!failed.ok()) throw_cuda_error(failed, "vmm_page_pool: unmap free chunks to reuse them");
     if (got >= wanted) break;
   }
   return got;
+}
+
+std::pair<std::size_t, status> vmm_page_pool::unmap_run(std::span<const std::uint32_t> chunk_ids) {
+  platform& p = device_platform();
+  const std::size_t first = chunks_[chunk_ids.front()].mapped_at;
+  const std::size_t last = chunks_[chunk_ids.back()].mapped_at + chunks_[chunk_ids.back()].pages;
+  if (chunk_ids.size() > 1 && batched_unmap_) {
+    status s = p.unmap(page_address(first), (last - first) * page_);
+    if (s) return {chunk_ids.size(), status::success()};
+    if (s.kind != failure_kind::invalid_value && s.kind != failure_kind::not_supported)
+      return {0, s};
+    // This driver wants one call per mapping: remember, and unmap one by one below.
+    batched_unmap_ = false;
+  }
+  std::size_t done = 0;
+  for (auto it = chunk_ids.rbegin(); it != chunk_ids.rend(); ++it, ++done) {
+    const chunk& k = chunks_[*it];
+    if (auto s = p.unmap(page_address(k.mapped_at), k.pages * page_); !s) return {done, s};
+  }
+  return {done, status::success()};
 }
 
 bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t size,

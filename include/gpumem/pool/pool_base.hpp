@@ -56,6 +56,12 @@ class pool_base : public memory_resource {
   // subclass can). Returns bytes released.
   std::size_t trim();
   void release_stream(stream_handle stream) override;
+  // Bytes in one arena (small requests, or large ones): handed out (rounded), cached in
+  // exact-size lists, and free (merged).
+  struct arena_bytes {
+    std::size_t allocated = 0, cached = 0, free = 0;
+  };
+  arena_bytes bytes_in_arena(bool small) const;
   // The largest free block (merged), bytes.
   std::size_t largest_free_block() const;
   // Live allocations, biggest first (at most `limit`).

@@ -22,6 +22,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <utility>
+#include <span>
 #include <vector>
 
 #include "gpumem/pool/pool_base.hpp"
@@ -77,6 +79,10 @@ class vmm_page_pool final : public pool_base {
   // once its last use is complete: without `wait`, blocks whose free is not yet known
   // complete (event query) are skipped; with `wait`, every stream is synchronized first.
   std::size_t reclaim(std::size_t wanted, bool wait);
+  // Unmaps the adjacent mapped chunks `chunk_ids` (ascending addresses): one cuMemUnmap
+  // over the run when the driver accepts it, else one per chunk from the top down.
+  // Returns how many chunks, counted from the top, are unmapped, and the failure if any.
+  std::pair<std::size_t, status> unmap_run(std::span<const std::uint32_t> chunk_ids);
   void va_insert(std::size_t first, std::size_t count);
 
   std::size_t page_ = 0;
@@ -87,6 +93,7 @@ class vmm_page_pool final : public pool_base {
   std::vector<chunk> chunks_;
   std::map<std::size_t, std::size_t> va_free_;  // unmapped VA: first page -> page count
   vmm_page_counts counts_{};
+  bool batched_unmap_ = true;  // cleared the first time the driver refuses a multi-mapping unmap
 };
 
 }  // namespace gpumem
