@@ -204,8 +204,7 @@ TEST_P(sim_fidelity, capacity_is_enforced_and_mem_info_agrees) {
 // On a GPU physical memory is pages, not one contiguous run: cuMemCreate and cudaMalloc
 // succeed whenever enough memory is free, however it is scattered. A sim that refuses
 // them reports out_of_memory while mem_info says the memory is free.
-// Known failing at the 2026-11-30 stop (closing note): sim_fidelity.scattered_free_memory_is_usable_as_one_handle
-TEST_P(sim_fidelity, DISABLED_scattered_free_memory_is_usable_as_one_handle) {
+TEST_P(sim_fidelity, scattered_free_memory_is_usable_as_one_handle) {
   std::vector<physical_handle> handles;
   for (int i = 0; i < 64; ++i) handles.push_back(create(g_));
   for (std::size_t i = 0; i < handles.size(); i += 2) expect_ok(sim_->release_physical(handles[i]));
@@ -478,8 +477,7 @@ bool host_maps_sim_memory_at(std::uintptr_t va) {
 // an unmap at the limit must either fail as a value or really unmap (afterwards the
 // address faults and the frames may be reused): it must never report success while the
 // host still maps the handle's memory there.
-// Known failing at the 2026-11-30 stop (closing note): sim_platform.host_mapping_limit_fails_cleanly
-TEST(sim_platform, DISABLED_host_mapping_limit_fails_cleanly) {
+TEST(sim_platform, host_mapping_limit_fails_cleanly) {
   constexpr std::size_t page = 64 * KiB;
   constexpr std::size_t n = 40000;  // mappings with gaps: 80000 kernel mappings, more than
                                     // the usual vm.max_map_count of 65530
@@ -678,8 +676,7 @@ TEST_P(sim_fidelity, modelled_latency_follows_the_baselines) {
 // Freeing costs grow steeply with size on the H200 (cudaFree 36 us at 2 MiB, 570 us at
 // 1 GiB; cuMemRelease 12.5 us and 531 us). A replay's modelled time must charge a free
 // for the size it frees, not for the smallest measured size.
-// Known failing at the 2026-11-30 stop (closing note): sim_latency_model.frees_are_charged_for_the_size_they_free
-TEST(sim_latency_model, DISABLED_frees_are_charged_for_the_size_they_free) {
+TEST(sim_latency_model, frees_are_charged_for_the_size_they_free) {
   using gpumem::modelled_latency_ns;
   sim_platform sim(sim_options{.capacity = 2 * GiB, .granularity = 2 * MiB,
                                .latency = sim_latency::model});

@@ -1,15 +1,20 @@
 // sim: a host-memory GPU with the driver's semantics, for tests and laptop replays.
 //
-// Physical memory is one sparse memfd per platform (so thousands of handles need one fd);
-// a physical handle owns a run of its frames. Virtual ranges are PROT_NONE, MAP_NORESERVE
-// reservations; map is an mmap(MAP_FIXED|MAP_SHARED) of the handle's frames (PROT_NONE
-// until set_access grants read/write), so bytes written through one mapping are read
-// through another, a remap keeps the bytes, and touching unmapped memory faults (SIGSEGV,
-// like the GPU's illegal address). runtime_malloc / driver_alloc take frames too.
+// Physical memory is one sparse memfd per platform (so thousands of handles need one fd).
+// As a GPU's pages, it need not be contiguous: a physical handle owns a list of frame runs
+// (extents), each a multiple of the granularity, taken best-fit or else largest-first
+// wherever frames are free. Virtual ranges are PROT_NONE, MAP_NORESERVE reservations; map
+// is one mmap(MAP_FIXED|MAP_SHARED) per extent at consecutive addresses (PROT_NONE until
+// set_access grants read/write), so bytes written through one mapping are read through
+// another, a remap keeps the bytes, and touching unmapped memory faults (SIGSEGV, like
+// the GPU's illegal address). runtime_malloc / driver_alloc / async_malloc take frame
+// runs too (in host pages), mapped into one contiguous host range. Every host mmap,
+// munmap and mprotect is checked: at the host's vm.max_map_count a call fails with
+// out_of_memory and changes nothing.
 //
 // Invariants (checked by is_valid()):
-//  - used_bytes(d) == sum of the frame runs owned by device d's handles and allocations
-//    <= capacity;
+//  - used_bytes(d) == sum of the extents owned by device d's handles and allocations
+//    <= capacity; no frame has two owners;
 //  - every mapping lies inside one reserved range and names a live or released-but-mapped
 //    handle; a handle's frames return to the free list when it is released and unmapped;
 //  - frames on the free list hold no host memory (holes are punched on free).
