@@ -1,6 +1,7 @@
 #include "pool/block_arena.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <unordered_set>
 
 namespace gpumem::detail {
@@ -29,15 +30,93 @@ void block_arena::delete_block(block* b) {
   spare_blocks_.push_back(b);
 }
 
+block_arena::stream_bins* block_arena::bins_for(std::uintptr_t stream, bool create) {
+  for (auto& b : bins_)
+    if (b->stream == stream) return b.get();
+  if (!create) return nullptr;
+  bins_.push_back(std::make_unique<stream_bins>());
+  bins_.back()->stream = stream;
+  return bins_.back().get();
+}
+
+void block_arena::bin_index(std::size_t size, int& level, int& sub) const noexcept {
+  const std::uint64_t units = std::max<std::uint64_t>(1, size / unit_);
+  level = 63 - std::countl_zero(units);
+  sub = level >= 4 ? static_cast<int>((units >> (level - 4)) & 15)
+                   : static_cast<int>((units << (4 - level)) & 15);
+}
+
 void block_arena::insert_free(block* b) {
   b->st = block::state::free;
-  free_.insert(b);
+  stream_bins& bins = *bins_for(b->stream, true);
+  int f, sb;
+  bin_index(b->size, f, sb);
+  block*& head = bins.heads[f][sb];
+  b->bin_prev = nullptr;
+  b->bin_next = head;
+  if (head != nullptr) head->bin_prev = b;
+  head = b;
+  bins.bin_mask[f] |= 1u << sb;
+  bins.level_mask |= std::uint64_t{1} << f;
   free_bytes_ += b->size;
+  ++free_blocks_;
 }
 
 void block_arena::erase_free(block* b) {
-  free_.erase(b);
+  stream_bins& bins = *bins_for(b->stream, false);
+  int f, sb;
+  bin_index(b->size, f, sb);
+  if (b->bin_prev != nullptr)
+    b->bin_prev->bin_next = b->bin_next;
+  else
+    bins.heads[f][sb] = b->bin_next;
+  if (b->bin_next != nullptr) b->bin_next->bin_prev = b->bin_prev;
+  b->bin_prev = b->bin_next = nullptr;
+  if (bins.heads[f][sb] == nullptr) {
+    bins.bin_mask[f] &= ~(1u << sb);
+    if (bins.bin_mask[f] == 0) bins.level_mask &= ~(std::uint64_t{1} << f);
+  }
   free_bytes_ -= b->size;
+  --free_blocks_;
+}
+
+block* block_arena::best_fit(const stream_bins& bins, std::size_t need) const {
+  int f, sb;
+  bin_index(need, f, sb);
+  auto smallest = [&](block* head, bool check_fit) {
+    block* best = nullptr;
+    for (block* b = head; b != nullptr; b = b->bin_next) {
+      if (check_fit && b->size < need) continue;
+      if (best == nullptr || b->size < best->size || (b->size == best->size && b->addr < best->addr))
+        best = b;
+    }
+    return best;
+  };
+  // Blocks in need's own bin may be smaller than need; every block above it fits, and
+  // the first non-empty bin above holds the smallest of those.
+  if (block* b = smallest(bins.heads[f][sb], true)) return b;
+  std::uint32_t above = sb == 15 ? 0 : bins.bin_mask[f] & (~0u << (sb + 1));
+  if (above == 0) {
+    const std::uint64_t levels = f == 63 ? 0 : bins.level_mask & (~std::uint64_t{0} << (f + 1));
+    if (levels == 0) return nullptr;
+    f = std::countr_zero(levels);
+    above = bins.bin_mask[f];
+  }
+  return smallest(bins.heads[f][std::countr_zero(above)], false);
+}
+
+template <class F>
+void block_arena::for_each_free(F&& fn) const {
+  for (const auto& bins : bins_)
+    for (std::uint64_t levels = bins->level_mask; levels != 0; levels &= levels - 1) {
+      const int f = std::countr_zero(levels);
+      for (std::uint32_t subs = bins->bin_mask[f]; subs != 0; subs &= subs - 1)
+        for (block* b = bins->heads[f][std::countr_zero(subs)]; b != nullptr;) {
+          block* next = b->bin_next;  // fn may not unlink b, but read it first anyway
+          fn(b);
+          b = next;
+        }
+    }
 }
 
 void block_arena::add_region(std::uintptr_t addr, std::size_t size, std::uint32_t segment,
@@ -143,7 +222,7 @@ block* block_arena::take(block* b, std::size_t size, std::size_t alignment,
   b->st = block::state::allocated;
   b->stream = stream;
   b->requested = requested;
-  live_.emplace(b->addr, b);
+  live_[b->addr] = b;
   allocated_bytes_ += b->size;
   requested_bytes_ += requested;
   return b;
@@ -154,16 +233,16 @@ block* block_arena::allocate(std::size_t size, std::size_t alignment, std::uintp
   size = round(size);
   if (alignment <= unit_) {
     // Hot path: an exact-size block freed earlier on this stream.
-    auto q = quick_.find({stream, size});
-    if (q != quick_.end() && q->second != nullptr) {
-      block* b = q->second;
-      q->second = b->quick_next;
+    block** head = quick_.find({stream, size});
+    if (head != nullptr && *head != nullptr) {
+      block* b = *head;
+      *head = b->quick_next;
       b->quick_next = nullptr;
       --cached_blocks_;
       cached_bytes_ -= b->size;
       b->st = block::state::allocated;
       b->requested = requested;
-      live_.emplace(b->addr, b);
+      live_[b->addr] = b;
       allocated_bytes_ += b->size;
       requested_bytes_ += requested;
       return b;
@@ -172,13 +251,9 @@ block* block_arena::allocate(std::size_t size, std::size_t alignment, std::uintp
   }
   // Best fit; with a larger alignment, ask for enough room to align inside the block.
   const std::size_t need = size + (alignment > unit_ ? alignment - unit_ : 0);
-  block probe;
-  probe.stream = stream;
-  probe.size = need;
-  probe.addr = 0;
-  auto it = free_.lower_bound(&probe);
-  if (it == free_.end() || (*it)->stream != stream) return nullptr;
-  return take(*it, size, alignment, stream, requested);
+  const stream_bins* bins = bins_for(stream, false);
+  block* b = bins != nullptr ? best_fit(*bins, need) : nullptr;
+  return b != nullptr ? take(b, size, alignment, stream, requested) : nullptr;
 }
 
 block* block_arena::allocate_from_other_streams(std::size_t size, std::size_t alignment,
@@ -188,18 +263,19 @@ block* block_arena::allocate_from_other_streams(std::size_t size, std::size_t al
   if (alignment < unit_) alignment = unit_;
   const std::size_t need = size + (alignment > unit_ ? alignment - unit_ : 0);
   block* best = nullptr;
-  for (block* b : free_) {
-    if (b->stream == stream || b->size < need) continue;
-    if (best != nullptr && b->size >= best->size) continue;
+  for_each_free([&](block* b) {
+    if (b->stream == stream || b->size < need) return;
+    if (best != nullptr && (b->size > best->size || (b->size == best->size && b->addr > best->addr)))
+      return;
     if (usable(*b)) best = b;
-  }
+  });
   if (best == nullptr) return nullptr;
   return take(best, size, alignment, stream, requested);
 }
 
 block* block_arena::find_live(std::uintptr_t ptr) const {
-  auto it = live_.find(ptr);
-  return it == live_.end() ? nullptr : it->second;
+  block* const* b = live_.find(ptr);
+  return b == nullptr ? nullptr : *b;
 }
 
 void block_arena::release(block* b, std::uintptr_t stream, std::uint64_t free_epoch) {
@@ -219,7 +295,7 @@ void block_arena::release(block* b, std::uintptr_t stream, std::uint64_t free_ep
 }
 
 void block_arena::flush() {
-  for (auto& [key, head] : quick_) {
+  quick_.for_each_mutable([&](const auto&, block*& head) {
     while (head != nullptr) {
       block* b = head;
       head = b->quick_next;
@@ -228,7 +304,7 @@ void block_arena::flush() {
       b->st = block::state::free;  // so neighbours being merged see it as free
       insert_free(merge(b));
     }
-  }
+  });
   quick_.clear();
   cached_blocks_ = 0;
 }
@@ -236,8 +312,9 @@ void block_arena::flush() {
 void block_arena::retag_free(std::uintptr_t from, std::uintptr_t to) {
   flush();
   std::vector<block*> moving;
-  for (block* b : free_)
+  for_each_free([&](block* b) {
     if (b->stream == from) moving.push_back(b);
+  });
   for (block* b : moving) {
     // An earlier merge may have absorbed b; only blocks still indexed are moved.
     if (b->st != block::state::free || b->stream != from) continue;
@@ -248,7 +325,18 @@ void block_arena::retag_free(std::uintptr_t from, std::uintptr_t to) {
   }
 }
 
-std::vector<block*> block_arena::free_blocks() const { return {free_.begin(), free_.end()}; }
+std::vector<block*> block_arena::free_blocks() const {
+  std::vector<block*> all;
+  all.reserve(free_blocks_);
+  for_each_free([&](block* b) { all.push_back(b); });
+  // Ascending (stream, size, address): deterministic order for callers that scan.
+  std::sort(all.begin(), all.end(), [](const block* a, const block* b) {
+    if (a->stream != b->stream) return a->stream < b->stream;
+    if (a->size != b->size) return a->size < b->size;
+    return a->addr < b->addr;
+  });
+  return all;
+}
 
 block* block_arena::carve(block* b, std::uintptr_t from, std::size_t len) {
   erase_free(b);
@@ -301,41 +389,46 @@ block* block_arena::carve(block* b, std::uintptr_t from, std::size_t len) {
 
 std::size_t block_arena::largest_free_block() const {
   std::size_t largest = 0;
-  for (const block* b : free_) largest = std::max(largest, b->size);
+  for_each_free([&](const block* b) { largest = std::max(largest, b->size); });
   return largest;
 }
 
 std::vector<const block*> block_arena::live_blocks_list() const {
   std::vector<const block*> out;
   out.reserve(live_.size());
-  for (auto& [a, b] : live_) out.push_back(b);
+  live_.for_each([&](std::uintptr_t, const block* b) { out.push_back(b); });
   return out;
 }
 
 std::string block_arena::validate() const {
   std::size_t free_sum = 0, cached_sum = 0, live_sum = 0, requested_sum = 0;
-  for (const block* b : free_) {
-    if (b->st != block::state::free) return "free index holds a non-free block";
+  std::string why;
+  std::size_t free_count = 0;
+  for_each_free([&](const block* b) {
+    ++free_count;
+    if (b->st != block::state::free) why = "free index holds a non-free block";
     free_sum += b->size;
-    for (const block* n : {b->prev, b->next}) {
+    for (const block* n : {b->prev, b->next})
       if (n != nullptr && n->st == block::state::free && n->stream == b->stream)
-        return "two adjacent free blocks of one stream were not merged";
-    }
-  }
+        why = "two adjacent free blocks of one stream were not merged";
+  });
+  if (!why.empty()) return why;
+  if (free_count != free_blocks_) return "free block count wrong";
   std::size_t cached_count = 0;
-  for (auto& [key, head] : quick_) {
+  quick_.for_each([&](const std::pair<std::uint64_t, std::uint64_t>& key, const block* head) {
     for (const block* b = head; b != nullptr; b = b->quick_next) {
-      if (b->st != block::state::cached) return "quick list holds a non-cached block";
-      if (b->size != key.second || b->stream != key.first) return "quick list key mismatch";
+      if (b->st != block::state::cached) why = "quick list holds a non-cached block";
+      if (b->size != key.second || b->stream != key.first) why = "quick list key mismatch";
       cached_sum += b->size;
       ++cached_count;
     }
-  }
-  for (auto& [addr, b] : live_) {
-    if (b->st != block::state::allocated || b->addr != addr) return "live map inconsistent";
+  });
+  live_.for_each([&](std::uintptr_t addr, const block* b) {
+    if (b->st != block::state::allocated || b->addr != addr) why = "live map inconsistent";
     live_sum += b->size;
     requested_sum += b->requested;
-  }
+  });
+  if (!why.empty()) return why;
   const std::unordered_set<const block*> spare(spare_blocks_.begin(), spare_blocks_.end());
   for (const block* b : all_records_) {
     if (spare.contains(b)) continue;

@@ -1,7 +1,9 @@
 // block_arena: the block bookkeeping shared by caching_pool and vmm_page_pool.
 //
 // Memory is handed to the arena as free regions; the arena carves them into blocks:
-// best fit by (stream, size, address), split on allocation, merged with free address
+// best fit by (stream, size, address) over segregated size bins (per stream, 16 bins per
+// power of two, two-level bitmaps: O(1) to find the first bin that can fit, then the
+// smallest block in it, lowest address on ties), split on allocation, merged with free address
 // neighbours of the same segment and stream on flush. Freed blocks first go to exact-size
 // quick lists (the hot path: no tree operations); quick lists are flushed into the merged
 // free index when a request misses, so merging happens before the pool ever grows.
@@ -17,11 +19,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <array>
 #include <functional>
+#include <memory>
 #include <map>
-#include <set>
 #include <string>
-#include <unordered_map>
+#include "pool/flat_map.hpp"
 #include <vector>
 
 namespace gpumem::detail {
@@ -33,6 +36,8 @@ struct block {
   block* prev = nullptr;        // address neighbour below, same segment (nullptr at an edge)
   block* next = nullptr;        // address neighbour above
   block* quick_next = nullptr;  // quick-list link
+  block* bin_prev = nullptr;    // free-bin links (state::free only)
+  block* bin_next = nullptr;
   std::uint32_t segment = 0;
   state st = state::free;
   std::uintptr_t stream = 0;    // stream whose order makes this block safe to reuse
@@ -92,19 +97,15 @@ class block_arena {
   std::string validate() const;
 
  private:
-  struct by_stream_size_addr {
-    bool operator()(const block* a, const block* b) const noexcept {
-      if (a->stream != b->stream) return a->stream < b->stream;
-      if (a->size != b->size) return a->size < b->size;
-      return a->addr < b->addr;
-    }
+  // The free blocks of one stream, binned by size class.
+  struct stream_bins {
+    static constexpr int levels = 64;     // floor(log2(size / unit))
+    static constexpr int sub_bins = 16;   // linear subdivisions of each power of two
+    std::uintptr_t stream = 0;
+    std::uint64_t level_mask = 0;                      // bit f: level f has a non-empty bin
+    std::array<std::uint32_t, levels> bin_mask{};      // bit s: bin (f, s) non-empty
+    std::array<std::array<block*, sub_bins>, levels> heads{};
   };
-  struct quick_key_hash {
-    std::size_t operator()(const std::pair<std::uintptr_t, std::size_t>& k) const noexcept {
-      return std::hash<std::uint64_t>{}(k.first * 0x9e3779b97f4a7c15ULL ^ k.second);
-    }
-  };
-
   block* new_block();
   void delete_block(block* b);
   void insert_free(block* b);
@@ -114,13 +115,20 @@ class block_arena {
               std::size_t requested);
   // Merges a free block with free neighbours of its stream; returns the result.
   block* merge(block* b);
+  stream_bins* bins_for(std::uintptr_t stream, bool create);
+  void bin_index(std::size_t size, int& level, int& sub) const noexcept;
+  // The smallest free block of `bins` with size >= need (lowest address on ties).
+  block* best_fit(const stream_bins& bins, std::size_t need) const;
+  template <class F>
+  void for_each_free(F&& f) const;
 
   std::size_t unit_;
   std::size_t max_cached_blocks_;
-  std::set<block*, by_stream_size_addr> free_;
-  std::unordered_map<std::pair<std::uintptr_t, std::size_t>, block*, quick_key_hash> quick_;
+  std::vector<std::unique_ptr<stream_bins>> bins_;  // a few streams: searched linearly
+  std::size_t free_blocks_ = 0;
+  flat_map<std::pair<std::uint64_t, std::uint64_t>, block*, mix_hash> quick_;  // (stream, size)
   std::size_t cached_blocks_ = 0;
-  std::unordered_map<std::uintptr_t, block*> live_;
+  flat_map<std::uintptr_t, block*, mix_hash> live_;
   // Blocks at the edges of contiguous regions, by their outer address, so a region added
   // next to an existing one is linked to it (and can merge).
   std::map<std::uintptr_t, block*> region_start_;  // start address -> first block

@@ -1,0 +1,107 @@
+// flat_map: an open-addressing hash map for the allocator's hot path (pointer -> block,
+// (stream, size) -> quick list). Linear probing over a power-of-two table, backward-shift
+// deletion (no tombstones), no allocation except when the table grows.
+//
+// Invariants: size() < capacity * 3/4; every key sits at or after its home slot with no
+// empty slot between (the linear-probing invariant backward-shift deletion keeps);
+// Key{} (all zero) is reserved as "empty" and is never stored.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace gpumem::detail {
+
+template <class Key, class Value, class Hash>
+class flat_map {
+ public:
+  flat_map() { slots_.resize(16); }
+
+  // The value for key, or nullptr.
+  Value* find(const Key& key) noexcept {
+    for (std::size_t i = home(key);; i = (i + 1) & mask()) {
+      if (slots_[i].first == key) return &slots_[i].second;
+      if (slots_[i].first == Key{}) return nullptr;
+    }
+  }
+  const Value* find(const Key& key) const noexcept {
+    return const_cast<flat_map*>(this)->find(key);
+  }
+
+  // The value for key, inserted as Value{} when absent. REQUIRES: key != Key{}.
+  Value& operator[](const Key& key) {
+    if ((size_ + 1) * 4 > slots_.size() * 3) rehash(slots_.size() * 2);
+    std::size_t i = home(key);
+    for (; slots_[i].first != Key{}; i = (i + 1) & mask())
+      if (slots_[i].first == key) return slots_[i].second;
+    slots_[i].first = key;
+    slots_[i].second = Value{};
+    ++size_;
+    return slots_[i].second;
+  }
+
+  bool erase(const Key& key) noexcept {
+    std::size_t i = home(key);
+    for (;; i = (i + 1) & mask()) {
+      if (slots_[i].first == Key{}) return false;
+      if (slots_[i].first == key) break;
+    }
+    // Backward shift: move later entries of the probe run into the hole when their home
+    // slot does not lie strictly between the hole and them.
+    for (std::size_t j = (i + 1) & mask();; j = (j + 1) & mask()) {
+      if (slots_[j].first == Key{}) break;
+      const std::size_t h = home(slots_[j].first);
+      const bool stays = i <= j ? (i < h && h <= j) : (i < h || h <= j);
+      if (stays) continue;
+      slots_[i] = slots_[j];
+      i = j;
+    }
+    slots_[i] = {};
+    --size_;
+    return true;
+  }
+
+  std::size_t size() const noexcept { return size_; }
+  void clear() {
+    for (auto& s : slots_) s = {};
+    size_ = 0;
+  }
+  template <class F>
+  void for_each_mutable(F&& f) {
+    for (auto& s : slots_)
+      if (s.first != Key{}) f(s.first, s.second);
+  }
+  template <class F>
+  void for_each(F&& f) const {
+    for (const auto& s : slots_)
+      if (s.first != Key{}) f(s.first, s.second);
+  }
+
+ private:
+  std::size_t mask() const noexcept { return slots_.size() - 1; }
+  std::size_t home(const Key& key) const noexcept { return Hash{}(key) & mask(); }
+  void rehash(std::size_t capacity) {
+    std::vector<std::pair<Key, Value>> old(capacity);
+    old.swap(slots_);
+    size_ = 0;
+    for (auto& s : old)
+      if (s.first != Key{}) (*this)[s.first] = s.second;
+  }
+
+  std::vector<std::pair<Key, Value>> slots_;
+  std::size_t size_ = 0;
+};
+
+// Fibonacci hashing: spreads addresses (multiples of 512) and sizes over the table.
+struct mix_hash {
+  std::size_t operator()(std::uint64_t k) const noexcept {
+    return static_cast<std::size_t>((k * 0x9e3779b97f4a7c15ULL) >> 17);
+  }
+  std::size_t operator()(const std::pair<std::uint64_t, std::uint64_t>& k) const noexcept {
+    return static_cast<std::size_t>(((k.first * 0x9e3779b97f4a7c15ULL) ^ (k.second * 0xc2b2ae3d27d4eb4fULL)) >> 17);
+  }
+};
+
+}  // namespace gpumem::detail
