@@ -15,6 +15,7 @@ struct owner_entry {
   std::size_t bytes;
   const memory_resource* owner;
   std::string owner_name;
+  bool managed = false;  // a pool's range, not one allocation
 };
 
 struct freed_entry {
@@ -50,6 +51,13 @@ void registry_add(const void* ptr, std::size_t bytes, const memory_resource* own
                           owner_entry{bytes, owner, std::string(owner->name())});
 }
 
+void registry_add_managed(const void* ptr, std::size_t bytes, const memory_resource* owner) {
+  auto& r = the_registry();
+  std::lock_guard lock(r.mutex);
+  r.live.insert_or_assign(reinterpret_cast<std::uintptr_t>(ptr),
+                          owner_entry{bytes, owner, std::string(owner->name()), true});
+}
+
 void registry_remove(const void* ptr) {
   auto& r = the_registry();
   std::lock_guard lock(r.mutex);
@@ -71,10 +79,14 @@ std::string registry_diagnose(const void* ptr, const memory_resource* asked) {
   if (it != r.live.begin()) {
     --it;
     if (a < it->first + it->second.bytes) {
+      if (it->second.managed && it->second.owner != asked)
+        return "pointer " + hex(a) + " lies in memory managed by the '" + it->second.owner_name +
+               "' pool (device " + std::to_string(it->second.owner->device()) + "), not the " +
+               who + "; free it through that pool";
       if (it->first == a && it->second.owner != asked)
         return "pointer " + hex(a) + " was allocated by the '" + it->second.owner_name +
                "' resource, not the " + who + "; free it through the resource that made it";
-      if (it->first != a)
+ if (it->first != a && !it->second.managed)
         return "interior pointer " + hex(a) + ": it lies " + std::to_string(a - it->first) +
                " bytes inside the allocation at " + hex(it->first) + " (" +
                std::to_string(it->second.bytes) + " bytes, '" + it->second.owner_name + "')";

@@ -17,6 +17,10 @@ class memory_resource;
 namespace gpumem::detail {
 
 void registry_add(const void* ptr, std::size_t bytes, const memory_resource* owner);
+// Marks [ptr, ptr+bytes) as memory a pool manages (a pool's virtual range or segments):
+// pointers inside it are diagnosed as the pool's, not as interior pointers. Replaces an
+// entry at the same address (a segment the pool's upstream registered).
+void registry_add_managed(const void* ptr, std::size_t bytes, const memory_resource* owner);
 void registry_remove(const void* ptr);
 // Why `ptr` is not a live allocation of `asked`: a sentence for an invalid_argument.
 std::string registry_diagnose(const void* ptr, const memory_resource* asked);

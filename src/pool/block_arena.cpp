@@ -253,6 +253,15 @@ block* block_arena::allocate(std::size_t size, std::size_t alignment, std::uintp
   const std::size_t need = size + (alignment > unit_ ? alignment - unit_ : 0);
   const stream_bins* bins = bins_for(stream, false);
   block* b = bins != nullptr ? best_fit(*bins, need) : nullptr;
+  if (b == nullptr && alignment > unit_ && bins != nullptr) {
+    // `need` assumed the worst padding; an already aligned block may fit with less.
+    for_each_free([&](block* c) {
+      if (c->stream != stream) return;
+      const std::uintptr_t start = (c->addr + alignment - 1) / alignment * alignment;
+      if (start + size > c->addr + c->size) return;
+      if (b == nullptr || c->size < b->size || (c->size == b->size && c->addr < b->addr)) b = c;
+    });
+  }
   return b != nullptr ? take(b, size, alignment, stream, requested) : nullptr;
 }
 

@@ -1,8 +1,10 @@
 #include "gpumem/pool/caching_pool.hpp"
 
+#include <algorithm>
 #include <sstream>
 
 #include "gpumem/errors.hpp"
+#include "backend/ownership_registry.hpp"
 #include "pool/block_arena.hpp"
 
 namespace gpumem {
@@ -22,7 +24,7 @@ caching_pool::caching_pool(memory_resource& upstream, pool_options options)
   if (reserve > 0) {
     std::lock_guard lock(mutex_);
     reserve = (reserve + large_rounding - 1) / large_rounding * large_rounding;
-    if (!add_segment(arena(large_arena), large_arena, reserve, {}))
+    if (!add_segment(arena(large_arena), large_arena, reserve, {}, default_alignment))
       throw out_of_memory("gpumem: caching_pool could not reserve " + format_bytes(reserve) +
                           " up front on device " + std::to_string(device()));
   }
@@ -45,16 +47,18 @@ std::size_t caching_pool::segment_count() const {
 }
 
 bool caching_pool::add_segment(detail::block_arena& arena, std::uint32_t arena_id,
-                               std::size_t size, stream_handle stream) {
+                               std::size_t size, stream_handle stream, std::size_t alignment) {
   if (options_.limit_bytes != 0 && reserved_locked() + size > options_.limit_bytes)
     return false;
   void* p = nullptr;
   try {
-    p = upstream_.allocate(size, upstream_.max_alignment());
+    p = upstream_.allocate(size, std::max(alignment, default_alignment));
   } catch (const out_of_memory&) {
     return false;
   }
   const auto base = reinterpret_cast<std::uintptr_t>(p);
+  // The segment is the pool's now: a pointer into it freed elsewhere names the pool.
+  detail::registry_add_managed(p, size, this);
   segments_.emplace(base, segment{size, arena_id});
   arena.add_region(base, size, next_segment_id_++, stream.value);
   add_reserved(size);
@@ -63,11 +67,11 @@ bool caching_pool::add_segment(detail::block_arena& arena, std::uint32_t arena_i
 
 bool caching_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
                         std::size_t alignment, stream_handle stream) {
-  std::size_t need = size + (alignment > arena.unit() ? alignment : 0);
-  need = arena_id == small_arena && need <= small_segment
-             ? small_segment
-             : (need + large_rounding - 1) / large_rounding * large_rounding;
-  return add_segment(arena, arena_id, need, stream);
+  // Upstream aligns the segment itself, so an aligned request fits at its start.
+  const std::size_t need = arena_id == small_arena && size <= small_segment
+                               ? small_segment
+                               : (size + large_rounding - 1) / large_rounding * large_rounding;
+  return add_segment(arena, arena_id, need, stream, alignment);
 }
 
 std::size_t caching_pool::release_cached() {

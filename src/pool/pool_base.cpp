@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "gpumem/errors.hpp"
+#include "backend/ownership_registry.hpp"
 #include "pool/block_arena.hpp"
 
 namespace gpumem {
@@ -126,21 +127,15 @@ void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream
     b = arenas_[id]->find_live(addr);
   }
   if (b == nullptr || b->requested != bytes) {
-    char where[32];
-    std::snprintf(where, sizeof where, "0x%llx", static_cast<unsigned long long>(addr));
     if (b != nullptr)
-      throw invalid_argument("deallocate: size mismatch for pointer " + std::string(where) +
+      throw invalid_argument("deallocate: size mismatch for pointer " + hex_address(addr) +
                              " of the '" + std::string(name()) + "' pool: allocated " +
                              std::to_string(b->requested) + " bytes, freed as " +
                              std::to_string(bytes));
-    if (ptr == nullptr)
-      throw invalid_argument("deallocate: null pointer passed to the '" + std::string(name()) +
-                             "' pool");
-    throw invalid_argument("deallocate: unknown pointer " + std::string(where) +
-                           " (never allocated here, an interior pointer, or a double free): "
-                           "the '" + std::string(name()) + "' pool (device " +
-                           std::to_string(device()) + ") has no live allocation there");
+    throw invalid_argument("deallocate: " + diagnose_locked(addr));
   }
+  recent_frees_[recent_next_] = addr;
+  recent_next_ = (recent_next_ + 1) % recent_frees_.size();
   auto& s = streams_[stream.value];
   arenas_[id]->release(b, stream.value, ++s.frees);
   stats_.live_bytes -= bytes;
@@ -150,6 +145,28 @@ void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream
       stats_.reserved_bytes - arenas_[0]->allocated_bytes() - arenas_[1]->allocated_bytes() >
           options_.release_threshold)
     release_cached();
+}
+
+std::string pool_base::diagnose_locked(std::uintptr_t addr) const {
+  const std::string pool = "the '" + std::string(name()) + "' pool (device " +
+                           std::to_string(device()) + ")";
+  if (addr == 0) return "null pointer passed to " + pool;
+  // Error path: a scan of the live blocks is fine here.
+  for (const auto& a : arenas_)
+    for (const detail::block* b : a->live_blocks_list())
+      if (addr > b->addr && addr < b->addr + b->size)
+        return "interior pointer " + hex_address(addr) + ": it lies " +
+               std::to_string(addr - b->addr) + " bytes inside the live allocation at " +
+               hex_address(b->addr) + " (" + std::to_string(b->requested) + " bytes) of " + pool;
+  if (std::find(recent_frees_.begin(), recent_frees_.end(), addr) != recent_frees_.end())
+    return "double free: pointer " + hex_address(addr) + " was already freed to " + pool;
+  return detail::registry_diagnose(reinterpret_cast<const void*>(addr), this);
+}
+
+std::string pool_base::hex_address(std::uintptr_t addr) {
+  char where[32];
+  std::snprintf(where, sizeof where, "0x%llx", static_cast<unsigned long long>(addr));
+  return where;
 }
 
 void pool_base::release_stream(stream_handle stream) {
@@ -239,6 +256,7 @@ std::string pool_base::report_locked(std::size_t bytes) const {
     r << "  device: " << format_bytes(info.value().total) << " total, "
       << format_bytes(info.value().free) << " free\n";
   if (options_.limit_bytes != 0) r << "  limit: " << format_bytes(options_.limit_bytes) << "\n";
+  r << "  this pool holds " << format_bytes(stats_.reserved_bytes) << " from the driver:\n";
   r << describe_holdings();
   std::vector<live_allocation> all;
   for (const auto& a : arenas_)

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "gpumem/errors.hpp"
+#include "backend/ownership_registry.hpp"
 #include "pool/block_arena.hpp"
 
 namespace gpumem {
@@ -29,6 +30,7 @@ vmm_page_pool::vmm_page_pool(platform& platform, int device, pool_options option
   va_base_ = range.value();
   va_pages_ = va / page_;
   page_table_.assign(va_pages_, no_chunk);
+  detail::registry_add_managed(reinterpret_cast<void*>(va_base_), va, this);
   va_free_.emplace(0, va_pages_);
 
   std::size_t reserve = options.reserve_bytes;
@@ -39,6 +41,7 @@ vmm_page_pool::vmm_page_pool(platform& platform, int device, pool_options option
     std::lock_guard lock(mutex_);
     if (!create_chunks((reserve + page_ - 1) / page_)) {
       (void)platform.free_range(va_base_, va_pages_ * page_);
+      detail::registry_remove(reinterpret_cast<void*>(va_base_));
       throw out_of_memory("gpumem: vmm_page_pool could not reserve " + format_bytes(reserve) +
                           " up front on device " + std::to_string(device));
     }
@@ -55,6 +58,7 @@ vmm_page_pool::~vmm_page_pool() {
     (void)p.release_physical(c.handle);
   }
   (void)p.free_range(va_base_, va_pages_ * page_);
+  detail::registry_remove(reinterpret_cast<void*>(va_base_));
 }
 
 vmm_page_counts vmm_page_pool::page_counts() const {

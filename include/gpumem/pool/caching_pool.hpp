@@ -39,7 +39,7 @@ class caching_pool final : public pool_base {
     std::uint32_t arena_id;
   };
   bool add_segment(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
-                   stream_handle stream);
+                   stream_handle stream, std::size_t alignment);
 
   memory_resource& upstream_;
   std::map<std::uintptr_t, segment> segments_;

@@ -18,6 +18,7 @@
 //  - live requested bytes == sum of requested sizes of live blocks.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -125,11 +126,17 @@ class pool_base : public memory_resource {
   // nullptr: only ask whether the free is complete.
   bool free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch, const stream_handle* wanted_by);
   std::string report_locked(std::size_t bytes) const;
+  // Why addr is not a live allocation of this pool (interior, double free, another
+  // owner's, unknown). REQUIRES: mutex_ held.
+  std::string diagnose_locked(std::uintptr_t addr) const;
+  static std::string hex_address(std::uintptr_t addr);
 
   std::unique_ptr<detail::block_arena> arenas_[2];
   std::unordered_map<std::uintptr_t, stream_state> streams_;
   std::size_t alignment_limit_;
   resource_stats stats_{};
+  std::array<std::uintptr_t, 1024> recent_frees_{};  // to tell a double free from a stranger
+  std::size_t recent_next_ = 0;
 };
 
 }  // namespace gpumem
