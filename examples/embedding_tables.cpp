@@ -8,7 +8,8 @@
 //   vmm_page_pool  free pages are unmapped and remapped where the next table needs them
 //   cudaMalloc     no cache: never strands memory, pays the driver on every call
 //
-// Usage: embedding_tables [--steps N] [--seed S] [--budget-gib G]
+// Usage: embedding_tables [--steps N] [--seed S] [--budget-gib G] [--device sim|cuda]
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -33,15 +34,19 @@ struct outcome {
   std::string allocator;
   std::uint64_t loads = 0, ooms = 0;
   std::size_t peak_reserved = 0, peak_live = 0;
-  double modelled_driver_ms = 0;
+  double call_ms = 0;             // host time inside allocate/deallocate
+  double modelled_driver_ms = 0;  // sim only
   std::uint64_t first_oom_step = 0;
 };
 
-outcome run(const std::string& name, int steps, std::uint64_t seed, std::size_t budget) {
+outcome run(const std::string& name, int steps, std::uint64_t seed, std::size_t budget,
+            platform* gpu) {
   sim_options so;
   so.capacity = 80 * GiB;
   so.latency = sim_latency::model;
-  sim_platform sim(so);
+  std::unique_ptr<sim_platform> owned_sim;
+  if (gpu == nullptr) owned_sim = std::make_unique<sim_platform>(so);
+  platform& sim = gpu != nullptr ? *gpu : *owned_sim;
   pool_options po;
   po.limit_bytes = budget;
   std::unique_ptr<memory_resource> upstream, resource;
@@ -62,11 +67,15 @@ outcome run(const std::string& name, int steps, std::uint64_t seed, std::size_t 
   std::size_t live = 0;
   outcome o{name};
   std::uniform_int_distribution<std::size_t> pick(0, size.size() - 1);
+  using clock = std::chrono::steady_clock;
+  clock::duration in_calls{};
   auto unload_random = [&] {
     for (;;) {
       const std::size_t t = pick(rng);
       if (loaded[t] == nullptr) continue;
+      const auto t0 = clock::now();
       resource->deallocate(loaded[t], size[t]);
+      in_calls += clock::now() - t0;
       loaded[t] = nullptr;
       live -= size[t];
       return;
@@ -78,10 +87,13 @@ outcome run(const std::string& name, int steps, std::uint64_t seed, std::size_t 
     while (loaded[t] != nullptr) t = pick(rng);
     while (live + size[t] > 32 * GiB) unload_random();
     for (;;) {
+      const auto t0 = clock::now();
       try {
         loaded[t] = resource->allocate(size[t]);
+        in_calls += clock::now() - t0;
         break;
       } catch (const out_of_memory&) {
+        in_calls += clock::now() - t0;
         // The serving system's only way out: evict another table and try again.
         if (o.ooms++ == 0) o.first_oom_step = static_cast<std::uint64_t>(step);
         if (live == 0) throw;
@@ -95,7 +107,8 @@ outcome run(const std::string& name, int steps, std::uint64_t seed, std::size_t 
   for (std::size_t t = 0; t < size.size(); ++t)
     if (loaded[t] != nullptr) resource->deallocate(loaded[t], size[t]);
   o.peak_reserved = resource->stats().peak_reserved_bytes;
-  o.modelled_driver_ms = static_cast<double>(sim.modelled_ns()) / 1e6;
+  o.call_ms = std::chrono::duration<double, std::milli>(in_calls).count();
+  if (owned_sim) o.modelled_driver_ms = static_cast<double>(owned_sim->modelled_ns()) / 1e6;
   return o;
 }
 
@@ -105,27 +118,32 @@ int main(int argc, char** argv) {
   int steps = 5000;
   std::uint64_t seed = 1;
   std::size_t budget = 34 * GiB;
+  std::string device = "sim";
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--steps") && i + 1 < argc) steps = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--seed") && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
     else if (!std::strcmp(argv[i], "--budget-gib") && i + 1 < argc) budget = std::strtoull(argv[++i], nullptr, 10) * GiB;
+    else if (!std::strcmp(argv[i], "--device") && i + 1 < argc) device = argv[++i];
     else {
-      std::fprintf(stderr, "usage: embedding_tables [--steps N] [--seed S] [--budget-gib G]\n");
+      std::fprintf(stderr, "usage: embedding_tables [--steps N] [--seed S] [--budget-gib G] [--device sim|cuda]\n");
       return 2;
     }
   }
+  platform* gpu = device == "cuda" ? &platform_by_name("cuda") : nullptr;
   std::printf("48 embedding tables of 64 MiB - 4 GiB, %d load steps, at most 32 GiB loaded, "
-              "%zu GiB budget, sim device (driver time modelled on H200 latencies)\n\n", steps,
-              budget / GiB);
-  std::printf("%-14s %8s %14s %12s %14s %16s\n", "allocator", "loads", "OOMs (evicted)",
-              "first OOM", "peak reserved", "driver time");
+              "%zu GiB budget, %s\n\n", steps, budget / GiB,
+              gpu ? "on the GPU (time measured)" : "sim device (driver time modelled on H200 latencies)");
+  std::printf("%-14s %8s %14s %12s %14s %14s %16s\n", "allocator", "loads", "OOMs (evicted)",
+              "first OOM", "peak reserved", "time in calls", "modelled driver");
   for (const char* name : {"caching_pool", "vmm_page_pool", "cudaMalloc"}) {
-    const outcome o = run(name, steps, seed, budget);
+    const outcome o = run(name, steps, seed, budget, gpu);
     char first[32] = "-";
     if (o.ooms != 0) std::snprintf(first, sizeof first, "step %llu", static_cast<unsigned long long>(o.first_oom_step));
-    std::printf("%-14s %8llu %14llu %12s %14s %13.1f ms\n", o.allocator.c_str(),
+    char modelled[32] = "-";
+    if (!gpu) std::snprintf(modelled, sizeof modelled, "%.1f ms", o.modelled_driver_ms);
+    std::printf("%-14s %8llu %14llu %12s %14s %11.1f ms %16s\n", o.allocator.c_str(),
                 static_cast<unsigned long long>(o.loads), static_cast<unsigned long long>(o.ooms),
-                first, format_bytes(o.peak_reserved).c_str(), o.modelled_driver_ms);
+                first, format_bytes(o.peak_reserved).c_str(), o.call_ms, modelled);
   }
   return 0;
 }

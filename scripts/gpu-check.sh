@@ -24,9 +24,12 @@ if command -v compute-sanitizer >/dev/null; then
   compute-sanitizer --tool memcheck --leak-check full $BUILD/tests/gpumem_gpu_tests >"$OUT/sanitizer.log" 2>&1
   echo "compute-sanitizer exit $?: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)"
 fi
-$BUILD/bench/pool_bench --device cuda --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
-$BUILD/tools/gpumem replay data/train_llama.csv.gz --device cuda --passes 2 2>/dev/null | tee "$OUT/replay_train.txt"
+$BUILD/bench/pool_bench --device cuda 2>&1 | tee "$OUT/bench.txt"
+$BUILD/examples/embedding_tables --device cuda --steps 2000 2>&1 | tee "$OUT/embedding.txt"
+$BUILD/tools/gpumem replay data/train_llama.csv.gz --device cuda --passes 2 2>/dev/null | tee "$OUT/replay.txt"
 for t in .gpurun/*.csv.gz; do
   [ -f "$t" ] || continue
-  $BUILD/tools/gpumem replay "$t" --device cuda --passes 2 --allocator vmm_page_pool 2>/dev/null | tee "$OUT/replay_$(basename "$t" .csv.gz).txt" | tail -1
+  for a in vmm_page_pool caching_pool; do
+    $BUILD/tools/gpumem replay "$t" --device cuda --passes 2 --allocator $a 2>/dev/null | tee -a "$OUT/replay.txt" | tail -1
+  done
 done

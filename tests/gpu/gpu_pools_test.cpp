@@ -2,6 +2,7 @@
 // why, when no CUDA device is present (CI has none).
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -67,6 +68,33 @@ TEST(gpu_platform, one_handle_mapped_twice_shows_the_same_bytes) {
   EXPECT_TRUE(p.release_physical(h.value()));
   EXPECT_TRUE(p.free_range(a.value(), g));
   EXPECT_TRUE(p.free_range(b.value(), g));
+}
+
+// Whether one cuMemUnmap may span two adjacent mappings decides how the VMM page pool
+// reclaims runs (it falls back to one call per mapping when refused). Either way every
+// byte must end unmapped and the handles releasable.
+TEST(gpu_platform, unmap_spanning_two_adjacent_mappings) {
+  REQUIRE_GPU();
+  platform& p = *cuda();
+  const std::size_t g = p.granularity(0).value().recommended;
+  auto va = p.reserve_range(2 * g, g);
+  auto h1 = p.create_physical(0, g);
+  auto h2 = p.create_physical(0, g);
+  ASSERT_TRUE(va && h1 && h2);
+  ASSERT_TRUE(p.map(va.value(), g, h1.value(), 0));
+  ASSERT_TRUE(p.map(va.value() + g, g, h2.value(), 0));
+  ASSERT_TRUE(p.set_access(0, va.value(), 2 * g));
+  const status both = p.unmap(va.value(), 2 * g);
+  RecordProperty("batched_unmap", both.ok() ? "accepted" : both.describe());
+  std::printf("one cuMemUnmap over two mappings: %s\n", both.ok() ? "accepted" : both.describe().c_str());
+  if (!both.ok()) {
+    EXPECT_TRUE(p.unmap(va.value(), g));
+    EXPECT_TRUE(p.unmap(va.value() + g, g));
+  }
+  // Unmapped now: the range can be freed and the handles released.
+  EXPECT_TRUE(p.release_physical(h1.value()));
+  EXPECT_TRUE(p.release_physical(h2.value()));
+  EXPECT_TRUE(p.free_range(va.value(), 2 * g));
 }
 
 TEST(gpu_platform, async_malloc_round_trip) {
