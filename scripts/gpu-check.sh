@@ -23,6 +23,7 @@ grep -E "SKIPPED|FAILED" "$OUT/all_tests.log" | head -20
 if command -v compute-sanitizer >/dev/null; then
   compute-sanitizer --tool memcheck --leak-check full $BUILD/tests/gpumem_gpu_tests >"$OUT/sanitizer.log" 2>&1
   echo "compute-sanitizer exit $?: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)"
+  grep -E "^=========" "$OUT/sanitizer.log" | grep -v "ERROR SUMMARY\|LEAK SUMMARY" | head -12
 fi
 $BUILD/bench/pool_bench --device cuda 2>&1 | tee "$OUT/bench.txt"
 $BUILD/examples/embedding_tables --device cuda --steps 2000 2>&1 | tee "$OUT/embedding.txt"
