@@ -6,6 +6,7 @@
 //   caching_pool   segments from cudaMalloc, split and cached (PyTorch's design): a free
 //                  segment partly in use cannot be given back, so free memory strands
 //   vmm_page_pool  free pages are unmapped and remapped where the next table needs them
+//                  (also with big_chunk:16, 32 MiB handles for big growths)
 //   cudaMalloc     no cache: never strands memory, pays the driver on every call
 //
 // Usage: embedding_tables [--steps N] [--seed S] [--budget-gib G] [--device sim|cuda]
@@ -35,7 +36,8 @@ struct outcome {
   std::uint64_t loads = 0, ooms = 0;
   std::size_t peak_reserved = 0, peak_live = 0;
   double call_ms = 0;             // host time inside allocate/deallocate
-  double modelled_driver_ms = 0;  // sim only
+  double driver_ms = 0;           // modelled on sim, measured on the GPU
+  std::string top_calls;          // calls that took >= 1 ms in all
   std::uint64_t first_oom_step = 0;
 };
 
@@ -45,8 +47,12 @@ outcome run(const std::string& name, int steps, std::uint64_t seed, std::size_t 
   so.capacity = 80 * GiB;
   so.latency = sim_latency::model;
   std::unique_ptr<sim_platform> owned_sim;
-  if (gpu == nullptr) owned_sim = std::make_unique<sim_platform>(so);
-  platform& sim = gpu != nullptr ? *gpu : *owned_sim;
+  std::unique_ptr<timed_platform> timed;  // on the GPU: time in each CUDA call
+  if (gpu == nullptr)
+    owned_sim = std::make_unique<sim_platform>(so);
+  else
+    timed = std::make_unique<timed_platform>(*gpu);
+  platform& sim = gpu != nullptr ? static_cast<platform&>(*timed) : *owned_sim;
   pool_options po;
   po.limit_bytes = budget;
   std::unique_ptr<memory_resource> upstream, resource;
@@ -54,6 +60,9 @@ outcome run(const std::string& name, int steps, std::uint64_t seed, std::size_t 
     upstream = std::make_unique<runtime_resource>(sim, 0);
     resource = std::make_unique<caching_pool>(*upstream, po);
   } else if (name == "vmm_page_pool") {
+    resource = std::make_unique<vmm_page_pool>(sim, 0, po);
+  } else if (name == "vmm_page_pool_big_chunk") {
+    po.big_chunk_pages = 16;
     resource = std::make_unique<vmm_page_pool>(sim, 0, po);
   } else {
     resource = std::make_unique<runtime_resource>(sim, 0);
@@ -108,7 +117,14 @@ outcome run(const std::string& name, int steps, std::uint64_t seed, std::size_t 
     if (loaded[t] != nullptr) resource->deallocate(loaded[t], size[t]);
   o.peak_reserved = resource->stats().peak_reserved_bytes;
   o.call_ms = std::chrono::duration<double, std::milli>(in_calls).count();
-  if (owned_sim) o.modelled_driver_ms = static_cast<double>(owned_sim->modelled_ns()) / 1e6;
+  for (std::size_t i = 0; i < platform_op_count; ++i) {
+    const auto op = static_cast<platform_op>(i);
+    const double ns = static_cast<double>(owned_sim ? owned_sim->modelled_ns(op) : timed->measured_ns(op));
+    o.driver_ms += ns / 1e6;
+    if (ns >= 1e6)
+      o.top_calls += std::string(platform_op_name(op)) + " " + std::to_string(sim.calls_made(op)) +
+                     "x " + std::to_string(static_cast<long long>(ns / 1e6)) + "ms  ";
+  }
   return o;
 }
 
@@ -133,17 +149,16 @@ int main(int argc, char** argv) {
   std::printf("48 embedding tables of 64 MiB - 4 GiB, %d load steps, at most 32 GiB loaded, "
               "%zu GiB budget, %s\n\n", steps, budget / GiB,
               gpu ? "on the GPU (time measured)" : "sim device (driver time modelled on H200 latencies)");
-  std::printf("%-14s %8s %14s %12s %14s %14s %16s\n", "allocator", "loads", "OOMs (evicted)",
-              "first OOM", "peak reserved", "time in calls", "modelled driver");
-  for (const char* name : {"caching_pool", "vmm_page_pool", "cudaMalloc"}) {
+  std::printf("%-24s %8s %14s %12s %14s %14s %16s\n", "allocator", "loads", "OOMs (evicted)",
+              "first OOM", "peak reserved", "time in calls", gpu ? "driver (measured)" : "driver (modelled)");
+  for (const char* name : {"caching_pool", "vmm_page_pool", "vmm_page_pool_big_chunk", "cudaMalloc"}) {
     const outcome o = run(name, steps, seed, budget, gpu);
     char first[32] = "-";
     if (o.ooms != 0) std::snprintf(first, sizeof first, "step %llu", static_cast<unsigned long long>(o.first_oom_step));
-    char modelled[32] = "-";
-    if (!gpu) std::snprintf(modelled, sizeof modelled, "%.1f ms", o.modelled_driver_ms);
-    std::printf("%-14s %8llu %14llu %12s %14s %11.1f ms %16s\n", o.allocator.c_str(),
+    std::printf("%-24s %8llu %14llu %12s %14s %11.1f ms %14.1f ms\n", o.allocator.c_str(),
                 static_cast<unsigned long long>(o.loads), static_cast<unsigned long long>(o.ooms),
-                first, format_bytes(o.peak_reserved).c_str(), o.call_ms, modelled);
+                first, format_bytes(o.peak_reserved).c_str(), o.call_ms, o.driver_ms);
+    std::printf("    %s\n", o.top_calls.c_str());
   }
   return 0;
 }

@@ -3,3 +3,4 @@
 #include "gpumem/platform/cuda_platform.hpp"
 #include "gpumem/platform/platform.hpp"
 #include "gpumem/platform/sim_platform.hpp"
+#include "gpumem/platform/timed_platform.hpp"

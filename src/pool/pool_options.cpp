@@ -93,10 +93,15 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
                                std::string(value) + "'");
     } else if (key == "va_reserve") {
       o.va_reserve_bytes = parse_bytes(value);
+    } else if (key == "big_chunk") {
+      const double n = parse_number(value, key);
+      if (n != static_cast<double>(static_cast<std::size_t>(n)) || n > 4096)
+        throw invalid_argument("config: big_chunk must be a whole number of pages up to 4096");
+      o.big_chunk_pages = static_cast<std::size_t>(n);
     } else {
       throw invalid_argument("config: unknown key '" + std::string(key) +
                              "' (known: reserve, reserve_fraction, limit, release_threshold, "
-                             "small_threshold, cross_stream, va_reserve)");
+                             "small_threshold, cross_stream, va_reserve, big_chunk)");
     }
   }
 }
@@ -116,7 +121,7 @@ std::string pool_options::to_string() const {
     out << release_threshold;
   out << ",small_threshold:" << small_threshold
       << ",cross_stream:" << (cross_stream == cross_stream_policy::wait ? "wait" : "event")
-      << ",va_reserve:" << va_reserve_bytes;
+      << ",va_reserve:" << va_reserve_bytes << ",big_chunk:" << big_chunk_pages;
   return out.str();
 }
 

@@ -97,7 +97,8 @@ bool vmm_page_pool::create_chunks(std::size_t pages) {
     spare_.resize(spare_before);
   };
   for (std::size_t left = pages; left > 0;) {
-    const std::size_t n = std::min(left, max_chunk_pages);
+    const std::size_t big = options_.big_chunk_pages;
+    const std::size_t n = big > 1 && pages >= 2 * big && left >= big ? big : 1;
     auto h = device_platform().create_physical(device(), n * page_);
     if (!h) {
       undo();

@@ -10,6 +10,7 @@
 
 #include "gpumem/errors.hpp"
 #include "gpumem/platform/sim_platform.hpp"
+#include "gpumem/platform/timed_platform.hpp"
 
 #if GPUMEM_HAVE_ZLIB
 #include <zlib.h>
@@ -162,6 +163,13 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
   r.peak_live_bytes = t.peak_live_bytes;
   platform& p = resource.device_platform();
   auto* sim = dynamic_cast<sim_platform*>(&p);
+  auto* timed = dynamic_cast<timed_platform*>(&p);
+  // Driver time per operation: modelled on sim, measured through a timing decorator.
+  auto op_ns = [&](platform_op op) -> std::uint64_t {
+    if (timed != nullptr) return timed->measured_ns(op);
+    if (sim != nullptr) return sim->modelled_ns(op);
+    return 0;
+  };
 
   // The trace's first stream is the default stream; others get streams of their own,
   // released from the resource and destroyed on every way out.
@@ -191,7 +199,8 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
   std::array<std::uint64_t, platform_op_count> calls_before{};
   for (std::size_t i = 0; i < platform_op_count; ++i)
     calls_before[i] = p.calls_made(static_cast<platform_op>(i));
-  const std::uint64_t modelled_before = sim != nullptr ? sim->modelled_ns() : 0;
+  std::array<std::uint64_t, platform_op_count> ns_before{};
+  for (std::size_t i = 0; i < platform_op_count; ++i) ns_before[i] = op_ns(static_cast<platform_op>(i));
 
   std::vector<void*> ptrs(t.allocs, nullptr);
   const std::size_t sample_every = std::max<std::size_t>(1, t.events.size() / 2000);
@@ -248,9 +257,13 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
   for (std::size_t i = 0; i < platform_op_count; ++i) {
     const auto op = static_cast<platform_op>(i);
     const std::uint64_t n = p.calls_made(op) - calls_before[i];
-    if (n != 0) r.driver_calls[std::string(platform_op_name(op))] = n;
+    if (n == 0) continue;
+    const auto name = std::string(platform_op_name(op));
+    r.driver_calls[name] = n;
+    const double ns = static_cast<double>(op_ns(op) - ns_before[i]);
+    r.driver_call_ns[name] = ns;
+    r.driver_ns += ns;
   }
-  if (sim != nullptr) r.driver_ns = static_cast<double>(sim->modelled_ns() - modelled_before);
   return r;
 }
 

@@ -102,6 +102,26 @@ TEST_F(VmmPagePool, GrowthCreatesExactlyTheMissingPagesAndGrantsAccessOnce) {
   pool.deallocate(q, 40 * MiB);
 }
 
+TEST_F(VmmPagePool, BigChunkOptionUsesFewerBiggerHandlesForBigGrowths) {
+  pool_options o = pool_options::parse("big_chunk:16");
+  ASSERT_EQ(o.big_chunk_pages, 16u);
+  vmm_page_pool pool(sim, 0, o);
+  void* small = pool.allocate(7 * MiB);  // 4 pages < 32: one-page handles
+  EXPECT_EQ(pool.page_counts().handles, 4u);
+  const auto maps = calls(platform_op::map);
+  void* big = pool.allocate(70 * MiB);  // 35 pages: two 16-page handles and 3 one-page ones
+  vmm_page_counts c = pool.page_counts();
+  EXPECT_EQ(c.handles, 4u + 5u);
+  EXPECT_EQ(c.pages_created, 4u + 35u);
+  EXPECT_EQ(calls(platform_op::map), maps + 5) << "one cuMemMap per handle";
+  fill(big, 70 * MiB, 0x61);
+  EXPECT_TRUE(holds(big, 70 * MiB, 0x61));
+  expect_page_accounting(pool);
+  pool.deallocate(big, 70 * MiB);
+  pool.deallocate(small, 7 * MiB);
+  EXPECT_THROW(pool_options::parse("big_chunk:1.5"), invalid_argument);
+}
+
 TEST_F(VmmPagePool, BytesSurviveWhileTheBlockLives) {
   vmm_page_pool pool(sim);
   struct blk {

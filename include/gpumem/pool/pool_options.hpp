@@ -10,6 +10,8 @@
 //   cross_stream:wait|event  reuse another stream's freed block by making the new stream
 //                            wait on it (wait) or only once its event completed (event)
 //   va_reserve:BYTES         vmm_page_pool's virtual range (default 2x device memory)
+//   big_chunk:N              vmm_page_pool: growths of >= 2N pages use N-page handles (0:
+//                            one page per handle, the least waste; see vmm_page_pool.hpp)
 //
 // Unknown keys and malformed values throw gpumem::invalid_argument naming them.
 #pragma once
@@ -31,6 +33,7 @@ struct pool_options {
   std::size_t small_threshold = std::size_t{1} << 20;
   cross_stream_policy cross_stream = cross_stream_policy::event;
   std::size_t va_reserve_bytes = 0;
+  std::size_t big_chunk_pages = 0;
 
   static pool_options parse(std::string_view config);
   // GPUMEM_CONF, or defaults when unset.

@@ -58,10 +58,12 @@ class vmm_page_pool final : public pool_base {
  private:
   static constexpr std::uint32_t no_chunk = 0xffffffffu;
   static constexpr std::size_t no_page = static_cast<std::size_t>(-1);
-  // One page per handle: any free page can move alone, which keeps reserved memory within
-  // ~1% of live on real traces (16-page chunks measured 1.061 on train_llama, sim). The
-  // price is one cuMemCreate per page when growing.
-  static constexpr std::size_t max_chunk_pages = 1;
+  // Handle sizes: one page per handle by default, so any free page can move alone (16-page
+  // handles for every growth measured 1.061 fragmentation on train_llama, sim). With
+  // pool_options::big_chunk_pages = N, a growth of at least 2N pages (one big allocation's
+  // interior) takes handles of N pages, the rest one page: N times fewer cuMemCreate,
+  // cuMemMap and cuMemUnmap calls when huge blocks come and go, at some fragmentation
+  // (train_llama, sim: 1.025 with N = 16).
   struct chunk {
     physical_handle handle{};
     std::size_t pages = 0;
@@ -70,7 +72,7 @@ class vmm_page_pool final : public pool_base {
   };
 
   std::uintptr_t page_address(std::size_t page) const noexcept { return va_base_ + page * page_; }
-  // Creates chunks for `pages` pages (each <= max_chunk_pages) into spare_; false (and
+  // Creates chunks for `pages` pages (sized as above) into spare_; false (and
   // nothing kept of this call) when the device or the limit has no room.
   bool create_chunks(std::size_t pages);
   std::size_t spare_pages() const;

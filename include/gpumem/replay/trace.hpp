@@ -64,7 +64,9 @@ struct replay_result {
   double ns_per_event_cold = 0;        // first pass
   double ns_per_event_warm = 0;        // last pass (== cold with one pass)
   std::map<std::string, std::uint64_t> driver_calls;  // CUDA call name -> count
-  double driver_ns = 0;                // modelled (sim) driver time
+  std::map<std::string, double> driver_call_ns;       // CUDA call name -> time in it
+  double driver_ns = 0;                // driver time: modelled on sim, measured through a
+                                       // timed_platform (on the GPU), else 0
   bool oom = false;
   std::uint64_t oom_event = 0;         // event index where it happened
   std::string oom_message;
