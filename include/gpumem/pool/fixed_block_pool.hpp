@@ -9,6 +9,7 @@
 //
 // Invariants (validate()):
 //  - every id of a live chunk is either on the free stack or marked used, never both;
+//  - a cap (max_blocks) below one default chunk shrinks the chunk to fit it;
 //  - free_blocks() + used_blocks() == capacity_blocks() == live chunks * blocks_per_chunk.
 // Not thread-safe: its owner serializes calls (a KV cache holds one lock over its tables).
 #pragma once
@@ -45,7 +46,7 @@ class fixed_block_pool {
     return reinterpret_cast<void*>(chunk_base_[id / blocks_per_chunk_] +
                                    (id % blocks_per_chunk_) * block_bytes_);
   }
-  bool is_used(block_id id) const noexcept { return id < used_.size() && used_[id] != 0; }
+  bool is_used(block_id id) const noexcept { return id < used_.size() && used_[id] == used; }
 
   // Grows until at least `blocks` blocks exist; false when upstream is exhausted.
   bool reserve(std::size_t blocks);
@@ -72,7 +73,9 @@ class fixed_block_pool {
   std::vector<std::uintptr_t> chunk_base_;  // 0: slot empty (chunk given back)
   std::size_t live_chunks_ = 0;
   std::vector<block_id> free_;               // stack of free ids
-  std::vector<std::uint8_t> used_;           // per id
+  // Per id: never handed out since its chunk came, handed out now, or freed since.
+  static constexpr std::uint8_t never_used = 0, used = 1, freed = 2;
+  std::vector<std::uint8_t> used_;
 };
 
 }  // namespace gpumem
