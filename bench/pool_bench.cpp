@@ -7,7 +7,7 @@
 //               one at random and allocates a new random size (BASELINES.md's cudaMallocAsync
 //               figure uses the same shape)
 //   grow_512    a fresh vmm_page_pool serves one 1 GiB request: 512 pages created, mapped
-//               and given access; reported per page
+//               and given access; reported per page, with one-page handles and big_chunk:32
 //
 // Usage: pool_bench [--device auto|cuda|sim] [--json FILE]
 #include <algorithm>
@@ -133,22 +133,35 @@ int main(int argc, char** argv) {
   }
   (void)p.stream_synchronize({});
 
-  // Growth by 512 pages on fresh pools (each pool gives its memory back when destroyed).
-  std::vector<double> grow_reps;
-  std::uint64_t creates = 0, maps = 0, accesses = 0;
-  for (int rep = 0; rep < 5; ++rep) {
-    vmm_page_pool fresh(p, 0);
-    const std::size_t bytes = 512 * fresh.page_size();
-    const auto c0 = p.calls_made(platform_op::create_physical);
-    const auto m0 = p.calls_made(platform_op::map);
-    const auto s0 = p.calls_made(platform_op::set_access);
-    const auto t0 = clock_type::now();
-    void* q = fresh.allocate(bytes);
-    grow_reps.push_back(std::chrono::duration<double, std::nano>(clock_type::now() - t0).count() / 512);
-    creates = p.calls_made(platform_op::create_physical) - c0;
-    maps = p.calls_made(platform_op::map) - m0;
-    accesses = p.calls_made(platform_op::set_access) - s0;
-    fresh.deallocate(q, bytes);
+  // Growth by 512 pages on fresh pools (each pool gives its memory back when destroyed),
+  // with one-page handles (the default) and with big_chunk:32 (64 MiB handles).
+  struct growth {
+    std::size_t big_chunk;
+    double ns_per_page;
+    std::uint64_t creates, maps, accesses;
+  };
+  std::vector<growth> growths;
+  for (std::size_t big_chunk : {std::size_t{0}, std::size_t{32}}) {
+    std::vector<double> reps;
+    growth g{big_chunk, 0, 0, 0, 0};
+    for (int rep = 0; rep < 5; ++rep) {
+      pool_options o;
+      o.big_chunk_pages = big_chunk;
+      vmm_page_pool fresh(p, 0, o);
+      const std::size_t bytes = 512 * fresh.page_size();
+      const auto c0 = p.calls_made(platform_op::create_physical);
+      const auto m0 = p.calls_made(platform_op::map);
+      const auto s0 = p.calls_made(platform_op::set_access);
+      const auto t0 = clock_type::now();
+      void* q = fresh.allocate(bytes);
+      reps.push_back(std::chrono::duration<double, std::nano>(clock_type::now() - t0).count() / 512);
+      g.creates = p.calls_made(platform_op::create_physical) - c0;
+      g.maps = p.calls_made(platform_op::map) - m0;
+      g.accesses = p.calls_made(platform_op::set_access) - s0;
+      fresh.deallocate(q, bytes);
+    }
+    g.ns_per_page = median(reps);
+    growths.push_back(g);
   }
 
   const row& async_row = *std::find_if(rows.begin(), rows.end(), [](auto& r) { return r.name == "cudaMallocAsync"; });
@@ -157,9 +170,12 @@ int main(int argc, char** argv) {
   for (auto& r : rows)
     std::printf("%-16s %16.1f %16.1f %13.1fx %13.1fx\n", r.name.c_str(), r.same, r.mixed,
                 async_row.same / r.same, async_row.mixed / r.mixed);
-  std::printf("\ngrow_512: %.0f ns per page (median of 5; %llu cuMemCreate, %llu cuMemMap, %llu cuMemSetAccess per growth)\n",
-              median(grow_reps), static_cast<unsigned long long>(creates),
-              static_cast<unsigned long long>(maps), static_cast<unsigned long long>(accesses));
+  for (const growth& g : growths)
+    std::printf("\ngrow_512 (big_chunk %zu): %.0f ns per page (median of 5; %llu cuMemCreate, %llu cuMemMap, "
+                "%llu cuMemSetAccess per growth)",
+                g.big_chunk, g.ns_per_page, static_cast<unsigned long long>(g.creates),
+                static_cast<unsigned long long>(g.maps), static_cast<unsigned long long>(g.accesses));
+  std::printf("\n");
 
   if (!json_path.empty()) {
     std::FILE* f = std::fopen(json_path.c_str(), "w");
@@ -169,7 +185,8 @@ int main(int argc, char** argv) {
       for (std::size_t i = 0; i < rows.size(); ++i)
         std::fprintf(f, "%s{\"allocator\": \"%s\", \"same_size_ns_per_pair\": %.2f, \"mixed_64_ns_per_pair\": %.2f}",
                      i ? ", " : "", rows[i].name.c_str(), rows[i].same, rows[i].mixed);
-      std::fprintf(f, "], \"grow_512_ns_per_page\": %.1f}\n", median(grow_reps));
+      std::fprintf(f, "], \"grow_512_ns_per_page\": %.1f, \"grow_512_big_chunk_32_ns_per_page\": %.1f}\n",
+                   growths[0].ns_per_page, growths[1].ns_per_page);
       std::fclose(f);
     }
   }
