@@ -12,13 +12,17 @@ tracked_resource::~tracked_resource() {
   for (auto& [ptr, e] : live_) registry_remove(ptr);
 }
 
-void tracked_resource::track(void* ptr, std::size_t bytes, std::size_t reserved) {
-  std::lock_guard lock(mutex_);
+void tracked_resource::insert_locked(void* ptr, std::size_t bytes, std::size_t reserved) {
   live_.emplace(ptr, entry{bytes, reserved});
   registry_add(ptr, bytes, this);
   stats_.live_bytes += bytes;
   stats_.live_allocations += 1;
   stats_.reserved_bytes += reserved;
+}
+
+void tracked_resource::track(void* ptr, std::size_t bytes, std::size_t reserved) {
+  std::lock_guard lock(mutex_);
+  insert_locked(ptr, bytes, reserved);
   stats_.allocations += 1;
   if (stats_.live_bytes > stats_.peak_live_bytes) stats_.peak_live_bytes = stats_.live_bytes;
   if (stats_.reserved_bytes > stats_.peak_reserved_bytes)
@@ -27,12 +31,8 @@ void tracked_resource::track(void* ptr, std::size_t bytes, std::size_t reserved)
 
 void tracked_resource::retrack(void* ptr, std::size_t bytes, std::size_t reserved) {
   std::lock_guard lock(mutex_);
-  live_.emplace(ptr, entry{bytes, reserved});
-  registry_add(ptr, bytes, this);
-  stats_.live_bytes += bytes;
-  stats_.live_allocations += 1;
-  stats_.reserved_bytes += reserved;
-  stats_.deallocations -= 1;
+  insert_locked(ptr, bytes, reserved);
+  stats_.deallocations -= 1;  // the failed free does not count
 }
 
 std::size_t tracked_resource::untrack(void* ptr, std::size_t bytes) {

@@ -54,6 +54,9 @@ class tracked_resource : public memory_resource {
     std::size_t bytes;
     std::size_t reserved;
   };
+  // Adds a live allocation to the map, the registry and the live/reserved counts.
+  // REQUIRES: mutex_ held.
+  void insert_locked(void* ptr, std::size_t bytes, std::size_t reserved);
   std::unordered_map<void*, entry> live_;
   resource_stats stats_{};
 };
