@@ -1,6 +1,7 @@
 // Modelled H200 call latencies for sim (sim_latency::model / spin).
 // Source: ../shared/BASELINES.md, median host time per call on an NVIDIA H200, driver
-// 580.159, CUDA 13.0, measured 2026-11-30. Between measured sizes the latency is
+// 580.159, CUDA 13.0, measured 2026-11-30; per-handle costs of set access and unmap from
+// gpumem's own H200 runs the same day (modelled_per_mapping_ns). Between measured sizes the latency is
 // interpolated linearly in log2(size); outside them it is clamped to the nearest point.
 #include <array>
 #include <cmath>
@@ -95,6 +96,18 @@ std::uint64_t modelled_latency_ns(platform_op op, std::size_t bytes) noexcept {
     default: ns = 0; break;
   }
   return static_cast<std::uint64_t>(ns);
+}
+
+std::uint64_t modelled_per_mapping_ns(platform_op op) noexcept {
+  // Measured through timed_platform on an NVIDIA H200 (CUDA 13.0), 2026-11-30, dividing the
+  // time in the call by the handles it covered: cuMemSetAccess 32-39 us per handle
+  // (embedding example: 659 calls over ~676 handles each, 14.3 s; train_llama replay: 944
+  // calls over ~12.5 handles each, 464 ms); cuMemUnmap 21-28 us per handle.
+  switch (op) {
+    case platform_op::set_access: return 32000;
+    case platform_op::unmap: return 21000;
+    default: return 0;
+  }
 }
 
 }  // namespace gpumem

@@ -405,15 +405,35 @@ const sim_options& sim_platform::options() const noexcept { return state_->optio
 
 namespace {
 
-void charge(sim_platform::state& s, platform_op op, std::size_t bytes) {
+void charge_ns(sim_platform::state& s, platform_op op, std::uint64_t ns) {
   if (s.options.latency == sim_latency::off) return;
-  const std::uint64_t ns = modelled_latency_ns(op, bytes);
   s.modelled[static_cast<std::size_t>(op)].fetch_add(ns, std::memory_order_relaxed);
   if (s.options.latency == sim_latency::spin) {
     const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(ns);
     while (std::chrono::steady_clock::now() < until) {
     }
   }
+}
+
+void charge(sim_platform::state& s, platform_op op, std::size_t bytes) {
+  if (s.options.latency == sim_latency::off) return;
+  charge_ns(s, op, modelled_latency_ns(op, bytes));
+}
+
+// Unmap and set access cost grows with the mappings (handles) they cover: the size-based
+// figure for one, plus the per-mapping cost for each further one.
+void charge_mappings(sim_platform::state& s, platform_op op, std::uintptr_t va, std::size_t size) {
+  if (s.options.latency == sim_latency::off) return;
+  std::size_t covered = 0;
+  {
+    std::lock_guard lock(s.mutex);
+    auto it = s.mappings.upper_bound(va);
+    if (it != s.mappings.begin()) --it;
+    for (; it != s.mappings.end() && it->first < va + size; ++it)
+      if (it->first + it->second.size > va) ++covered;
+  }
+  const std::size_t extra = covered > 1 ? covered - 1 : 0;
+  charge_ns(s, op, modelled_latency_ns(op, size) + extra * modelled_per_mapping_ns(op));
 }
 
 std::optional<status> check_fault(sim_platform::state& s, platform_op op) {
@@ -770,7 +790,7 @@ status sim_platform::map(std::uintptr_t va, std::size_t size, physical_handle ha
 
 status sim_platform::unmap(std::uintptr_t va, std::size_t size) {
   GPUMEM_SIM_ENTER(platform_op::unmap);
-  GPUMEM_SIM_CHARGE(platform_op::unmap, size);
+  charge_mappings(*state_, platform_op::unmap, va, size);
   auto& s = *state_;
   std::lock_guard lock(s.mutex);
   // The range must start at a mapping and end exactly at one's end, with no gaps.
@@ -811,7 +831,7 @@ status sim_platform::unmap(std::uintptr_t va, std::size_t size) {
 
 status sim_platform::set_access(int device, std::uintptr_t va, std::size_t size) {
   GPUMEM_SIM_ENTER(platform_op::set_access);
-  GPUMEM_SIM_CHARGE(platform_op::set_access, size);
+  charge_mappings(*state_, platform_op::set_access, va, size);
   auto& s = *state_;
   if (!s.valid_device(device))
     return fail(platform_op::set_access, failure_kind::invalid_value,

@@ -664,6 +664,30 @@ TEST_P(sim_fidelity, modelled_latency_follows_the_baselines) {
   EXPECT_EQ(modelled.modelled_ns() - before, 640u + 860u + 25700u);
   ASSERT_TRUE(modelled.unmap(va.value(), 2 * MiB).ok());
   ASSERT_TRUE(modelled.free_range(va.value(), 2 * MiB).ok());
+  // Over three one-page handles, set access and unmap pay per handle (measured on the H200).
+  {
+    auto run = modelled.reserve_range(6 * MiB, 0);
+    ASSERT_TRUE(run.ok());
+    std::vector<physical_handle> pages;
+    for (int i = 0; i < 3; ++i) {
+      auto p = modelled.create_physical(0, 2 * MiB);
+      ASSERT_TRUE(p.ok());
+      pages.push_back(p.value());
+      ASSERT_TRUE(modelled.map(run.value() + i * 2 * MiB, 2 * MiB, p.value(), 0).ok());
+    }
+    const auto access_before = modelled.modelled_ns(platform_op::set_access);
+    ASSERT_TRUE(modelled.set_access(0, run.value(), 6 * MiB).ok());
+    EXPECT_EQ(modelled.modelled_ns(platform_op::set_access) - access_before,
+              modelled_latency_ns(platform_op::set_access, 6 * MiB) +
+                  2 * modelled_per_mapping_ns(platform_op::set_access));
+    const auto unmap_before = modelled.modelled_ns(platform_op::unmap);
+    ASSERT_TRUE(modelled.unmap(run.value(), 6 * MiB).ok());
+    EXPECT_EQ(modelled.modelled_ns(platform_op::unmap) - unmap_before,
+              modelled_latency_ns(platform_op::unmap, 6 * MiB) +
+                  2 * modelled_per_mapping_ns(platform_op::unmap));
+    for (auto p : pages) ASSERT_TRUE(modelled.release_physical(p).ok());
+    ASSERT_TRUE(modelled.free_range(run.value(), 6 * MiB).ok());
+  }
   ASSERT_TRUE(modelled.runtime_free(0, rt.value()).ok());
   ASSERT_TRUE(modelled.release_physical(h.value()).ok());
   ASSERT_TRUE(modelled.release_physical(big.value()).ok());

@@ -135,5 +135,9 @@ class sim_platform final : public platform {
 // Modelled H200 latency of one call of `op` moving `bytes` (BASELINES.md, interpolated
 // in log-size between the measured points), nanoseconds.
 std::uint64_t modelled_latency_ns(platform_op op, std::size_t bytes) noexcept;
+// Modelled cost per mapping (handle) covered, for the calls whose cost grows with the number
+// of handles in the range (cuMemSetAccess, cuMemUnmap); 0 for others. Such a call is charged
+// modelled_latency_ns for its size plus this for each mapping after the first.
+std::uint64_t modelled_per_mapping_ns(platform_op op) noexcept;
 
 }  // namespace gpumem
