@@ -14,6 +14,7 @@
 #include "gpumem/platform.hpp"
 #include "gpumem/pool/caching_pool.hpp"
 #include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/replay/plot.hpp"
 #include "gpumem/replay/trace.hpp"
 #include "json_writer.hpp"
 
@@ -76,6 +77,7 @@ int run_replay(int argc, char** argv) {
       .option("passes", "N", "replay the trace N times on each allocator; the last pass is "
                              "the warm (steady-state) figure", "2")
       .option("config", "CONF", "pool options, key:value,... (default: GPUMEM_CONF)")
+      .option("plot", "FILE.svg", "also draw live and reserved bytes over the trace, per allocator")
       .flag("json", "machine-readable output")
       .epilog("On sim, driver time is modelled from H200 measurements (BASELINES.md).");
   const parsed_args args = parser.parse(argc, argv);
@@ -125,6 +127,18 @@ int run_replay(int argc, char** argv) {
     }
     allocator_under_test a = make_allocator(name, p, 0, options);
     results.push_back(replay_trace(t, *a.resource, replay_options{passes, false}));
+  }
+
+  if (args.has("plot")) {
+    const std::string plot_path = *args.value("plot");
+    std::FILE* f = std::fopen(plot_path.c_str(), "w");
+    if (f == nullptr) throw invalid_argument("gpumem replay: cannot write the plot to '" + plot_path + "'");
+    const std::string svg = render_replay_svg(
+        results, "gpumem replay " + path + " (" + (on_sim ? "sim" : "cuda") + ")");
+    const bool written = std::fwrite(svg.data(), 1, svg.size(), f) == svg.size();
+    if (std::fclose(f) != 0 || !written)
+      throw invalid_argument("gpumem replay: writing the plot to '" + plot_path + "' failed");
+    if (!args.has("json")) std::fprintf(stderr, "plot written to %s\n", plot_path.c_str());
   }
 
   if (args.has("json")) {
