@@ -224,10 +224,44 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
   if (std::none_of(va_free_.begin(), va_free_.end(),
                    [&](const auto& r) { return r.second >= pages; }))
     return false;
+  // Packing: the free tail left in the last page of a live block, at the end of its run
+  // with unmapped address space after it, is extended by only the pages the request lacks,
+  // so consecutive large blocks share pages instead of each rounding up on its own.
+  struct extension {
+    std::size_t first_page = no_page;
+    std::size_t pages = 0;
+  };
+  auto find_extension = [&]() {
+    extension best;
+    // Only a tail under one page, the leftover of a live block: extending larger free
+    // blocks made fragmentation worse on both shared traces (sim, 1.043-1.062 on infer).
+    if (pad != 0) return best;
+    for (detail::block* b : arena.free_blocks()) {
+      if (b->next != nullptr || b->size >= size || b->size >= page_) continue;
+      if (b->prev == nullptr || b->prev->st != detail::block::state::allocated) continue;
+      if (b->stream != stream.value && !free_known_complete(*b)) continue;
+      const std::size_t end_page = (b->addr + b->size - va_base_) / page_;
+      const std::size_t need = (size - b->size + page_ - 1) / page_;
+      if (need >= pages) continue;  // saves nothing
+      if (best.first_page != no_page && need >= best.pages) continue;
+      auto run = va_free_.find(end_page);
+      if (run == va_free_.end() || run->second < need) continue;
+      best = {end_page, need};
+    }
+    return best;
+  };
+  extension ext = find_extension();
+  std::size_t wanted = ext.first_page != no_page ? ext.pages : pages;
   std::size_t have = spare_pages();
-  if (have < pages) have += reclaim(pages - have, false);
+  if (have < wanted) {
+    have += reclaim(wanted - have, false);
+    if (ext.first_page != no_page) {  // reclaim may have cut the tail: look again
+      ext = find_extension();
+      wanted = ext.first_page != no_page ? ext.pages : pages;
+    }
+  }
   const std::size_t first_new = chunks_.size();
-  if (have < pages && !create_chunks(pages - have)) return false;
+  if (have < wanted && !create_chunks(wanted - have)) return false;
   // Undoes this call's new chunks (all spare) when the rest fails.
   auto release_new_chunks = [&] {
     for (std::uint32_t id = static_cast<std::uint32_t>(first_new); id < chunks_.size(); ++id) {
@@ -241,15 +275,15 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
     }
   };
 
-  // Choose kept chunks covering `pages`: largest first, then the smallest that closes
+  // Choose kept chunks covering `wanted`: largest first, then the smallest that closes
   // the gap, so little extra is mapped.
   std::sort(spare_.begin(), spare_.end(), [&](std::uint32_t a, std::uint32_t b) {
     return chunks_[a].pages < chunks_[b].pages;
   });
   std::vector<std::uint32_t> chosen;
   std::size_t covered = 0;
-  while (covered < pages) {
-    const std::size_t gap = pages - covered;
+  while (covered < wanted) {
+    const std::size_t gap = wanted - covered;
     auto fit = std::find_if(spare_.begin(), spare_.end(),
                             [&](std::uint32_t id) { return chunks_[id].pages >= gap; });
     if (fit == spare_.end()) fit = std::prev(spare_.end());
@@ -258,10 +292,17 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
     spare_.erase(fit);
   }
 
-  // Virtual pages: first fit, lowest address first, so runs land next to earlier ones
-  // and merge with them.
-  auto run = std::find_if(va_free_.begin(), va_free_.end(),
-                          [&](const auto& r) { return r.second >= covered; });
+  // Virtual pages: right after the packed tail, else first fit, lowest address first, so
+  // runs land next to earlier ones and merge with them. Without packing the run must hold
+  // the whole request.
+  auto run = va_free_.end();
+  if (ext.first_page != no_page) {
+    run = va_free_.find(ext.first_page);
+    if (run != va_free_.end() && run->second < covered) run = va_free_.end();
+  }
+  if (run == va_free_.end() && covered >= pages)
+    run = std::find_if(va_free_.begin(), va_free_.end(),
+                       [&](const auto& r) { return r.second >= covered; });
   if (run == va_free_.end()) {
     spare_.insert(spare_.end(), chosen.begin(), chosen.end());
     release_new_chunks();

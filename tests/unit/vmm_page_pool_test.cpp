@@ -122,6 +122,22 @@ TEST_F(VmmPagePool, BigChunkOptionUsesFewerBiggerHandlesForBigGrowths) {
   EXPECT_THROW(pool_options::parse("big_chunk:1.5"), invalid_argument);
 }
 
+TEST_F(VmmPagePool, ConsecutiveLargeBlocksShareTheirBoundaryPage) {
+  vmm_page_pool pool(sim);
+  void* a = pool.allocate(3 * MiB);  // 2 pages, a 1 MiB free tail after it
+  EXPECT_EQ(pool.stats().reserved_bytes, 4 * MiB);
+  void* b = pool.allocate(3 * MiB);  // the tail plus one more page, right after it
+  EXPECT_EQ(static_cast<char*>(b), static_cast<char*>(a) + 3 * MiB);
+  EXPECT_EQ(pool.stats().reserved_bytes, 6 * MiB) << "packing saved no page";
+  fill(a, 3 * MiB, 0x21);
+  fill(b, 3 * MiB, 0x22);
+  EXPECT_TRUE(holds(a, 3 * MiB, 0x21));
+  EXPECT_TRUE(holds(b, 3 * MiB, 0x22));
+  expect_page_accounting(pool);
+  pool.deallocate(a, 3 * MiB);
+  pool.deallocate(b, 3 * MiB);
+}
+
 TEST_F(VmmPagePool, BytesSurviveWhileTheBlockLives) {
   vmm_page_pool pool(sim);
   struct blk {

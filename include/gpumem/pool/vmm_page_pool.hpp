@@ -10,6 +10,9 @@
 //    here: a request does not grow reserved memory while free chunks exist — the GMLake
 //    "stitching" idea); and only then new chunks for the missing pages. The chosen chunks
 //    are mapped side by side into one fresh virtual run, with ONE cuMemSetAccess over it.
+//  - Packing: when a live block's last page has a free tail at the end of its run and the
+//    address space after it is unmapped, a growth maps only the pages the request lacks
+//    right after that tail, so consecutive large blocks share a page.
 //  - Physical memory is given back (cuMemRelease) for unmapped chunks: under memory
 //    pressure, past the release threshold, or on trim().
 //
