@@ -8,6 +8,8 @@
 //               figure uses the same shape)
 //   grow_512    a fresh vmm_page_pool serves one 1 GiB request: 512 pages created, mapped
 //               and given access; reported per page, with one-page handles and big_chunk:32
+//   threads     1, 2, 4, 8 threads (up to the cores) sharing one pool, same-size pairs: the
+//               wall time per pair over all threads (lower = better; one mutex per pool)
 //
 // Usage: pool_bench [--device auto|cuda|sim] [--json FILE]
 #include <algorithm>
@@ -19,6 +21,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gpumem/backend.hpp"
@@ -164,6 +167,27 @@ int main(int argc, char** argv) {
     growths.push_back(g);
   }
 
+  // Contention: T threads share one vmm_page_pool (one mutex), each doing same-size pairs.
+  std::vector<std::pair<int, double>> threaded;
+  {
+    vmm_page_pool shared(p, 0);
+    const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+    for (unsigned t : {1u, 2u, 4u, 8u}) {
+      if (t > hw) break;
+      const int steps = 200000;
+      std::vector<std::thread> workers;
+      const auto t0 = clock_type::now();
+      for (unsigned w = 0; w < t; ++w)
+        workers.emplace_back([&shared, steps, w] {
+          const std::size_t n = (std::size_t{1} << 20) + w * 512;  // a size of its own
+          for (int i = 0; i < steps; ++i) shared.deallocate(shared.allocate(n), n);
+        });
+      for (auto& w : workers) w.join();
+      const double total_ns = std::chrono::duration<double, std::nano>(clock_type::now() - t0).count();
+      threaded.emplace_back(static_cast<int>(t), total_ns / (static_cast<double>(steps) * t));
+    }
+  }
+
   const row& async_row = *std::find_if(rows.begin(), rows.end(), [](auto& r) { return r.name == "cudaMallocAsync"; });
   std::printf("\n%-16s %16s %16s %14s %14s\n", "allocator", "same_size ns/pair", "mixed_64 ns/pair",
               "vs async same", "vs async mixed");
@@ -176,6 +200,9 @@ int main(int argc, char** argv) {
                 g.big_chunk, g.ns_per_page, static_cast<unsigned long long>(g.creates),
                 static_cast<unsigned long long>(g.maps), static_cast<unsigned long long>(g.accesses));
   std::printf("\n");
+  for (auto [t, ns] : threaded)
+    std::printf("%d thread(s) sharing one pool: %.1f ns of wall time per alloc+free pair, all "
+                "threads together\n", t, ns);
 
   if (!json_path.empty()) {
     std::FILE* f = std::fopen(json_path.c_str(), "w");
