@@ -1,14 +1,16 @@
 // vmm_page_pool: device memory on demand from one large virtual range, backed by
-// physical chunks (handles of 1 to 16 pages of the VMM granularity, 2 MiB on an H200)
-// that are mapped only where blocks need them.
+// physical chunks (handles of one page of the VMM granularity, 2 MiB on an H200, or
+// big_chunk pages for huge growths) that are mapped only where blocks need them.
 //
 //  - The virtual range is reserved once (default 2x device memory; address space is free).
 //  - A chunk is the unit of mapping: the driver maps a handle only from its start
-//    (cuMemMap offset 0), so chunks are kept small enough to move alone (<= 32 MiB).
-//  - Growing by N pages takes, in order: unmapped chunks kept for reuse; chunks
-//    reclaimed from cached free blocks whose last use is known complete, anywhere in the range (unmapped there and mapped
-//    here: a request does not grow reserved memory while free chunks exist — the GMLake
-//    "stitching" idea); and only then new chunks for the missing pages. The chosen chunks
+//    (cuMemMap offset 0), so a chunk is the unit that moves; one-page chunks let any free
+//    page move alone.
+//  - Growing by N pages takes, in order: unmapped chunks kept for reuse; chunks reclaimed
+//    from cached free blocks whose last use is known complete, anywhere in the range
+//    (unmapped there, in one call per run, and mapped here: a request does not grow reserved
+//    memory while such chunks exist — the GMLake "stitching" idea); and only then new
+//    chunks for the missing pages. The chosen chunks
 //    are mapped side by side into one fresh virtual run, with ONE cuMemSetAccess over it.
 //  - Packing: when a live block's last page has a free tail at the end of its run and the
 //    address space after it is unmapped, a growth maps only the pages the request lacks
@@ -25,8 +27,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
-#include <utility>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "gpumem/pool/pool_base.hpp"
