@@ -1,0 +1,154 @@
+/* gpumem C API: a gpumem pool behind plain C functions, for C programs, ctypes and the
+ * PyTorch plug-in (libgpumem_torch.so exports these too).
+ *
+ *   gpumem_pool_create(config, &pool)      one pool from a configuration string
+ *   gpumem_malloc(pool, size, stream)      stream-ordered allocation (NULL on failure)
+ *   gpumem_free(pool, ptr, size, stream)   the memory is reusable after `stream`'s work
+ *   gpumem_record_stream(pool, ptr, s)     `ptr` is also used on stream `s` (see below)
+ *   gpumem_pool_stats(pool, &stats)        live / reserved / cached bytes, counts
+ *   gpumem_last_error()                    this thread's text for the last failure
+ *
+ * The configuration string has the GPUMEM_CONF syntax ("key:value,key:value") with every
+ * pool option (reserve, limit, release_threshold, small_threshold, cross_stream,
+ * va_reserve, big_chunk) plus these keys of the C API:
+ *   allocator:vmm_page_pool|caching_pool  which pool (default vmm_page_pool)
+ *   backend:runtime|driver|vmm            caching_pool's upstream (default runtime)
+ *   device:N                              device ordinal (default 0)
+ *   platform:auto|cuda|sim                auto: the GPU when present, else sim (default)
+ *   sim_capacity:BYTES                    a private sim device of this capacity, 2 MiB
+ *                                         pages (implies platform:sim; for tests)
+ * NULL or "" means all defaults. Unknown keys and bad values give
+ * GPUMEM_ERROR_INVALID_ARGUMENT naming them.
+ *
+ * Streams are cudaStream_t values passed as void*; NULL is the default stream. Reuse is
+ * stream-ordered: a block freed on stream S is reused at once by work on S, and by another
+ * stream only once the free is known complete (cross_stream:event) or after that stream
+ * was made to wait for it (cross_stream:wait).
+ *
+ * Contract:
+ *  - no C++ exception crosses this boundary; every failure returns a status code (or NULL)
+ *    and sets this thread's gpumem_last_error() text; success leaves the text as it was;
+ *  - a failed call changes nothing: a refused free keeps the allocation live, a failed
+ *    create returns no pool;
+ *  - gpumem::out_of_memory -> GPUMEM_ERROR_OUT_OF_MEMORY (the text is the OOM report),
+ *    gpumem::invalid_argument -> GPUMEM_ERROR_INVALID_ARGUMENT, gpumem::cuda_error ->
+ *    GPUMEM_ERROR_CUDA, anything else -> GPUMEM_ERROR_INTERNAL;
+ *  - functions of one pool may be called from several threads at once; destroy must not
+ *    race with other calls on the same pool.
+ */
+#ifndef GPUMEM_INTEROP_GPUMEM_H
+#define GPUMEM_INTEROP_GPUMEM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define GPUMEM_API
+#else
+#define GPUMEM_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define GPUMEM_VERSION_MAJOR 0
+#define GPUMEM_VERSION_MINOR 1
+#define GPUMEM_VERSION_PATCH 0
+
+typedef enum gpumem_status {
+  GPUMEM_SUCCESS = 0,
+  GPUMEM_ERROR_INVALID_ARGUMENT = 1, /* bad config, size, pointer, double free, ... */
+  GPUMEM_ERROR_OUT_OF_MEMORY = 2,    /* the device or the pool's limit is exhausted */
+  GPUMEM_ERROR_CUDA = 3,             /* a CUDA call failed (or no device for platform:cuda) */
+  GPUMEM_ERROR_NOT_SUPPORTED = 4,    /* the feature is not built in */
+  GPUMEM_ERROR_INTERNAL = 5          /* any other failure (e.g. host memory exhausted) */
+} gpumem_status;
+
+typedef struct gpumem_pool gpumem_pool;
+
+/* Byte counts are requested sizes for `live`, device memory held from the driver for
+ * `reserved` (mapped pages, kept physical pages, cached segments). */
+typedef struct gpumem_stats {
+  uint64_t live_bytes;
+  uint64_t peak_live_bytes;
+  uint64_t live_allocations;
+  uint64_t reserved_bytes;
+  uint64_t peak_reserved_bytes;
+  uint64_t cached_bytes;          /* reserved but not handed out */
+  uint64_t allocations;           /* successful allocations */
+  uint64_t deallocations;
+  uint64_t alloc_retries;         /* allocations that had to give cached memory back first */
+  uint64_t oom_count;             /* out-of-memory failures */
+  uint64_t cross_stream_waits;    /* waits inserted at free for gpumem_record_stream */
+  double fragmentation;           /* peak reserved / peak live; 0 before any allocation */
+} gpumem_stats;
+
+/* "0.1.0". Never NULL. */
+GPUMEM_API const char* gpumem_version(void);
+/* GPUMEM_VERSION_MAJOR * 10000 + MINOR * 100 + PATCH of the library (not the header). */
+GPUMEM_API int gpumem_version_number(void);
+
+/* Text of this thread's last failure ("" if none). Valid until this thread's next failing
+ * gpumem call. Never NULL. */
+GPUMEM_API const char* gpumem_last_error(void);
+/* Status of this thread's last failure (GPUMEM_SUCCESS if none). */
+GPUMEM_API gpumem_status gpumem_last_status(void);
+/* "GPUMEM_ERROR_OUT_OF_MEMORY", ... Never NULL. */
+GPUMEM_API const char* gpumem_status_name(gpumem_status status);
+
+/* REQUIRES: out != NULL. On failure *out is set to NULL. */
+GPUMEM_API gpumem_status gpumem_pool_create(const char* config, gpumem_pool** out);
+/* Gives every byte back to the driver. Live allocations are freed with the pool. NULL is
+ * a no-op. */
+GPUMEM_API void gpumem_pool_destroy(gpumem_pool* pool);
+
+/* NULL on failure (also for size 0): gpumem_last_status() / gpumem_last_error() say why. */
+GPUMEM_API void* gpumem_malloc(gpumem_pool* pool, size_t size, void* stream);
+/* As gpumem_malloc, with an alignment (a power of two; 256 is what gpumem_malloc uses) and
+ * the status returned. *out is NULL on failure. */
+GPUMEM_API gpumem_status gpumem_allocate(gpumem_pool* pool, size_t size, size_t alignment,
+                                         void* stream, void** out);
+/* `size` must be the size passed to gpumem_malloc. `stream` is the stream whose work last
+ * uses the memory (the allocation stream under PyTorch's rules). */
+GPUMEM_API gpumem_status gpumem_free(gpumem_pool* pool, void* ptr, size_t size, void* stream);
+/* The live allocation at `ptr` is also used by work on `stream`. When it is freed, the
+ * freeing stream first waits for the work queued on every recorded stream up to that
+ * moment, so stream-ordered reuse on the freeing stream is safe. `ptr` must be the
+ * address gpumem_malloc returned. */
+GPUMEM_API gpumem_status gpumem_record_stream(gpumem_pool* pool, void* ptr, void* stream);
+
+GPUMEM_API gpumem_status gpumem_pool_stats(gpumem_pool* pool, gpumem_stats* out);
+/* Gives cached memory back to the driver; *released (may be NULL) receives the bytes. */
+GPUMEM_API gpumem_status gpumem_pool_trim(gpumem_pool* pool, uint64_t* released);
+/* "vmm_page_pool" or "caching_pool"; "" for NULL. */
+GPUMEM_API const char* gpumem_pool_allocator(gpumem_pool* pool);
+/* "cuda" or "sim"; "" for NULL. */
+GPUMEM_API const char* gpumem_pool_platform(gpumem_pool* pool);
+GPUMEM_API int gpumem_pool_device(gpumem_pool* pool);
+/* The pool's options as a configuration string (pool options only). The text lives until
+ * the pool is destroyed. */
+GPUMEM_API const char* gpumem_pool_config(gpumem_pool* pool);
+/* The out-of-memory report the pool would give for a request of `size` bytes, written to
+ * buf (truncated, always NUL-terminated when capacity > 0). Returns the full length. */
+GPUMEM_API size_t gpumem_pool_report(gpumem_pool* pool, size_t size, char* buf,
+                                     size_t capacity);
+
+/* A stream on the pool's device and platform (cudaStreamCreate on cuda; a sim stream on
+ * sim, where no other stream values exist). Destroying one releases it from the pool
+ * first, so memory freed on it becomes reusable by every stream. */
+GPUMEM_API gpumem_status gpumem_stream_create(gpumem_pool* pool, void** out);
+GPUMEM_API gpumem_status gpumem_stream_destroy(gpumem_pool* pool, void* stream);
+/* Waits for the stream's work. */
+GPUMEM_API gpumem_status gpumem_stream_synchronize(gpumem_pool* pool, void* stream);
+
+/* Writes a PyTorch memory snapshot (the pickle torch.cuda.memory._dump_snapshot writes)
+ * of the pool to `path`. GPUMEM_ERROR_NOT_SUPPORTED when this build has no snapshot
+ * exporter. */
+GPUMEM_API gpumem_status gpumem_snapshot(gpumem_pool* pool, const char* path);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* GPUMEM_INTEROP_GPUMEM_H */

@@ -1,0 +1,448 @@
+// The C API (gpumem/interop/gpumem.h) over the pool layer.
+//
+// Every entry point is noexcept and funnels C++ exceptions through `guarded`, which maps
+// each typed error to its status code and keeps the text in a thread-local buffer.
+// A pool handle owns, in declaration order, a private sim device (if asked for), the
+// caching pool's upstream resource and the pool, so they are destroyed in reverse.
+//
+// Invariant: `recorded_` holds, for each live allocation passed to gpumem_record_stream,
+// the streams recorded for it; an entry goes away when the allocation is freed.
+#include "gpumem/interop/gpumem.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "gpumem/backend.hpp"
+#include "gpumem/errors.hpp"
+#include "gpumem/platform.hpp"
+#include "gpumem/pool.hpp"
+
+struct gpumem_pool {
+  std::unique_ptr<gpumem::sim_platform> own_sim;  // only for sim_capacity
+  gpumem::platform* platform = nullptr;
+  std::unique_ptr<gpumem::memory_resource> upstream;  // caching_pool's
+  std::unique_ptr<gpumem::pool_base> pool;
+  std::string allocator;
+  std::string config;
+  int device = 0;
+
+  // gpumem_record_stream bookkeeping; see the file comment.
+  std::mutex recorded_mutex;
+  std::unordered_map<std::uintptr_t, std::vector<std::uintptr_t>> recorded;
+  gpumem::event_handle wait_event{};  // reused: a wait captures the event's latest record
+  std::atomic<bool> any_recorded{false};
+  std::atomic<std::uint64_t> cross_stream_waits{0};
+
+  ~gpumem_pool() {
+    if (wait_event.value != 0) (void)platform->event_destroy(wait_event);
+  }
+};
+
+namespace {
+
+thread_local std::string last_error_text;
+thread_local gpumem_status last_error_status = GPUMEM_SUCCESS;
+
+gpumem_status fail(gpumem_status status, const char* text) noexcept {
+  last_error_status = status;
+  try {
+    last_error_text = text;
+  } catch (...) {
+    // No memory even for the message: keep the code, say so in a text that needs none.
+    last_error_text.clear();
+  }
+  return status;
+}
+
+// Runs f, turning every exception into a status and this thread's error text.
+template <class F>
+gpumem_status guarded(const char* where, F&& f) noexcept {
+  auto with_where = [where](const char* what) {
+    return std::string(where) + ": " + what;
+  };
+  try {
+    f();
+    return GPUMEM_SUCCESS;
+  } catch (const gpumem::out_of_memory& e) {
+    // The report is the message; a prefix would hide its first line's "gpumem: out of memory".
+    return fail(GPUMEM_ERROR_OUT_OF_MEMORY, e.what());
+  } catch (const gpumem::invalid_argument& e) {
+    try { return fail(GPUMEM_ERROR_INVALID_ARGUMENT, with_where(e.what()).c_str()); }
+    catch (...) { return fail(GPUMEM_ERROR_INVALID_ARGUMENT, e.what()); }
+  } catch (const gpumem::cuda_error& e) {
+    try { return fail(GPUMEM_ERROR_CUDA, with_where(e.what()).c_str()); }
+    catch (...) { return fail(GPUMEM_ERROR_CUDA, e.what()); }
+  } catch (const std::bad_alloc&) {
+    return fail(GPUMEM_ERROR_INTERNAL, "gpumem: host memory exhausted");
+  } catch (const std::exception& e) {
+    try { return fail(GPUMEM_ERROR_INTERNAL, with_where(e.what()).c_str()); }
+    catch (...) { return fail(GPUMEM_ERROR_INTERNAL, e.what()); }
+  } catch (...) {
+    return fail(GPUMEM_ERROR_INTERNAL, "gpumem: unknown exception");
+  }
+}
+
+gpumem::stream_handle to_stream(void* stream) noexcept {
+  return gpumem::stream_handle{reinterpret_cast<std::uintptr_t>(stream)};
+}
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
+  return s;
+}
+
+// The C API's own keys, taken out of the configuration; the rest is pool options.
+struct pool_spec {
+  std::string allocator = "vmm_page_pool";
+  std::string backend = "runtime";
+  std::string platform;  // "" = gpumem::default_platform() (honours GPUMEM_DEVICE)
+  int device = 0;
+  std::size_t sim_capacity = 0;
+  std::string pool_options;
+};
+
+int parse_device(std::string_view value) {
+  int device = 0;
+  if (value.empty() || value.size() > 6)
+    throw gpumem::invalid_argument("config: 'device' must be a device ordinal, got '" +
+                                   std::string(value) + "'");
+  for (char c : value) {
+    if (c < '0' || c > '9')
+      throw gpumem::invalid_argument("config: 'device' must be a device ordinal, got '" +
+                                     std::string(value) + "'");
+    device = device * 10 + (c - '0');
+  }
+  return device;
+}
+
+pool_spec parse_spec(std::string_view config) {
+  pool_spec spec;
+  while (!config.empty()) {
+    const auto comma = config.find(',');
+    const std::string_view item = trim(config.substr(0, comma));
+    config = comma == std::string_view::npos ? std::string_view{} : config.substr(comma + 1);
+    if (item.empty()) continue;
+    const auto colon = item.find(':');
+    if (colon == std::string_view::npos)
+      throw gpumem::invalid_argument("config: '" + std::string(item) + "' is not key:value");
+    const std::string_view key = trim(item.substr(0, colon));
+    const std::string_view value = trim(item.substr(colon + 1));
+    if (key == "allocator") {
+      if (value != "vmm_page_pool" && value != "caching_pool")
+        throw gpumem::invalid_argument("config: unknown allocator '" + std::string(value) +
+                                       "': expected vmm_page_pool or caching_pool");
+      spec.allocator = value;
+    } else if (key == "backend") {
+      if (value != "runtime" && value != "driver" && value != "vmm")
+        throw gpumem::invalid_argument("config: unknown backend '" + std::string(value) +
+                                       "': expected runtime, driver or vmm");
+      spec.backend = value;
+    } else if (key == "platform") {
+      if (value != "auto" && value != "cuda" && value != "sim")
+        throw gpumem::invalid_argument("config: unknown platform '" + std::string(value) +
+                                       "': expected auto, cuda or sim");
+      spec.platform = value;
+    } else if (key == "device") {
+      spec.device = parse_device(value);
+    } else if (key == "sim_capacity") {
+      spec.sim_capacity = gpumem::parse_bytes(value);
+      if (spec.sim_capacity == 0)
+        throw gpumem::invalid_argument("config: 'sim_capacity' must be more than 0 bytes");
+    } else {
+      if (!spec.pool_options.empty()) spec.pool_options += ',';
+      spec.pool_options.append(item);
+    }
+  }
+  if (spec.sim_capacity != 0 && spec.platform == "cuda")
+    throw gpumem::invalid_argument("config: 'sim_capacity' needs platform sim, not cuda");
+  return spec;
+}
+
+std::unique_ptr<gpumem_pool> make_pool(const char* config) {
+  const pool_spec spec = parse_spec(config != nullptr ? config : "");
+  // Parse the pool options before touching a device, so a typo costs no driver call.
+  const gpumem::pool_options options = gpumem::pool_options::parse(spec.pool_options);
+  auto handle = std::make_unique<gpumem_pool>();
+  if (spec.sim_capacity != 0) {
+    gpumem::sim_options o;
+    o.capacity = spec.sim_capacity;
+    handle->own_sim = std::make_unique<gpumem::sim_platform>(o);
+    handle->platform = handle->own_sim.get();
+  } else {
+    handle->platform = spec.platform.empty() ? &gpumem::default_platform()
+                                             : &gpumem::platform_by_name(spec.platform);
+  }
+  gpumem::platform& p = *handle->platform;
+  if (spec.allocator == "caching_pool") {
+    if (spec.backend == "driver")
+      handle->upstream = std::make_unique<gpumem::driver_resource>(p, spec.device);
+    else if (spec.backend == "vmm")
+      handle->upstream = std::make_unique<gpumem::vmm_resource>(p, spec.device);
+    else
+      handle->upstream = std::make_unique<gpumem::runtime_resource>(p, spec.device);
+    handle->pool = std::make_unique<gpumem::caching_pool>(*handle->upstream, options);
+  } else {
+    handle->pool = std::make_unique<gpumem::vmm_page_pool>(p, spec.device, options);
+  }
+  handle->allocator = spec.allocator;
+  handle->device = spec.device;
+  handle->config = handle->pool->options().to_string();
+  return handle;
+}
+
+gpumem_status null_pool(const char* where) noexcept {
+  static_cast<void>(where);
+  return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem: null pool handle");
+}
+
+// Makes `free_stream` wait for the work queued so far on each stream recorded for `addr`,
+// and forgets them. On failure the record stays, so a retried free waits again.
+// REQUIRES: pool->recorded_mutex held.
+void wait_for_recorded_streams(gpumem_pool* pool, std::vector<std::uintptr_t>& streams,
+                               gpumem::stream_handle free_stream) {
+  gpumem::platform& p = *pool->platform;
+  for (std::uintptr_t s : streams) {
+    if (s == free_stream.value) continue;
+    if (pool->wait_event.value == 0) {
+      auto ev = p.event_create(pool->device);
+      if (!ev)
+        throw gpumem::cuda_error(std::string(gpumem::platform_op_name(ev.error().call)),
+                                 ev.error().code, ev.error().name, ev.error().message,
+                                 "gpumem_free: event for a recorded stream");
+      pool->wait_event = ev.value();
+    }
+    if (auto st = p.event_record(pool->wait_event, gpumem::stream_handle{s}); !st)
+      throw gpumem::cuda_error(std::string(gpumem::platform_op_name(st.call)), st.code, st.name,
+                               st.message, "gpumem_free: record on a recorded stream");
+    if (auto st = p.stream_wait_event(free_stream, pool->wait_event); !st)
+      throw gpumem::cuda_error(std::string(gpumem::platform_op_name(st.call)), st.code, st.name,
+                               st.message, "gpumem_free: wait for a recorded stream");
+    pool->cross_stream_waits.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* gpumem_version(void) {
+#define GPUMEM_STR2(x) #x
+#define GPUMEM_STR(x) GPUMEM_STR2(x)
+  return GPUMEM_STR(GPUMEM_VERSION_MAJOR) "." GPUMEM_STR(GPUMEM_VERSION_MINOR) "." GPUMEM_STR(
+      GPUMEM_VERSION_PATCH);
+#undef GPUMEM_STR
+#undef GPUMEM_STR2
+}
+
+int gpumem_version_number(void) {
+  return GPUMEM_VERSION_MAJOR * 10000 + GPUMEM_VERSION_MINOR * 100 + GPUMEM_VERSION_PATCH;
+}
+
+const char* gpumem_last_error(void) { return last_error_text.c_str(); }
+
+gpumem_status gpumem_last_status(void) { return last_error_status; }
+
+const char* gpumem_status_name(gpumem_status status) {
+  switch (status) {
+    case GPUMEM_SUCCESS: return "GPUMEM_SUCCESS";
+    case GPUMEM_ERROR_INVALID_ARGUMENT: return "GPUMEM_ERROR_INVALID_ARGUMENT";
+    case GPUMEM_ERROR_OUT_OF_MEMORY: return "GPUMEM_ERROR_OUT_OF_MEMORY";
+    case GPUMEM_ERROR_CUDA: return "GPUMEM_ERROR_CUDA";
+    case GPUMEM_ERROR_NOT_SUPPORTED: return "GPUMEM_ERROR_NOT_SUPPORTED";
+    case GPUMEM_ERROR_INTERNAL: return "GPUMEM_ERROR_INTERNAL";
+  }
+  return "GPUMEM_ERROR_UNKNOWN";
+}
+
+gpumem_status gpumem_pool_create(const char* config, gpumem_pool** out) {
+  if (out == nullptr)
+    return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_pool_create: null output pointer");
+  *out = nullptr;
+  return guarded("gpumem_pool_create", [&] { *out = make_pool(config).release(); });
+}
+
+void gpumem_pool_destroy(gpumem_pool* pool) {
+  // Destructors of pools never throw; the delete itself cannot either.
+  delete pool;
+}
+
+gpumem_status gpumem_allocate(gpumem_pool* pool, size_t size, size_t alignment, void* stream,
+                              void** out) {
+  if (out == nullptr)
+    return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_allocate: null output pointer");
+  *out = nullptr;
+  if (pool == nullptr) return null_pool("gpumem_allocate");
+  return guarded("gpumem_allocate",
+                 [&] { *out = pool->pool->allocate(size, alignment, to_stream(stream)); });
+}
+
+void* gpumem_malloc(gpumem_pool* pool, size_t size, void* stream) {
+  void* ptr = nullptr;
+  if (pool == nullptr) {
+    null_pool("gpumem_malloc");
+    return nullptr;
+  }
+  guarded("gpumem_malloc", [&] {
+    ptr = pool->pool->allocate(size, gpumem::default_alignment, to_stream(stream));
+  });
+  return ptr;
+}
+
+gpumem_status gpumem_free(gpumem_pool* pool, void* ptr, size_t size, void* stream) {
+  if (pool == nullptr) return null_pool("gpumem_free");
+  return guarded("gpumem_free", [&] {
+    const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+    const gpumem::stream_handle s = to_stream(stream);
+    if (pool->any_recorded.load(std::memory_order_acquire)) {
+      std::unique_lock lock(pool->recorded_mutex);
+      auto it = pool->recorded.find(addr);
+      if (it != pool->recorded.end()) {
+        // Waits first: once the pool has the block, `stream` may reuse it at once.
+        wait_for_recorded_streams(pool, it->second, s);
+        std::vector<std::uintptr_t> streams = std::move(it->second);
+        pool->recorded.erase(it);
+        try {
+          pool->pool->deallocate(ptr, size, s);
+        } catch (...) {
+          pool->recorded.emplace(addr, std::move(streams));  // refused: nothing changed
+          throw;
+        }
+        return;
+      }
+    }
+    pool->pool->deallocate(ptr, size, s);
+  });
+}
+
+gpumem_status gpumem_record_stream(gpumem_pool* pool, void* ptr, void* stream) {
+  if (pool == nullptr) return null_pool("gpumem_record_stream");
+  if (ptr == nullptr)
+    return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_record_stream: null pointer");
+  return guarded("gpumem_record_stream", [&] {
+    std::lock_guard lock(pool->recorded_mutex);
+    auto& streams = pool->recorded[reinterpret_cast<std::uintptr_t>(ptr)];
+    const auto s = reinterpret_cast<std::uintptr_t>(stream);
+    if (std::find(streams.begin(), streams.end(), s) == streams.end()) streams.push_back(s);
+    pool->any_recorded.store(true, std::memory_order_release);
+  });
+}
+
+gpumem_status gpumem_pool_stats(gpumem_pool* pool, gpumem_stats* out) {
+  if (pool == nullptr) return null_pool("gpumem_pool_stats");
+  if (out == nullptr)
+    return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_pool_stats: null output pointer");
+  return guarded("gpumem_pool_stats", [&] {
+    const gpumem::resource_stats s = pool->pool->stats();
+    gpumem_stats r{};
+    r.live_bytes = s.live_bytes;
+    r.peak_live_bytes = s.peak_live_bytes;
+    r.live_allocations = s.live_allocations;
+    r.reserved_bytes = s.reserved_bytes;
+    r.peak_reserved_bytes = s.peak_reserved_bytes;
+    r.cached_bytes = s.cached_bytes;
+    r.allocations = s.allocations;
+    r.deallocations = s.deallocations;
+    r.alloc_retries = s.alloc_retries;
+    r.oom_count = s.oom_count;
+    r.cross_stream_waits = pool->cross_stream_waits.load(std::memory_order_relaxed);
+    r.fragmentation = s.fragmentation();
+    *out = r;
+  });
+}
+
+gpumem_status gpumem_pool_trim(gpumem_pool* pool, uint64_t* released) {
+  if (pool == nullptr) return null_pool("gpumem_pool_trim");
+  return guarded("gpumem_pool_trim", [&] {
+    const std::size_t bytes = pool->pool->trim();
+    if (released != nullptr) *released = bytes;
+  });
+}
+
+const char* gpumem_pool_allocator(gpumem_pool* pool) {
+  return pool == nullptr ? "" : pool->allocator.c_str();
+}
+
+const char* gpumem_pool_platform(gpumem_pool* pool) {
+  // kind() returns a literal ("cuda" / "sim"), so its data is NUL-terminated.
+  return pool == nullptr ? "" : pool->platform->kind().data();
+}
+
+int gpumem_pool_device(gpumem_pool* pool) { return pool == nullptr ? -1 : pool->device; }
+
+const char* gpumem_pool_config(gpumem_pool* pool) {
+  return pool == nullptr ? "" : pool->config.c_str();
+}
+
+size_t gpumem_pool_report(gpumem_pool* pool, size_t size, char* buf, size_t capacity) {
+  std::string report;
+  if (pool == nullptr) {
+    null_pool("gpumem_pool_report");
+    return 0;
+  }
+  if (guarded("gpumem_pool_report", [&] { report = pool->pool->memory_report(size); }) !=
+      GPUMEM_SUCCESS)
+    return 0;
+  if (buf != nullptr && capacity > 0) {
+    const std::size_t n = std::min(report.size(), capacity - 1);
+    std::memcpy(buf, report.data(), n);
+    buf[n] = '\0';
+  }
+  return report.size();
+}
+
+gpumem_status gpumem_stream_create(gpumem_pool* pool, void** out) {
+  if (out == nullptr)
+    return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_stream_create: null output pointer");
+  *out = nullptr;
+  if (pool == nullptr) return null_pool("gpumem_stream_create");
+  return guarded("gpumem_stream_create", [&] {
+    auto s = pool->platform->stream_create(pool->device);
+    if (!s)
+      throw gpumem::cuda_error(std::string(gpumem::platform_op_name(s.error().call)),
+                               s.error().code, s.error().name, s.error().message,
+                               "gpumem_stream_create");
+    *out = reinterpret_cast<void*>(s.value().value);
+  });
+}
+
+gpumem_status gpumem_stream_destroy(gpumem_pool* pool, void* stream) {
+  if (pool == nullptr) return null_pool("gpumem_stream_destroy");
+  if (stream == nullptr)
+    return fail(GPUMEM_ERROR_INVALID_ARGUMENT,
+                "gpumem_stream_destroy: the default stream cannot be destroyed");
+  return guarded("gpumem_stream_destroy", [&] {
+    pool->pool->release_stream(to_stream(stream));
+    if (auto st = pool->platform->stream_destroy(to_stream(stream)); !st)
+      throw gpumem::cuda_error(std::string(gpumem::platform_op_name(st.call)), st.code, st.name,
+                               st.message, "gpumem_stream_destroy");
+  });
+}
+
+gpumem_status gpumem_stream_synchronize(gpumem_pool* pool, void* stream) {
+  if (pool == nullptr) return null_pool("gpumem_stream_synchronize");
+  return guarded("gpumem_stream_synchronize", [&] {
+    if (auto st = pool->platform->stream_synchronize(to_stream(stream)); !st)
+      throw gpumem::cuda_error(std::string(gpumem::platform_op_name(st.call)), st.code, st.name,
+                               st.message, "gpumem_stream_synchronize");
+  });
+}
+
+gpumem_status gpumem_snapshot(gpumem_pool* pool, const char* path) {
+  if (pool == nullptr) return null_pool("gpumem_snapshot");
+  if (path == nullptr || *path == '\0')
+    return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_snapshot: empty path");
+  return fail(GPUMEM_ERROR_NOT_SUPPORTED,
+              "gpumem_snapshot: this build has no PyTorch snapshot exporter "
+              "(gpumem/telemetry/snapshot.hpp is not part of it yet)");
+}
+
+}  // extern "C"

@@ -1,0 +1,173 @@
+// libgpumem_torch.so: gpumem as PyTorch's CUDA allocator, through
+// torch.cuda.memory.CUDAPluggableAllocator(lib, "gpumem_torch_malloc", "gpumem_torch_free").
+//
+// One pool per device, created on the first allocation for that device from GPUMEM_CONF
+// (the C API's configuration string) with `allocator` defaulting to GPUMEM_ALLOCATOR, else
+// vmm_page_pool, and `device` set to the device PyTorch names. Pools are never destroyed:
+// PyTorch frees tensors during interpreter shutdown, after static destructors would run.
+//
+// Streams: PyTorch passes the current stream at allocation and, at free, the stream the
+// tensor was allocated on; both go to the pool unchanged, which reuses a freed block at
+// once on that stream and on another only once the free is complete (stream-ordered
+// reuse, as PyTorch's own allocator). A tensor also used on another stream must be
+// recorded (tensor.record_stream): PyTorch forwards that to a pluggable allocator only
+// through CUDAPluggableAllocator::set_record_stream_fn (C++), so gpumem_torch_record_stream
+// has that signature, and python/gpumem routes Tensor.record_stream to it. At free, the
+// freeing stream then waits for the recorded streams' work (gpumem_record_stream).
+//
+// Invariants: pools_[d] is null or a pool of device d, set once; no exception leaves an
+// entry point (failures are printed to stderr, since PyTorch has no error channel here).
+#include <sys/types.h>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+
+#include "gpumem/interop/gpumem.h"
+
+namespace {
+
+constexpr int max_devices = 64;
+
+std::array<std::atomic<gpumem_pool*>, max_devices> pools_{};
+std::mutex init_mutex_;
+std::array<bool, max_devices> init_failed_{};  // guarded by init_mutex_: report once
+std::atomic<std::uint64_t> failures_{0};
+
+void report(const char* what) noexcept {
+  failures_.fetch_add(1, std::memory_order_relaxed);
+  std::fprintf(stderr, "gpumem_torch: %s\n", what);
+}
+
+// The configuration of device `device`'s pool: GPUMEM_CONF, the allocator from
+// GPUMEM_ALLOCATOR unless GPUMEM_CONF names one, and the device.
+std::string pool_config(int device) {
+  std::string config;
+  const char* allocator = std::getenv("GPUMEM_ALLOCATOR");
+  config = "allocator:";
+  config += allocator != nullptr && *allocator != '\0' ? allocator : "vmm_page_pool";
+  if (const char* conf = std::getenv("GPUMEM_CONF"); conf != nullptr && *conf != '\0') {
+    config += ',';
+    config += conf;  // a later key wins, so GPUMEM_CONF's allocator overrides the above
+  }
+  config += ",device:" + std::to_string(device);
+  return config;
+}
+
+gpumem_pool* pool_for(int device) noexcept {
+  if (device < 0 || device >= max_devices) {
+    report("device ordinal out of range");
+    return nullptr;
+  }
+  gpumem_pool* pool = pools_[device].load(std::memory_order_acquire);
+  if (pool != nullptr) return pool;
+  try {
+    std::lock_guard lock(init_mutex_);
+    pool = pools_[device].load(std::memory_order_relaxed);
+    if (pool != nullptr || init_failed_[device]) return pool;
+    const std::string config = pool_config(device);
+    if (gpumem_pool_create(config.c_str(), &pool) != GPUMEM_SUCCESS) {
+      init_failed_[device] = true;  // every later malloc would fail the same way
+      const std::string why = "cannot create the pool for device " + std::to_string(device) +
+                              " from '" + config + "': " + gpumem_last_error();
+      report(why.c_str());
+      return nullptr;
+    }
+    pools_[device].store(pool, std::memory_order_release);
+    return pool;
+  } catch (...) {
+    report("pool creation failed (host memory or locking)");
+    return nullptr;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
+  if (size == 0) return nullptr;  // PyTorch's own allocator returns null for empty tensors
+  if (size < 0) {
+    report("gpumem_torch_malloc: negative size");
+    return nullptr;
+  }
+  gpumem_pool* pool = pool_for(device);
+  if (pool == nullptr) return nullptr;
+  void* ptr = gpumem_malloc(pool, static_cast<size_t>(size), stream);
+  // PyTorch does not check the pointer a pluggable allocator returns: say why here, as its
+  // own out-of-memory error would.
+  if (ptr == nullptr) report(gpumem_last_error());
+  return ptr;
+}
+
+GPUMEM_API void gpumem_torch_free(void* ptr, ssize_t size, int device, void* stream) {
+  if (ptr == nullptr) return;
+  gpumem_pool* pool = device >= 0 && device < max_devices
+                          ? pools_[device].load(std::memory_order_acquire)
+                          : nullptr;
+  if (pool == nullptr) {
+    report("gpumem_torch_free: no pool for this device (pointer not from gpumem)");
+    return;
+  }
+  if (gpumem_free(pool, ptr, static_cast<size_t>(size), stream) != GPUMEM_SUCCESS)
+    report(gpumem_last_error());
+}
+
+// The signature of CUDAPluggableAllocator::set_record_stream_fn. The device is not given:
+// the allocation is recorded in every existing pool (device addresses are unique across
+// devices, so only its owner ever frees that address; the others' entries are inert).
+GPUMEM_API void gpumem_torch_record_stream(void* ptr, void* stream) {
+  for (auto& slot : pools_)
+    if (gpumem_pool* pool = slot.load(std::memory_order_acquire))
+      if (gpumem_record_stream(pool, ptr, stream) != GPUMEM_SUCCESS) report(gpumem_last_error());
+}
+
+// As above, for a caller that knows the device (python/gpumem's Tensor.record_stream).
+GPUMEM_API int gpumem_torch_record_stream_on(int device, void* ptr, void* stream) {
+  gpumem_pool* pool = pool_for(device);
+  if (pool == nullptr) return GPUMEM_ERROR_INVALID_ARGUMENT;
+  return gpumem_record_stream(pool, ptr, stream);
+}
+
+// The device's pool (created now if needed), for the C API and ctypes; NULL on failure.
+GPUMEM_API gpumem_pool* gpumem_torch_pool(int device) { return pool_for(device); }
+
+// Has the device's pool been created (by an allocation or gpumem_torch_pool)?
+GPUMEM_API int gpumem_torch_pool_exists(int device) {
+  return device >= 0 && device < max_devices &&
+         pools_[device].load(std::memory_order_acquire) != nullptr;
+}
+
+GPUMEM_API int gpumem_torch_stats(int device, gpumem_stats* out) {
+  gpumem_pool* pool = pool_for(device);
+  if (pool == nullptr) return GPUMEM_ERROR_INVALID_ARGUMENT;
+  return gpumem_pool_stats(pool, out);
+}
+
+GPUMEM_API int gpumem_torch_snapshot(int device, const char* path) {
+  gpumem_pool* pool = pool_for(device);
+  if (pool == nullptr) return GPUMEM_ERROR_INVALID_ARGUMENT;
+  return gpumem_snapshot(pool, path);
+}
+
+// Gives cached memory of every pool back (torch.cuda.empty_cache's counterpart).
+GPUMEM_API unsigned long long gpumem_torch_empty_cache(void) {
+  unsigned long long total = 0;
+  for (auto& slot : pools_)
+    if (gpumem_pool* pool = slot.load(std::memory_order_acquire)) {
+      uint64_t released = 0;
+      if (gpumem_pool_trim(pool, &released) == GPUMEM_SUCCESS) total += released;
+    }
+  return total;
+}
+
+// Failures reported on stderr so far (allocation, free, record, pool creation).
+GPUMEM_API unsigned long long gpumem_torch_failures(void) {
+  return failures_.load(std::memory_order_relaxed);
+}
+
+}  // extern "C"
