@@ -24,6 +24,12 @@
 #include "gpumem/errors.hpp"
 #include "gpumem/platform.hpp"
 #include "gpumem/pool.hpp"
+// The telemetry layer's PyTorch snapshot writer, where this tree has it (it is built in
+// the same library, so the header's presence means the function's).
+#if __has_include("gpumem/telemetry/snapshot.hpp")
+#include "gpumem/telemetry/snapshot.hpp"
+#define GPUMEM_C_API_HAS_SNAPSHOT 1
+#endif
 
 struct gpumem_pool {
   std::unique_ptr<gpumem::sim_platform> own_sim;  // only for sim_capacity
@@ -440,9 +446,15 @@ gpumem_status gpumem_snapshot(gpumem_pool* pool, const char* path) {
   if (pool == nullptr) return null_pool("gpumem_snapshot");
   if (path == nullptr || *path == '\0')
     return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_snapshot: empty path");
+#ifdef GPUMEM_C_API_HAS_SNAPSHOT
+  // No event recorder is attached to C API pools: segments and blocks, no device trace.
+  return guarded("gpumem_snapshot",
+                 [&] { gpumem::write_memory_snapshot(*pool->pool, nullptr, std::string(path)); });
+#else
   return fail(GPUMEM_ERROR_NOT_SUPPORTED,
               "gpumem_snapshot: this build has no PyTorch snapshot exporter "
-              "(gpumem/telemetry/snapshot.hpp is not part of it yet)");
+              "(gpumem/telemetry/snapshot.hpp is not part of it)");
+#endif
 }
 
 }  // extern "C"

@@ -1,0 +1,318 @@
+"""gpumem from Python, through ctypes: no compiled extension, no dependency.
+
+    import gpumem
+    pool = gpumem.Pool("limit:1G", allocator="vmm_page_pool", platform="sim")
+    p = pool.malloc(1 << 20)
+    pool.free(p, 1 << 20)
+    print(pool.stats()["peak_reserved_bytes"])
+
+`gpumem.load()` finds libgpumem_torch.so (it carries the C API of include/gpumem/interop/
+gpumem.h as well as the PyTorch entry points): the `path` given, else $GPUMEM_LIB, else
+next to this package, else a build directory of the source tree (build*/src/interop/),
+else the dynamic linker's search path. `gpumem.torch` plugs gpumem into PyTorch.
+
+Every failure of the C API raises a GpumemError subclass carrying the status code and
+gpumem's own text (for OutOfMemoryError, the full out-of-memory report).
+"""
+
+import ctypes
+import glob
+import os
+import threading
+
+__all__ = [
+    "load", "library_path", "version", "Pool", "Stats",
+    "GpumemError", "InvalidArgumentError", "OutOfMemoryError", "CudaError",
+    "NotSupportedError", "InternalError",
+]
+
+LIBRARY_NAME = "libgpumem_torch.so"
+
+SUCCESS = 0
+ERROR_INVALID_ARGUMENT = 1
+ERROR_OUT_OF_MEMORY = 2
+ERROR_CUDA = 3
+ERROR_NOT_SUPPORTED = 4
+ERROR_INTERNAL = 5
+
+
+class GpumemError(Exception):
+    """A gpumem C API failure: `status` is the gpumem_status code, str() gpumem's text."""
+
+    def __init__(self, status, message):
+        super().__init__(message)
+        self.status = status
+
+
+class InvalidArgumentError(GpumemError, ValueError):
+    pass
+
+
+class OutOfMemoryError(GpumemError, MemoryError):
+    pass
+
+
+class CudaError(GpumemError, RuntimeError):
+    pass
+
+
+class NotSupportedError(GpumemError, NotImplementedError):
+    pass
+
+
+class InternalError(GpumemError, RuntimeError):
+    pass
+
+
+_ERRORS = {
+    ERROR_INVALID_ARGUMENT: InvalidArgumentError,
+    ERROR_OUT_OF_MEMORY: OutOfMemoryError,
+    ERROR_CUDA: CudaError,
+    ERROR_NOT_SUPPORTED: NotSupportedError,
+    ERROR_INTERNAL: InternalError,
+}
+
+
+class Stats(ctypes.Structure):
+    """gpumem_stats of gpumem.h, field for field."""
+
+    _fields_ = [
+        ("live_bytes", ctypes.c_uint64),
+        ("peak_live_bytes", ctypes.c_uint64),
+        ("live_allocations", ctypes.c_uint64),
+        ("reserved_bytes", ctypes.c_uint64),
+        ("peak_reserved_bytes", ctypes.c_uint64),
+        ("cached_bytes", ctypes.c_uint64),
+        ("allocations", ctypes.c_uint64),
+        ("deallocations", ctypes.c_uint64),
+        ("alloc_retries", ctypes.c_uint64),
+        ("oom_count", ctypes.c_uint64),
+        ("cross_stream_waits", ctypes.c_uint64),
+        ("fragmentation", ctypes.c_double),
+    ]
+
+    def as_dict(self):
+        return {name: getattr(self, name) for name, _ in self._fields_}
+
+
+_lock = threading.Lock()
+_lib = None
+_lib_path = None
+
+
+def _candidates(path):
+    if path:
+        yield path
+        return
+    env = os.environ.get("GPUMEM_LIB")
+    if env:
+        yield env
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    yield os.path.join(here, LIBRARY_NAME)
+    root = os.path.dirname(os.path.dirname(here))  # python/gpumem -> the source tree
+    built = glob.glob(os.path.join(root, "build*", "src", "interop", LIBRARY_NAME))
+    for found in sorted(built, key=os.path.getmtime, reverse=True):
+        yield found
+    yield LIBRARY_NAME  # the dynamic linker's search path (an installed copy)
+
+
+def _declare(lib):
+    c = ctypes
+    pool_p = c.c_void_p
+    sigs = {
+        "gpumem_version": (c.c_char_p, []),
+        "gpumem_version_number": (c.c_int, []),
+        "gpumem_last_error": (c.c_char_p, []),
+        "gpumem_last_status": (c.c_int, []),
+        "gpumem_status_name": (c.c_char_p, [c.c_int]),
+        "gpumem_pool_create": (c.c_int, [c.c_char_p, c.POINTER(pool_p)]),
+        "gpumem_pool_destroy": (None, [pool_p]),
+        "gpumem_malloc": (c.c_void_p, [pool_p, c.c_size_t, c.c_void_p]),
+        "gpumem_allocate": (c.c_int, [pool_p, c.c_size_t, c.c_size_t, c.c_void_p,
+                                      c.POINTER(c.c_void_p)]),
+        "gpumem_free": (c.c_int, [pool_p, c.c_void_p, c.c_size_t, c.c_void_p]),
+        "gpumem_record_stream": (c.c_int, [pool_p, c.c_void_p, c.c_void_p]),
+        "gpumem_pool_stats": (c.c_int, [pool_p, c.POINTER(Stats)]),
+        "gpumem_pool_trim": (c.c_int, [pool_p, c.POINTER(c.c_uint64)]),
+        "gpumem_pool_allocator": (c.c_char_p, [pool_p]),
+        "gpumem_pool_platform": (c.c_char_p, [pool_p]),
+        "gpumem_pool_device": (c.c_int, [pool_p]),
+        "gpumem_pool_config": (c.c_char_p, [pool_p]),
+        "gpumem_pool_report": (c.c_size_t, [pool_p, c.c_size_t, c.c_char_p, c.c_size_t]),
+        "gpumem_stream_create": (c.c_int, [pool_p, c.POINTER(c.c_void_p)]),
+        "gpumem_stream_destroy": (c.c_int, [pool_p, c.c_void_p]),
+        "gpumem_stream_synchronize": (c.c_int, [pool_p, c.c_void_p]),
+        "gpumem_snapshot": (c.c_int, [pool_p, c.c_char_p]),
+        "gpumem_torch_pool": (pool_p, [c.c_int]),
+        "gpumem_torch_pool_exists": (c.c_int, [c.c_int]),
+        "gpumem_torch_stats": (c.c_int, [c.c_int, c.POINTER(Stats)]),
+        "gpumem_torch_snapshot": (c.c_int, [c.c_int, c.c_char_p]),
+        "gpumem_torch_empty_cache": (c.c_ulonglong, []),
+        "gpumem_torch_failures": (c.c_ulonglong, []),
+        "gpumem_torch_record_stream_on": (c.c_int, [c.c_int, c.c_void_p, c.c_void_p]),
+    }
+    for name, (restype, argtypes) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+
+
+def load(path=None):
+    """Loads libgpumem_torch.so once (see the module text for where it is looked for)."""
+    global _lib, _lib_path
+    with _lock:
+        if _lib is not None and (path is None or os.path.realpath(path) == _lib_path):
+            return _lib
+        tried = []
+        for candidate in _candidates(path):
+            resolved = os.path.realpath(candidate) if os.sep in candidate else candidate
+            if os.sep in candidate and not os.path.exists(resolved):
+                tried.append(candidate + " (absent)")
+                continue
+            try:
+                lib = ctypes.CDLL(resolved)
+            except OSError as e:
+                tried.append("%s (%s)" % (candidate, e))
+                continue
+            _declare(lib)
+            _lib, _lib_path = lib, resolved
+            return lib
+        raise OSError("gpumem: cannot load %s; tried: %s. Build it (target gpumem_torch) "
+                      "or set GPUMEM_LIB." % (LIBRARY_NAME, "; ".join(tried)))
+
+
+def library_path():
+    """The path of the loaded library (loading it first)."""
+    load()
+    return _lib_path
+
+
+def version():
+    return load().gpumem_version().decode()
+
+
+def _raise(lib, status):
+    text = lib.gpumem_last_error().decode(errors="replace")
+    raise _ERRORS.get(status, GpumemError)(status, text)
+
+
+def _check(lib, status):
+    if status != SUCCESS:
+        _raise(lib, status)
+
+
+def _stream_value(stream):
+    """A cudaStream_t as int: None/0 (default stream), an int, or anything with
+    .cuda_stream (torch.cuda.Stream) or .ptr (cupy)."""
+    if stream is None:
+        return None
+    for attr in ("cuda_stream", "ptr"):
+        if hasattr(stream, attr):
+            return int(getattr(stream, attr)) or None
+    return int(stream) or None
+
+
+class Pool:
+    """A gpumem pool (gpumem_pool_create). `config` is a GPUMEM_CONF string; allocator,
+    device and platform, when given, are added to it as the C API's keys."""
+
+    def __init__(self, config="", allocator=None, device=None, platform=None, lib=None):
+        self._lib = lib if lib is not None else load()
+        parts = [config] if config else []
+        if allocator is not None:
+            parts.append("allocator:%s" % allocator)
+        if platform is not None:
+            parts.append("platform:%s" % platform)
+        if device is not None:
+            parts.append("device:%d" % device)
+        handle = ctypes.c_void_p()
+        _check(self._lib, self._lib.gpumem_pool_create(",".join(parts).encode(),
+                                                       ctypes.byref(handle)))
+        self._handle = handle
+
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise InvalidArgumentError(ERROR_INVALID_ARGUMENT, "gpumem: the pool is closed")
+        return self._handle
+
+    def close(self):
+        """Destroys the pool: every byte goes back to the driver, live allocations too."""
+        if self._handle is not None:
+            self._lib.gpumem_pool_destroy(self._handle)
+            self._handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def malloc(self, size, stream=None, alignment=256):
+        """Device address (int) of `size` bytes usable in order on `stream`."""
+        out = ctypes.c_void_p()
+        _check(self._lib, self._lib.gpumem_allocate(self.handle, size, alignment,
+                                                    _stream_value(stream), ctypes.byref(out)))
+        return out.value
+
+    def free(self, ptr, size, stream=None):
+        _check(self._lib, self._lib.gpumem_free(self.handle, ptr, size, _stream_value(stream)))
+
+    def record_stream(self, ptr, stream):
+        _check(self._lib, self._lib.gpumem_record_stream(self.handle, ptr,
+                                                         _stream_value(stream)))
+
+    def stats(self):
+        s = Stats()
+        _check(self._lib, self._lib.gpumem_pool_stats(self.handle, ctypes.byref(s)))
+        return s.as_dict()
+
+    def trim(self):
+        released = ctypes.c_uint64()
+        _check(self._lib, self._lib.gpumem_pool_trim(self.handle, ctypes.byref(released)))
+        return released.value
+
+    def report(self, size=0):
+        """The out-of-memory report the pool would give for a request of `size` bytes."""
+        n = self._lib.gpumem_pool_report(self.handle, size, None, 0)
+        buf = ctypes.create_string_buffer(n + 1)
+        self._lib.gpumem_pool_report(self.handle, size, buf, n + 1)
+        return buf.value.decode(errors="replace")
+
+    def snapshot(self, path):
+        _check(self._lib, self._lib.gpumem_snapshot(self.handle, os.fsencode(path)))
+
+    def stream_create(self):
+        out = ctypes.c_void_p()
+        _check(self._lib, self._lib.gpumem_stream_create(self.handle, ctypes.byref(out)))
+        return out.value
+
+    def stream_destroy(self, stream):
+        _check(self._lib, self._lib.gpumem_stream_destroy(self.handle, stream))
+
+    def stream_synchronize(self, stream=None):
+        _check(self._lib, self._lib.gpumem_stream_synchronize(self.handle,
+                                                              _stream_value(stream)))
+
+    @property
+    def allocator(self):
+        return self._lib.gpumem_pool_allocator(self.handle).decode()
+
+    @property
+    def platform(self):
+        return self._lib.gpumem_pool_platform(self.handle).decode()
+
+    @property
+    def device(self):
+        return self._lib.gpumem_pool_device(self.handle)
+
+    @property
+    def config(self):
+        return self._lib.gpumem_pool_config(self.handle).decode()

@@ -1,0 +1,108 @@
+"""gpumem as PyTorch's CUDA allocator (torch.cuda.memory.CUDAPluggableAllocator).
+
+    import gpumem.torch
+    gpumem.torch.enable("release_threshold:8G")   # before the first CUDA allocation
+    ...
+    print(gpumem.torch.stats())                    # peak_reserved_bytes, peak_live_bytes, ...
+
+What changes under a pluggable allocator, and what enable() does about it:
+  - torch.cuda.memory_stats() / memory_reserved() / max_memory_allocated() raise or read
+    zero (PyTorch's pluggable allocator implements none of them): use stats().
+  - torch.cuda.empty_cache() is a no-op: use empty_cache().
+  - Tensor.record_stream(s) reaches a pluggable allocator only through the C++
+    CUDAPluggableAllocator::set_record_stream_fn, which PyTorch's Python API does not
+    expose. enable() therefore uses that hook when the allocator object offers it and
+    otherwise wraps torch.Tensor.record_stream (a Python-level method), so calls made from
+    Python (FSDP, user code) reach gpumem. Calls made from C++ inside PyTorch (e.g.
+    ProcessGroupNCCL's record_stream on collective outputs, when TORCH_NCCL_AVOID_RECORD_STREAMS
+    is off) are not seen; record_stream_mode() says which path is active.
+    A recorded tensor's free makes its allocation stream wait for the recorded streams'
+    work, so the block is never reused under a kernel still reading it.
+"""
+
+import ctypes
+import os
+
+import gpumem
+
+_state = {"enabled": False, "record_stream": "none", "allocator": None}
+
+
+def enable(conf=None, allocator=None, path=None, patch_record_stream=True):
+    """Makes gpumem PyTorch's CUDA allocator. `conf` (GPUMEM_CONF syntax) and `allocator`
+    (vmm_page_pool or caching_pool) are put in the environment the plug-in reads when it
+    creates each device's pool. Must run before PyTorch allocates CUDA memory."""
+    import torch
+
+    if _state["enabled"]:
+        return _state["allocator"]
+    if conf is not None:
+        os.environ["GPUMEM_CONF"] = conf
+    if allocator is not None:
+        os.environ["GPUMEM_ALLOCATOR"] = allocator
+    lib = gpumem.load(path)
+    so_path = gpumem.library_path()
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(
+        so_path, "gpumem_torch_malloc", "gpumem_torch_free")
+    native = alloc.allocator()
+    hook = getattr(native, "set_record_stream_fn", None)
+    if callable(hook):
+        hook(ctypes.cast(lib.gpumem_torch_record_stream, ctypes.c_void_p).value)
+        _state["record_stream"] = "set_record_stream_fn"
+    elif patch_record_stream:
+        _patch_record_stream(torch, lib)
+        _state["record_stream"] = "python"
+    torch.cuda.memory.change_current_allocator(alloc)
+    _state.update(enabled=True, allocator=alloc)
+    return alloc
+
+
+def _patch_record_stream(torch, lib):
+    original = torch.Tensor.record_stream
+
+    def record_stream(self, stream):
+        original(self, stream)  # PyTorch's own checks; a no-op for a pluggable allocator
+        if self.is_cuda:
+            base = self.untyped_storage().data_ptr()
+            if base:
+                status = lib.gpumem_torch_record_stream_on(self.device.index, base,
+                                                           stream.cuda_stream or None)
+                if status != gpumem.SUCCESS:
+                    gpumem._raise(lib, status)
+
+    record_stream.__doc__ = original.__doc__
+    torch.Tensor.record_stream = record_stream
+
+
+def enabled():
+    return _state["enabled"]
+
+
+def record_stream_mode():
+    """"set_record_stream_fn", "python" (Tensor.record_stream wrapped) or "none"."""
+    return _state["record_stream"]
+
+
+def stats(device=0):
+    """gpumem's statistics of the device's pool, as a dict (gpumem_stats fields)."""
+    lib = gpumem.load()
+    s = gpumem.Stats()
+    gpumem._check(lib, lib.gpumem_torch_stats(device, ctypes.byref(s)))
+    return s.as_dict()
+
+
+def snapshot(path, device=0):
+    """Writes a PyTorch memory snapshot of the device's pool to `path` (raises
+    gpumem.NotSupportedError where the library has no snapshot exporter)."""
+    lib = gpumem.load()
+    gpumem._check(lib, lib.gpumem_torch_snapshot(device, os.fsencode(path)))
+
+
+def empty_cache():
+    """Gives every pool's cached memory back to the driver; returns the bytes released."""
+    return int(gpumem.load().gpumem_torch_empty_cache())
+
+
+def failures():
+    """Failures the plug-in reported on stderr (PyTorch has no error channel for them)."""
+    return int(gpumem.load().gpumem_torch_failures())
