@@ -16,6 +16,8 @@
 #include "gpumem/pool/vmm_page_pool.hpp"
 #include "gpumem/replay/plot.hpp"
 #include "gpumem/replay/trace.hpp"
+#include "gpumem/telemetry/event_recorder.hpp"
+#include "gpumem/telemetry/snapshot.hpp"
 #include "json_writer.hpp"
 
 namespace gpumem::cli {
@@ -61,6 +63,64 @@ std::string describe_calls(const replay_result& r) {
   return out.empty() ? "-" : out;
 }
 
+// Runs events [0, end) of `t` once on `pool`, on streams of its platform. Returns where
+// it stopped: `end`, or the index of the allocation that ran out of memory. With
+// `peak_at`, also the first event after which reserved bytes reached their peak.
+struct prefix_result {
+  std::size_t stopped_at = 0;
+  bool oom = false;
+  std::size_t peak_at = 0;
+};
+
+prefix_result replay_prefix(const trace& t, pool_base& pool, std::size_t end, bool find_peak,
+                            const std::function<void()>& at_stop) {
+  platform& p = pool.device_platform();
+  std::vector<stream_handle> streams(t.streams.size());
+  for (std::size_t i = 1; i < streams.size(); ++i) {
+    auto s = p.stream_create(pool.device());
+    if (!s) throw cuda_error(std::string(platform_op_name(s.error().call)), s.error().code,
+                             s.error().name, s.error().message, "gpumem replay --snapshot");
+    streams[i] = s.value();
+  }
+  std::vector<void*> ptrs(t.allocs, nullptr);
+  prefix_result r;
+  r.stopped_at = std::min(end, t.events.size());
+  std::size_t peak = 0;
+  for (std::size_t i = 0; i < r.stopped_at; ++i) {
+    const trace_event& e = t.events[i];
+    if (e.op == trace_event::kind::alloc) {
+      try {
+        ptrs[e.id] = pool.allocate(e.size, default_alignment, streams[e.stream]);
+      } catch (const out_of_memory&) {
+        r.oom = true;
+        r.stopped_at = i;
+        break;
+      }
+    } else {
+      pool.deallocate(ptrs[e.id], e.size, streams[e.stream]);
+      ptrs[e.id] = nullptr;
+    }
+    if (find_peak) {
+      const std::size_t reserved = pool.stats().reserved_bytes;
+      if (reserved > peak) {
+        peak = reserved;
+        r.peak_at = i;
+      }
+    }
+  }
+  if (at_stop) at_stop();
+  for (const trace_event& e : t.events)
+    if (e.op == trace_event::kind::alloc && ptrs[e.id] != nullptr) {
+      pool.deallocate(ptrs[e.id], e.size, streams[e.stream]);
+      ptrs[e.id] = nullptr;
+    }
+  for (std::size_t i = 1; i < streams.size(); ++i) {
+    pool.release_stream(streams[i]);
+    (void)p.stream_destroy(streams[i]);
+  }
+  return r;
+}
+
 }  // namespace
 
 int run_replay(int argc, char** argv) {
@@ -78,6 +138,12 @@ int run_replay(int argc, char** argv) {
                              "the warm (steady-state) figure", "2")
       .option("config", "CONF", "pool options, key:value,... (default: GPUMEM_CONF)")
       .option("plot", "FILE.svg", "also draw live and reserved bytes over the trace, per allocator")
+      .option("snapshot", "FILE.pickle",
+              "also write a PyTorch memory snapshot (torch.cuda.memory._snapshot() format) of "
+              "the pool at its peak reserved memory (or its out-of-memory), with the device "
+              "trace up to then; of --allocator's pool (vmm_page_pool with all)")
+      .option("snapshot-events", "N", "trace events kept in the snapshot, the most recent",
+              "100000")
       .flag("json", "machine-readable output")
       .epilog("On sim, driver time is modelled from H200 measurements (BASELINES.md).");
   const parsed_args args = parser.parse(argc, argv);
@@ -107,6 +173,19 @@ int run_replay(int argc, char** argv) {
       throw cuda_error("cudaGetDeviceCount", 100, "CUDA_ERROR_NO_DEVICE", why, "gpumem replay");
   }
   const bool on_sim = cuda == nullptr;
+
+  // Checked before the replays, so a bad snapshot request fails at once.
+  std::string snapshot_allocator;
+  if (args.has("snapshot")) {
+    const std::string chosen = args.value_or("allocator", "all");
+    snapshot_allocator = chosen == "all" ? "vmm_page_pool" : chosen;
+    if (snapshot_allocator != "vmm_page_pool" && snapshot_allocator != "caching_pool")
+      throw invalid_argument("gpumem replay: --snapshot needs a pool (caching_pool or "
+                             "vmm_page_pool), not '" + snapshot_allocator + "'");
+  }
+  const std::size_t snapshot_events =
+      args.has("snapshot") ? static_cast<std::size_t>(*args.integer("snapshot-events", 1, 100000000))
+                           : 0;
 
   std::vector<replay_result> results;
   for (const std::string& name : names) {
@@ -139,6 +218,52 @@ int run_replay(int argc, char** argv) {
     if (std::fclose(f) != 0 || !written)
       throw invalid_argument("gpumem replay: writing the plot to '" + plot_path + "' failed");
     if (!args.has("json")) std::fprintf(stderr, "plot written to %s\n", plot_path.c_str());
+  }
+
+  if (args.has("snapshot")) {
+    const std::string snap_path = *args.value("snapshot");
+    // Two runs on fresh devices, deterministic: the first finds the event after which
+    // reserved memory peaks, the second stops there with a recorder attached.
+    auto fresh_platform = [&]() -> std::pair<std::unique_ptr<platform>, platform*> {
+      if (on_sim) {
+        sim_options so;
+        so.capacity = capacity;
+        auto sim = std::make_unique<sim_platform>(so);
+        platform* raw = sim.get();
+        return {std::move(sim), raw};
+      }
+      return {nullptr, cuda};
+    };
+    std::size_t stop_after = 0;
+    {
+      auto [owned, p] = fresh_platform();
+      allocator_under_test a = make_allocator(snapshot_allocator, *p, 0, options);
+      auto& pool = dynamic_cast<pool_base&>(*a.resource);
+      const prefix_result first = replay_prefix(t, pool, t.events.size(), true, {});
+      stop_after = first.oom ? first.stopped_at + 1 : first.peak_at + 1;
+    }
+    auto [owned, p] = fresh_platform();
+    allocator_under_test a = make_allocator(snapshot_allocator, *p, 0, options);
+    auto& pool = dynamic_cast<pool_base&>(*a.resource);
+    recorder_options ro;
+    ro.capacity = snapshot_events;
+    event_recorder recorder(ro);
+    recorder.attach(pool);
+    std::size_t reserved_at_snapshot = 0;
+    const prefix_result second = replay_prefix(t, pool, stop_after, false, [&] {
+      write_memory_snapshot(pool, &recorder, snap_path);
+      reserved_at_snapshot = pool.stats().reserved_bytes;
+    });
+    recorder.detach();
+    if (!args.has("json"))
+      std::fprintf(stderr,
+                   "snapshot of %s written to %s: after event %zu of %zu (%s), %s reserved, "
+                   "%zu trace events kept of %llu\n",
+                   snapshot_allocator.c_str(), snap_path.c_str(), second.stopped_at,
+                   t.events.size(), second.oom ? "out of memory" : "peak reserved",
+                   format_bytes(reserved_at_snapshot).c_str(),
+                   static_cast<std::size_t>(std::min<std::uint64_t>(recorder.recorded(), snapshot_events)),
+                   static_cast<unsigned long long>(recorder.recorded()));
   }
 
   if (args.has("json")) {

@@ -94,6 +94,12 @@ class block_arena {
   std::size_t live_blocks() const noexcept { return live_.size(); }
   std::size_t largest_free_block() const;
   std::vector<const block*> live_blocks_list() const;
+  // Calls f(first) for the first block of every contiguous region, by address; the
+  // region's blocks follow through `next` (allocated, cached and free alike).
+  template <class F>
+  void for_each_region(F&& f) const {
+    for (const auto& [addr, first] : region_start_) f(static_cast<const block*>(first));
+  }
   std::string validate() const;
 
  private:

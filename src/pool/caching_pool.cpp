@@ -62,6 +62,7 @@ bool caching_pool::add_segment(detail::block_arena& arena, std::uint32_t arena_i
   segments_.emplace(base, segment{size, arena_id});
   arena.add_region(base, size, next_segment_id_++, stream.value);
   add_reserved(size);
+  notify(pool_event_kind::segment_alloc, base, size);
   return true;
 }
 
@@ -91,6 +92,7 @@ std::size_t caching_pool::release_cached() {
         continue;  // keep it; the pool stays consistent
       }
       arena(id).carve(b, seg->first, size);
+      notify(pool_event_kind::segment_free, seg->first, size);
       segments_.erase(seg);
       sub_reserved(size);
       released += size;

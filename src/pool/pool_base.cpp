@@ -38,6 +38,9 @@ void* pool_base::do_allocate(std::size_t bytes, std::size_t alignment, stream_ha
   stats_.live_allocations += 1;
   stats_.allocations += 1;
   if (stats_.live_bytes > stats_.peak_live_bytes) stats_.peak_live_bytes = stats_.live_bytes;
+  const std::size_t held = arenas_[0]->allocated_bytes() + arenas_[1]->allocated_bytes();
+  if (held > peak_allocated_) peak_allocated_ = held;
+  notify(pool_event_kind::alloc, reinterpret_cast<std::uintptr_t>(ptr), bytes, stream.value);
   return ptr;
 }
 
@@ -77,6 +80,11 @@ void* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std::size_t a
       return reinterpret_cast<void*>(b->addr);
   }
   stats_.oom_count += 1;
+  if (observer_ != nullptr) {
+    // As PyTorch's trace: the OOM entry carries the device's free bytes.
+    auto info = device_platform().mem_info(device());
+    notify(pool_event_kind::oom, info ? info.value().free : 0, requested, stream.value);
+  }
   throw out_of_memory(report_locked(requested));
 }
 
@@ -138,6 +146,7 @@ void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream
   recent_next_ = (recent_next_ + 1) % recent_frees_.size();
   auto& s = streams_[stream.value];
   arenas_[id]->release(b, stream.value, ++s.frees);
+  notify(pool_event_kind::free, addr, bytes, stream.value);
   stats_.live_bytes -= bytes;
   stats_.live_allocations -= 1;
   stats_.deallocations += 1;
@@ -240,38 +249,136 @@ std::string pool_base::memory_report(std::size_t bytes) const {
 std::string pool_base::report_locked(std::size_t bytes) const {
   std::ostringstream r;
   const std::size_t allocated = arenas_[0]->allocated_bytes() + arenas_[1]->allocated_bytes();
+  const std::uint32_t id = bytes <= options_.small_threshold ? small_arena : large_arena;
   r << "gpumem: out of memory on device " << device() << " (" << device_platform().kind()
     << "): the '" << name() << "' pool could not allocate " << format_bytes(bytes) << " ("
     << bytes << " bytes).\n";
+  r << "  requested: " << bytes << " bytes, a block of " << arenas_[id]->round(bytes)
+    << " bytes in the " << (id == small_arena ? "small" : "large") << "-request arena\n";
+  auto info = device_platform().mem_info(device());
+  if (info)
+    r << "  device: " << format_bytes(info.value().total) << " total, "
+      << format_bytes(info.value().free) << " free\n";
   r << "  live (requested): " << format_bytes(stats_.live_bytes) << " in "
-    << stats_.live_allocations << " allocations\n";
+    << stats_.live_allocations << " allocations (peak " << format_bytes(stats_.peak_live_bytes)
+    << "); handed out as blocks: " << format_bytes(allocated) << "\n";
   r << "  reserved: " << format_bytes(stats_.reserved_bytes) << " (peak "
     << format_bytes(stats_.peak_reserved_bytes) << "); cached, not handed out: "
     << format_bytes(stats_.reserved_bytes - allocated) << "\n";
   r << "  largest free block: "
     << format_bytes(std::max(arenas_[0]->largest_free_block(), arenas_[1]->largest_free_block()))
-    << "\n";
-  auto info = device_platform().mem_info(device());
-  if (info)
-    r << "  device: " << format_bytes(info.value().total) << " total, "
-      << format_bytes(info.value().free) << " free\n";
+    << " (the largest request that fits without growing)\n";
   if (options_.limit_bytes != 0) r << "  limit: " << format_bytes(options_.limit_bytes) << "\n";
+  r << "  so far: " << stats_.allocations << " allocations, " << stats_.alloc_retries
+    << " retried after releasing cached memory, " << stats_.oom_count << " out of memory\n";
   r << "  this pool holds " << format_bytes(stats_.reserved_bytes) << " from the driver:\n";
   r << describe_holdings();
   std::vector<live_allocation> all;
   for (const auto& a : arenas_)
     for (const detail::block* b : a->live_blocks_list())
       all.push_back({b->addr, b->requested, b->size, b->stream});
-  std::sort(all.begin(), all.end(),
-            [](const auto& x, const auto& y) { return x.requested > y.requested; });
-  if (!all.empty()) r << "  biggest live allocations:\n";
-  for (std::size_t i = 0; i < all.size() && i < 5; ++i) {
-    char addr[32];
-    std::snprintf(addr, sizeof addr, "0x%llx", static_cast<unsigned long long>(all[i].address));
-    r << "    " << format_bytes(all[i].requested) << " at " << addr << " (stream "
-      << all[i].stream << ")\n";
+  std::sort(all.begin(), all.end(), [](const auto& x, const auto& y) {
+    return x.requested != y.requested ? x.requested > y.requested : x.address < y.address;
+  });
+  constexpr std::size_t shown = 5;
+  if (!all.empty())
+    r << "  biggest live allocations (" << std::min(shown, all.size()) << " of " << all.size()
+      << "):\n";
+  for (std::size_t i = 0; i < all.size() && i < shown; ++i) {
+    r << "    " << format_bytes(all[i].requested) << " at " << hex_address(all[i].address)
+      << " (stream " << all[i].stream << ")\n";
+    // Where it came from: the observer (event recorder with context) knows, if on.
+    if (observer_ != nullptr) {
+      std::string from;
+      try {
+        from = observer_->describe_allocation(all[i].address);
+      } catch (...) {
+        // The report must come out even if describing one allocation fails.
+      }
+      if (!from.empty()) r << "      allocated at: " << from << "\n";
+    }
   }
   return r.str();
+}
+
+std::vector<memory_segment> pool_base::segments_locked() const {
+  struct chain {
+    const detail::block* first;
+    bool small;
+  };
+  std::vector<chain> chains;
+  for (std::uint32_t id : {small_arena, large_arena})
+    arenas_[id]->for_each_region(
+        [&](const detail::block* first) { chains.push_back({first, id == small_arena}); });
+  std::sort(chains.begin(), chains.end(),
+            [](const chain& x, const chain& y) { return x.first->addr < y.first->addr; });
+  // Segment id 0 marks memory mapped on demand (vmm_page_pool): one run of mapped pages
+  // is one segment, even where its pages serve both arenas. Other ids are upstream
+  // segments (caching_pool), which never merge.
+  std::vector<memory_segment> out;
+  for (const chain& c : chains) {
+    const bool expandable = c.first->segment == 0;
+    const bool joins = !out.empty() && expandable && out.back().expandable &&
+                       out.back().address + out.back().size == c.first->addr;
+    if (!joins) {
+      out.push_back({});
+      out.back().address = c.first->addr;
+      out.back().expandable = expandable;
+      out.back().small = true;
+    }
+    memory_segment& seg = out.back();
+    seg.small = seg.small && c.small;
+    for (const detail::block* b = c.first; b != nullptr; b = b->next) {
+      memory_block mb;
+      mb.address = b->addr;
+      mb.size = b->size;
+      mb.stream = b->stream;
+      switch (b->st) {
+        case detail::block::state::allocated:
+          mb.st = memory_block::state::allocated;
+          mb.requested = b->requested;
+          break;
+        case detail::block::state::cached:
+          mb.st = memory_block::state::cached;
+          break;
+        default:
+          mb.st = memory_block::state::free;
+          break;
+      }
+      seg.blocks.push_back(mb);
+      seg.size += b->size;
+    }
+  }
+  return out;
+}
+
+std::vector<memory_segment> pool_base::memory_segments() const {
+  std::lock_guard lock(mutex_);
+  return segments_locked();
+}
+
+void pool_base::inspect(
+    const std::function<void(const std::vector<memory_segment>&)>& fn) const {
+  std::lock_guard lock(mutex_);
+  fn(segments_locked());
+}
+
+std::size_t pool_base::peak_allocated_block_bytes() const {
+  std::lock_guard lock(mutex_);
+  return peak_allocated_;
+}
+
+void pool_base::set_observer(pool_observer* observer) {
+  std::lock_guard lock(mutex_);
+  if (observer != nullptr && observer_ != nullptr && observer != observer_)
+    throw invalid_argument("set_observer: the '" + std::string(name()) +
+                           "' pool already has an observer; detach it first");
+  observer_ = observer;
+}
+
+pool_observer* pool_base::observer() const {
+  std::lock_guard lock(mutex_);
+  return observer_;
 }
 
 std::string pool_base::validate() const {

@@ -177,7 +177,10 @@ std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait) {
       for (std::size_t i = n - done; i < n; ++i) pages += chunks_[c.chunks[i]].pages;
     }
     const std::size_t lo = done == 0 ? 0 : chunks_[c.chunks[n - done]].mapped_at;
-    if (done > 0) arena(c.arena_id).carve(c.b, page_address(lo), pages * page_);
+    if (done > 0) {
+      arena(c.arena_id).carve(c.b, page_address(lo), pages * page_);
+      notify(pool_event_kind::segment_unmap, page_address(lo), pages * page_);
+    }
     for (std::size_t i = n - done; i < n; ++i) {
       chunk& k = chunks_[c.chunks[i]];
       for (std::size_t p = 0; p < k.pages; ++p) page_table_[k.mapped_at + p] = no_chunk;
@@ -345,6 +348,7 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
     at += k.pages;
   }
   arena.add_region(page_address(first), covered * page_, 0, stream.value);
+  notify(pool_event_kind::segment_map, page_address(first), covered * page_);
   return true;
 }
 

@@ -15,11 +15,18 @@
 // Invariants (validate()):
 //  - reserved_bytes == what the subclass holds from the driver;
 //  - allocated + cached + free (arenas) <= reserved;
-//  - live requested bytes == sum of requested sizes of live blocks.
+//  - live requested bytes == sum of requested sizes of live blocks;
+//  - memory_segments(): the blocks of each segment tile it (sizes sum to its size), and
+//    the segments' sizes sum to the bytes the arenas hold (allocated + cached + free).
+//
+// Observation: set_observer() attaches a pool_observer (telemetry's event recorder) told
+// of every alloc, free, segment map/unmap and OOM; with none attached the cost is one
+// predictable branch per operation.
 #pragma once
 
 #include <array>
 #include <cstddef>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -28,6 +35,7 @@
 #include <vector>
 
 #include "gpumem/backend/memory_resource.hpp"
+#include "gpumem/pool/pool_observer.hpp"
 #include "gpumem/pool/pool_options.hpp"
 
 namespace gpumem {
@@ -43,6 +51,26 @@ struct live_allocation {
   std::size_t requested = 0;
   std::size_t size = 0;
   std::uintptr_t stream = 0;
+};
+
+// One block of a segment, for snapshots.
+struct memory_block {
+  enum class state : std::uint8_t { allocated, cached, free };
+  std::uintptr_t address = 0;
+  std::size_t size = 0;       // bytes the block spans (rounded)
+  std::size_t requested = 0;  // bytes the user asked for; 0 unless allocated
+  std::uintptr_t stream = 0;
+  state st = state::free;
+};
+
+// A contiguous run of pool memory: an upstream segment (caching_pool) or a run of mapped
+// pages (vmm_page_pool, expandable: it grows and shrinks page by page).
+struct memory_segment {
+  std::uintptr_t address = 0;
+  std::size_t size = 0;
+  bool small = false;       // every block in the small-request arena
+  bool expandable = false;  // mapped on demand (vmm_page_pool)
+  std::vector<memory_block> blocks;  // by address; sizes sum to `size`
 };
 
 class pool_base : public memory_resource {
@@ -69,6 +97,19 @@ class pool_base : public memory_resource {
   std::vector<live_allocation> biggest_live(std::size_t limit) const;
   // The OOM report text for a request of `bytes` (what out_of_memory carries).
   std::string memory_report(std::size_t bytes) const;
+  // Every segment with all its blocks (allocated, cached and free), by address.
+  std::vector<memory_segment> memory_segments() const;
+  // Calls fn(segments) with the pool's mutex held, so what fn reads from the pool's
+  // observer matches the segments exactly (no operation runs in between).
+  // REQUIRES: fn does not call into this pool.
+  void inspect(const std::function<void(const std::vector<memory_segment>&)>& fn) const;
+  // Peak of the rounded bytes handed out (block sizes, as PyTorch's allocated_bytes).
+  std::size_t peak_allocated_block_bytes() const;
+
+  // Attaches `observer` (nullptr detaches). REQUIRES: it outlives the pool or is
+  // detached first. Throws gpumem::invalid_argument when another observer is attached.
+  void set_observer(pool_observer* observer);
+  pool_observer* observer() const;
 
  protected:
   pool_base(platform& platform, int device, pool_options options, std::size_t alignment_limit);
@@ -108,6 +149,14 @@ class pool_base : public memory_resource {
 
   void set_alignment_limit(std::size_t limit) noexcept { alignment_limit_ = limit; }
 
+  // Tells the observer, if any. REQUIRES: mutex_ held. Segment events say stream 0: a
+  // segment is not tied to a stream here (its blocks carry their own stream order).
+  void notify(pool_event_kind kind, std::uintptr_t address, std::size_t size,
+              std::uintptr_t stream = 0) const noexcept {
+    if (observer_ != nullptr) [[unlikely]]
+      observer_->on_event(pool_event{kind, address, size, stream});
+  }
+
   mutable std::mutex mutex_;
   pool_options options_;
 
@@ -126,6 +175,7 @@ class pool_base : public memory_resource {
   // nullptr: only ask whether the free is complete.
   bool free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch, const stream_handle* wanted_by);
   std::string report_locked(std::size_t bytes) const;
+  std::vector<memory_segment> segments_locked() const;
   // Why addr is not a live allocation of this pool (interior, double free, another
   // owner's, unknown). REQUIRES: mutex_ held.
   std::string diagnose_locked(std::uintptr_t addr) const;
@@ -135,6 +185,8 @@ class pool_base : public memory_resource {
   std::unordered_map<std::uintptr_t, stream_state> streams_;
   std::size_t alignment_limit_;
   resource_stats stats_{};
+  std::size_t peak_allocated_ = 0;      // rounded block bytes
+  pool_observer* observer_ = nullptr;
   std::array<std::uintptr_t, 1024> recent_frees_{};  // to tell a double free from a stranger
   std::size_t recent_next_ = 0;
 };
