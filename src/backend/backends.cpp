@@ -203,4 +203,32 @@ void vmm_resource::do_deallocate(void* ptr, std::size_t bytes, stream_handle) {
   }
 }
 
+// --- pinned host ---------------------------------------------------------------------------
+
+pinned_host_resource::pinned_host_resource(platform& platform, int device)
+    : tracked_resource(platform, device) {}
+
+pinned_host_resource::~pinned_host_resource() {
+  for (void* ptr : take_all()) (void)device_platform().host_free_pinned(ptr);
+}
+
+void* pinned_host_resource::do_allocate(std::size_t bytes, std::size_t, stream_handle) {
+  auto p = device_platform().host_alloc_pinned(bytes);
+  if (!p) {
+    if (p.error().kind == failure_kind::out_of_memory)
+      throw_out_of_memory(bytes, p.error(), holdings());
+    throw_cuda_error(p.error(), "pinned_host_resource::allocate");
+  }
+  track(p.value(), bytes, bytes);
+  return p.value();
+}
+
+void pinned_host_resource::do_deallocate(void* ptr, std::size_t bytes, stream_handle) {
+  const std::size_t reserved = untrack(ptr, bytes);
+  if (auto s = device_platform().host_free_pinned(ptr); !s) {
+    retrack(ptr, bytes, reserved);
+    throw_cuda_error(s, "pinned_host_resource::deallocate");
+  }
+}
+
 }  // namespace gpumem

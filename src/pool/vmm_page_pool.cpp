@@ -81,7 +81,68 @@ std::size_t vmm_page_pool::spare_pages() const {
   return n;
 }
 
-bool vmm_page_pool::create_chunks(std::size_t pages) {
+std::size_t vmm_page_pool::spare_single_pages() const {
+  return static_cast<std::size_t>(
+      std::count_if(spare_.begin(), spare_.end(), [&](std::uint32_t id) { return chunks_[id].pages == 1; }));
+}
+
+std::vector<physical_handle> vmm_page_pool::lend_pages(std::size_t pages) {
+  std::unique_lock lock(mutex_);
+  std::vector<physical_handle> out;
+  if (pages == 0) return out;
+  out.reserve(pages);
+  lent_.reserve(lent_.size() + pages);
+  std::size_t have = spare_single_pages();
+  if (have < pages) {
+    reclaim(pages - have, false);
+    have = spare_single_pages();
+  }
+  if (have < pages && !create_chunks(pages - have, true)) {
+    // Memory pressure: what other streams freed may be reclaimed once they finish.
+    reclaim(pages - have, true);
+    have = spare_single_pages();
+    if (have < pages && !create_chunks(pages - have, true)) {
+      lock.unlock();
+      throw out_of_memory(memory_report(pages * page_));
+    }
+  }
+  for (auto it = spare_.begin(); it != spare_.end() && out.size() < pages;) {
+    chunk& c = chunks_[*it];
+    if (c.pages != 1) {
+      ++it;
+      continue;
+    }
+    c.lent = true;
+    lent_.emplace(c.handle.value, *it);
+    out.push_back(c.handle);
+    it = spare_.erase(it);
+  }
+  counts_.lent_pages += out.size();
+  return out;
+}
+
+void vmm_page_pool::return_pages(std::span<const physical_handle> handles) {
+  std::lock_guard lock(mutex_);
+  for (std::size_t i = 0; i < handles.size(); ++i) {
+    if (!lent_.contains(handles[i].value))
+      throw invalid_argument("vmm_page_pool::return_pages: physical handle " +
+                             std::to_string(handles[i].value) + " is not lent by this pool");
+    for (std::size_t j = 0; j < i; ++j)
+      if (handles[j] == handles[i])
+        throw invalid_argument("vmm_page_pool::return_pages: physical handle " +
+                               std::to_string(handles[i].value) + " returned twice");
+  }
+  spare_.reserve(spare_.size() + handles.size());
+  for (physical_handle h : handles) {
+    auto it = lent_.find(h.value);
+    chunks_[it->second].lent = false;
+    spare_.push_back(it->second);
+    lent_.erase(it);
+  }
+  counts_.lent_pages -= handles.size();
+}
+
+bool vmm_page_pool::create_chunks(std::size_t pages, bool single_pages) {
   const std::size_t bytes = pages * page_;
   if (options_.limit_bytes != 0 && reserved_locked() + bytes > options_.limit_bytes) return false;
   const std::size_t first_new = chunks_.size();
@@ -98,7 +159,7 @@ bool vmm_page_pool::create_chunks(std::size_t pages) {
   };
   for (std::size_t left = pages; left > 0;) {
     const std::size_t big = options_.big_chunk_pages;
-    const std::size_t n = big > 1 && pages >= 2 * big && left >= big ? big : 1;
+    const std::size_t n = !single_pages && big > 1 && pages >= 2 * big && left >= big ? big : 1;
     auto h = device_platform().create_physical(device(), n * page_);
     if (!h) {
       undo();
@@ -382,7 +443,8 @@ std::string vmm_page_pool::describe_holdings() const {
   std::ostringstream out;
   out << "  pages of " << format_bytes(page_) << ": " << mapped << " mapped, " << spare_pages()
       << " kept unmapped for reuse, in " << handles << " physical handles; "
-      << counts_.pages_reclaimed << " pages remapped so far\n";
+      << counts_.pages_reclaimed << " pages remapped so far; " << counts_.lent_pages
+      << " lent (KV cache)\n";
   return out.str();
 }
 
@@ -401,7 +463,15 @@ std::string vmm_page_pool::validate_holdings() const {
   std::size_t table_mapped = 0;
   for (std::uint32_t id : page_table_) table_mapped += id != no_chunk ? 1 : 0;
   if (table_mapped != mapped) return "page table maps pages of no live chunk";
-  if (mapped + spare_pages() != live_pages) return "chunk pages neither mapped nor spare";
+  std::size_t lent = 0;
+  for (auto& [h, id] : lent_) {
+    if (!chunks_[id].live || !chunks_[id].lent || chunks_[id].pages != 1 ||
+        chunks_[id].mapped_at != no_page)
+      return "a lent handle is not a live, unmapped one-page chunk";
+    lent += 1;
+  }
+  if (lent != counts_.lent_pages) return "lent page count disagrees with the lent handles";
+  if (mapped + spare_pages() + lent != live_pages) return "chunk pages neither mapped, spare nor lent";
   return {};
 }
 

@@ -105,4 +105,18 @@ class vmm_resource final : public detail::tracked_resource {
   std::unordered_map<void*, vmm_mapping> mappings_;  // guarded by mutex_
 };
 
+class pinned_host_resource final : public detail::tracked_resource {
+ public:
+  // `device`: the device whose copies the memory serves (for reports and limits).
+  explicit pinned_host_resource(platform& platform, int device = 0);
+  ~pinned_host_resource() override;
+  std::string_view name() const noexcept override { return "pinned_host"; }
+  // cudaMallocHost returns page-aligned memory.
+  std::size_t max_alignment() const noexcept override { return 4096; }
+
+ protected:
+  void* do_allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) override;
+  void do_deallocate(void* ptr, std::size_t bytes, stream_handle stream) override;
+};
+
 }  // namespace gpumem

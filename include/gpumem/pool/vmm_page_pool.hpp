@@ -21,13 +21,20 @@
 // Invariants (validate()):
 //  - reserved_bytes == sum of live chunk sizes == (mapped + spare chunk pages) * page_size;
 //  - a mapped chunk's pages all name it in the page table, and are covered by arena blocks;
-//  - each live chunk is mapped once or is in the spare list, never both.
+//  - each live chunk is mapped once, in the spare list, or lent out — exactly one of these.
+//
+// Lending: lend_pages() hands one-page physical handles to another mapper (the KV cache
+// maps them into its own virtual range), taken as a growth takes pages — kept ones,
+// reclaimed free pages, then new memory — and counted in this pool's reserved bytes and
+// limit. return_pages() takes them back as spare pages, usable by the pool's own blocks.
+// So the pool and the KV cache share one memory budget and pages move between them.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <map>
 #include <span>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -43,6 +50,7 @@ struct vmm_page_counts {
   std::uint64_t pages_created = 0;
   std::uint64_t pages_reclaimed = 0;  // unmapped from free blocks to be remapped elsewhere
   std::uint64_t pages_released = 0;   // given back to the driver
+  std::size_t lent_pages = 0;         // one-page handles lent out (lend_pages)
 };
 
 class vmm_page_pool final : public pool_base {
@@ -52,6 +60,14 @@ class vmm_page_pool final : public pool_base {
   std::string_view name() const noexcept override { return "vmm_page_pool"; }
   std::size_t page_size() const noexcept { return page_; }
   vmm_page_counts page_counts() const;
+
+  // Lends `pages` one-page physical handles (all or nothing). Throws gpumem::out_of_memory
+  // (with the pool's report) when neither kept, reclaimable nor new pages suffice.
+  // REQUIRES: the borrower unmaps them before returning them or destroying the pool.
+  std::vector<physical_handle> lend_pages(std::size_t pages);
+  // Takes lent handles back as spare pages. Throws gpumem::invalid_argument, taking none
+  // back, when one is not a handle lent by this pool.
+  void return_pages(std::span<const physical_handle> handles);
 
  protected:
   bool grow(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
@@ -74,13 +90,15 @@ class vmm_page_pool final : public pool_base {
     std::size_t pages = 0;
     std::size_t mapped_at = no_page;  // first VA page, or no_page when spare
     bool live = false;
+    bool lent = false;                // handed out by lend_pages
   };
 
   std::uintptr_t page_address(std::size_t page) const noexcept { return va_base_ + page * page_; }
   // Creates chunks for `pages` pages (sized as above) into spare_; false (and
   // nothing kept of this call) when the device or the limit has no room.
-  bool create_chunks(std::size_t pages);
+  bool create_chunks(std::size_t pages, bool single_pages = false);
   std::size_t spare_pages() const;
+  std::size_t spare_single_pages() const;
   // Unmaps chunks lying wholly inside cached free blocks into spare_, until `wanted`
   // pages are reclaimed. Returns the pages reclaimed. A block's memory is unmapped only
   // once its last use is complete: without `wait`, blocks whose free is not yet known
@@ -100,6 +118,7 @@ class vmm_page_pool final : public pool_base {
   std::vector<chunk> chunks_;
   std::map<std::size_t, std::size_t> va_free_;  // unmapped VA: first page -> page count
   vmm_page_counts counts_{};
+  std::unordered_map<std::uint64_t, std::uint32_t> lent_;  // lent handle -> chunk
   bool batched_unmap_ = true;  // cleared the first time the driver refuses a multi-mapping unmap
 };
 

@@ -1,0 +1,6 @@
+// Umbrella header of the KV cache layer.
+#pragma once
+#include "gpumem/kv/kv_block_storage.hpp"
+#include "gpumem/kv/kv_cache.hpp"
+#include "gpumem/kv/kv_layout.hpp"
+#include "gpumem/kv/prefix_hash.hpp"
