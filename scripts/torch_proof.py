@@ -121,11 +121,21 @@ def worker(args):
         import gpumem
         import gpumem.torch
 
-        gpumem.torch.enable()
+        gpumem.torch.enable(args.gpumem_conf)
+        info["gpumem_conf"] = args.gpumem_conf or ""
         info["gpumem_library"] = gpumem.library_path()
         info["record_stream_mode"] = gpumem.torch.record_stream_mode()
         info["gpumem_version"] = gpumem.version()
     peaks = gpumem_peaks if mode == "gpumem" else (lambda: torch_peaks(torch))
+
+    def counters():
+        if mode != "gpumem":
+            return {}
+        import gpumem.torch
+
+        return gpumem.torch.counters(0)
+
+    start_counters = {}
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -143,7 +153,9 @@ def worker(args):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda")
         times = []
-        for _ in range(args.steps):
+        for step in range(args.steps):
+            if step == 2:
+                start_counters = counters()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             loss = model(input_ids=ids, labels=ids).loss
@@ -169,7 +181,9 @@ def worker(args):
                 past = out.past_key_values
                 nxt = out.logits[:, -1:].argmax(-1)
                 del out
-                for _ in range(args.new_tokens):
+                for i in range(args.new_tokens):
+                    if rep == 0 and i == 8:
+                        start_counters = counters()
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     out = model(input_ids=nxt, past_key_values=past, use_cache=True)
@@ -184,6 +198,10 @@ def worker(args):
     info["median_step_s"] = statistics.median(warm)
     info["mean_step_s"] = statistics.fmean(warm)
     info.update(peaks())
+    if mode == "gpumem":
+        end = counters()
+        info["counters"] = end
+        info["counters_timed_steps"] = {k: v - start_counters.get(k, 0) for k, v in end.items()}
     free, total = torch.cuda.mem_get_info()
     info["device_used_end"] = total - free
     if mode == "gpumem" and phase == "train":
@@ -191,6 +209,8 @@ def worker(args):
         del model, opt
         info["stream_check"] = stream_check(torch)
         import gpumem.torch
+
+        info["stream_check"]["cross_stream_waits"] = gpumem.torch.stats(0)["cross_stream_waits"]
 
         info["plugin_failures"] = gpumem.torch.failures()
     with open(args.result, "w") as f:
@@ -215,6 +235,7 @@ def main():
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--gen-reps", type=int, default=1)
     p.add_argument("--timeout", type=int, default=150, help="seconds per subprocess")
+    p.add_argument("--gpumem-conf", default=None, help="GPUMEM_CONF for the gpumem mode")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)

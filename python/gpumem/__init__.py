@@ -95,6 +95,13 @@ class Stats(ctypes.Structure):
         return {name: getattr(self, name) for name, _ in self._fields_}
 
 
+# What counters() reads by default: the driver calls that move physical memory, the event
+# calls of stream-ordered reuse, and vmm_page_pool's page counts.
+COUNTERS = ("cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
+            "cudaMalloc", "cudaFree", "cudaEventRecord", "cudaEventQuery",
+            "cudaStreamSynchronize", "pages_mapped", "pages_spare", "pages_created",
+            "pages_reclaimed", "pages_released")
+
 _lock = threading.Lock()
 _lib = None
 _lib_path = None
@@ -134,6 +141,7 @@ def _declare(lib):
         "gpumem_free": (c.c_int, [pool_p, c.c_void_p, c.c_size_t, c.c_void_p]),
         "gpumem_record_stream": (c.c_int, [pool_p, c.c_void_p, c.c_void_p]),
         "gpumem_pool_stats": (c.c_int, [pool_p, c.POINTER(Stats)]),
+        "gpumem_pool_counter": (c.c_int, [pool_p, c.c_char_p, c.POINTER(c.c_uint64)]),
         "gpumem_pool_trim": (c.c_int, [pool_p, c.POINTER(c.c_uint64)]),
         "gpumem_pool_allocator": (c.c_char_p, [pool_p]),
         "gpumem_pool_platform": (c.c_char_p, [pool_p]),
@@ -273,6 +281,25 @@ class Pool:
         s = Stats()
         _check(self._lib, self._lib.gpumem_pool_stats(self.handle, ctypes.byref(s)))
         return s.as_dict()
+
+    def counter(self, name):
+        """A diagnostic counter: CUDA calls by name ("cuMemMap", ...) or vmm_page_pool's
+        page counts ("pages_created", ...); see gpumem_pool_counter in gpumem.h."""
+        out = ctypes.c_uint64()
+        _check(self._lib, self._lib.gpumem_pool_counter(self.handle, name.encode(),
+                                                        ctypes.byref(out)))
+        return out.value
+
+    def counters(self, names=None):
+        """Several counters as a dict; by default the mapping calls and page counts."""
+        names = names or COUNTERS
+        result = {}
+        for name in names:
+            try:
+                result[name] = self.counter(name)
+            except InvalidArgumentError:
+                pass  # a counter this allocator does not have
+        return result
 
     def trim(self):
         released = ctypes.c_uint64()

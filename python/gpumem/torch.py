@@ -91,6 +91,33 @@ def stats(device=0):
     return s.as_dict()
 
 
+class _BorrowedPool(gpumem.Pool):
+    """The plug-in's pool of one device: the Pool interface, never destroyed from Python."""
+
+    def __init__(self, lib, handle):  # pylint: disable=super-init-not-called
+        self._lib = lib
+        self._handle = ctypes.c_void_p(handle)
+
+    def close(self):
+        self._handle = None  # the plug-in owns the pool
+
+
+def pool(device=0):
+    """The plug-in's pool of `device` (created now if PyTorch has not allocated there yet),
+    as a gpumem.Pool: counters(), report(), trim(), snapshot(), ..."""
+    lib = gpumem.load()
+    handle = lib.gpumem_torch_pool(device)
+    if not handle:
+        raise gpumem.GpumemError(gpumem.ERROR_INVALID_ARGUMENT,
+                                 "gpumem.torch: no pool for device %d (see stderr)" % device)
+    return _BorrowedPool(lib, handle)
+
+
+def counters(device=0, names=None):
+    """Driver calls and page counts of the device's pool (gpumem.Pool.counters)."""
+    return pool(device).counters(names)
+
+
 def snapshot(path, device=0):
     """Writes a PyTorch memory snapshot of the device's pool to `path` (raises
     gpumem.NotSupportedError where the library has no snapshot exporter)."""

@@ -18,6 +18,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "gpumem/backend.hpp"
@@ -362,6 +363,37 @@ gpumem_status gpumem_pool_stats(gpumem_pool* pool, gpumem_stats* out) {
     r.cross_stream_waits = pool->cross_stream_waits.load(std::memory_order_relaxed);
     r.fragmentation = s.fragmentation();
     *out = r;
+  });
+}
+
+gpumem_status gpumem_pool_counter(gpumem_pool* pool, const char* name, uint64_t* out) {
+  if (pool == nullptr) return null_pool("gpumem_pool_counter");
+  if (name == nullptr || out == nullptr)
+    return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_pool_counter: null name or output");
+  return guarded("gpumem_pool_counter", [&] {
+    const std::string_view n(name);
+    for (std::size_t i = 0; i < gpumem::platform_op_count; ++i) {
+      const auto op = static_cast<gpumem::platform_op>(i);
+      if (gpumem::platform_op_name(op) == n) {
+        *out = pool->platform->calls_made(op);
+        return;
+      }
+    }
+    if (auto* vmm = dynamic_cast<const gpumem::vmm_page_pool*>(pool->pool.get())) {
+      const gpumem::vmm_page_counts c = vmm->page_counts();
+      const std::pair<std::string_view, std::uint64_t> counters[] = {
+          {"page_size", c.page_size},         {"pages_mapped", c.mapped_pages},
+          {"pages_spare", c.spare_pages},     {"physical_handles", c.handles},
+          {"pages_created", c.pages_created}, {"pages_reclaimed", c.pages_reclaimed},
+          {"pages_released", c.pages_released}};
+      for (const auto& [key, value] : counters)
+        if (key == n) {
+          *out = value;
+          return;
+        }
+    }
+    throw gpumem::invalid_argument("unknown counter '" + std::string(n) + "' for the '" +
+                                   pool->allocator + "' pool");
   });
 }
 

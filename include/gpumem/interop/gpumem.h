@@ -119,6 +119,14 @@ GPUMEM_API gpumem_status gpumem_free(gpumem_pool* pool, void* ptr, size_t size, 
 GPUMEM_API gpumem_status gpumem_record_stream(gpumem_pool* pool, void* ptr, void* stream);
 
 GPUMEM_API gpumem_status gpumem_pool_stats(gpumem_pool* pool, gpumem_stats* out);
+/* A named counter, for diagnosis. A CUDA call's name ("cuMemCreate", "cuMemMap",
+ * "cuMemUnmap", "cuMemSetAccess", "cudaMalloc", "cudaEventQuery", ...): how many times the
+ * pool's platform made it (process-wide when the platform is shared: platform auto, cuda
+ * or sim without sim_capacity). For vmm_page_pool also "page_size", "pages_mapped",
+ * "pages_spare", "physical_handles", "pages_created", "pages_reclaimed", "pages_released".
+ * An unknown name gives GPUMEM_ERROR_INVALID_ARGUMENT. */
+GPUMEM_API gpumem_status gpumem_pool_counter(gpumem_pool* pool, const char* name,
+                                             uint64_t* out);
 /* Gives cached memory back to the driver; *released (may be NULL) receives the bytes. */
 GPUMEM_API gpumem_status gpumem_pool_trim(gpumem_pool* pool, uint64_t* released);
 /* "vmm_page_pool" or "caching_pool"; "" for NULL. */
