@@ -176,6 +176,15 @@ std::vector<stack_frame> event_recorder::frames(std::uint64_t sequence) const {
   return frames_locked(static_cast<std::size_t>(sequence % options_.capacity));
 }
 
+std::vector<void*> event_recorder::return_addresses(std::uint64_t sequence) const {
+  std::lock_guard lock(mutex_);
+  if (sequence < first_kept_ || sequence >= next_ || frame_store_.empty()) return {};
+  const std::size_t slot = static_cast<std::size_t>(sequence % options_.capacity);
+  if (ring_[slot].frame_count <= 1) return {};
+  void* const* frames = frame_store_.data() + slot * options_.max_frames;
+  return {frames + 1, frames + ring_[slot].frame_count};  // frame 0 is on_event
+}
+
 std::int64_t event_recorder::to_unix_us(std::uint64_t time_ns) const noexcept {
   return (static_cast<std::int64_t>(time_ns) + unix_offset_ns_) / 1000;
 }

@@ -85,10 +85,20 @@ std::string memory_snapshot_pickle(const pool_base& pool, const event_recorder* 
   // Symbolize outside the pool's lock (slow: dladdr per frame). Events overwritten since
   // the copy lose their stacks, not their place.
   if (trace != nullptr) {
+    // Stacks repeat (a training step allocates from the same places): symbolize each
+    // distinct return address once.
+    std::unordered_map<void*, stack_frame> symbols;
     copy.frames.reserve(copy.events.size());
-    for (const recorded_event& e : copy.events)
-      copy.frames.push_back(e.frame_count != 0 ? trace->frames(e.sequence)
-                                               : std::vector<stack_frame>{});
+    for (const recorded_event& e : copy.events) {
+      std::vector<stack_frame> stack;
+      if (e.frame_count != 0)
+        for (void* pc : trace->return_addresses(e.sequence)) {
+          auto it = symbols.find(pc);
+          if (it == symbols.end()) it = symbols.emplace(pc, symbolize_frames(&pc, 1).front()).first;
+          stack.push_back(it->second);
+        }
+      copy.frames.push_back(std::move(stack));
+    }
   }
   // Each live block's allocation event, for the block's frames.
   std::unordered_map<std::uintptr_t, std::size_t> alloc_event;

@@ -98,6 +98,9 @@ class event_recorder final : public pool_observer {
   // The call stack of the event with this sequence number, innermost first; empty when
   // none was captured or the event is no longer kept. Symbolized here (dladdr).
   std::vector<stack_frame> frames(std::uint64_t sequence) const;
+  // The same stack as return addresses (innermost first), not symbolized: exporters
+  // symbolize each distinct address once.
+  std::vector<void*> return_addresses(std::uint64_t sequence) const;
   // Wall-clock microseconds since the Unix epoch for a recorder timestamp (the default
   // clock is steady; its offset to the system clock is taken at construction).
   std::int64_t to_unix_us(std::uint64_t time_ns) const noexcept;
