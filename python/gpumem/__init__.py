@@ -121,7 +121,12 @@ def _candidates(path):
     built = glob.glob(os.path.join(root, "build*", "src", "interop", LIBRARY_NAME))
     for found in sorted(built, key=os.path.getmtime, reverse=True):
         yield found
-    yield LIBRARY_NAME  # the dynamic linker's search path (an installed copy)
+    # Installed: PREFIX/share/gpumem/python/gpumem -> PREFIX/lib*/libgpumem_torch.so
+    prefix = os.path.abspath(os.path.join(here, "..", "..", "..", ".."))
+    for found in sorted(glob.glob(os.path.join(prefix, "lib*", LIBRARY_NAME)) +
+                        glob.glob(os.path.join(prefix, "lib", "*", LIBRARY_NAME))):
+        yield found
+    yield LIBRARY_NAME  # the dynamic linker's search path
 
 
 def _declare(lib):
