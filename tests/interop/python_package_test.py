@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""python/gpumem through ctypes, on the sim device, without torch: Pool (allocations,
+typed errors with gpumem's texts, stats, streams and record_stream, snapshot, counters),
+the plug-in's PyTorch entry points called as PyTorch would call them, and gpumem.torch's
+helpers. Run by ctest with PYTHONPATH=python, GPUMEM_LIB=<libgpumem_torch.so> and
+GPUMEM_DEVICE=sim (so the plug-in's pools are sim pools)."""
+
+import ctypes
+import os
+import pickle
+import sys
+import tempfile
+import unittest
+
+# The plug-in reads these when it creates device 0's pool (first use below).
+os.environ["GPUMEM_ALLOCATOR"] = "caching_pool"
+os.environ["GPUMEM_CONF"] = "limit:512M"
+os.environ.setdefault("GPUMEM_DEVICE", "sim")
+
+import gpumem  # noqa: E402
+import gpumem.torch  # noqa: E402  (must import without torch)
+
+MiB = 1 << 20
+
+
+class PoolTest(unittest.TestCase):
+    def setUp(self):
+        self.pool = gpumem.Pool("limit:64M", allocator="vmm_page_pool", platform="sim")
+
+    def tearDown(self):
+        self.pool.close()
+
+    def test_identity_and_version(self):
+        self.assertEqual(self.pool.allocator, "vmm_page_pool")
+        self.assertEqual(self.pool.platform, "sim")
+        self.assertEqual(self.pool.device, 0)
+        self.assertIn("limit:67108864", self.pool.config)
+        major, minor, patch = (int(x) for x in gpumem.version().split("."))
+        self.assertEqual(gpumem.load().gpumem_version_number(), major * 10000 + minor * 100 + patch)
+
+    def test_malloc_free_stats(self):
+        a = self.pool.malloc(3 * MiB)
+        b = self.pool.malloc(1000)
+        self.assertNotEqual(a, b)
+        self.assertEqual(a % 256, 0)
+        ctypes.memset(a, 0x7F, 3 * MiB)  # sim device memory is host memory
+        self.assertEqual(ctypes.string_at(a + 3 * MiB - 1, 1), b"\x7f")
+        s = self.pool.stats()
+        self.assertEqual(s["live_bytes"], 3 * MiB + 1000)
+        self.assertEqual(s["live_allocations"], 2)
+        self.pool.free(a, 3 * MiB)
+        self.pool.free(b, 1000)
+        s = self.pool.stats()
+        self.assertEqual(s["live_bytes"], 0)
+        self.assertEqual(s["peak_live_bytes"], 3 * MiB + 1000)
+        self.assertEqual((s["allocations"], s["deallocations"]), (2, 2))
+        self.assertGreaterEqual(s["peak_reserved_bytes"], s["peak_live_bytes"])
+        self.assertAlmostEqual(s["fragmentation"], s["peak_reserved_bytes"] / s["peak_live_bytes"])
+        self.assertGreater(self.pool.trim(), 0)
+        self.assertEqual(self.pool.stats()["reserved_bytes"], 0)
+
+    def test_bad_free_is_refused_with_its_reason(self):
+        a = self.pool.malloc(MiB)
+        with self.assertRaises(gpumem.InvalidArgumentError) as e:
+            self.pool.free(a, 2 * MiB)
+        self.assertEqual(e.exception.status, gpumem.ERROR_INVALID_ARGUMENT)
+        self.assertIn("size mismatch", str(e.exception))
+        self.assertEqual(self.pool.stats()["live_allocations"], 1)  # still live
+        self.pool.free(a, MiB)
+        with self.assertRaises(gpumem.InvalidArgumentError) as e:
+            self.pool.free(a, MiB)
+        self.assertIn("double free", str(e.exception))
+        self.assertIsInstance(e.exception, ValueError)
+
+    def test_out_of_memory(self):
+        keep = self.pool.malloc(MiB)
+        with self.assertRaises(gpumem.OutOfMemoryError) as e:
+            self.pool.malloc(100 * MiB)
+        self.assertIsInstance(e.exception, MemoryError)
+        self.assertEqual(e.exception.status, gpumem.ERROR_OUT_OF_MEMORY)
+        self.assertIn("out of memory", str(e.exception))
+        s = self.pool.stats()
+        self.assertEqual((s["oom_count"], s["live_allocations"]), (1, 1))
+        self.assertIn("could not allocate", self.pool.report(100 * MiB))
+        self.pool.free(keep, MiB)
+
+    def test_bad_config_and_closed_pool(self):
+        with self.assertRaises(gpumem.InvalidArgumentError) as e:
+            gpumem.Pool("colour:blue", platform="sim")
+        self.assertIn("colour", str(e.exception))
+        with self.assertRaises(gpumem.InvalidArgumentError):
+            gpumem.Pool(allocator="bump", platform="sim")
+        p = gpumem.Pool(platform="sim")
+        p.close()
+        with self.assertRaises(gpumem.InvalidArgumentError):
+            p.malloc(16)
+
+    def test_streams_and_record_stream(self):
+        s = self.pool.stream_create()
+        a = self.pool.malloc(MiB)
+        self.pool.record_stream(a, s)
+        self.pool.free(a, MiB)  # the default stream waits for s
+        self.assertEqual(self.pool.stats()["cross_stream_waits"], 1)
+        b = self.pool.malloc(MiB, stream=s)
+        self.pool.free(b, MiB, stream=s)
+        self.pool.stream_synchronize(s)
+        self.pool.stream_destroy(s)
+
+    def test_counters(self):
+        a = self.pool.malloc(3 * MiB)
+        c = self.pool.counters()
+        self.assertGreaterEqual(c["pages_mapped"], 2)
+        self.assertGreaterEqual(c["cuMemMap"], 1)
+        with self.assertRaises(gpumem.InvalidArgumentError):
+            self.pool.counter("no_such_counter")
+        self.pool.free(a, 3 * MiB)
+
+    def test_snapshot(self):
+        a = self.pool.malloc(3 * MiB)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "snap.pickle")
+            try:
+                self.pool.snapshot(path)
+            except gpumem.NotSupportedError as e:
+                self.assertIn("snapshot", str(e))
+            else:
+                with open(path, "rb") as f:
+                    data = pickle.load(f)
+                blocks = [b for seg in data["segments"] for b in seg["blocks"]
+                          if b["state"] == "active_allocated"]
+                self.assertEqual([b["requested_size"] for b in blocks], [3 * MiB])
+            with self.assertRaises(gpumem.InvalidArgumentError):
+                self.pool.snapshot("")
+        self.pool.free(a, 3 * MiB)
+
+    def test_load_refuses_a_missing_library(self):
+        with self.assertRaises(OSError) as e:
+            gpumem.load("/nonexistent/libgpumem_torch.so")
+        self.assertIn("GPUMEM_LIB", str(e.exception))
+
+
+class TorchPluginTest(unittest.TestCase):
+    """The entry points PyTorch calls, driven as CUDAPluggableAllocator drives them."""
+
+    def test_malloc_free_as_pytorch_calls_them(self):
+        lib = gpumem.load()
+        lib.gpumem_torch_malloc.restype = ctypes.c_void_p
+        lib.gpumem_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.gpumem_torch_free.restype = None
+        lib.gpumem_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int,
+                                          ctypes.c_void_p]
+        failures = gpumem.torch.failures()
+        self.assertIsNone(lib.gpumem_torch_malloc(0, 0, None))  # empty tensor: no memory
+        self.assertEqual(gpumem.torch.failures(), failures)
+        p = lib.gpumem_torch_malloc(5 * MiB, 0, None)
+        self.assertTrue(p)
+        pool = gpumem.torch.pool(0)
+        # GPUMEM_ALLOCATOR and GPUMEM_CONF chose the pool.
+        self.assertEqual((pool.allocator, pool.platform), ("caching_pool", "sim"))
+        self.assertIn("limit:536870912", pool.config)
+        self.assertEqual(gpumem.torch.stats(0)["live_bytes"], 5 * MiB)
+        lib.gpumem_torch_free(p, 5 * MiB, 0, None)
+        self.assertEqual(gpumem.torch.stats(0)["live_bytes"], 0)
+        self.assertGreater(gpumem.torch.empty_cache(), 0)  # the freed segment goes back
+        self.assertEqual(gpumem.torch.stats(0)["reserved_bytes"], 0)
+        # Failures cannot raise into PyTorch: they are counted and printed on stderr.
+        self.assertIsNone(lib.gpumem_torch_malloc(-1, 0, None))
+        self.assertIsNone(lib.gpumem_torch_malloc(600 * MiB, 0, None))  # over limit:512M
+        lib.gpumem_torch_free(p, 5 * MiB, 0, None)  # double free
+        self.assertEqual(gpumem.torch.failures(), failures + 3)
+        self.assertEqual(gpumem.torch.stats(0)["oom_count"], 1)
+        # No pool for a device PyTorch never used: creation fails (sim has one device).
+        with self.assertRaises(gpumem.GpumemError):
+            gpumem.torch.stats(3)
+
+    def test_enable_needs_torch(self):
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            with self.assertRaises(ImportError):
+                gpumem.torch.enable()
+        else:
+            self.skipTest("torch is installed: enable() is exercised by scripts/torch_proof.py")
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

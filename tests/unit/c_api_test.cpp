@@ -1,0 +1,420 @@
+// The C API's edge cases (gpumem/interop/gpumem.h): configuration errors, every bad free,
+// out of memory, the thread-local last error, record_stream waits, null handles, reports,
+// counters and snapshots. Pools use a private sim device (sim_capacity), so nothing here
+// depends on a GPU or on another test's state.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gpumem/interop/gpumem.h"
+#include "gpumem/platform/platform.hpp"
+
+namespace {
+
+constexpr std::size_t MiB = std::size_t{1} << 20;
+
+std::string last_error() { return gpumem_last_error(); }
+
+// A pool for one test, destroyed with it.
+struct pool_handle {
+  explicit pool_handle(const char* config) {
+    status = gpumem_pool_create(config, &pool);
+  }
+  ~pool_handle() { gpumem_pool_destroy(pool); }
+  gpumem_stats stats() const {
+    gpumem_stats s{};
+    EXPECT_EQ(gpumem_pool_stats(pool, &s), GPUMEM_SUCCESS) << last_error();
+    return s;
+  }
+  gpumem_pool* pool = nullptr;
+  gpumem_status status;
+};
+
+constexpr const char* small_sim = "platform:sim,sim_capacity:256M";
+
+TEST(c_api, version_matches_the_header) {
+  char expected[32];
+  std::snprintf(expected, sizeof expected, "%d.%d.%d", GPUMEM_VERSION_MAJOR,
+                GPUMEM_VERSION_MINOR, GPUMEM_VERSION_PATCH);
+  EXPECT_STREQ(gpumem_version(), expected);
+  EXPECT_EQ(gpumem_version_number(),
+            GPUMEM_VERSION_MAJOR * 10000 + GPUMEM_VERSION_MINOR * 100 + GPUMEM_VERSION_PATCH);
+}
+
+TEST(c_api, status_names_are_distinct) {
+  const gpumem_status all[] = {GPUMEM_SUCCESS, GPUMEM_ERROR_INVALID_ARGUMENT,
+                               GPUMEM_ERROR_OUT_OF_MEMORY, GPUMEM_ERROR_CUDA,
+                               GPUMEM_ERROR_NOT_SUPPORTED, GPUMEM_ERROR_INTERNAL};
+  std::vector<std::string> names;
+  for (auto s : all) names.emplace_back(gpumem_status_name(s));
+  for (std::size_t i = 0; i < names.size(); ++i)
+    for (std::size_t j = i + 1; j < names.size(); ++j) EXPECT_NE(names[i], names[j]);
+  EXPECT_STREQ(gpumem_status_name(GPUMEM_ERROR_CUDA), "GPUMEM_ERROR_CUDA");
+  EXPECT_STREQ(gpumem_status_name(static_cast<gpumem_status>(42)), "GPUMEM_ERROR_UNKNOWN");
+}
+
+TEST(c_api, bad_configurations_are_refused_naming_the_key) {
+  struct bad {
+    const char* config;
+    const char* named;
+  };
+  const bad cases[] = {
+      {"platform:sim,colour:blue", "colour"},
+      {"platform:sim,allocator:bump", "bump"},
+      {"platform:sim,backend:carrier_pigeon", "carrier_pigeon"},
+      {"platform:quantum", "quantum"},
+      {"platform:sim,device:one", "device"},
+      {"platform:sim,device:-1", "device"},
+      {"platform:sim,device:5", "device 5 does not exist"},
+      {"platform:sim,limit:lots", "limit"},
+      {"platform:sim,sim_capacity:0", "sim_capacity"},
+      {"platform:cuda,sim_capacity:1G", "sim_capacity"},
+      {"platform:sim,justakey", "justakey"},
+  };
+  for (const auto& c : cases) {
+    gpumem_pool* pool = reinterpret_cast<gpumem_pool*>(0x1);  // must come back null
+    EXPECT_EQ(gpumem_pool_create(c.config, &pool), GPUMEM_ERROR_INVALID_ARGUMENT) << c.config;
+    EXPECT_EQ(pool, nullptr) << c.config;
+    EXPECT_NE(last_error().find(c.named), std::string::npos) << c.config << ": " << last_error();
+    EXPECT_EQ(gpumem_last_status(), GPUMEM_ERROR_INVALID_ARGUMENT);
+  }
+  EXPECT_EQ(gpumem_pool_create(small_sim, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+}
+
+TEST(c_api, cuda_platform_without_a_device_is_a_cuda_error) {
+  const std::string why = gpumem::cuda_unavailable_reason();
+  if (why.empty()) GTEST_SKIP() << "a CUDA device is present: platform:cuda succeeds here";
+  gpumem_pool* pool = nullptr;
+  EXPECT_EQ(gpumem_pool_create("platform:cuda", &pool), GPUMEM_ERROR_CUDA);
+  EXPECT_EQ(pool, nullptr);
+  EXPECT_NE(last_error().find("gpumem_pool_create"), std::string::npos) << last_error();
+}
+
+TEST(c_api, empty_config_and_keys_choose_the_pool) {
+  pool_handle vmm("platform:sim,sim_capacity:256M,limit:64M, big_chunk : 4");
+  ASSERT_EQ(vmm.status, GPUMEM_SUCCESS) << last_error();
+  EXPECT_STREQ(gpumem_pool_allocator(vmm.pool), "vmm_page_pool");
+  EXPECT_STREQ(gpumem_pool_platform(vmm.pool), "sim");
+  EXPECT_EQ(gpumem_pool_device(vmm.pool), 0);
+  const std::string config = gpumem_pool_config(vmm.pool);
+  EXPECT_NE(config.find("limit:67108864"), std::string::npos) << config;
+  EXPECT_NE(config.find("big_chunk:4"), std::string::npos) << config;
+  for (const char* backend : {"runtime", "driver", "vmm"}) {
+    const std::string c = std::string(small_sim) + ",allocator:caching_pool,backend:" + backend;
+    pool_handle caching(c.c_str());
+    ASSERT_EQ(caching.status, GPUMEM_SUCCESS) << backend << ": " << last_error();
+    EXPECT_STREQ(gpumem_pool_allocator(caching.pool), "caching_pool");
+    void* p = gpumem_malloc(caching.pool, 5 * MiB, nullptr);
+    ASSERT_NE(p, nullptr) << backend << ": " << last_error();
+    std::memset(p, 0xab, 5 * MiB);
+    EXPECT_EQ(gpumem_free(caching.pool, p, 5 * MiB, nullptr), GPUMEM_SUCCESS);
+  }
+}
+
+TEST(c_api, every_bad_free_is_refused_and_the_allocation_stays_live) {
+  pool_handle a(small_sim), b(small_sim);
+  ASSERT_EQ(a.status, GPUMEM_SUCCESS);
+  ASSERT_EQ(b.status, GPUMEM_SUCCESS);
+  void* p = gpumem_malloc(a.pool, 4 * MiB, nullptr);
+  void* q = gpumem_malloc(b.pool, MiB, nullptr);
+  ASSERT_NE(p, nullptr);
+  ASSERT_NE(q, nullptr);
+  std::memset(p, 0x3c, 4 * MiB);
+  struct bad {
+    void* ptr;
+    std::size_t size;
+    const char* reason;
+  };
+  int stack_object = 0;
+  const bad cases[] = {
+      {nullptr, 16, "null pointer"},
+      {static_cast<char*>(p) + 512, 4 * MiB, "interior pointer"},
+      {p, 4 * MiB - 1, "size mismatch"},
+      {q, MiB, "vmm_page_pool"},  // another pool's: named as not this pool's
+      {&stack_object, 4, "0x"},
+  };
+  for (const auto& c : cases) {
+    EXPECT_EQ(gpumem_free(a.pool, c.ptr, c.size, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT)
+        << c.reason;
+    EXPECT_NE(last_error().find(c.reason), std::string::npos) << c.reason << ": " << last_error();
+    EXPECT_NE(last_error().find("gpumem_free"), std::string::npos) << last_error();
+  }
+  const gpumem_stats s = a.stats();
+  EXPECT_EQ(s.live_allocations, 1u);
+  EXPECT_EQ(s.live_bytes, 4 * MiB);
+  EXPECT_EQ(s.deallocations, 0u);
+  EXPECT_EQ(static_cast<unsigned char*>(p)[4 * MiB - 1], 0x3c);
+  EXPECT_EQ(gpumem_free(a.pool, p, 4 * MiB, nullptr), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_free(a.pool, p, 4 * MiB, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("double free"), std::string::npos) << last_error();
+  EXPECT_EQ(gpumem_free(b.pool, q, MiB, nullptr), GPUMEM_SUCCESS);
+}
+
+TEST(c_api, bad_sizes_and_alignments) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_malloc(h.pool, 0, nullptr), nullptr);
+  EXPECT_EQ(gpumem_last_status(), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("0 bytes"), std::string::npos) << last_error();
+  EXPECT_EQ(gpumem_malloc(h.pool, std::size_t{1} << 40, nullptr), nullptr);
+  EXPECT_EQ(gpumem_last_status(), GPUMEM_ERROR_INVALID_ARGUMENT);  // beyond the device
+  void* out = reinterpret_cast<void*>(0x1);
+  EXPECT_EQ(gpumem_allocate(h.pool, 1024, 3, nullptr, &out), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(out, nullptr);
+  EXPECT_NE(last_error().find("alignment 3"), std::string::npos) << last_error();
+  ASSERT_EQ(gpumem_allocate(h.pool, 1024, 4096, nullptr, &out), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(out) % 4096, 0u);
+  EXPECT_EQ(gpumem_allocate(h.pool, 1024, 256, nullptr, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(gpumem_free(h.pool, out, 1024, nullptr), GPUMEM_SUCCESS);
+  EXPECT_EQ(h.stats().live_allocations, 0u);
+}
+
+TEST(c_api, out_of_memory_gives_its_code_the_report_and_keeps_state) {
+  pool_handle h("platform:sim,sim_capacity:64M");
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  void* keep = gpumem_malloc(h.pool, 40 * MiB, nullptr);
+  ASSERT_NE(keep, nullptr) << last_error();
+  EXPECT_EQ(gpumem_malloc(h.pool, 40 * MiB, nullptr), nullptr);
+  EXPECT_EQ(gpumem_last_status(), GPUMEM_ERROR_OUT_OF_MEMORY);
+  const std::string report = last_error();
+  EXPECT_EQ(report.rfind("gpumem: out of memory", 0), 0u) << report;
+  EXPECT_NE(report.find("41943040 bytes"), std::string::npos) << report;
+  const gpumem_stats s = h.stats();
+  EXPECT_EQ(s.oom_count, 1u);
+  EXPECT_EQ(s.live_allocations, 1u);
+  EXPECT_EQ(s.live_bytes, 40 * MiB);
+  EXPECT_EQ(s.alloc_retries, 1u);
+  // The report on demand, truncated into a small buffer: NUL-terminated, full length returned.
+  char small[16];
+  const std::size_t full = gpumem_pool_report(h.pool, 40 * MiB, small, sizeof small);
+  EXPECT_GT(full, sizeof small);
+  EXPECT_EQ(std::strlen(small), sizeof small - 1);
+  EXPECT_EQ(gpumem_pool_report(h.pool, 40 * MiB, nullptr, 0), full);
+  EXPECT_EQ(gpumem_free(h.pool, keep, 40 * MiB, nullptr), GPUMEM_SUCCESS);
+  void* again = gpumem_malloc(h.pool, 40 * MiB, nullptr);  // room again once freed
+  EXPECT_NE(again, nullptr) << last_error();
+  EXPECT_EQ(gpumem_free(h.pool, again, 40 * MiB, nullptr), GPUMEM_SUCCESS);
+}
+
+TEST(c_api, stats_follow_allocations) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  gpumem_stats s = h.stats();
+  EXPECT_EQ(s.allocations, 0u);
+  EXPECT_EQ(s.fragmentation, 0.0);
+  void* p = gpumem_malloc(h.pool, 3 * MiB, nullptr);
+  void* q = gpumem_malloc(h.pool, 100, nullptr);
+  s = h.stats();
+  EXPECT_EQ(s.live_bytes, 3 * MiB + 100);
+  EXPECT_EQ(s.live_allocations, 2u);
+  EXPECT_EQ(s.allocations, 2u);
+  EXPECT_GE(s.reserved_bytes, s.live_bytes);
+  EXPECT_LT(s.cached_bytes, s.reserved_bytes);  // the live blocks are handed out
+  gpumem_free(h.pool, p, 3 * MiB, nullptr);
+  gpumem_free(h.pool, q, 100, nullptr);
+  s = h.stats();
+  EXPECT_EQ(s.live_bytes, 0u);
+  EXPECT_EQ(s.deallocations, 2u);
+  EXPECT_EQ(s.peak_live_bytes, 3 * MiB + 100);
+  EXPECT_EQ(s.cached_bytes, s.reserved_bytes);
+  EXPECT_DOUBLE_EQ(s.fragmentation, static_cast<double>(s.peak_reserved_bytes) /
+                                        static_cast<double>(s.peak_live_bytes));
+  uint64_t released = 0;
+  EXPECT_EQ(gpumem_pool_trim(h.pool, &released), GPUMEM_SUCCESS);
+  EXPECT_EQ(released, s.reserved_bytes);
+  EXPECT_EQ(h.stats().reserved_bytes, 0u);
+  EXPECT_EQ(gpumem_pool_trim(h.pool, nullptr), GPUMEM_SUCCESS);
+}
+
+TEST(c_api, last_error_is_per_thread_and_success_keeps_it) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_free(h.pool, nullptr, 1, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  const std::string mine = last_error();
+  std::string theirs = "unset";
+  gpumem_status their_status = GPUMEM_ERROR_INTERNAL;
+  std::thread([&] {
+    theirs = gpumem_last_error();
+    their_status = gpumem_last_status();
+  }).join();
+  EXPECT_EQ(theirs, "");
+  EXPECT_EQ(their_status, GPUMEM_SUCCESS);
+  void* p = gpumem_malloc(h.pool, 4096, nullptr);  // success leaves the text as it was
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(last_error(), mine);
+  EXPECT_EQ(gpumem_free(h.pool, p, 4096, nullptr), GPUMEM_SUCCESS);
+}
+
+TEST(c_api, threads_share_a_pool) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  std::vector<std::thread> threads;
+  std::atomic<int> errors{0};
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 200; ++i) {
+        const std::size_t size = 4096 * static_cast<std::size_t>(1 + (i + t) % 64);
+        void* p = gpumem_malloc(h.pool, size, nullptr);
+        if (p == nullptr) {
+          ++errors;
+          continue;
+        }
+        std::memset(p, t, size);
+        if (gpumem_free(h.pool, p, size, nullptr) != GPUMEM_SUCCESS) ++errors;
+      }
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(errors.load(), 0);
+  const gpumem_stats s = h.stats();
+  EXPECT_EQ(s.allocations, 800u);
+  EXPECT_EQ(s.deallocations, 800u);
+  EXPECT_EQ(s.live_bytes, 0u);
+}
+
+TEST(c_api, record_stream_makes_the_free_wait_for_the_recorded_streams) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  void* s1 = nullptr;
+  void* s2 = nullptr;
+  ASSERT_EQ(gpumem_stream_create(h.pool, &s1), GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(gpumem_stream_create(h.pool, &s2), GPUMEM_SUCCESS) << last_error();
+  const std::uint64_t waits_before = 0;
+
+  // Recorded on two other streams (one twice): the free on the default stream waits twice.
+  void* p = gpumem_malloc(h.pool, MiB, nullptr);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(gpumem_record_stream(h.pool, p, s1), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_record_stream(h.pool, p, s1), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_record_stream(h.pool, p, s2), GPUMEM_SUCCESS);
+  EXPECT_EQ(h.stats().cross_stream_waits, waits_before);  // nothing until the free
+  EXPECT_EQ(gpumem_free(h.pool, p, MiB, nullptr), GPUMEM_SUCCESS);
+  EXPECT_EQ(h.stats().cross_stream_waits, 2u);
+
+  // Recorded on the stream it is freed on: no wait needed.
+  p = gpumem_malloc(h.pool, MiB, s1);
+  EXPECT_EQ(gpumem_record_stream(h.pool, p, s1), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_free(h.pool, p, MiB, s1), GPUMEM_SUCCESS);
+  EXPECT_EQ(h.stats().cross_stream_waits, 2u);
+
+  // A refused free keeps the record: the corrected free still waits.
+  p = gpumem_malloc(h.pool, MiB, nullptr);
+  EXPECT_EQ(gpumem_record_stream(h.pool, p, s2), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_free(h.pool, p, 2 * MiB, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(h.stats().live_allocations, 1u);
+  EXPECT_EQ(gpumem_free(h.pool, p, MiB, nullptr), GPUMEM_SUCCESS);
+  EXPECT_EQ(h.stats().cross_stream_waits, 4u);  // one at the refused try, one now
+
+  // A freed pointer's record is gone: a new allocation at the same address does not wait.
+  void* again = gpumem_malloc(h.pool, MiB, nullptr);
+  EXPECT_EQ(gpumem_free(h.pool, again, MiB, nullptr), GPUMEM_SUCCESS);
+  EXPECT_EQ(h.stats().cross_stream_waits, 4u);
+
+  EXPECT_EQ(gpumem_record_stream(h.pool, nullptr, s1), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(gpumem_stream_synchronize(h.pool, s1), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_stream_destroy(h.pool, s1), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(gpumem_stream_destroy(h.pool, s2), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(gpumem_stream_destroy(h.pool, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  // A stream the platform never made: the platform's refusal, as a CUDA error.
+  EXPECT_EQ(gpumem_stream_synchronize(h.pool, reinterpret_cast<void*>(0xdead0)),
+            GPUMEM_ERROR_CUDA);
+  EXPECT_NE(last_error().find("gpumem_stream_synchronize"), std::string::npos) << last_error();
+}
+
+TEST(c_api, null_pool_handles_are_refused_everywhere) {
+  gpumem_stats s{};
+  void* out = reinterpret_cast<void*>(0x1);
+  uint64_t value = 0;
+  EXPECT_EQ(gpumem_malloc(nullptr, 16, nullptr), nullptr);
+  EXPECT_EQ(gpumem_last_status(), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("null pool"), std::string::npos);
+  EXPECT_EQ(gpumem_allocate(nullptr, 16, 256, nullptr, &out), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(out, nullptr);
+  EXPECT_EQ(gpumem_free(nullptr, &s, 16, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(gpumem_record_stream(nullptr, &s, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(gpumem_pool_stats(nullptr, &s), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(gpumem_pool_trim(nullptr, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(gpumem_pool_counter(nullptr, "cuMemMap", &value), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(gpumem_stream_create(nullptr, &out), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(gpumem_stream_destroy(nullptr, &s), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(gpumem_stream_synchronize(nullptr, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(gpumem_snapshot(nullptr, "x"), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(gpumem_pool_report(nullptr, 1, nullptr, 0), 0u);
+  EXPECT_STREQ(gpumem_pool_allocator(nullptr), "");
+  EXPECT_STREQ(gpumem_pool_platform(nullptr), "");
+  EXPECT_STREQ(gpumem_pool_config(nullptr), "");
+  EXPECT_EQ(gpumem_pool_device(nullptr), -1);
+  gpumem_pool_destroy(nullptr);
+}
+
+TEST(c_api, counters_name_driver_calls_and_pages) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  uint64_t maps = 0, pages = 0, page_size = 0;
+  void* p = gpumem_malloc(h.pool, 5 * MiB, nullptr);
+  ASSERT_NE(p, nullptr);
+  ASSERT_EQ(gpumem_pool_counter(h.pool, "cuMemMap", &maps), GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(gpumem_pool_counter(h.pool, "pages_mapped", &pages), GPUMEM_SUCCESS);
+  ASSERT_EQ(gpumem_pool_counter(h.pool, "page_size", &page_size), GPUMEM_SUCCESS);
+  EXPECT_EQ(page_size, 2 * MiB);
+  EXPECT_EQ(pages, 3u);  // 5 MiB in 2 MiB pages
+  EXPECT_GE(maps, 1u);
+  EXPECT_EQ(gpumem_pool_counter(h.pool, "no_such_counter", &maps), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("no_such_counter"), std::string::npos);
+  EXPECT_EQ(gpumem_pool_counter(h.pool, nullptr, &maps), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(gpumem_free(h.pool, p, 5 * MiB, nullptr), GPUMEM_SUCCESS);
+
+  pool_handle caching("platform:sim,sim_capacity:256M,allocator:caching_pool");
+  ASSERT_EQ(caching.status, GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_pool_counter(caching.pool, "pages_mapped", &pages),
+            GPUMEM_ERROR_INVALID_ARGUMENT);  // a caching pool has no pages
+  uint64_t mallocs = 0;
+  void* q = gpumem_malloc(caching.pool, MiB, nullptr);
+  EXPECT_EQ(gpumem_pool_counter(caching.pool, "cudaMalloc", &mallocs), GPUMEM_SUCCESS);
+  EXPECT_EQ(mallocs, 1u);
+  EXPECT_EQ(gpumem_free(caching.pool, q, MiB, nullptr), GPUMEM_SUCCESS);
+}
+
+TEST(c_api, snapshot_writes_a_pickle_or_says_it_cannot) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  void* p = gpumem_malloc(h.pool, 3 * MiB, nullptr);
+  EXPECT_EQ(gpumem_snapshot(h.pool, ""), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(gpumem_snapshot(h.pool, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  const std::string path = ::testing::TempDir() + "c_api_snapshot.pickle";
+  const gpumem_status st = gpumem_snapshot(h.pool, path.c_str());
+  if (st == GPUMEM_ERROR_NOT_SUPPORTED) {
+    EXPECT_NE(last_error().find("snapshot"), std::string::npos);
+  } else {
+    ASSERT_EQ(st, GPUMEM_SUCCESS) << last_error();
+    std::ifstream in(path, std::ios::binary);
+    char head[2] = {};
+    in.read(head, 2);
+    EXPECT_EQ(static_cast<unsigned char>(head[0]), 0x80u);  // pickle PROTO opcode
+    EXPECT_EQ(head[1], 2);                                  // protocol 2
+    std::remove(path.c_str());
+    EXPECT_EQ(gpumem_snapshot(h.pool, "/nonexistent-dir/x.pickle"), GPUMEM_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(last_error().find("/nonexistent-dir/x.pickle"), std::string::npos) << last_error();
+  }
+  EXPECT_EQ(gpumem_free(h.pool, p, 3 * MiB, nullptr), GPUMEM_SUCCESS);
+}
+
+TEST(c_api, destroying_a_pool_with_live_allocations_frees_them) {
+  gpumem_pool* pool = nullptr;
+  ASSERT_EQ(gpumem_pool_create("platform:sim,sim_capacity:64M", &pool), GPUMEM_SUCCESS);
+  ASSERT_NE(gpumem_malloc(pool, 40 * MiB, nullptr), nullptr);
+  gpumem_pool_destroy(pool);  // the private sim device goes with it; nothing may leak (ASan)
+  // Creating pools after a destroy with live memory still works.
+  ASSERT_EQ(gpumem_pool_create("platform:sim,sim_capacity:64M", &pool), GPUMEM_SUCCESS);
+  void* p = gpumem_malloc(pool, 40 * MiB, nullptr);
+  EXPECT_NE(p, nullptr) << last_error();
+  gpumem_pool_destroy(pool);
+}
+
+}  // namespace
