@@ -22,8 +22,7 @@ int run_info(int argc, char** argv);
 // gpumem replay TRACE: the trace replayed on each allocator, side by side.
 int run_replay(int argc, char** argv);
 
-// Register new subcommands here (and in the table in main.cpp), e.g.
-//   int run_replay(int argc, char** argv);
-//   int run_serve_sim(int argc, char** argv);
+// gpumem serve-sim: KV cache strategies compared on a simulated serving workload.
+int run_serve_sim(int argc, char** argv);
 
 }  // namespace gpumem::cli

@@ -32,6 +32,8 @@ constexpr subcommand subcommands[] = {
      gpumem::cli::run_info},
     {"replay", "replay a recorded allocation trace on each allocator and compare them",
      gpumem::cli::run_replay},
+    {"serve-sim", "simulate LLM serving and compare KV cache memory strategies on one budget",
+     gpumem::cli::run_serve_sim},
 };
 
 const subcommand* find_subcommand(std::string_view name) {
