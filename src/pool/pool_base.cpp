@@ -391,6 +391,16 @@ std::string pool_base::validate() const {
   if (held > stats_.reserved_bytes) return "arenas hold more than is reserved";
   if (arenas_[0]->requested_bytes() + arenas_[1]->requested_bytes() != stats_.live_bytes)
     return "live bytes do not match the live blocks";
+  std::size_t in_segments = 0;
+  for (const memory_segment& seg : segments_locked()) {
+    std::uintptr_t at = seg.address;
+    for (const memory_block& b : seg.blocks) {
+      if (b.address != at) return "a segment's blocks do not lie back to back";
+      at += b.size;
+    }
+    in_segments += seg.size;
+  }
+  if (in_segments != held) return "segments do not add up to what the arenas hold";
   return validate_holdings();
 }
 
