@@ -1,10 +1,12 @@
 // A set of small integer ids in [0, size) that finds its lowest member in O(levels):
-// level 0 has one bit per id, each level above one bit per non-zero word below. Used for
-// free KV blocks so the lowest free block is always taken and free blocks gather at the
-// top of the range, where shrinking can unmap them.
-// Invariant: a bit of level k+1 is set iff word of level k it summarises is non-zero.
+// level 0 has one bit per id, each level above one bit per non-zero word below, all in
+// one flat array (the top level is one word). Used for free KV blocks so the lowest free
+// block is always taken and free blocks gather at the top of the range, where shrinking
+// can unmap them.
+// Invariant: a bit of level k+1 is set iff the word of level k it summarises is non-zero.
 #pragma once
 
+#include <array>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -17,20 +19,20 @@ class id_bitmap {
   static constexpr std::size_t npos = static_cast<std::size_t>(-1);
 
   explicit id_bitmap(std::size_t size) : size_(size) {
-    std::size_t n = size;
+    std::size_t n = size, at = 0;
     do {
       n = (n + 63) / 64;
-      levels_.emplace_back(n, 0);
+      offset_[levels_++] = at;
+      at += n;
     } while (n > 1);
+    words_.assign(at, 0);
   }
 
   std::size_t size() const noexcept { return size_; }
-  bool contains(std::size_t id) const noexcept {
-    return (levels_[0][id >> 6] >> (id & 63)) & 1u;
-  }
+  bool contains(std::size_t id) const noexcept { return (words_[id >> 6] >> (id & 63)) & 1u; }
   void insert(std::size_t id) noexcept {
-    for (auto& level : levels_) {
-      std::uint64_t& w = level[id >> 6];
+    for (std::size_t k = 0; k < levels_; ++k) {
+      std::uint64_t& w = words_[offset_[k] + (id >> 6)];
       const bool was_empty = w == 0;
       w |= std::uint64_t{1} << (id & 63);
       if (!was_empty) return;
@@ -38,8 +40,8 @@ class id_bitmap {
     }
   }
   void erase(std::size_t id) noexcept {
-    for (auto& level : levels_) {
-      std::uint64_t& w = level[id >> 6];
+    for (std::size_t k = 0; k < levels_; ++k) {
+      std::uint64_t& w = words_[offset_[k] + (id >> 6)];
       w &= ~(std::uint64_t{1} << (id & 63));
       if (w != 0) return;
       id >>= 6;
@@ -47,16 +49,18 @@ class id_bitmap {
   }
   // The lowest member, or npos when empty.
   std::size_t lowest() const noexcept {
-    if (levels_.back()[0] == 0) return npos;
+    if (words_[offset_[levels_ - 1]] == 0) return npos;
     std::size_t id = 0;
-    for (std::size_t k = levels_.size(); k-- > 0;)
-      id = (id << 6) | static_cast<std::size_t>(std::countr_zero(levels_[k][id]));
+    for (std::size_t k = levels_; k-- > 0;)
+      id = (id << 6) | static_cast<std::size_t>(std::countr_zero(words_[offset_[k] + id]));
     return id;
   }
 
  private:
   std::size_t size_;
-  std::vector<std::vector<std::uint64_t>> levels_;
+  std::size_t levels_ = 0;
+  std::array<std::size_t, 12> offset_{};  // 64^11 ids is beyond any device
+  std::vector<std::uint64_t> words_;
 };
 
 }  // namespace gpumem::detail
