@@ -4,6 +4,7 @@
 # and the pool benchmark. Logs go to $OUT (default ./gpu-check-out); a short table last.
 #   .deps/googletest   GoogleTest sources, when the machine has no libgtest-dev
 #   .gpurun/*.csv.gz   extra traces to replay (e.g. infer_llama.csv.gz)
+# Then the KV bench, serve-sim on the GPU and a snapshot checked by torch.cuda._memory_viz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -34,3 +35,12 @@ for t in .gpurun/*.csv.gz; do
     $BUILD/tools/gpumem replay "$t" --device cuda --passes 2 --allocator $a 2>/dev/null | tee -a "$OUT/replay.txt" | tail -1
   done
 done
+# The KV layer: block pairs, prefix hashing, pinned host pool vs cudaMallocHost, swap
+# bandwidth against plain copies (bytes checked), then the serving simulation on the GPU.
+$BUILD/bench/kv_bench --device cuda 2>&1 | tee "$OUT/kv_bench.txt"
+$BUILD/tools/gpumem serve-sim --device cuda 2>&1 | tee "$OUT/serve_sim.txt"
+# A snapshot at peak, opened by PyTorch's own memory viewer tools.
+$BUILD/tools/gpumem replay data/train_llama.csv.gz --device cuda --allocator vmm_page_pool \
+  --snapshot "$OUT/train_peak.pickle" --snapshot-events 20000 >/dev/null 2>"$OUT/snapshot_replay.err" &&
+  python3 scripts/check_snapshot_torch.py "$OUT/train_peak.pickle" 2>&1 | tee "$OUT/snapshot_check.txt" | tail -15
+rm -f "$OUT/train_peak.pickle"
