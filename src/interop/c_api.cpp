@@ -207,8 +207,11 @@ std::unique_ptr<gpumem_pool> make_pool(const char* config) {
 }
 
 gpumem_status null_pool(const char* where) noexcept {
-  static_cast<void>(where);
-  return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem: null pool handle");
+  try {
+    return fail(GPUMEM_ERROR_INVALID_ARGUMENT, (std::string(where) + ": null pool handle").c_str());
+  } catch (...) {
+    return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem: null pool handle");
+  }
 }
 
 // Makes `free_stream` wait for the work queued so far on each stream recorded for `addr`,

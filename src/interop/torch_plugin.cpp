@@ -118,8 +118,9 @@ GPUMEM_API void gpumem_torch_free(void* ptr, ssize_t size, int device, void* str
 }
 
 // The signature of CUDAPluggableAllocator::set_record_stream_fn. The device is not given:
-// the allocation is recorded in every existing pool (device addresses are unique across
-// devices, so only its owner ever frees that address; the others' entries are inert).
+// the allocation is recorded in every existing pool. Device addresses are unique across
+// devices, so only the owner's record is used; with several devices the others' records
+// are never freed (a known cost: one small map entry per recorded tensor per other device).
 GPUMEM_API void gpumem_torch_record_stream(void* ptr, void* stream) {
   for (auto& slot : pools_)
     if (gpumem_pool* pool = slot.load(std::memory_order_acquire))
