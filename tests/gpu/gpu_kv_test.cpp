@@ -122,7 +122,8 @@ TEST(gpu_kv, pages_move_between_cache_and_pool_and_data_survives) {
     write_tokens(p, kv, seqs[0], 0, 500, s.value());
     const auto mapped = kv.stats().mapped_bytes;
     for (std::size_t i = 1; i < seqs.size(); ++i) kv.free(seqs[i]);
-    EXPECT_GT(kv.shrink(), 0u);  // unmapped on the device, handles back to the pool
+    // Cached prefix blocks dropped too: unmapped on the device, handles back to the pool.
+    EXPECT_GT(kv.shrink(0, /*drop_cached=*/true), 0u);
     EXPECT_LT(kv.stats().mapped_bytes, mapped);
     // The pool uses the returned pages for its own allocation: no new physical memory.
     const auto created = pages.page_counts().pages_created;
