@@ -8,14 +8,16 @@
 What changes under a pluggable allocator, and what enable() does about it:
   - torch.cuda.memory_stats() / memory_reserved() / max_memory_allocated() raise or read
     zero (PyTorch's pluggable allocator implements none of them): use stats().
-  - torch.cuda.empty_cache() is a no-op: use empty_cache().
-  - Tensor.record_stream(s) reaches a pluggable allocator only through the C++
-    CUDAPluggableAllocator::set_record_stream_fn, which PyTorch's Python API does not
-    expose. enable() therefore uses that hook when the allocator object offers it and
-    otherwise wraps torch.Tensor.record_stream (a Python-level method), so calls made from
-    Python (FSDP, user code) reach gpumem. Calls made from C++ inside PyTorch (e.g.
-    ProcessGroupNCCL's record_stream on collective outputs, when TORCH_NCCL_AVOID_RECORD_STREAMS
-    is off) are not seen; record_stream_mode() says which path is active.
+  - torch.cuda.empty_cache() reaches a pluggable allocator only through set_reset_fn;
+    enable() sets it to gpumem_torch_reset where the allocator object offers the setter
+    (empty_cache_mode() says so); empty_cache() here always works.
+  - Tensor.record_stream(s) reaches a pluggable allocator only through the function set with
+    CUDAPluggableAllocator::set_record_stream_fn; CUDAPluggableAllocator's Python constructor
+    sets none, so by default record_stream is a silent no-op. PyTorch 2.11's allocator object
+    (CUDAPluggableAllocator(...).allocator()) exposes set_record_stream_fn, and enable() sets
+    it to gpumem_torch_record_stream. Where a PyTorch lacks it, enable() wraps
+    torch.Tensor.record_stream instead, which sees calls made from Python (FSDP, user code)
+    but not those made from C++ inside PyTorch. record_stream_mode() says which is active.
     A recorded tensor's free makes its allocation stream wait for the recorded streams'
     work, so the block is never reused under a kernel still reading it.
 """
@@ -25,7 +27,7 @@ import os
 
 import gpumem
 
-_state = {"enabled": False, "record_stream": "none", "allocator": None}
+_state = {"enabled": False, "record_stream": "none", "allocator": None, "empty_cache": "none"}
 
 
 def enable(conf=None, allocator=None, path=None, patch_record_stream=True):
@@ -52,6 +54,14 @@ def enable(conf=None, allocator=None, path=None, patch_record_stream=True):
     elif patch_record_stream:
         _patch_record_stream(torch, lib)
         _state["record_stream"] = "python"
+    # torch.cuda.empty_cache() calls the allocator's reset function, when one is set.
+    reset = getattr(native, "set_reset_fn", None)
+    if callable(reset):
+        try:
+            reset(ctypes.cast(lib.gpumem_torch_reset, ctypes.c_void_p).value)
+            _state["empty_cache"] = "set_reset_fn"
+        except (TypeError, RuntimeError):
+            pass  # empty_cache() below still works
     torch.cuda.memory.change_current_allocator(alloc)
     _state.update(enabled=True, allocator=alloc)
     return alloc
@@ -81,6 +91,11 @@ def enabled():
 def record_stream_mode():
     """"set_record_stream_fn", "python" (Tensor.record_stream wrapped) or "none"."""
     return _state["record_stream"]
+
+
+def empty_cache_mode():
+    """"set_reset_fn" when torch.cuda.empty_cache() reaches gpumem, else "none"."""
+    return _state["empty_cache"]
 
 
 def stats(device=0):

@@ -11,8 +11,9 @@
 // once on that stream and on another only once the free is complete (stream-ordered
 // reuse, as PyTorch's own allocator). A tensor also used on another stream must be
 // recorded (tensor.record_stream): PyTorch forwards that to a pluggable allocator only
-// through CUDAPluggableAllocator::set_record_stream_fn (C++), so gpumem_torch_record_stream
-// has that signature, and python/gpumem routes Tensor.record_stream to it. At free, the
+// through CUDAPluggableAllocator::set_record_stream_fn, so gpumem_torch_record_stream has
+// that signature; python/gpumem sets it (PyTorch 2.11 exposes the setter on the allocator
+// object) or, where it cannot, routes Tensor.record_stream to gpumem_torch_record_stream_on. At free, the
 // freeing stream then waits for the recorded streams' work (gpumem_record_stream).
 //
 // Invariants: pools_[d] is null or a pool of device d, set once; no exception leaves an
@@ -165,6 +166,10 @@ GPUMEM_API unsigned long long gpumem_torch_empty_cache(void) {
     }
   return total;
 }
+
+// The signature of CUDAPluggableAllocator::set_reset_fn, which torch.cuda.empty_cache()
+// calls: gives every pool's cached memory back.
+GPUMEM_API void gpumem_torch_reset(void) { (void)gpumem_torch_empty_cache(); }
 
 // Failures reported on stderr so far (allocation, free, record, pool creation).
 GPUMEM_API unsigned long long gpumem_torch_failures(void) {

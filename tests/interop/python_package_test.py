@@ -163,6 +163,12 @@ class TorchPluginTest(unittest.TestCase):
         self.assertEqual(gpumem.torch.stats(0)["live_bytes"], 0)
         self.assertGreater(gpumem.torch.empty_cache(), 0)  # the freed segment goes back
         self.assertEqual(gpumem.torch.stats(0)["reserved_bytes"], 0)
+        # The set_reset_fn entry (torch.cuda.empty_cache()) does the same.
+        p = lib.gpumem_torch_malloc(5 * MiB, 0, None)
+        lib.gpumem_torch_free(p, 5 * MiB, 0, None)
+        self.assertGreater(gpumem.torch.stats(0)["reserved_bytes"], 0)
+        lib.gpumem_torch_reset()
+        self.assertEqual(gpumem.torch.stats(0)["reserved_bytes"], 0)
         # Failures cannot raise into PyTorch: they are counted and printed on stderr.
         self.assertIsNone(lib.gpumem_torch_malloc(-1, 0, None))
         self.assertIsNone(lib.gpumem_torch_malloc(600 * MiB, 0, None))  # over limit:512M
