@@ -331,7 +331,8 @@ void kv_cache::free(sequence_id id) {
   if (s.host != nullptr) host_->deallocate(s.host, s.host_bytes, config_.stream);
   // Last blocks first: pushed first onto the LRU, they are evicted first (a prompt's
   // head is the part most likely shared).
-  for (auto it = s.blocks.rbegin(); it != s.blocks.rend(); ++it) release_block(*it);
+  for (auto it = s.blocks.rbegin(); it != s.blocks.rend(); ++it)
+    if (*it != not_resident) release_block(*it);
   sequences_.erase(id);
 }
 
@@ -343,30 +344,37 @@ void kv_cache::swap_out(sequence_id id) {
   if (s.swapped)
     throw invalid_argument("kv_cache::swap_out: sequence " + std::to_string(id) +
                            " is already swapped out");
+  // Only blocks this sequence alone holds move: a shared block stays resident (freeing
+  // this reference would free no memory) and is still named by the table.
+  std::vector<std::size_t> moving;
+  for (std::size_t i = 0; i < s.blocks.size(); ++i)
+    if (meta_[s.blocks[i]].refs == 1) moving.push_back(i);
   const std::size_t bs = storage_.block_bytes();
-  const std::size_t bytes = s.blocks.size() * bs;
-  if (bytes == 0) {
-    s.swapped = true;
-    ++counters_.swaps_out;
-    return;
-  }
-  auto* host = static_cast<std::byte*>(host_->allocate(bytes, config_.stream));
-  platform& p = pages_.device_platform();
-  // One copy per run of consecutive block ids: the blocks are contiguous there.
-  for (std::size_t i = 0; i < s.blocks.size();) {
-    std::size_t run = 1;
-    while (i + run < s.blocks.size() && s.blocks[i + run] == s.blocks[i] + run) ++run;
-    if (auto st = p.memcpy_async(host + i * bs, storage_.address(s.blocks[i]), run * bs,
-                                 config_.stream);
-        !st) {
-      host_->deallocate(host, bytes, config_.stream);
-      throw cuda_error(std::string(platform_op_name(st.call)), st.code, st.name, st.message,
-                       "kv_cache: swap out");
+  const std::size_t bytes = moving.size() * bs;
+  std::byte* host = nullptr;
+  if (bytes != 0) {
+    host = static_cast<std::byte*>(host_->allocate(bytes, config_.stream));
+    platform& p = pages_.device_platform();
+    // One copy per run of positions whose block ids are consecutive too.
+    for (std::size_t k = 0; k < moving.size();) {
+      std::size_t run = 1;
+      while (k + run < moving.size() && moving[k + run] == moving[k] + run &&
+             s.blocks[moving[k + run]] == s.blocks[moving[k]] + run)
+        ++run;
+      if (auto st = p.memcpy_async(host + k * bs, storage_.address(s.blocks[moving[k]]),
+                                   run * bs, config_.stream);
+          !st) {
+        host_->deallocate(host, bytes, config_.stream);
+        throw cuda_error(std::string(platform_op_name(st.call)), st.code, st.name, st.message,
+                         "kv_cache: swap out");
+      }
+      k += run;
     }
-    i += run;
   }
-  for (auto it = s.blocks.rbegin(); it != s.blocks.rend(); ++it) release_block(*it);
-  s.blocks.clear();
+  for (auto it = moving.rbegin(); it != moving.rend(); ++it) {
+    release_block(s.blocks[*it]);
+    s.blocks[*it] = not_resident;
+  }
   s.host = host;
   s.host_bytes = bytes;
   s.swapped = true;
@@ -381,35 +389,38 @@ void kv_cache::swap_in(sequence_id id) {
     throw invalid_argument("kv_cache::swap_in: sequence " + std::to_string(id) +
                            " is not swapped out");
   const std::size_t bt = config_.layout.block_tokens;
-  const std::size_t count = ceil_div(s.tokens, bt);
-  ensure_available(count, 0, "swap_in");
+  std::vector<std::size_t> moving;
+  for (std::size_t i = 0; i < s.blocks.size(); ++i)
+    if (s.blocks[i] == not_resident) moving.push_back(i);
+  ensure_available(moving.size(), 0, "swap_in");
   std::vector<block_id> blocks;
-  blocks.reserve(count);
-  for (std::size_t i = 0; i < count; ++i) blocks.push_back(take_block());
+  blocks.reserve(moving.size());
+  for (std::size_t k = 0; k < moving.size(); ++k) blocks.push_back(take_block());
   const std::size_t bs = storage_.block_bytes();
   platform& p = pages_.device_platform();
   auto* host = static_cast<std::byte*>(s.host);
-  for (std::size_t i = 0; i < count;) {
+  for (std::size_t k = 0; k < moving.size();) {
     std::size_t run = 1;
-    while (i + run < count && blocks[i + run] == blocks[i] + run) ++run;
-    if (auto st = p.memcpy_async(storage_.address(blocks[i]), host + i * bs, run * bs,
+    while (k + run < moving.size() && blocks[k + run] == blocks[k] + run) ++run;
+    if (auto st = p.memcpy_async(storage_.address(blocks[k]), host + k * bs, run * bs,
                                  config_.stream);
         !st) {
       for (auto b = blocks.rbegin(); b != blocks.rend(); ++b) release_block(*b);
       throw cuda_error(std::string(platform_op_name(st.call)), st.code, st.name, st.message,
                        "kv_cache: swap in");
     }
-    i += run;
+    k += run;
   }
-  for (std::size_t i = 0; i < count; ++i) {
-    const std::size_t filled = i + 1 < count || s.tokens % bt == 0 ? bt : s.tokens % bt;
-    meta_[blocks[i]].filled = static_cast<std::uint32_t>(filled);
+  for (std::size_t k = 0; k < moving.size(); ++k) {
+    const std::size_t i = moving[k];
+    const std::size_t filled = i + 1 < s.blocks.size() || s.tokens % bt == 0 ? bt : s.tokens % bt;
+    meta_[blocks[k]].filled = static_cast<std::uint32_t>(filled);
     filled_in_use_ += filled;
+    s.blocks[i] = blocks[k];
   }
   // The copies are queued on the stream; the pool reuses the host block in stream order.
   if (s.host != nullptr) host_->deallocate(s.host, s.host_bytes, config_.stream);
   counters_.bytes_swapped_in += s.host_bytes;
-  s.blocks = std::move(blocks);
   s.host = nullptr;
   s.host_bytes = 0;
   s.swapped = false;
@@ -436,8 +447,11 @@ bool kv_cache::is_swapped(sequence_id id) const {
 std::size_t kv_cache::blocks_needed(sequence_id id, std::size_t tokens) const {
   std::lock_guard lock(mutex_);
   const sequence& s = find_locked(id, "blocks_needed");
-  return s.swapped ? ceil_div(s.tokens + tokens, config_.layout.block_tokens)
-                   : blocks_needed_locked(s, tokens);
+  if (!s.swapped) return blocks_needed_locked(s, tokens);
+  // Back in first, then the new tokens as if appended.
+  const std::size_t bt = config_.layout.block_tokens;
+  const auto away = static_cast<std::size_t>(std::count(s.blocks.begin(), s.blocks.end(), not_resident));
+  return away + ceil_div(s.tokens + tokens, bt) - s.blocks.size();
 }
 
 std::size_t kv_cache::available_blocks() const {
@@ -479,14 +493,17 @@ std::string kv_cache::validate() const {
   const std::size_t bt = config_.layout.block_tokens;
   std::vector<std::uint32_t> refs(meta_.size(), 0);
   for (auto& [id, s] : sequences_) {
-    if (s.swapped) {
-      if (!s.blocks.empty()) return "a swapped sequence names blocks";
-      continue;
-    }
     if (s.blocks.size() != ceil_div(s.tokens, bt)) return "a sequence's block count disagrees";
+    if (!s.swapped && std::count(s.blocks.begin(), s.blocks.end(), not_resident) != 0)
+      return "a resident sequence has a block swapped out";
+    if (s.swapped && (s.host_bytes != storage_.block_bytes() *
+                                          static_cast<std::size_t>(std::count(
+                                              s.blocks.begin(), s.blocks.end(), not_resident))))
+      return "a swapped sequence's host bytes disagree with its blocks away";
     if (s.full_hashes.size() != s.tokens / bt || s.tail.size() != s.tokens % bt)
       return "a sequence's hashes or tail disagree with its tokens";
     for (block_id b : s.blocks) {
+      if (b == not_resident) continue;
       if (b >= meta_.size() || !storage_.is_used(b)) return "a sequence names an unused block";
       ++refs[b];
     }

@@ -284,7 +284,8 @@ TEST_F(KvCache, SwapOutAndInKeepsTheBytes) {
   for (std::size_t i = 0; i < 40; ++i) *slot(kv, table, i) = static_cast<token_id>(i * 7 + 3);
   kv.swap_out(a.id);
   EXPECT_TRUE(kv.is_swapped(a.id));
-  EXPECT_EQ(kv.block_table(a.id).size(), 0u);
+  EXPECT_EQ(kv.block_table(a.id),
+            std::vector<kv_cache::block_id>(3, kv_cache::not_resident));
   EXPECT_THROW(kv.append(a.id, tokens(1)), gpumem::invalid_argument);
   EXPECT_THROW(kv.fork(a.id), gpumem::invalid_argument);
   // Someone else takes and overwrites the blocks meanwhile.
@@ -307,6 +308,37 @@ TEST_F(KvCache, SwapOutAndInKeepsTheBytes) {
   kv.swap_out(a.id);
   kv.free(a.id);  // freeing a swapped sequence gives its host memory back
   EXPECT_EQ(host.stats().live_bytes, 0u);
+}
+
+TEST_F(KvCache, SwapLeavesSharedBlocksResident) {
+  vmm_page_pool pool(sim);
+  pinned_host_pool host(sim);
+  kv_cache kv(pool, config(), &host);
+  auto system = tokens(32, 500);
+  auto p1 = system, p2 = system;
+  p1.insert(p1.end(), {1, 2, 3});
+  p2.insert(p2.end(), {4, 5});
+  auto a = kv.add_sequence(p1);
+  auto b = kv.add_sequence(p2);
+  const auto ta = kv.block_table(a.id);
+  for (std::size_t i = 0; i < 35; ++i) *slot(kv, ta, i) = static_cast<token_id>(i + 1);
+  const auto used = kv.stats().used_blocks;  // 2 shared + 1 each
+  kv.swap_out(a.id);
+  EXPECT_EQ(kv.stats().bytes_swapped_out, 16 * KiB);  // only a's own last block moved
+  EXPECT_EQ(kv.stats().used_blocks, used - 1);
+  const auto away = kv.block_table(a.id);
+  EXPECT_EQ(away[0], ta[0]);
+  EXPECT_EQ(away[1], ta[1]);
+  EXPECT_EQ(away[2], kv_cache::not_resident);
+  EXPECT_EQ(kv.blocks_needed(a.id, 0), 1u);
+  EXPECT_EQ(kv.validate(), "");
+  kv.swap_in(a.id);
+  const auto back = kv.block_table(a.id);
+  EXPECT_EQ(back[0], ta[0]);
+  for (std::size_t i = 0; i < 35; ++i) ASSERT_EQ(*slot(kv, back, i), static_cast<token_id>(i + 1));
+  EXPECT_EQ(kv.validate(), "");
+  kv.free(a.id);
+  kv.free(b.id);
 }
 
 TEST_F(KvCache, RefusalsAreTypedAndLeaveTheCacheIntact) {

@@ -11,8 +11,9 @@
 //  - a full, hashed block whose last reference goes stays cached (unreferenced) and is
 //    evicted least recently used first, when a block is needed and none is free or
 //    mappable;
-//  - swap_out() copies a sequence's blocks to pinned host memory (async, on the cache's
-//    stream) and releases them; swap_in() brings them back, bytes intact;
+//  - swap_out() copies the blocks a sequence alone holds to pinned host memory (async, on
+//    the cache's stream) and releases them — blocks shared with others stay resident, as
+//    freeing them would free nothing; swap_in() brings them back, bytes intact;
 //  - capacity grows by VMM pages borrowed from a vmm_page_pool as blocks are needed, and
 //    shrink() gives pages back to that pool (one memory budget with the rest of the
 //    program).
@@ -26,8 +27,9 @@
 // gpumem::out_of_memory whose report gives capacity, used, cached and the pool's state.
 //
 // Invariants (validate()):
-//  - each used block's reference count == the number of block tables naming it (swapped
-//    sequences name none); an unreferenced used block is cached (hashed, in the LRU);
+//  - each used block's reference count == the number of block tables naming it (a swapped
+//    sequence's table names its resident blocks; the others are not_resident, and its host
+//    copy holds exactly those); an unreferenced used block is cached (hashed, in the LRU);
 //  - every prefix-map entry names a used, hashed block, and every hashed block has one;
 //  - a sequence of n tokens has ceil(n / block_tokens) blocks.
 // Thread-safe: one mutex around each call.
@@ -88,6 +90,8 @@ class kv_cache {
  public:
   using sequence_id = std::uint64_t;
   using block_id = kv_block_storage::block_id;
+  // In a swapped-out sequence's block table: this block's bytes are in host memory.
+  static constexpr block_id not_resident = 0xffffffffu;
 
   // host: staging memory for swap (optional; swap throws without it).
   // Throws gpumem::invalid_argument for a bad layout or config.
@@ -112,6 +116,7 @@ class kv_cache {
   void swap_out(sequence_id seq);
   void swap_in(sequence_id seq);
 
+  // The block ids of a sequence, in token order (not_resident where swapped out).
   std::vector<block_id> block_table(sequence_id seq) const;
   std::size_t sequence_tokens(sequence_id seq) const;
   bool is_swapped(sequence_id seq) const;
@@ -134,7 +139,7 @@ class kv_cache {
   std::string validate() const;
 
  private:
-  static constexpr block_id no_block = 0xffffffffu;
+  static constexpr block_id no_block = 0xfffffffeu;  // LRU list end
   struct block_meta {
     std::uint32_t refs = 0;
     std::uint32_t filled = 0;   // tokens written
