@@ -102,7 +102,8 @@ class event_recorder final : public pool_observer {
   // symbolize each distinct address once.
   std::vector<void*> return_addresses(std::uint64_t sequence) const;
   // Wall-clock microseconds since the Unix epoch for a recorder timestamp (the default
-  // clock is steady; its offset to the system clock is taken at construction).
+  // clock is steady; its offset to the system clock is taken at construction). With an
+  // injected clock there is no offset: its nanoseconds / 1000.
   std::int64_t to_unix_us(std::uint64_t time_ns) const noexcept;
 
   void on_event(const pool_event& event) noexcept override;
