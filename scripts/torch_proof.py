@@ -250,6 +250,13 @@ def main():
     report = {"date": time.strftime("%Y-%m-%d"), "workload": {
         k: getattr(args, k) for k in ("hidden", "layers", "batch", "seq", "steps", "gen_batch",
                                       "prompt", "new_tokens", "gen_reps")}, "runs": []}
+    # The workload's options, passed on to each worker subprocess.
+    worker_args = []
+    for key in ("hidden", "layers", "batch", "seq", "steps", "gen_batch", "prompt",
+                "new_tokens", "gen_reps"):
+        worker_args += ["--" + key.replace("_", "-"), str(getattr(args, key))]
+    if args.gpumem_conf:
+        worker_args += ["--gpumem-conf", args.gpumem_conf]
     for phase in args.phases.split(","):
         for mode in args.modes.split(","):
             env = dict(os.environ)
@@ -258,7 +265,7 @@ def main():
             env["PYTHONUNBUFFERED"] = "1"
             result = os.path.join(out_dir, "proof_%s_%s.tmp.json" % (phase, mode))
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--phase", phase,
-                   "--result", result] + [a for a in sys.argv[1:] if not a.startswith("--json")]
+                   "--result", result] + worker_args
             t0 = time.time()
             try:
                 proc = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True,
