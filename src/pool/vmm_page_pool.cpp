@@ -52,6 +52,14 @@ vmm_page_pool::~vmm_page_pool() {
   // Never throws: unmap every page, release every handle, free the range, ignoring a
   // driver that is already shutting down.
   platform& p = device_platform();
+  for (auto& r : retiring_) {
+    (void)p.stream_synchronize(stream_handle{r.stream});
+    std::size_t at = r.first_page;
+    for (auto& [id, pages] : r.chunks) {
+      (void)p.unmap(page_address(at), pages * page_);
+      at += pages;
+    }
+  }
   for (auto& c : chunks_) {
     if (!c.live) continue;
     if (c.mapped_at != no_page) (void)p.unmap(page_address(c.mapped_at), c.pages * page_);
@@ -82,8 +90,73 @@ std::size_t vmm_page_pool::spare_pages() const {
 }
 
 std::size_t vmm_page_pool::spare_single_pages() const {
-  return static_cast<std::size_t>(
-      std::count_if(spare_.begin(), spare_.end(), [&](std::uint32_t id) { return chunks_[id].pages == 1; }));
+  return static_cast<std::size_t>(std::count_if(spare_.begin(), spare_.end(), [&](std::uint32_t id) {
+    return chunks_[id].pages == 1 && chunks_[id].retiring == 0;
+  }));
+}
+
+std::size_t vmm_page_pool::spare_pages_for(std::uintptr_t stream) const {
+  std::size_t n = 0;
+  for (std::uint32_t id : spare_) n += mappable_for(id, stream) ? chunks_[id].pages : 0;
+  return n;
+}
+
+void vmm_page_pool::release_stream(stream_handle stream) {
+  {
+    std::lock_guard lock(mutex_);
+    retire_completed(true, &stream.value);
+  }
+  pool_base::release_stream(stream);
+}
+
+void vmm_page_pool::retire_completed(bool wait, const std::uintptr_t* only_stream) {
+  platform& p = device_platform();
+  for (auto it = retiring_.begin(); it != retiring_.end();) {
+    retiring_run& r = *it;
+    if (only_stream != nullptr && r.stream != *only_stream) {
+      ++it;
+      continue;
+    }
+    if (wait) {
+      if (auto st = p.stream_synchronize(stream_handle{r.stream}); !st)
+        throw_cuda_error(st, "vmm_page_pool: wait for a stream before unmapping");
+    } else if (!free_known_complete(r.stream, r.epoch)) {
+      ++it;
+      continue;
+    }
+    // One call over the run where the driver allows, else one per chunk from the top (a
+    // failure keeps what is still mapped in the run).
+    status failed;
+    bool done = false;
+    if (r.chunks.size() > 1 && batched_unmap_) {
+      status st = p.unmap(page_address(r.first_page), r.pages * page_);
+      if (st) done = true;
+      else if (st.kind == failure_kind::invalid_value || st.kind == failure_kind::not_supported)
+        batched_unmap_ = false;
+      else
+        failed = st;
+    }
+    while (!done && failed.ok() && !r.chunks.empty()) {
+      auto [id, pages] = r.chunks.back();
+      const std::size_t at = r.first_page + r.pages - pages;
+      if (auto st = p.unmap(page_address(at), pages * page_); !st) {
+        failed = st;
+        break;
+      }
+      for (std::size_t q = at; q < at + pages; ++q) page_table_[q] = no_chunk;
+      va_insert(at, pages);
+      chunks_[id].retiring -= 1;
+      r.chunks.pop_back();
+      r.pages -= pages;
+    }
+    if (!failed.ok()) throw_cuda_error(failed, "vmm_page_pool: unmap the old mapping of remapped pages");
+    if (done) {
+      for (std::size_t q = r.first_page; q < r.first_page + r.pages; ++q) page_table_[q] = no_chunk;
+      va_insert(r.first_page, r.pages);
+      for (auto& [id, pages] : r.chunks) chunks_[id].retiring -= 1;
+    }
+    it = retiring_.erase(it);
+  }
 }
 
 std::vector<physical_handle> vmm_page_pool::lend_pages(std::size_t pages) {
@@ -92,6 +165,7 @@ std::vector<physical_handle> vmm_page_pool::lend_pages(std::size_t pages) {
   if (pages == 0) return out;
   out.reserve(pages);
   lent_.reserve(lent_.size() + pages);
+  retire_completed(false);
   std::size_t have = spare_single_pages();
   if (have < pages) {
     reclaim(pages - have, false);
@@ -108,7 +182,7 @@ std::vector<physical_handle> vmm_page_pool::lend_pages(std::size_t pages) {
   }
   for (auto it = spare_.begin(); it != spare_.end() && out.size() < pages;) {
     chunk& c = chunks_[*it];
-    if (c.pages != 1) {
+    if (c.pages != 1 || c.retiring != 0) {
       ++it;
       continue;
     }
@@ -191,21 +265,26 @@ void vmm_page_pool::va_insert(std::size_t first, std::size_t count) {
   va_free_.emplace(first, count);
 }
 
-std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait) {
+std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait, const stream_handle* same_stream) {
   struct candidate {
     std::uint32_t arena_id;
     detail::block* b;
     std::vector<std::uint32_t> chunks;  // wholly inside b, by ascending address
     std::size_t pages = 0;
+    bool deferred = false;              // old mapping retires later (same-stream remap)
   };
   std::vector<candidate> found;
   for (std::uint32_t id : {small_arena, large_arena}) {
     arena(id).flush();
     for (detail::block* b : arena(id).free_blocks()) {
-      if (!wait && !free_known_complete(*b)) continue;
+      bool deferred = false;
+      if (!wait && !free_known_complete(*b)) {
+        if (same_stream == nullptr || b->stream != same_stream->value) continue;
+        deferred = true;
+      }
       const std::size_t first = (b->addr - va_base_ + page_ - 1) / page_;
       const std::size_t end = (b->addr + b->size - va_base_) / page_;
-      candidate c{id, b, {}, 0};
+      candidate c{id, b, {}, 0, deferred};
       for (std::size_t p = first; p < end;) {
         const std::uint32_t ch = page_table_[p];
         const chunk& k = chunks_[ch];
@@ -219,9 +298,11 @@ std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait) {
     }
   }
   if (found.empty()) return 0;
-  // Biggest first: fewest blocks cut.
-  std::sort(found.begin(), found.end(),
-            [](const candidate& x, const candidate& y) { return x.pages > y.pages; });
+  // Completed frees first (their address space comes back at once), then biggest first:
+  // fewest blocks cut.
+  std::sort(found.begin(), found.end(), [](const candidate& x, const candidate& y) {
+    return x.deferred != y.deferred ? !x.deferred : x.pages > y.pages;
+  });
   // Work queued on any stream may still touch these pages: let it finish before unmapping.
   if (wait) synchronize_streams_with_free_blocks();
   std::size_t got = 0;
@@ -231,6 +312,27 @@ std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait) {
     const std::size_t n = c.chunks.size();
     std::size_t take = 0, pages = 0;
     while (take < n && got + pages < wanted) pages += chunks_[c.chunks[n - 1 - take++]].pages;
+    if (c.deferred) {
+      // Carved out now; the old mapping stays until the old work is done (retire_completed).
+      const std::size_t lo = chunks_[c.chunks[n - take]].mapped_at;
+      retiring_run r{lo, {}, pages, c.b->stream, c.b->free_epoch};  // before carve moves b
+      arena(c.arena_id).carve(c.b, page_address(lo), pages * page_);
+      notify(pool_event_kind::segment_unmap, page_address(lo), pages * page_);
+      for (std::size_t i = n - take; i < n; ++i) {
+        chunk& k = chunks_[c.chunks[i]];
+        r.chunks.emplace_back(c.chunks[i], k.pages);
+        for (std::size_t q = 0; q < k.pages; ++q) page_table_[k.mapped_at + q] = retiring_page;
+        k.mapped_at = no_page;
+        k.retiring += 1;
+        k.only_stream = r.stream;
+        spare_.push_back(c.chunks[i]);
+      }
+      retiring_.push_back(std::move(r));
+      got += pages;
+      counts_.pages_reclaimed += pages;
+      if (got >= wanted) break;
+      continue;
+    }
     // On a driver failure only the top `done` chunks are unmapped: record exactly those.
     auto [done, failed] = unmap_run({c.chunks.end() - static_cast<std::ptrdiff_t>(take), c.chunks.end()});
     if (done < take) {
@@ -283,6 +385,8 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
                          std::size_t alignment, stream_handle stream) {
   const std::size_t pad = alignment > arena.unit() ? alignment - arena.unit() : 0;
   const std::size_t pages = (size + pad + page_ - 1) / page_;
+  // Old mappings whose work is done give their address space back first.
+  retire_completed(false);
   // Physical chunks first: kept ones, then reclaimed ones, then new memory.
   // Enough virtual address space first, so a failure leaves nothing behind.
   if (std::none_of(va_free_.begin(), va_free_.end(),
@@ -316,9 +420,11 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
   };
   extension ext = find_extension();
   std::size_t wanted = ext.first_page != no_page ? ext.pages : pages;
-  std::size_t have = spare_pages();
+  std::size_t have = spare_pages_for(stream.value);
   if (have < wanted) {
-    have += reclaim(wanted - have, false);
+    reclaim(wanted - have, false, &stream);
+    // Counted again: a reclaimed chunk may still be retiring for another stream.
+    have = spare_pages_for(stream.value);
     if (ext.first_page != no_page) {  // reclaim may have cut the tail: look again
       ext = find_extension();
       wanted = ext.first_page != no_page ? ext.pages : pages;
@@ -339,8 +445,8 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
     }
   };
 
-  // Choose kept chunks covering `wanted`: largest first, then the smallest that closes
-  // the gap, so little extra is mapped.
+  // Choose kept chunks this stream may map, covering `wanted`: largest first, then the
+  // smallest that closes the gap, so little extra is mapped.
   std::sort(spare_.begin(), spare_.end(), [&](std::uint32_t a, std::uint32_t b) {
     return chunks_[a].pages < chunks_[b].pages;
   });
@@ -348,9 +454,11 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
   std::size_t covered = 0;
   while (covered < wanted) {
     const std::size_t gap = wanted - covered;
-    auto fit = std::find_if(spare_.begin(), spare_.end(),
-                            [&](std::uint32_t id) { return chunks_[id].pages >= gap; });
-    if (fit == spare_.end()) fit = std::prev(spare_.end());
+    auto mappable = [&](std::uint32_t id) { return mappable_for(id, stream.value); };
+    auto fit = std::find_if(spare_.begin(), spare_.end(), [&](std::uint32_t id) {
+      return mappable(id) && chunks_[id].pages >= gap;
+    });
+    if (fit == spare_.end()) fit = std::find_if(spare_.rbegin(), spare_.rend(), mappable).base() - 1;
     covered += chunks_[*fit].pages;
     chosen.push_back(*fit);
     spare_.erase(fit);
@@ -415,6 +523,7 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
 
 std::size_t vmm_page_pool::release_cached() {
   reclaim(va_pages_, true);
+  retire_completed(true);
   std::size_t released = 0;
   std::vector<std::uint32_t> kept;
   for (std::uint32_t id : spare_) {
@@ -444,7 +553,8 @@ std::string vmm_page_pool::describe_holdings() const {
   out << "  pages of " << format_bytes(page_) << ": " << mapped << " mapped, " << spare_pages()
       << " kept unmapped for reuse, in " << handles << " physical handles; "
       << counts_.pages_reclaimed << " pages remapped so far; " << counts_.lent_pages
-      << " lent (KV cache)\n";
+      << " lent (KV cache); " << retiring_.size()
+      << " old mappings of remapped pages waiting for their stream\n";
   return out.str();
 }
 
@@ -460,9 +570,30 @@ std::string vmm_page_pool::validate_holdings() const {
       if (page_table_[c.mapped_at + p] != id) return "page table disagrees with a chunk's mapping";
   }
   if (live_pages * page_ != reserved_locked()) return "chunks do not add up to reserved";
-  std::size_t table_mapped = 0;
-  for (std::uint32_t id : page_table_) table_mapped += id != no_chunk ? 1 : 0;
+  std::size_t table_mapped = 0, table_retiring = 0;
+  for (std::uint32_t id : page_table_) {
+    table_mapped += id != no_chunk && id != retiring_page ? 1 : 0;
+    table_retiring += id == retiring_page ? 1 : 0;
+  }
   if (table_mapped != mapped) return "page table maps pages of no live chunk";
+  std::size_t retiring_pages = 0;
+  std::vector<std::uint32_t> retiring_refs(chunks_.size(), 0);
+  for (const auto& r : retiring_) {
+    std::size_t sum = 0;
+    for (auto& [id, pages] : r.chunks) {
+      if (!chunks_[id].live || chunks_[id].pages != pages) return "a retiring run names a wrong chunk";
+      retiring_refs[id] += 1;
+      sum += pages;
+    }
+    if (sum != r.pages) return "a retiring run's pages disagree with its chunks";
+    for (std::size_t q = r.first_page; q < r.first_page + r.pages; ++q)
+      if (page_table_[q] != retiring_page) return "a retiring run's pages are not marked retiring";
+    retiring_pages += r.pages;
+  }
+  if (retiring_pages != table_retiring) return "retiring pages in the table disagree with the runs";
+  for (std::uint32_t id = 0; id < chunks_.size(); ++id)
+    if (chunks_[id].live && chunks_[id].retiring != retiring_refs[id])
+      return "a chunk's retiring count disagrees with the runs";
   std::size_t lent = 0;
   for (auto& [h, id] : lent_) {
     if (!chunks_[id].live || !chunks_[id].lent || chunks_[id].pages != 1 ||

@@ -271,6 +271,66 @@ TEST_F(VmmPagePool, AnotherStreamWaitsForTheFreeingStreamsEvent) {
   sim.hold_events(false);
 }
 
+// The CPU running ahead of the GPU (PyTorch): a block freed on s1 is not known complete,
+// yet a larger request on s1 takes its pages — mapped at the new address while the old
+// address stays mapped until s1's work is done — instead of creating memory. Another
+// stream never gets those pages before the event completes.
+TEST_F(VmmPagePool, SameStreamRemapsFreedPagesWithoutWaiting) {
+  vmm_page_pool pool(sim);
+  const stream_handle s1 = make_stream(), s2 = make_stream();
+  sim.hold_events(true);
+  void* a = pool.allocate(8 * MiB, default_alignment, s1);
+  fill(a, 8 * MiB, 0x3c);
+  pool.deallocate(a, 8 * MiB, s1);
+  const auto creates = calls(platform_op::create_physical);
+  const auto syncs = calls(platform_op::stream_synchronize);
+  void* b = pool.allocate(12 * MiB, default_alignment, s1);  // 4 pages reused, 2 new
+  EXPECT_EQ(calls(platform_op::create_physical), creates + 2);
+  EXPECT_EQ(calls(platform_op::stream_synchronize), syncs) << "the host must not wait";
+  EXPECT_EQ(pool.stats().reserved_bytes, 12 * MiB);
+  // The old address still shows the same bytes (the same physical pages), for s1's
+  // queued work; the new block holds them too.
+  EXPECT_TRUE(holds(a, 8 * MiB, 0x3c));
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  // s2 may not map the retiring pages: it gets new memory.
+  pool.deallocate(b, 12 * MiB, s1);
+  void* c = pool.allocate(4 * MiB, default_alignment, s2);
+  EXPECT_FALSE(overlaps(c, 4 * MiB, b, 12 * MiB));
+  EXPECT_EQ(calls(platform_op::create_physical), creates + 4);
+  // Once s1's work is done the old mapping goes at the next growth, and its address space
+  // is reused.
+  sim.complete_events();
+  sim.hold_events(false);
+  const auto unmaps = calls(platform_op::unmap);
+  void* d = pool.allocate(16 * MiB, default_alignment, s1);
+  EXPECT_GT(calls(platform_op::unmap), unmaps);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.deallocate(c, 4 * MiB, s2);
+  pool.deallocate(d, 16 * MiB, s1);
+  EXPECT_GT(pool.trim(), 0u);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
+// A stream released while old mappings still wait on it: they are unmapped first, so the
+// pool never records an event on a destroyed stream.
+TEST_F(VmmPagePool, ReleasingAStreamRetiresItsOldMappings) {
+  vmm_page_pool pool(sim);
+  auto made = sim.stream_create(0);
+  ASSERT_TRUE(made.ok());
+  const stream_handle s = made.value();
+  sim.hold_events(true);
+  void* a = pool.allocate(8 * MiB, default_alignment, s);
+  pool.deallocate(a, 8 * MiB, s);
+  void* b = pool.allocate(12 * MiB, default_alignment, s);
+  pool.deallocate(b, 12 * MiB, s);
+  sim.hold_events(false);
+  pool.release_stream(s);
+  ASSERT_TRUE(sim.stream_destroy(s).ok());
+  void* c = pool.allocate(20 * MiB);  // growth: no event on the destroyed stream
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.deallocate(c, 20 * MiB);
+}
+
 TEST_F(VmmPagePool, AfterTheEventCompletesAnotherStreamReusesTheBlock) {
   vmm_page_pool pool(sim);
   const stream_handle s1 = make_stream(), s2 = make_stream();

@@ -138,6 +138,11 @@ class pool_base : public memory_resource {
   // Is the last use of free block `b` known complete, without waiting? (An event is
   // recorded on its stream if needed and queried.) REQUIRES: mutex_ held.
   bool free_known_complete(const detail::block& b);
+  // Are blocks freed on `stream` up to free number `epoch` known complete (no waiting)?
+  // REQUIRES: mutex_ held.
+  bool free_known_complete(std::uintptr_t stream, std::uint64_t epoch) {
+    return free_is_complete(stream, epoch, nullptr);
+  }
   // Small requests may take free space of the large arena before the pool grows
   // (caching_pool: so an up-front reservation serves every size).
   virtual bool small_may_use_large_arena() const noexcept { return false; }

@@ -12,6 +12,13 @@
 //    memory while such chunks exist — the GMLake "stitching" idea); and only then new
 //    chunks for the missing pages. The chosen chunks
 //    are mapped side by side into one fresh virtual run, with ONE cuMemSetAccess over it.
+//  - Same-stream remap without waiting: a free block whose last use is not yet known
+//    complete may still give its chunks to a request on the SAME stream (stream order puts
+//    the new work after the old). Its chunks are mapped at the new address while the old
+//    address stays mapped ("retiring") until an event shows the old work done; only then is
+//    the old range unmapped and its address space reused. Until then those chunks may be
+//    mapped for that stream only. So a program whose CPU runs ahead of the GPU (PyTorch)
+//    reuses pages instead of growing.
 //  - Packing: when a live block's last page has a free tail at the end of its run and the
 //    address space after it is unmapped, a growth maps only the pages the request lacks
 //    right after that tail, so consecutive large blocks share a page.
@@ -60,6 +67,9 @@ class vmm_page_pool final : public pool_base {
   std::string_view name() const noexcept override { return "vmm_page_pool"; }
   std::size_t page_size() const noexcept { return page_; }
   vmm_page_counts page_counts() const;
+  // Unmaps the old mappings that wait on `stream` (after synchronizing it), then as
+  // pool_base: the stream may be destroyed afterwards.
+  void release_stream(stream_handle stream) override;
 
   // Lends `pages` one-page physical handles (all or nothing). Throws gpumem::out_of_memory
   // (with the pool's report) when neither kept, reclaimable nor new pages suffice.
@@ -91,7 +101,19 @@ class vmm_page_pool final : public pool_base {
     std::size_t mapped_at = no_page;  // first VA page, or no_page when spare
     bool live = false;
     bool lent = false;                // handed out by lend_pages
+    std::uint32_t retiring = 0;       // old mappings not yet unmapped (retiring_ runs)
+    std::uintptr_t only_stream = 0;   // while retiring != 0: the one stream that may map it
   };
+  // An old mapping of remapped chunks, unmapped once work on `stream` up to free `epoch`
+  // is complete.
+  struct retiring_run {
+    std::size_t first_page = 0;
+    std::vector<std::pair<std::uint32_t, std::size_t>> chunks;  // chunk id, pages, in order
+    std::size_t pages = 0;
+    std::uintptr_t stream = 0;
+    std::uint64_t epoch = 0;
+  };
+  static constexpr std::uint32_t retiring_page = 0xfffffffeu;  // page_table_: a retiring page
 
   std::uintptr_t page_address(std::size_t page) const noexcept { return va_base_ + page * page_; }
   // Creates chunks for `pages` pages (sized as above) into spare_; false (and
@@ -103,7 +125,19 @@ class vmm_page_pool final : public pool_base {
   // pages are reclaimed. Returns the pages reclaimed. A block's memory is unmapped only
   // once its last use is complete: without `wait`, blocks whose free is not yet known
   // complete (event query) are skipped; with `wait`, every stream is synchronized first.
-  std::size_t reclaim(std::size_t wanted, bool wait);
+  // With `same_stream`, blocks freed on that stream whose last use is not yet known
+  // complete are taken too, their old mapping left to retire (see above).
+  std::size_t reclaim(std::size_t wanted, bool wait, const stream_handle* same_stream = nullptr);
+  // Unmaps the retiring runs whose work is complete (with `wait`: after synchronizing their
+  // streams, all of them). Throws gpumem::cuda_error when an unmap fails (the run is kept).
+  // only_stream: just that stream's runs.
+  void retire_completed(bool wait, const std::uintptr_t* only_stream = nullptr);
+  // Spare chunks a growth for `stream` may map (chunks still retiring elsewhere are
+  // excluded for other streams).
+  bool mappable_for(std::uint32_t chunk, std::uintptr_t stream) const {
+    return chunks_[chunk].retiring == 0 || chunks_[chunk].only_stream == stream;
+  }
+  std::size_t spare_pages_for(std::uintptr_t stream) const;
   // Unmaps the adjacent mapped chunks `chunk_ids` (ascending addresses): one cuMemUnmap
   // over the run when the driver accepts it, else one per chunk from the top down.
   // Returns how many chunks, counted from the top, are unmapped, and the failure if any.
@@ -116,6 +150,7 @@ class vmm_page_pool final : public pool_base {
   std::vector<std::uint32_t> page_table_;  // per VA page: the chunk mapped there, or no_chunk
   std::vector<std::uint32_t> spare_;       // unmapped live chunks
   std::vector<chunk> chunks_;
+  std::vector<retiring_run> retiring_;
   std::map<std::size_t, std::size_t> va_free_;  // unmapped VA: first page -> page count
   vmm_page_counts counts_{};
   std::unordered_map<std::uint64_t, std::uint32_t> lent_;  // lent handle -> chunk
