@@ -1,0 +1,118 @@
+// The fixed-seed fuzz corpus, replayed as a normal test through the same driver the
+// libFuzzer targets use (fuzz_driver.hpp, kv_cache_fuzz_driver.hpp): for every pool and the
+// KV cache, seeds 0..N-1 each give a deterministic byte string decoded into 500 operations
+// (allocate / free on its stream or another / trim / release_stream / held events / bad
+// input), checked after each step against the reference model (no overlap, alignment,
+// bytes intact until freed, live bytes and count, validate()), then a second corpus with
+// sim faults injected (every failure typed, nothing changed, pool usable, no leak).
+// Runs in every CI build, under ASan+UBSan and TSan too. GPUMEM_FUZZ_SEEDS overrides the
+// seed count (for longer local runs); totals are printed for docs/RELIABILITY.md.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "fuzz/fuzz_driver.hpp"
+#include "fuzz/kv_cache_fuzz_driver.hpp"
+
+namespace {
+
+using namespace gpumem_fuzz;
+
+constexpr std::size_t ops_per_seed = 500;
+constexpr std::size_t bytes_per_seed = ops_per_seed * 12;
+constexpr std::size_t kv_bytes_per_seed = ops_per_seed * 80;  // prompts take 2 bytes a token
+
+// Seeds per test: 25 (5 under TSan, where this single-threaded replay gains little and
+// costs ~5x; CI's time is bounded), or GPUMEM_FUZZ_SEEDS.
+std::uint64_t seeds() {
+  if (const char* s = std::getenv("GPUMEM_FUZZ_SEEDS")) return std::strtoull(s, nullptr, 10);
+#if defined(__SANITIZE_THREAD__)
+  return 5;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+  return 5;
+#endif
+#endif
+  return 25;
+}
+
+void report(const char* what, const fuzz_counts& c) {
+  std::printf(
+      "[fuzz] %s: %llu runs, %llu operations, %llu allocations, %llu bad inputs refused, "
+      "%llu faults armed, %llu typed failures, %llu out_of_memory (%llu with device memory free), "
+      "%llu MiB checked\n",
+      what, static_cast<unsigned long long>(c.runs), static_cast<unsigned long long>(c.operations),
+      static_cast<unsigned long long>(c.allocations), static_cast<unsigned long long>(c.bad_inputs),
+      static_cast<unsigned long long>(c.faults_armed),
+      static_cast<unsigned long long>(c.typed_failures),
+      static_cast<unsigned long long>(c.out_of_memory),
+      static_cast<unsigned long long>(c.oom_with_device_memory_free),
+      static_cast<unsigned long long>(c.bytes_checked >> 20));
+}
+
+class fuzz_corpus : public ::testing::TestWithParam<pool_target> {};
+
+TEST_P(fuzz_corpus, every_seed_keeps_the_model) {
+  fuzz_counts counts;
+  const auto n = seeds();
+  for (std::uint64_t seed = 0; seed < n; ++seed) {
+    const auto bytes = corpus_bytes(seed, bytes_per_seed);
+    const auto why = run_pool_fuzz(GetParam(), bytes.data(), bytes.size(), false, ops_per_seed, counts);
+    ASSERT_EQ(why, "") << "seed " << seed;
+  }
+  report(target_name(GetParam()), counts);
+  EXPECT_EQ(counts.operations, n * ops_per_seed) << "every seed ran its operations";
+  EXPECT_GT(counts.allocations, n * 50);
+  EXPECT_GT(counts.bad_inputs, n * 10);
+}
+
+TEST_P(fuzz_corpus, injected_faults_are_typed_and_leave_the_pool_valid) {
+  fuzz_counts counts;
+  const auto n = seeds();
+  for (std::uint64_t seed = 0; seed < n; ++seed) {
+    const auto bytes = corpus_bytes(1'000'000 + seed, bytes_per_seed);
+    const auto why = run_pool_fuzz(GetParam(), bytes.data(), bytes.size(), true, ops_per_seed, counts);
+    ASSERT_EQ(why, "") << "seed " << seed;
+  }
+  report((std::string(target_name(GetParam())) + " with faults").c_str(), counts);
+  EXPECT_GT(counts.faults_armed, n * 2);
+  EXPECT_GT(counts.typed_failures, 0u) << "some injected fault must have made a call fail";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    pools, fuzz_corpus,
+    ::testing::Values(pool_target::caching_over_runtime, pool_target::caching_over_vmm,
+                      pool_target::caching_release_threshold, pool_target::vmm_page,
+                      pool_target::vmm_page_big_chunk, pool_target::pinned_host,
+                      pool_target::fixed_block_over_vmm_page, pool_target::fixed_block_over_caching),
+    [](const ::testing::TestParamInfo<pool_target>& info) { return std::string(target_name(info.param)); });
+
+TEST(fuzz_corpus_kv_cache, every_seed_keeps_the_model) {
+  fuzz_counts counts;
+  const auto n = seeds();
+  for (std::uint64_t seed = 0; seed < n; ++seed) {
+    const auto bytes = corpus_bytes(2'000'000 + seed, kv_bytes_per_seed);
+    const auto why = run_kv_cache_fuzz(bytes.data(), bytes.size(), false, ops_per_seed, counts);
+    ASSERT_EQ(why, "") << "seed " << seed;
+  }
+  report("kv_cache", counts);
+  EXPECT_EQ(counts.operations, n * ops_per_seed);
+  EXPECT_GT(counts.bad_inputs, n * 5);
+}
+
+TEST(fuzz_corpus_kv_cache, injected_faults_are_typed_and_leave_the_cache_valid) {
+  fuzz_counts counts;
+  const auto n = seeds();
+  for (std::uint64_t seed = 0; seed < n; ++seed) {
+    const auto bytes = corpus_bytes(3'000'000 + seed, kv_bytes_per_seed);
+    const auto why = run_kv_cache_fuzz(bytes.data(), bytes.size(), true, ops_per_seed, counts);
+    ASSERT_EQ(why, "") << "seed " << seed;
+  }
+  report("kv_cache with faults", counts);
+  EXPECT_GT(counts.faults_armed, n * 2);
+  EXPECT_GT(counts.typed_failures, 0u);
+}
+
+}  // namespace
