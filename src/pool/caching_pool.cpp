@@ -80,18 +80,41 @@ std::size_t caching_pool::release_cached() {
   arena(large_arena).flush();
   synchronize_streams_with_free_blocks();
   std::size_t released = 0;
+  for (auto seg = segments_.begin(); seg != segments_.end();) {
+    if (!seg->second.retiring) {
+      ++seg;
+      continue;
+    }
+    try {
+      upstream_.deallocate(reinterpret_cast<void*>(seg->first), seg->second.size);
+    } catch (const cuda_error&) {
+      ++seg;
+      continue;  // still failing: keep it retired
+    }
+    notify(pool_event_kind::segment_free, seg->first, seg->second.size);
+    sub_reserved(seg->second.size);
+    released += seg->second.size;
+    seg = segments_.erase(seg);
+  }
   for (std::uint32_t id : {small_arena, large_arena}) {
     for (detail::block* b : arena(id).free_blocks()) {
       if (b->prev != nullptr || b->next != nullptr) continue;
       auto seg = segments_.find(b->addr);
       if (seg == segments_.end() || seg->second.size != b->size) continue;
       const std::size_t size = b->size;
+      bool failed = false;
       try {
         upstream_.deallocate(reinterpret_cast<void*>(b->addr), size);
       } catch (const cuda_error&) {
-        continue;  // keep it; the pool stays consistent
+        // Upstream may have torn it down partway (vmm: unmapped, not yet released), so its
+        // memory must not be handed out again: retire it, still reserved, and retry later.
+        failed = true;
       }
       arena(id).carve(b, seg->first, size);
+      if (failed) {
+        seg->second.retiring = true;
+        continue;
+      }
       notify(pool_event_kind::segment_free, seg->first, size);
       segments_.erase(seg);
       sub_reserved(size);

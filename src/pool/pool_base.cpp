@@ -152,8 +152,14 @@ void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream
   stats_.deallocations += 1;
   if (options_.release_threshold != std::numeric_limits<std::size_t>::max() &&
       stats_.reserved_bytes - arenas_[0]->allocated_bytes() - arenas_[1]->allocated_bytes() >
-          options_.release_threshold)
-    release_cached();
+          options_.release_threshold) {
+    // The free is done; giving memory back is opportunistic. A driver failure here must not
+    // make the caller believe the pointer is still owned (a retry would be a double free).
+    try {
+      release_cached();
+    } catch (const cuda_error&) {
+    }
+  }
 }
 
 std::string pool_base::diagnose_locked(std::uintptr_t addr) const {

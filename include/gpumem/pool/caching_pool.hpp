@@ -4,7 +4,8 @@
 // best fit with splitting and merging; freed blocks stay cached for reuse.
 //
 // Invariants: reserved_bytes == sum of live segment sizes; a segment goes back upstream
-// only when one free block spans it entirely; blocks never merge across segments.
+// only when one free block spans it entirely; blocks never merge across segments; a
+// segment whose upstream free failed is never handed out again (it may be unmapped).
 #pragma once
 
 #include <cstddef>
@@ -37,6 +38,10 @@ class caching_pool final : public pool_base {
   struct segment {
     std::size_t size;
     std::uint32_t arena_id;
+    // Its upstream free failed partway (a vmm backend may have unmapped it already): out
+    // of the arenas, never handed out again, still reserved; the free is retried by the
+    // next release_cached() and by the destructor.
+    bool retiring = false;
   };
   bool add_segment(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
                    stream_handle stream, std::size_t alignment);
