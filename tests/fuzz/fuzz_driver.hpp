@@ -69,7 +69,7 @@ struct fuzz_counts {
   std::uint64_t typed_failures = 0;    // operations that failed with a typed error under faults
   std::uint64_t out_of_memory = 0;     // out_of_memory seen (genuine or injected)
   std::uint64_t bytes_checked = 0;     // bytes compared against their pattern
-  // out_of_memory although the device had 4x the request + 64 MiB free and no fault was
+  // out_of_memory although the device had 4x the request + 16 MiB free and no fault was
   // pending (a pool refusing memory the device has; see docs/RELIABILITY.md)
   std::uint64_t oom_with_device_memory_free = 0;
   std::uint64_t first_such_seed_step = 0;
@@ -412,7 +412,7 @@ class pool_driver {
   using live_map = std::map<std::uintptr_t, live_block>;
 
   // Allocates, fills, checks and frees 3 MiB. refused: out_of_memory although the device
-  // had 64 MiB free (then "" is returned); other failures are returned.
+  // had 16 MiB free (then "" is returned); other failures are returned.
   std::string round_trip(bool& refused) {
     constexpr std::size_t n = 3 * MiB + 5;
     void* p = nullptr;
@@ -420,7 +420,7 @@ class pool_driver {
       p = pool_.allocate(n, gpumem::default_alignment, {});
     } catch (const gpumem::out_of_memory& e) {
       auto info = sim_.mem_info(0);
-      if (info && info.value().free >= 64 * MiB) {
+      if (info && info.value().free >= 16 * MiB) {
         refused = true;
         return {};
       }
@@ -509,7 +509,7 @@ class pool_driver {
     } catch (const gpumem::out_of_memory&) {
       if (!faults_.pending(sim_)) {
         auto info = sim_.mem_info(0);
-        if (info && info.value().free > 4 * bytes + 64 * MiB) ++counts_.oom_with_device_memory_free;
+        if (info && info.value().free > 4 * bytes + 16 * MiB) ++counts_.oom_with_device_memory_free;
       }
       return judge(std::current_exception(), true);
     } catch (...) {
