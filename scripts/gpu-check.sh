@@ -45,3 +45,10 @@ $BUILD/tools/gpumem replay data/train_llama.csv.gz --device cuda --allocator vmm
   --snapshot "$OUT/train_peak.pickle" --snapshot-events 20000 >/dev/null 2>"$OUT/snapshot_replay.err" &&
   python3 scripts/check_snapshot_torch.py "$OUT/train_peak.pickle" 2>&1 | tee "$OUT/snapshot_check.txt" | tail -15
 rm -f "$OUT/train_peak.pickle"
+# The trace through PyTorch's own C++ caching allocator beside gpumem's pools (built when
+# libtorch is found).
+if [ -x $BUILD/bench/torch_replay_bench ]; then
+  for t in data/train_llama.csv.gz .gpurun/*.csv.gz; do
+    [ -f "$t" ] && $BUILD/bench/torch_replay_bench "$t" --passes 2 2>&1 | tee -a "$OUT/torch_replay.txt"
+  done
+fi

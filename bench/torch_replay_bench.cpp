@@ -1,0 +1,117 @@
+// torch_replay_bench: one recorded trace replayed in ONE process through PyTorch's own
+// caching allocator (c10::cuda::CUDACachingAllocator raw_alloc_with_stream / raw_delete,
+// what every torch tensor allocation goes through) and through gpumem's pools on the same
+// GPU: peak reserved, fragmentation (peak reserved / the trace's peak live requested bytes)
+// and host time per event, cold (first pass) and warm (last pass).
+//
+// Built only when libtorch is found (GPUMEM_TORCH_DIR, or python3's torch package).
+// Usage: torch_replay_bench TRACE [--passes N]
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gpumem/backend.hpp"
+#include "gpumem/platform.hpp"
+#include "gpumem/pool.hpp"
+#include "gpumem/replay/trace.hpp"
+
+namespace {
+
+struct row {
+  std::string allocator;
+  std::size_t peak_reserved = 0;
+  double cold = 0, warm = 0;
+  bool oom = false;
+};
+
+row replay_through_c10(const gpumem::trace& t, int passes) {
+  namespace alloc = c10::cuda::CUDACachingAllocator;
+  alloc::init(c10::cuda::device_count());  // what torch's lazy CUDA init does
+  std::vector<cudaStream_t> streams(t.streams.size(), nullptr);
+  streams[0] = c10::cuda::getDefaultCUDAStream(0).stream();
+  for (std::size_t i = 1; i < streams.size(); ++i)
+    streams[i] = c10::cuda::getStreamFromPool(false, 0).stream();
+  alloc::resetPeakStats(0);
+  row r{"pytorch c10 caching allocator"};
+  std::vector<void*> ptrs(t.allocs, nullptr);
+  for (int pass = 0; pass < passes && !r.oom; ++pass) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (const auto& e : t.events) {
+      if (e.op == gpumem::trace_event::kind::alloc) {
+        try {
+          ptrs[e.id] = alloc::raw_alloc_with_stream(e.size, streams[e.stream]);
+        } catch (const std::exception&) {
+          r.oom = true;
+          break;
+        }
+      } else if (ptrs[e.id] != nullptr) {
+        alloc::raw_delete(ptrs[e.id]);
+        ptrs[e.id] = nullptr;
+      }
+    }
+    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() /
+                      static_cast<double>(t.events.size());
+    (pass == 0 ? r.cold : r.warm) = ns;
+    if (pass == 0) r.warm = ns;
+    for (auto& p : ptrs)
+      if (p != nullptr) {
+        alloc::raw_delete(p);
+        p = nullptr;
+      }
+  }
+  // Index 0: StatType::AGGREGATE.
+  r.peak_reserved = static_cast<std::size_t>(alloc::getDeviceStats(0).reserved_bytes[0].peak);
+  alloc::emptyCache();
+  return r;
+}
+
+row replay_through_gpumem(const gpumem::trace& t, gpumem::memory_resource& pool, int passes) {
+  gpumem::replay_options o;
+  o.passes = passes;
+  const auto res = gpumem::replay_trace(t, pool, o);
+  return {"gpumem " + res.allocator, res.peak_reserved_bytes, res.ns_per_event_cold,
+          res.ns_per_event_warm, res.oom};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: torch_replay_bench TRACE [--passes N]\n");
+    return 2;
+  }
+  int passes = 2;
+  for (int i = 2; i + 1 < argc; ++i)
+    if (!std::strcmp(argv[i], "--passes")) passes = std::max(1, std::atoi(argv[i + 1]));
+  const gpumem::trace t = gpumem::load_trace(argv[1]);
+  std::printf("trace %s: %zu events, peak live %.2f GiB, %zu stream(s), %d passes, one process\n",
+              argv[1], t.events.size(), static_cast<double>(t.peak_live_bytes) / (1 << 30),
+              t.streams.size(), passes);
+  std::vector<row> rows;
+  rows.push_back(replay_through_c10(t, passes));
+  gpumem::platform& gpu = gpumem::platform_by_name("cuda");
+  {
+    gpumem::vmm_page_pool pool(gpu, 0);
+    rows.push_back(replay_through_gpumem(t, pool, passes));
+  }
+  {
+    gpumem::runtime_resource upstream(gpu, 0);
+    gpumem::caching_pool pool(upstream);
+    rows.push_back(replay_through_gpumem(t, pool, passes));
+  }
+  std::printf("%-32s %12s %9s %12s %12s\n", "allocator", "peak_res_GiB", "frag", "ns/ev cold",
+              "ns/ev warm");
+  for (const auto& r : rows)
+    std::printf("%-32s %12.2f %9.4f %12.0f %12.0f%s\n", r.allocator.c_str(),
+                static_cast<double>(r.peak_reserved) / (1 << 30),
+                static_cast<double>(r.peak_reserved) / static_cast<double>(t.peak_live_bytes),
+                r.cold, r.warm, r.oom ? "  (out of memory)" : "");
+  return 0;
+}
