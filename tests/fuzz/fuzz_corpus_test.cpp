@@ -24,18 +24,22 @@ constexpr std::size_t ops_per_seed = 500;
 constexpr std::size_t bytes_per_seed = ops_per_seed * 12;
 constexpr std::size_t kv_bytes_per_seed = ops_per_seed * 80;  // prompts take 2 bytes a token
 
-// Seeds per test: 25 (5 under TSan, where this single-threaded replay gains little and
-// costs ~5x; CI's time is bounded), or GPUMEM_FUZZ_SEEDS.
+// Seeds per test: 20; 10 under ASan and 5 under TSan (this single-threaded replay costs
+// ~2-3x and ~5x there, and CI's time is bounded); GPUMEM_FUZZ_SEEDS overrides.
 std::uint64_t seeds() {
   if (const char* s = std::getenv("GPUMEM_FUZZ_SEEDS")) return std::strtoull(s, nullptr, 10);
 #if defined(__SANITIZE_THREAD__)
   return 5;
+#elif defined(__SANITIZE_ADDRESS__)
+  return 10;
 #elif defined(__has_feature)
 #if __has_feature(thread_sanitizer)
   return 5;
+#elif __has_feature(address_sanitizer)
+  return 10;
 #endif
 #endif
-  return 25;
+  return 20;
 }
 
 void report(const char* what, const fuzz_counts& c) {

@@ -138,7 +138,9 @@ void expect_clean(const stress_result& r, const resource_stats& st, const std::s
   EXPECT_EQ(r.failures, 0u) << "an operation failed with something other than out_of_memory";
   EXPECT_EQ(r.allocations, r.frees);
   EXPECT_GT(r.allocations, static_cast<std::uint64_t>(threads * ops_per_thread / 3));
-  if (oom_is_rare) EXPECT_LT(r.out_of_memory * 100, r.allocations) << "out of memory should be rare here";
+  if (oom_is_rare) {
+    EXPECT_LT(r.out_of_memory * 100, r.allocations) << "out of memory should be rare here";
+  }
   EXPECT_GT(r.stream_releases, 0u);
   EXPECT_GT(r.trims, 0u);
   EXPECT_EQ(st.live_bytes, 0u);
