@@ -91,7 +91,7 @@ void kv_cache::evict_one() {
   prefix_.erase(m.hash);
   m.hashed = false;
   m.filled = 0;
-  storage_.free(b);
+  return_to_storage(b);
   ++counters_.evictions;
   ++counters_.block_releases;
 }
@@ -121,8 +121,20 @@ void kv_cache::release_block(block_id b) {
     return;
   }
   m.filled = 0;
-  storage_.free(b);
+  return_to_storage(b);
   ++counters_.block_releases;
+}
+
+void kv_cache::return_to_storage(block_id b) {
+  if (config_.scrub) {
+    if (!pages_.device_platform().memset_async(storage_.address(b), 0, storage_.block_bytes(),
+                                               config_.stream)) {
+      dirty_.push_back(b);
+      return;
+    }
+    ++counters_.blocks_scrubbed;
+  }
+  storage_.free(b);
 }
 
 void kv_cache::register_full(block_id b, std::uint64_t parent, std::uint64_t salt,
@@ -184,8 +196,23 @@ void kv_cache::throw_out_of_blocks(std::size_t wanted, const char* what) const {
 // grow by the blocks free and cached ones cannot cover (growing before evicting keeps the
 // prefix cache warm while the budget allows), and refuse when even eviction cannot cover
 // the rest. protected_cached: cached blocks the operation itself is about to reuse.
+void kv_cache::scrub_dirty() {
+  while (!dirty_.empty()) {  // blocks whose scrub failed earlier: zero them first
+    const block_id b = dirty_.back();
+    if (auto st = pages_.device_platform().memset_async(storage_.address(b), 0,
+                                                        storage_.block_bytes(), config_.stream);
+        !st)
+      throw cuda_error(std::string(platform_op_name(st.call)), st.code, st.name, st.message,
+                       "kv_cache: scrub a released block");
+    dirty_.pop_back();
+    ++counters_.blocks_scrubbed;
+    storage_.free(b);
+  }
+}
+
 void kv_cache::ensure_available(std::size_t need, std::size_t protected_cached,
                                 const char* what) {
+  scrub_dirty();
   if (storage_.free_blocks() < need) {
     const std::size_t grow = std::min(need - storage_.free_blocks(), storage_.growable_blocks());
     if (grow > 0) (void)storage_.grow_to(storage_.capacity_blocks() + grow);
@@ -470,6 +497,7 @@ std::size_t kv_cache::shrink(std::size_t keep_free, bool drop_cached) {
   std::lock_guard lock(mutex_);
   if (drop_cached)
     while (cached_ > 0) evict_one();
+  scrub_dirty();
   return storage_.shrink(keep_free);
 }
 
@@ -478,7 +506,7 @@ kv_cache_stats kv_cache::stats() const {
   kv_cache_stats st = counters_;
   st.capacity_blocks = storage_.capacity_blocks();
   st.cached_blocks = cached_;
-  st.used_blocks = storage_.used_blocks() - cached_;
+  st.used_blocks = storage_.used_blocks() - cached_ - dirty_.size();
   st.free_blocks = storage_.free_blocks();
   st.filled_slots = filled_in_use_;
   st.sequences = sequences_.size();
@@ -513,6 +541,10 @@ std::string kv_cache::validate() const {
     const block_meta& m = meta_[b];
     if (!storage_.is_used(b)) {
       if (refs[b] != 0) return "a free block is referenced";
+      continue;
+    }
+    if (std::find(dirty_.begin(), dirty_.end(), b) != dirty_.end()) {
+      if (refs[b] != 0 || m.hashed) return "a block waiting to be scrubbed is still held";
       continue;
     }
     if (m.refs != refs[b]) return "block " + std::to_string(b) + "'s reference count disagrees";

@@ -341,6 +341,38 @@ TEST_F(KvCache, SwapLeavesSharedBlocksResident) {
   kv.free(b.id);
 }
 
+// Scrub: a block is zeroed before anyone else can hold it — read through the next owner's
+// block table. A failing memset keeps the block out of the free set until a retry succeeds.
+TEST_F(KvCache, ScrubZeroesBlocksBeforeTheNextOwner) {
+  vmm_page_pool pool(sim);
+  auto c = config(/*max_blocks=*/2);
+  c.scrub = true;
+  c.prefix_caching = false;
+  kv_cache kv(pool, c);
+  auto a = kv.add_sequence(tokens(32));
+  const auto ta = kv.block_table(a.id);
+  fill(kv.block_address(ta[0]), 16 * KiB, 0xa5);
+  fill(kv.block_address(ta[1]), 16 * KiB, 0x5a);
+  kv.free(a.id);
+  EXPECT_EQ(kv.stats().blocks_scrubbed, 2u);
+  auto b = kv.add_sequence(tokens(32, 900));
+  for (auto blk : kv.block_table(b.id)) EXPECT_TRUE(holds(kv.block_address(blk), 16 * KiB, 0));
+  // The memset fails once: the block waits, and is zeroed before the next operation.
+  fill(kv.block_address(kv.block_table(b.id)[1]), 16 * KiB, 0x77);
+  gpumem::sim_fault f;
+  f.nth = 1;
+  f.kind = gpumem::failure_kind::driver_error;
+  sim.inject_fault(platform_op::memset_async, f);
+  kv.free(b.id);
+  sim.clear_faults();
+  EXPECT_EQ(kv.stats().free_blocks, 1u);  // one zeroed, one waiting
+  EXPECT_EQ(kv.validate(), "");
+  auto d = kv.add_sequence(tokens(32, 5));
+  for (auto blk : kv.block_table(d.id)) EXPECT_TRUE(holds(kv.block_address(blk), 16 * KiB, 0));
+  EXPECT_EQ(kv.validate(), "");
+  kv.free(d.id);
+}
+
 TEST_F(KvCache, RefusalsAreTypedAndLeaveTheCacheIntact) {
   vmm_page_pool pool(sim);
   auto c = config(/*max_blocks=*/3);

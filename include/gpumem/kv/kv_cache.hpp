@@ -31,6 +31,7 @@
 //    sequence's table names its resident blocks; the others are not_resident, and its host
 //    copy holds exactly those); an unreferenced used block is cached (hashed, in the LRU);
 //  - every prefix-map entry names a used, hashed block, and every hashed block has one;
+//  - with scrub, a block reaches the free set only after a memset to zero on the stream;
 //  - a sequence of n tokens has ceil(n / block_tokens) blocks.
 // Thread-safe: one mutex around each call.
 #pragma once
@@ -59,7 +60,10 @@ struct kv_cache_config {
   std::size_t max_sequence_tokens = 0;  // 0: no cap
   std::size_t grow_pages = 0;           // pages mapped per growth at least (0: one block's)
   bool prefix_caching = true;
-  stream_handle stream{};               // copies run here
+  // Zero every block on the device (memset on `stream`) when it leaves its last owner, so
+  // no sequence or tenant ever reads another's keys and values.
+  bool scrub = false;
+  stream_handle stream{};               // copies and scrubbing run here
 };
 
 struct kv_cache_stats {
@@ -77,6 +81,7 @@ struct kv_cache_stats {
   std::uint64_t prefix_hits = 0;     // of them, found cached
   std::uint64_t evictions = 0;
   std::uint64_t cow_copies = 0;
+  std::uint64_t blocks_scrubbed = 0;
   std::uint64_t swaps_out = 0, swaps_in = 0;
   std::uint64_t bytes_swapped_out = 0, bytes_swapped_in = 0;
   // Slots allocated to sequences but holding no token, as a fraction of allocated slots.
@@ -167,6 +172,11 @@ class kv_cache {
   void lru_push(block_id b);
   void lru_remove(block_id b);
   void evict_one();
+  // Gives a block nobody holds back to storage, zeroed first when scrubbing (a block whose
+  // memset failed waits in dirty_ and is retried before the next operation).
+  void return_to_storage(block_id b);
+  // Zeroes the blocks in dirty_ and frees them; throws gpumem::cuda_error (keeping the rest).
+  void scrub_dirty();
   // Registers a block that just filled, under its chain hash, unless an equal one is there.
   void register_full(block_id b, std::uint64_t parent, std::uint64_t salt,
                      std::span<const token_id> tokens, std::uint64_t& hash_out);
@@ -189,6 +199,7 @@ class kv_cache {
   std::unordered_map<std::uint64_t, block_id> prefix_;
   block_id lru_head_ = no_block, lru_tail_ = no_block;  // head: least recently used
   std::size_t cached_ = 0;
+  std::vector<block_id> dirty_;  // released, not yet zeroed (scrub only)
   std::size_t filled_in_use_ = 0;
   std::unordered_map<sequence_id, sequence> sequences_;
   sequence_id next_id_ = 1;
