@@ -142,6 +142,13 @@ void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream
                              std::to_string(bytes));
     throw invalid_argument("deallocate: " + diagnose_locked(addr));
   }
+  if (options_.scrub) {
+    // Zeroed in stream order before the block is free: a later owner on this stream runs
+    // after the memset, one on another stream only after an event recorded later still.
+    // A failure leaves the allocation live (the caller may retry the free).
+    if (auto st = device_platform().memset_async(ptr, 0, b->size, stream); !st)
+      throw_cuda_error(st, "pool: scrub a freed block");
+  }
   recent_frees_[recent_next_] = addr;
   recent_next_ = (recent_next_ + 1) % recent_frees_.size();
   auto& s = streams_[stream.value];

@@ -12,6 +12,8 @@
 //   va_reserve:BYTES         vmm_page_pool's virtual range (default 2x device memory)
 //   big_chunk:N              vmm_page_pool: growths of >= 2N pages use N-page handles (0:
 //                            one page per handle, the least waste; see vmm_page_pool.hpp)
+//   scrub:on|off             zero every block (memset on the freeing stream) at free, before
+//                            any other owner can get it (default off)
 //
 // Unknown keys and malformed values throw gpumem::invalid_argument naming them.
 #pragma once
@@ -34,6 +36,7 @@ struct pool_options {
   cross_stream_policy cross_stream = cross_stream_policy::event;
   std::size_t va_reserve_bytes = 0;
   std::size_t big_chunk_pages = 0;
+  bool scrub = false;
 
   static pool_options parse(std::string_view config);
   // GPUMEM_CONF, or defaults when unset.
