@@ -145,4 +145,45 @@ TEST(gpu_kv, pages_move_between_cache_and_pool_and_data_survives) {
   ASSERT_TRUE(p.stream_destroy(s.value()).ok());
 }
 
+// scrub:on on the real device: a freed block reaches its next owner zeroed (pools), and a
+// released KV block too.
+TEST(gpu_scrub, pools_and_kv_blocks_are_zeroed_before_reuse) {
+  REQUIRE_GPU();
+  platform& p = *cuda();
+  auto s = p.stream_create(0);
+  ASSERT_TRUE(s.ok());
+  {
+    vmm_page_pool pool(p, 0, pool_options::parse("scrub:on"));
+    constexpr std::size_t n = 3 << 20;
+    std::vector<unsigned char> dirty(n, 0xc3), back(n, 1);
+    void* a = pool.allocate(n, 256, s.value());
+    ASSERT_TRUE(p.memcpy_async(a, dirty.data(), n, s.value()).ok());
+    pool.deallocate(a, n, s.value());
+    void* b = pool.allocate(n, 256, s.value());
+    EXPECT_EQ(b, a);
+    ASSERT_TRUE(p.memcpy_async(back.data(), b, n, s.value()).ok());
+    ASSERT_TRUE(p.stream_synchronize(s.value()).ok());
+    EXPECT_EQ(back, std::vector<unsigned char>(n, 0));
+    pool.deallocate(b, n, s.value());
+
+    auto c = small_config(s.value());
+    c.scrub = true;
+    c.prefix_caching = false;
+    kv_cache kv(pool, c);
+    const auto x = kv.add_sequence(std::vector<token_id>(16, 1)).id;
+    const auto blk = kv.block_table(x)[0];
+    const std::size_t bs = kv.layout().block_stride();
+    std::vector<unsigned char> pattern(bs, 0x5a), out(bs, 1);
+    ASSERT_TRUE(p.memcpy_async(kv.block_address(blk), pattern.data(), bs, s.value()).ok());
+    kv.free(x);
+    const auto y = kv.add_sequence(std::vector<token_id>(16, 2)).id;
+    EXPECT_EQ(kv.block_table(y)[0], blk);
+    ASSERT_TRUE(p.memcpy_async(out.data(), kv.block_address(blk), bs, s.value()).ok());
+    ASSERT_TRUE(p.stream_synchronize(s.value()).ok());
+    EXPECT_EQ(out, std::vector<unsigned char>(bs, 0));
+    kv.free(y);
+  }
+  ASSERT_TRUE(p.stream_destroy(s.value()).ok());
+}
+
 }  // namespace
