@@ -407,7 +407,10 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
     for (detail::block* b : arena.free_blocks()) {
       if (b->next != nullptr || b->size >= size || b->size >= page_) continue;
       if (b->prev == nullptr || b->prev->st != detail::block::state::allocated) continue;
-      if (b->stream != stream.value && !free_known_complete(*b)) continue;
+      // The tail must be this stream's: the arena hands a block only to its own stream
+      // (another stream's, even if known complete, would leave the grown run unusable:
+      // allocation fails, cached memory is released and the request is refused anyway).
+      if (b->stream != stream.value) continue;
       const std::size_t end_page = (b->addr + b->size - va_base_) / page_;
       const std::size_t need = (size - b->size + page_ - 1) / page_;
       if (need >= pages) continue;  // saves nothing

@@ -67,6 +67,7 @@ TEST_P(fuzz_corpus, every_seed_keeps_the_model) {
     ASSERT_EQ(why, "") << "seed " << seed;
   }
   report(target_name(GetParam()), counts);
+  EXPECT_EQ(counts.oom_with_device_memory_free, 0u) << "memory the device had was refused";
   EXPECT_EQ(counts.operations, n * ops_per_seed) << "every seed ran its operations";
   EXPECT_GT(counts.allocations, n * 50);
   EXPECT_GT(counts.bad_inputs, n * 10);

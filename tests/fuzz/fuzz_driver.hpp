@@ -381,8 +381,8 @@ class pool_driver {
     sim_.hold_events(false);
     if (auto why = check_model(true); !why.empty()) return "before teardown: " + why;
     // Usable after everything: one round trip. When the pool refuses it with the device's
-    // memory free (the vmm_page_pool finding: counted, reported, not hidden), it must at
-    // least work once everything is freed.
+    // memory free (counted as oom_with_device_memory_free, which the corpus test requires
+    // to be 0), it must at least work once everything is freed.
     bool refused = false;
     if (auto why = round_trip(refused); !why.empty()) return why;
     if (refused) ++counts_.oom_with_device_memory_free;

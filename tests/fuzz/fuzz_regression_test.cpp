@@ -74,14 +74,34 @@ TEST(fuzz_regression, a_free_whose_opportunistic_release_fails_still_succeeds) {
 
 namespace {
 
-// OPEN (disabled so CI stays green; enable once fixed): vmm_page_pool throws
-// out_of_memory for requests of a few MiB while the device has most of its memory free
-// and the pool has no limit (e.g. "device: 1.00 GiB total, 1008.00 MiB free ... reserved
-// 16 MiB, 8 pages mapped, 0 kept unmapped" in pool_stress.vmm_page_pool's first refusal).
-// The fuzz corpus (no faults) hits it deterministically on these seeds; a trim() makes
-// the same request succeed. caching_pool and pinned_host_pool never do this on the same
-// inputs. Found by the reference-model fuzzer; reported in docs/RELIABILITY.md.
-TEST(fuzz_regression, DISABLED_vmm_page_pool_never_refuses_while_the_device_has_memory_free) {
+// vmm_page_pool packed a request onto the free tail after a live block even when that tail
+// belonged to another stream; the arena then would not hand the merged block to the
+// requesting stream, so the allocation failed, the pool released all its cached memory,
+// failed again and threw out_of_memory with the device almost empty. Found by the fuzz
+// corpus (every vmm_page_pool refusal there was of this kind) and pool_stress.
+TEST(fuzz_regression, vmm_page_pool_does_not_pack_onto_another_streams_tail) {
+  gpumem::sim_platform sim(gpumem::sim_options{.capacity = 256 * MiB, .granularity = 2 * MiB});
+  auto s1 = sim.stream_create(0).value();
+  auto s2 = sim.stream_create(0).value();
+  {
+    gpumem::vmm_page_pool pool(sim);
+    void* a = pool.allocate(3 * MiB, 256, s1);  // 2 pages: a 1 MiB free tail, tagged s1
+    void* b = nullptr;
+    EXPECT_NO_THROW(b = pool.allocate(2 * MiB + MiB / 2, 256, s2)) << "the device is almost empty";
+    EXPECT_EQ(pool.stats().oom_count, 0u);
+    EXPECT_EQ(pool.stats().alloc_retries, 0u) << "no release of cached memory was needed";
+    if (b != nullptr) pool.deallocate(b, 2 * MiB + MiB / 2, s2);
+    pool.deallocate(a, 3 * MiB, s1);
+    pool.release_stream(s1);
+    pool.release_stream(s2);
+  }
+  EXPECT_TRUE(sim.stream_destroy(s1).ok());
+  EXPECT_TRUE(sim.stream_destroy(s2).ok());
+  EXPECT_TRUE(sim.live_objects().none()) << sim.live_objects().describe();
+}
+
+// The fuzz corpus' view of the same: no vmm_page_pool refusal while the device has memory.
+TEST(fuzz_regression, vmm_page_pool_never_refuses_while_the_device_has_memory_free) {
   gpumem_fuzz::fuzz_counts counts;
   for (std::uint64_t seed = 0; seed < 10; ++seed) {
     const auto bytes = gpumem_fuzz::corpus_bytes(seed, 6000);
