@@ -40,6 +40,7 @@ done
 $BUILD/bench/kv_bench --device cuda 2>&1 | tee "$OUT/kv_bench.txt"
 $BUILD/tools/gpumem serve-sim --device cuda 2>&1 | tee "$OUT/serve_sim.txt"
 $BUILD/examples/paged_kv_cache --device cuda 2>&1 | tee "$OUT/kv_example.txt"
+$BUILD/examples/guard_pages --device cuda 2>&1 | tee "$OUT/guard_pages.txt"
 # A snapshot at peak, opened by PyTorch's own memory viewer tools.
 $BUILD/tools/gpumem replay data/train_llama.csv.gz --device cuda --allocator vmm_page_pool \
   --snapshot "$OUT/train_peak.pickle" --snapshot-events 20000 >/dev/null 2>"$OUT/snapshot_replay.err" &&

@@ -17,6 +17,8 @@ constexpr std::size_t large_rounding = std::size_t{2} << 20;
 caching_pool::caching_pool(memory_resource& upstream, pool_options options)
     : pool_base(upstream.device_platform(), upstream.device(), options, upstream.max_alignment()),
       upstream_(upstream) {
+  if (options.guard)
+    throw invalid_argument("caching_pool: guard mode is an option of the vmm_page_pool only");
   std::size_t reserve = options.reserve_bytes;
   if (options.reserve_fraction > 0)
     reserve = static_cast<std::size_t>(options.reserve_fraction *

@@ -28,6 +28,20 @@ pool_base::~pool_base() {
 
 void* pool_base::do_allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) {
   std::lock_guard lock(mutex_);
+  if (options_.guard) {
+    void* g = allocate_guarded(bytes, alignment, stream);
+    if (g == nullptr) {
+      stats_.oom_count += 1;
+      throw out_of_memory(report_locked(bytes));
+    }
+    guarded_live_bytes_ += bytes;
+    stats_.live_bytes += bytes;
+    stats_.live_allocations += 1;
+    stats_.allocations += 1;
+    if (stats_.live_bytes > stats_.peak_live_bytes) stats_.peak_live_bytes = stats_.live_bytes;
+    notify(pool_event_kind::alloc, reinterpret_cast<std::uintptr_t>(g), bytes, stream.value);
+    return g;
+  }
   const std::uint32_t id = bytes <= options_.small_threshold ? small_arena : large_arena;
   detail::block_arena& a = *arenas_[id];
   const std::size_t size = a.round(bytes);
@@ -127,6 +141,16 @@ bool pool_base::free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch,
 void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream) {
   std::lock_guard lock(mutex_);
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  if (options_.guard && free_guarded(addr, bytes, stream)) {
+    recent_frees_[recent_next_] = addr;
+    recent_next_ = (recent_next_ + 1) % recent_frees_.size();
+    notify(pool_event_kind::free, addr, bytes, stream.value);
+    guarded_live_bytes_ -= bytes;
+    stats_.live_bytes -= bytes;
+    stats_.live_allocations -= 1;
+    stats_.deallocations += 1;
+    return;
+  }
   // The arena its size points to, else the other (small blocks may live in the large one).
   std::uint32_t id = bytes <= options_.small_threshold ? small_arena : large_arena;
   detail::block* b = arenas_[id]->find_live(addr);
@@ -402,7 +426,8 @@ std::string pool_base::validate() const {
                            arenas_[0]->free_bytes() + arenas_[1]->allocated_bytes() +
                            arenas_[1]->cached_bytes() + arenas_[1]->free_bytes();
   if (held > stats_.reserved_bytes) return "arenas hold more than is reserved";
-  if (arenas_[0]->requested_bytes() + arenas_[1]->requested_bytes() != stats_.live_bytes)
+  if (arenas_[0]->requested_bytes() + arenas_[1]->requested_bytes() + guarded_live_bytes_ !=
+      stats_.live_bytes)
     return "live bytes do not match the live blocks";
   std::size_t in_segments = 0;
   for (const memory_segment& seg : segments_locked()) {

@@ -98,17 +98,18 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
       if (n != static_cast<double>(static_cast<std::size_t>(n)) || n > 4096)
         throw invalid_argument("config: big_chunk must be a whole number of pages up to 4096");
       o.big_chunk_pages = static_cast<std::size_t>(n);
-    } else if (key == "scrub") {
+    } else if (key == "scrub" || key == "guard") {
+      bool on = false;
       if (value == "on" || value == "true" || value == "1")
-        o.scrub = true;
-      else if (value == "off" || value == "false" || value == "0")
-        o.scrub = false;
-      else
-        throw invalid_argument("config: scrub must be on or off, not '" + std::string(value) + "'");
+        on = true;
+      else if (!(value == "off" || value == "false" || value == "0"))
+        throw invalid_argument("config: " + std::string(key) + " must be on or off, not '" +
+                               std::string(value) + "'");
+      (key == "scrub" ? o.scrub : o.guard) = on;
     } else {
       throw invalid_argument("config: unknown key '" + std::string(key) +
                              "' (known: reserve, reserve_fraction, limit, release_threshold, "
-                             "small_threshold, cross_stream, va_reserve, big_chunk, scrub)");
+                             "small_threshold, cross_stream, va_reserve, big_chunk, scrub, guard)");
     }
   }
 }
@@ -129,7 +130,7 @@ std::string pool_options::to_string() const {
   out << ",small_threshold:" << small_threshold
       << ",cross_stream:" << (cross_stream == cross_stream_policy::wait ? "wait" : "event")
       << ",va_reserve:" << va_reserve_bytes << ",big_chunk:" << big_chunk_pages
-      << ",scrub:" << (scrub ? "on" : "off");
+      << ",scrub:" << (scrub ? "on" : "off") << ",guard:" << (guard ? "on" : "off");
   return out.str();
 }
 

@@ -186,4 +186,28 @@ TEST(gpu_scrub, pools_and_kv_blocks_are_zeroed_before_reuse) {
   ASSERT_TRUE(p.stream_destroy(s.value()).ok());
 }
 
+// guard:on on the real device: allocations end at a page boundary, bytes round-trip,
+// pages are reused after free. (The overrun itself is shown by examples/guard_pages, in a
+// process of its own: a fault can leave the context unusable.)
+TEST(gpu_guard, allocations_end_at_the_guard_page_and_round_trip) {
+  REQUIRE_GPU();
+  platform& p = *cuda();
+  vmm_page_pool pool(p, 0, pool_options::parse("guard:on"));
+  constexpr std::size_t n = 3 << 20;
+  void* a = pool.allocate(n);
+  EXPECT_EQ((reinterpret_cast<std::uintptr_t>(a) + n) % pool.page_size(), 0u);
+  std::vector<unsigned char> in(n), out(n, 0);
+  for (std::size_t i = 0; i < n; ++i) in[i] = static_cast<unsigned char>(i * 13);
+  ASSERT_TRUE(p.memcpy_async(a, in.data(), n, {}).ok());
+  ASSERT_TRUE(p.memcpy_async(out.data(), a, n, {}).ok());
+  ASSERT_TRUE(p.stream_synchronize({}).ok());
+  EXPECT_EQ(in, out);
+  const auto created = pool.page_counts().pages_created;
+  pool.deallocate(a, n);
+  void* b = pool.allocate(n);
+  EXPECT_EQ(pool.page_counts().pages_created, created);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.deallocate(b, n);
+}
+
 }  // namespace

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "gpumem/backend/memory_resource.hpp"
+#include "gpumem/errors.hpp"
 #include "gpumem/pool/pool_observer.hpp"
 #include "gpumem/pool/pool_options.hpp"
 
@@ -127,6 +128,18 @@ class pool_base : public memory_resource {
   // Subclass-specific lines for the report (segments, pages...). REQUIRES: mutex_ held.
   virtual std::string describe_holdings() const = 0;
   virtual std::string validate_holdings() const { return {}; }
+  // Guard mode (pool_options::guard; vmm_page_pool only): an allocation of its own pages
+  // with an unmapped page after it. nullptr: out of memory. REQUIRES: mutex_ held.
+  virtual void* allocate_guarded(std::size_t bytes, std::size_t alignment, stream_handle stream) {
+    (void)bytes, (void)alignment, (void)stream;
+    throw invalid_argument("guard mode is an option of the vmm_page_pool only");
+  }
+  // Frees a guarded allocation; false when addr is not one (the caller then diagnoses).
+  // Throws gpumem::invalid_argument for a size mismatch. REQUIRES: mutex_ held.
+  virtual bool free_guarded(std::uintptr_t addr, std::size_t bytes, stream_handle stream) {
+    (void)addr, (void)bytes, (void)stream;
+    return false;
+  }
 
   // REQUIRES: mutex_ held. Subclasses update it as they take and return memory.
   void add_reserved(std::size_t bytes);
@@ -187,6 +200,7 @@ class pool_base : public memory_resource {
   static std::string hex_address(std::uintptr_t addr);
 
   std::unique_ptr<detail::block_arena> arenas_[2];
+  std::size_t guarded_live_bytes_ = 0;  // requested bytes of live guarded allocations
   std::unordered_map<std::uintptr_t, stream_state> streams_;
   std::size_t alignment_limit_;
   resource_stats stats_{};

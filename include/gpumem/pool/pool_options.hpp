@@ -14,6 +14,9 @@
 //                            one page per handle, the least waste; see vmm_page_pool.hpp)
 //   scrub:on|off             zero every block (memset on the freeing stream) at free, before
 //                            any other owner can get it (default off)
+//   guard:on|off             vmm_page_pool debug mode: every allocation gets pages of its own
+//                            ending at an unmapped guard page, so an overrun faults at once
+//                            (default off; frees wait for their stream)
 //
 // Unknown keys and malformed values throw gpumem::invalid_argument naming them.
 #pragma once
@@ -37,6 +40,7 @@ struct pool_options {
   std::size_t va_reserve_bytes = 0;
   std::size_t big_chunk_pages = 0;
   bool scrub = false;
+  bool guard = false;
 
   static pool_options parse(std::string_view config);
   // GPUMEM_CONF, or defaults when unset.

@@ -19,6 +19,11 @@
 //    the old range unmapped and its address space reused. Until then those chunks may be
 //    mapped for that stream only. So a program whose CPU runs ahead of the GPU (PyTorch)
 //    reuses pages instead of growing.
+//  - Guard mode (pool_options::guard, for debugging): each allocation gets one-page chunks
+//    of its own in a fresh virtual run, placed so it ends at the run's end (rounded down to
+//    its alignment), and the page after the run stays unmapped: an overrun past the last
+//    page faults at once (sim: SIGSEGV; GPU: an illegal address). Frees synchronize their
+//    stream, unmap and keep the chunks for reuse. The arenas are not used.
 //  - Packing: when a live block's last page has a free tail at the end of its run and the
 //    address space after it is unmapped, a growth maps only the pages the request lacks
 //    right after that tail, so consecutive large blocks share a page.
@@ -85,6 +90,8 @@ class vmm_page_pool final : public pool_base {
   std::size_t release_cached() override;
   std::string describe_holdings() const override;
   std::string validate_holdings() const override;
+  void* allocate_guarded(std::size_t bytes, std::size_t alignment, stream_handle stream) override;
+  bool free_guarded(std::uintptr_t addr, std::size_t bytes, stream_handle stream) override;
 
  private:
   static constexpr std::uint32_t no_chunk = 0xffffffffu;
@@ -151,6 +158,11 @@ class vmm_page_pool final : public pool_base {
   std::vector<std::uint32_t> spare_;       // unmapped live chunks
   std::vector<chunk> chunks_;
   std::vector<retiring_run> retiring_;
+  struct guarded_allocation {
+    std::size_t first_page = 0, pages = 0;  // mapped; first_page + pages is the guard page
+    std::size_t bytes = 0;
+  };
+  std::unordered_map<std::uintptr_t, guarded_allocation> guarded_;
   std::map<std::size_t, std::size_t> va_free_;  // unmapped VA: first page -> page count
   vmm_page_counts counts_{};
   std::unordered_map<std::uint64_t, std::uint32_t> lent_;  // lent handle -> chunk
