@@ -113,3 +113,34 @@ TEST(fuzz_regression, vmm_page_pool_never_refuses_while_the_device_has_memory_fr
 }
 
 }  // namespace
+
+namespace {
+
+// OPEN (finding 4 in docs/RELIABILITY.md; disabled so CI stays green, enable once fixed):
+// a failure inside an undo. vmm_page_pool's growth maps its chunks, the second cuMemMap
+// fails, and the undo's cuMemUnmap of the first fails too; the undo ignores that and
+// returns the still-mapped virtual run to its free list, so a later growth maps over it
+// ("address range already mapped", a cuda_error no fault explains). Expected: the pool
+// keeps that run out of use (or retries the unmap) and serves the next request.
+TEST(fuzz_regression, DISABLED_vmm_page_pool_survives_an_unmap_failing_inside_a_growth_undo) {
+  gpumem::sim_platform sim(gpumem::sim_options{.capacity = 256 * MiB, .granularity = 2 * MiB});
+  {
+    gpumem::vmm_page_pool pool(sim);
+    sim.inject_fault(gpumem::platform_op::map,
+                     gpumem::sim_fault{.nth = 2, .kind = gpumem::failure_kind::driver_error});
+    sim.inject_fault(gpumem::platform_op::unmap,
+                     gpumem::sim_fault{.nth = 1, .kind = gpumem::failure_kind::driver_error});
+    EXPECT_THROW((void)pool.allocate(4 * MiB), gpumem::cuda_error);
+    sim.clear_faults();
+    EXPECT_EQ(pool.validate(), "");
+    void* p = nullptr;
+    EXPECT_NO_THROW(p = pool.allocate(4 * MiB)) << "the pool must stay usable";
+    if (p != nullptr) {
+      std::memset(p, 0x3c, 4 * MiB);
+      pool.deallocate(p, 4 * MiB);
+    }
+  }
+  EXPECT_TRUE(sim.live_objects().none()) << sim.live_objects().describe();
+}
+
+}  // namespace
