@@ -54,9 +54,12 @@ int main(int argc, char** argv) {
                 inside.ok() && sync1.ok() ? "ok" : (inside.describe() + sync1.describe()).c_str());
     status st = gpu.memset_async(a, 0xAB, mib + over, {});
     status sync2 = gpu.stream_synchronize({});
-    std::printf("guard pool: overrun of %zu bytes: enqueue %s; completion %s\n", over,
-                st.ok() ? "accepted" : st.describe().c_str(),
-                sync2.ok() ? "ok (NOT caught)" : sync2.describe().c_str());
+    if (!st.ok())
+      std::printf("guard pool: overrun of %zu bytes refused when enqueued: %s\n", over,
+                  st.describe().c_str());
+    else
+      std::printf("guard pool: overrun of %zu bytes enqueued; completion: %s\n", over,
+                  sync2.ok() ? "ok (NOT caught)" : sync2.describe().c_str());
     const bool caught = !st.ok() || !sync2.ok();
     std::printf("%s\n", caught ? "the overrun was caught at once" : "the overrun was NOT caught");
     if (!caught) pool.deallocate(a, mib);
