@@ -103,7 +103,7 @@ TEST(fuzz_regression, vmm_page_pool_does_not_pack_onto_another_streams_tail) {
 // The fuzz corpus' view of the same: no vmm_page_pool refusal while the device has memory.
 TEST(fuzz_regression, vmm_page_pool_never_refuses_while_the_device_has_memory_free) {
   gpumem_fuzz::fuzz_counts counts;
-  for (std::uint64_t seed = 0; seed < 10; ++seed) {
+  for (std::uint64_t seed = 0; seed < 5; ++seed) {  // before the fix: 69 refusals in seeds 0..19
     const auto bytes = gpumem_fuzz::corpus_bytes(seed, 6000);
     ASSERT_EQ(gpumem_fuzz::run_pool_fuzz(gpumem_fuzz::pool_target::vmm_page, bytes.data(),
                                          bytes.size(), false, 500, counts),
