@@ -501,13 +501,21 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
   }
   if (failed.ok()) failed = device_platform().set_access(device(), page_address(first), covered * page_);
   if (!failed.ok()) {
+    // Undo. A chunk whose unmap fails too stays mapped where it is, its address space not
+    // reused: stranded until the pool's end (which unmaps it), never handed out.
     at = first;
-    for (std::size_t i = 0; i < mapped; ++i) {
-      (void)device_platform().unmap(page_address(at), chunks_[chosen[i]].pages * page_);
-      at += chunks_[chosen[i]].pages;
+    for (std::size_t i = 0; i < chosen.size(); ++i) {
+      chunk& k = chunks_[chosen[i]];
+      if (i < mapped && !device_platform().unmap(page_address(at), k.pages * page_)) {
+        k.mapped_at = at;
+        for (std::size_t q = 0; q < k.pages; ++q) page_table_[at + q] = chosen[i];
+        counts_.pages_stranded += k.pages;
+      } else {
+        va_insert(at, k.pages);
+        spare_.push_back(chosen[i]);
+      }
+      at += k.pages;
     }
-    spare_.insert(spare_.end(), chosen.begin(), chosen.end());
-    va_insert(first, covered);
     release_new_chunks();
     if (failed.kind == failure_kind::out_of_memory) return false;
     throw_cuda_error(failed, "vmm_page_pool: map chunks");
@@ -565,9 +573,18 @@ void* vmm_page_pool::allocate_guarded(std::size_t bytes, std::size_t alignment,
     }
   if (failed.ok()) failed = p.set_access(device(), page_address(first), pages * page_);
   if (!failed.ok()) {
-    for (std::size_t i = mapped; i-- > 0;) (void)p.unmap(page_address(first + i), page_);
-    spare_.insert(spare_.end(), chosen.begin(), chosen.end());
-    va_insert(first, pages + 1);
+    // As in grow(): a page whose unmap fails too stays mapped and stranded.
+    for (std::size_t i = 0; i < chosen.size(); ++i) {
+      if (i < mapped && !p.unmap(page_address(first + i), page_)) {
+        chunks_[chosen[i]].mapped_at = first + i;
+        page_table_[first + i] = chosen[i];
+        counts_.pages_stranded += 1;
+      } else {
+        va_insert(first + i, 1);
+        spare_.push_back(chosen[i]);
+      }
+    }
+    va_insert(first + pages, 1);  // the guard page
     if (failed.kind == failure_kind::out_of_memory) return nullptr;
     throw_cuda_error(failed, "vmm_page_pool: map a guarded allocation");
   }

@@ -116,13 +116,12 @@ TEST(fuzz_regression, vmm_page_pool_never_refuses_while_the_device_has_memory_fr
 
 namespace {
 
-// OPEN (finding 4 in docs/RELIABILITY.md; disabled so CI stays green, enable once fixed):
-// a failure inside an undo. vmm_page_pool's growth maps its chunks, the second cuMemMap
-// fails, and the undo's cuMemUnmap of the first fails too; the undo ignores that and
-// returns the still-mapped virtual run to its free list, so a later growth maps over it
-// ("address range already mapped", a cuda_error no fault explains). Expected: the pool
-// keeps that run out of use (or retries the unmap) and serves the next request.
-TEST(fuzz_regression, DISABLED_vmm_page_pool_survives_an_unmap_failing_inside_a_growth_undo) {
+// Finding 4 in docs/RELIABILITY.md (fixed): a failure inside an undo. vmm_page_pool's
+// growth maps its chunks, the second cuMemMap fails, and the undo's cuMemUnmap of the first
+// fails too; the undo used to return the still-mapped virtual run to its free list, so a
+// later growth mapped over it ("address range already mapped"). Now the chunk stays mapped
+// there, stranded and out of use until the pool's end, and the next request is served.
+TEST(fuzz_regression, vmm_page_pool_survives_an_unmap_failing_inside_a_growth_undo) {
   gpumem::sim_platform sim(gpumem::sim_options{.capacity = 256 * MiB, .granularity = 2 * MiB});
   {
     gpumem::vmm_page_pool pool(sim);

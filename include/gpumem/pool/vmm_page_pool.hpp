@@ -63,6 +63,7 @@ struct vmm_page_counts {
   std::uint64_t pages_reclaimed = 0;  // unmapped from free blocks to be remapped elsewhere
   std::uint64_t pages_released = 0;   // given back to the driver
   std::size_t lent_pages = 0;         // one-page handles lent out (lend_pages)
+  std::size_t pages_stranded = 0;     // left mapped by an undo whose unmap failed too
 };
 
 class vmm_page_pool final : public pool_base {
