@@ -20,28 +20,26 @@ namespace gpumem::cli {
 
 namespace {
 
-double parse_fraction(const parsed_args& args, const char* name, double fallback) {
+// --name as a number in (min, max] (or [0, max] with min_inclusive), else `fallback`.
+double parse_number(const parsed_args& args, const char* name, double fallback, double min,
+                    double max, bool min_inclusive, const char* what) {
   if (!args.has(name)) return fallback;
   const std::string text = *args.value(name);
   try {
     std::size_t used = 0;
     const double v = std::stod(text, &used);
-    if (used == text.size() && v >= 0.0 && v <= 1.0) return v;
+    if (used == text.size() && (min_inclusive ? v >= min : v > min) && v <= max) return v;
   } catch (const std::exception&) {
   }
-  throw usage_error("--" + std::string(name) + " must be a number in [0, 1], not '" + text + "'");
+  throw usage_error("--" + std::string(name) + " must be " + what + ", not '" + text + "'");
+}
+
+double parse_fraction(const parsed_args& args, const char* name, double fallback) {
+  return parse_number(args, name, fallback, 0.0, 1.0, true, "a number in [0, 1]");
 }
 
 double parse_positive(const parsed_args& args, const char* name, double fallback) {
-  if (!args.has(name)) return fallback;
-  const std::string text = *args.value(name);
-  try {
-    std::size_t used = 0;
-    const double v = std::stod(text, &used);
-    if (used == text.size() && v > 0.0) return v;
-  } catch (const std::exception&) {
-  }
-  throw usage_error("--" + std::string(name) + " must be a positive number, not '" + text + "'");
+  return parse_number(args, name, fallback, 0.0, 1e300, false, "a positive number");
 }
 
 }  // namespace

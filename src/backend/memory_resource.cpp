@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "gpumem/errors.hpp"
+#include "gpumem/platform/status_error.hpp"
 
 namespace gpumem {
 
@@ -74,8 +75,7 @@ void memory_resource::throw_out_of_memory(std::size_t bytes, const status& cause
 }
 
 void memory_resource::throw_cuda_error(const status& cause, const char* where) const {
-  throw cuda_error(std::string(platform_op_name(cause.call)), cause.code, cause.name,
-                   cause.message, where);
+  gpumem::throw_cuda_error(cause, where);
 }
 
 }  // namespace gpumem

@@ -24,6 +24,7 @@
 #include "gpumem/backend.hpp"
 #include "gpumem/errors.hpp"
 #include "gpumem/platform.hpp"
+#include "gpumem/platform/status_error.hpp"
 #include "gpumem/pool.hpp"
 // The telemetry layer's PyTorch snapshot writer, where this tree has it (it is built in
 // the same library, so the header's presence means the function's).
@@ -225,17 +226,13 @@ void wait_for_recorded_streams(gpumem_pool* pool, std::vector<std::uintptr_t>& s
     if (pool->wait_event.value == 0) {
       auto ev = p.event_create(pool->device);
       if (!ev)
-        throw gpumem::cuda_error(std::string(gpumem::platform_op_name(ev.error().call)),
-                                 ev.error().code, ev.error().name, ev.error().message,
-                                 "gpumem_free: event for a recorded stream");
+        gpumem::throw_cuda_error(ev.error(), "gpumem_free: event for a recorded stream");
       pool->wait_event = ev.value();
     }
     if (auto st = p.event_record(pool->wait_event, gpumem::stream_handle{s}); !st)
-      throw gpumem::cuda_error(std::string(gpumem::platform_op_name(st.call)), st.code, st.name,
-                               st.message, "gpumem_free: record on a recorded stream");
+      gpumem::throw_cuda_error(st, "gpumem_free: record on a recorded stream");
     if (auto st = p.stream_wait_event(free_stream, pool->wait_event); !st)
-      throw gpumem::cuda_error(std::string(gpumem::platform_op_name(st.call)), st.code, st.name,
-                               st.message, "gpumem_free: wait for a recorded stream");
+      gpumem::throw_cuda_error(st, "gpumem_free: wait for a recorded stream");
     pool->cross_stream_waits.fetch_add(1, std::memory_order_relaxed);
   }
 }
@@ -448,9 +445,7 @@ gpumem_status gpumem_stream_create(gpumem_pool* pool, void** out) {
   return guarded("gpumem_stream_create", [&] {
     auto s = pool->platform->stream_create(pool->device);
     if (!s)
-      throw gpumem::cuda_error(std::string(gpumem::platform_op_name(s.error().call)),
-                               s.error().code, s.error().name, s.error().message,
-                               "gpumem_stream_create");
+      gpumem::throw_cuda_error(s.error(), "gpumem_stream_create");
     *out = reinterpret_cast<void*>(s.value().value);
   });
 }
@@ -463,8 +458,7 @@ gpumem_status gpumem_stream_destroy(gpumem_pool* pool, void* stream) {
   return guarded("gpumem_stream_destroy", [&] {
     pool->pool->release_stream(to_stream(stream));
     if (auto st = pool->platform->stream_destroy(to_stream(stream)); !st)
-      throw gpumem::cuda_error(std::string(gpumem::platform_op_name(st.call)), st.code, st.name,
-                               st.message, "gpumem_stream_destroy");
+      gpumem::throw_cuda_error(st, "gpumem_stream_destroy");
   });
 }
 
@@ -472,8 +466,7 @@ gpumem_status gpumem_stream_synchronize(gpumem_pool* pool, void* stream) {
   if (pool == nullptr) return null_pool("gpumem_stream_synchronize");
   return guarded("gpumem_stream_synchronize", [&] {
     if (auto st = pool->platform->stream_synchronize(to_stream(stream)); !st)
-      throw gpumem::cuda_error(std::string(gpumem::platform_op_name(st.call)), st.code, st.name,
-                               st.message, "gpumem_stream_synchronize");
+      gpumem::throw_cuda_error(st, "gpumem_stream_synchronize");
   });
 }
 

@@ -3,15 +3,10 @@
 #include <algorithm>
 
 #include "gpumem/errors.hpp"
+#include "gpumem/platform/status_error.hpp"
 #include "kv/id_bitmap.hpp"
 
 namespace gpumem {
-
-namespace {
-[[noreturn]] void throw_call(const status& s, const char* where) {
-  throw cuda_error(std::string(platform_op_name(s.call)), s.code, s.name, s.message, where);
-}
-}  // namespace
 
 kv_block_storage::kv_block_storage(vmm_page_pool& pages, std::size_t block_bytes,
                                    std::size_t max_blocks, std::size_t grow_pages,
@@ -36,7 +31,7 @@ kv_block_storage::kv_block_storage(vmm_page_pool& pages, std::size_t block_bytes
                            format_bytes(block_bytes) + " exceed four times the device's memory");
   range_bytes_ = (max_blocks * block_bytes + page_ - 1) / page_ * page_;
   auto r = platform_.reserve_range(range_bytes_, page_);
-  if (!r) throw_call(r.error(), "kv_block_storage: reserve the virtual range");
+  if (!r) throw_cuda_error(r.error(), "kv_block_storage: reserve the virtual range");
   base_ = r.value();
   free_ = std::make_unique<detail::id_bitmap>(max_blocks);
   used_.assign(max_blocks, 0);
@@ -110,7 +105,7 @@ bool kv_block_storage::grow_to(std::size_t blocks) {
     for (std::size_t i = mapped; i-- > 0;) (void)platform_.unmap(first + i * page_, page_);
     pool_.return_pages(lent);
     if (failed.kind == failure_kind::out_of_memory) return false;
-    throw_call(failed, "kv_block_storage: map pages");
+    throw_cuda_error(failed, "kv_block_storage: map pages");
   }
   handles_.insert(handles_.end(), lent.begin(), lent.end());
   const std::size_t new_capacity = std::min(max_blocks_, handles_.size() * page_ / block_bytes_);
@@ -156,14 +151,14 @@ std::size_t kv_block_storage::shrink(std::size_t keep_free) {
   const std::size_t keep_pages = (keep_blocks * block_bytes_ + page_ - 1) / page_;
   if (keep_pages >= handles_.size()) return 0;
   if (auto s = platform_.stream_synchronize(stream_); !s)
-    throw_call(s, "kv_block_storage: wait for the stream before unmapping");
+    throw_cuda_error(s, "kv_block_storage: wait for the stream before unmapping");
   const std::size_t before = handles_.size();
   const status failed = unmap_top(keep_pages);
   const std::size_t new_capacity = std::min(max_blocks_, handles_.size() * page_ / block_bytes_);
   for (std::size_t id = new_capacity; id < capacity_; ++id) free_->erase(id);
   capacity_ = new_capacity;
   ++shrinks_;
-  if (!failed.ok()) throw_call(failed, "kv_block_storage: unmap pages");
+  if (!failed.ok()) throw_cuda_error(failed, "kv_block_storage: unmap pages");
   return before - handles_.size();
 }
 

@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "gpumem/errors.hpp"
+#include "gpumem/platform/status_error.hpp"
 
 namespace gpumem {
 
@@ -202,8 +203,7 @@ void kv_cache::scrub_dirty() {
     if (auto st = pages_.device_platform().memset_async(storage_.address(b), 0,
                                                         storage_.block_bytes(), config_.stream);
         !st)
-      throw cuda_error(std::string(platform_op_name(st.call)), st.code, st.name, st.message,
-                       "kv_cache: scrub a released block");
+      throw_cuda_error(st, "kv_cache: scrub a released block");
     dirty_.pop_back();
     ++counters_.blocks_scrubbed;
     storage_.free(b);
@@ -245,8 +245,7 @@ void kv_cache::append_locked(sequence& s, std::span<const token_id> tokens) {
                 config_.stream);
             !st) {
           release_block(copy);
-          throw cuda_error(std::string(platform_op_name(st.call)), st.code, st.name, st.message,
-                           "kv_cache: copy on write");
+          throw_cuda_error(st, "kv_cache: copy on write");
         }
         meta_[copy].filled = meta_[b].filled;
         filled_in_use_ += meta_[copy].filled;
@@ -392,8 +391,7 @@ void kv_cache::swap_out(sequence_id id) {
                                    run * bs, config_.stream);
           !st) {
         host_->deallocate(host, bytes, config_.stream);
-        throw cuda_error(std::string(platform_op_name(st.call)), st.code, st.name, st.message,
-                         "kv_cache: swap out");
+        throw_cuda_error(st, "kv_cache: swap out");
       }
       k += run;
     }
@@ -433,8 +431,7 @@ void kv_cache::swap_in(sequence_id id) {
                                  config_.stream);
         !st) {
       for (auto b = blocks.rbegin(); b != blocks.rend(); ++b) release_block(*b);
-      throw cuda_error(std::string(platform_op_name(st.call)), st.code, st.name, st.message,
-                       "kv_cache: swap in");
+      throw_cuda_error(st, "kv_cache: swap in");
     }
     k += run;
   }

@@ -11,6 +11,7 @@
 #include "gpumem/errors.hpp"
 #include "gpumem/platform/sim_platform.hpp"
 #include "gpumem/platform/timed_platform.hpp"
+#include "gpumem/platform/status_error.hpp"
 
 #if GPUMEM_HAVE_ZLIB
 #include <zlib.h>
@@ -192,8 +193,7 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
   std::vector<stream_handle>& streams = owned.handles;
   for (std::size_t i = 1; i < streams.size(); ++i) {
     auto s = p.stream_create(resource.device());
-    if (!s) throw cuda_error(std::string(platform_op_name(s.error().call)), s.error().code,
-                             s.error().name, s.error().message, "replay_trace: stream");
+    if (!s) throw_cuda_error(s.error(), "replay_trace: stream");
     streams[i] = s.value();
   }
   std::array<std::uint64_t, platform_op_count> calls_before{};

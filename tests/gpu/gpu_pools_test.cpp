@@ -12,24 +12,13 @@
 #include "gpumem/platform.hpp"
 #include "gpumem/pool.hpp"
 
+#include "gpu/gpu_test_support.hpp"
+
 namespace {
 
 using namespace gpumem;
 
-platform* cuda() {
-  static std::string why;
-  static std::unique_ptr<platform> p = make_cuda_platform(&why);
-  return p.get();
-}
-
-#define REQUIRE_GPU()                                                                 \
-  do {                                                                                \
-    if (cuda() == nullptr) {                                                          \
-      std::string why;                                                                \
-      (void)make_cuda_platform(&why);                                                 \
-      GTEST_SKIP() << "no CUDA device: " << why;                                      \
-    }                                                                                 \
-  } while (0)
+using gpumem_test::cuda;
 
 // Copies `bytes` of a pattern into device memory and back; true when they round-trip.
 bool round_trip(platform& p, void* device_ptr, std::size_t bytes, unsigned char seed) {

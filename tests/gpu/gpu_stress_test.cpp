@@ -23,24 +23,13 @@
 #include "gpumem/platform.hpp"
 #include "gpumem/pool.hpp"
 
+#include "gpu/gpu_test_support.hpp"
+
 namespace {
 
 using namespace gpumem;
 
-platform* cuda() {
-  static std::string why;
-  static std::unique_ptr<platform> p = make_cuda_platform(&why);
-  return p.get();
-}
-
-#define REQUIRE_GPU()                                                                 \
-  do {                                                                                \
-    if (cuda() == nullptr) {                                                          \
-      std::string why;                                                                \
-      (void)make_cuda_platform(&why);                                                 \
-      GTEST_SKIP() << "no CUDA device: " << why;                                      \
-    }                                                                                 \
-  } while (0)
+using gpumem_test::cuda;
 
 constexpr std::size_t MiB = std::size_t{1} << 20;
 constexpr int gpu_threads = 6;
