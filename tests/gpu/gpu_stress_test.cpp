@@ -1,11 +1,10 @@
 // GPU stress: several host threads, each with its own streams, allocate from one
 // vmm_page_pool and one caching_pool (over cudaMalloc) on the real device. The GPU writes
-// every byte of each allocation (memset_async of a per-allocation byte on the
-// allocation's stream: no kernels needed, the project compiles no .cu files); before the
-// free the bytes are copied back on that stream (the free queued behind the copy) and
-// checked on the host. A block handed
-// out twice, or reused by another stream before its last use finished, shows up as
-// another allocation's byte. A fixed number of operations per thread (no timing); skips,
+// every byte of each allocation: a kernel (device_kernels.hpp, compiled by NVRTC) fills it on
+// the allocation's stream with a pattern of its own seed and each byte's offset; before the
+// free another kernel on that stream counts the bytes that differ (the free queued behind
+// it). A block handed out twice, reused by another stream before its last use finished, or
+// shifted shows up as mismatched bytes. A fixed number of operations per thread (no timing); skips,
 // saying why, when no CUDA device is present (CI has none).
 #include <gtest/gtest.h>
 
@@ -23,6 +22,7 @@
 #include "gpumem/platform.hpp"
 #include "gpumem/pool.hpp"
 
+#include "gpu/device_kernels.hpp"
 #include "gpu/gpu_test_support.hpp"
 
 namespace {
@@ -30,6 +30,7 @@ namespace {
 using namespace gpumem;
 
 using gpumem_test::cuda;
+using gpumem_test::device_kernels;
 
 constexpr std::size_t MiB = std::size_t{1} << 20;
 constexpr int gpu_threads = 6;
@@ -40,6 +41,13 @@ struct gpu_stress_result {
 };
 
 gpu_stress_result run_gpu_stress(platform& p, memory_resource& pool) {
+  std::string why;
+  device_kernels* kernels = device_kernels::get(&why);
+  if (kernels == nullptr) {
+    ADD_FAILURE() << "a CUDA device but no test kernels: " << why;
+    return {};
+  }
+  runtime_resource counters(p);  // one mismatch counter per thread, outside the pool
   std::atomic<std::uint64_t> allocations{0}, bytes{0}, corrupted{0}, failures{0}, ooms{0};
   std::vector<std::thread> workers;
   for (int t = 0; t < gpu_threads; ++t) {
@@ -54,24 +62,28 @@ gpu_stress_result run_gpu_stress(platform& p, memory_resource& pool) {
         }
         s = made.value();
       }
+      auto* counter = static_cast<unsigned long long*>(counters.allocate(sizeof(unsigned long long)));
       struct held {
         void* ptr;
         std::size_t n;
         int slot;
-        unsigned char byte;
+        std::uint64_t seed;
       };
       std::vector<held> mine;
-      std::vector<unsigned char> host;
       std::uint64_t serial = 0;
+      auto as_stream = [](stream_handle s) { return reinterpret_cast<void*>(s.value); };
       auto check_and_free = [&](std::size_t k) {
         held h = mine[k];
         mine[k] = mine.back();
         mine.pop_back();
-        host.assign(h.n, 0);
         const stream_handle s = streams[h.slot];
-        // The copy back is queued and the block freed behind it, in stream order: the pool
-        // must not hand it to another stream before the copy has read it.
-        const bool queued = p.memcpy_async(host.data(), h.ptr, h.n, s).ok();
+        unsigned long long bad = 0;
+        // The check is queued and the block freed behind it, in stream order: the pool
+        // must not hand it to another stream before the check has read it.
+        const bool queued =
+            p.memset_async(counter, 0, sizeof bad, s).ok() &&
+            kernels->count_mismatches(h.ptr, h.n, h.seed, counter, as_stream(s)).empty() &&
+            p.memcpy_async(&bad, counter, sizeof bad, s).ok();
         try {
           pool.deallocate(h.ptr, h.n, s);
         } catch (const std::exception&) {
@@ -79,7 +91,7 @@ gpu_stress_result run_gpu_stress(platform& p, memory_resource& pool) {
         }
         if (!queued || !p.stream_synchronize(s)) {
           failures.fetch_add(1);
-        } else if (std::any_of(host.begin(), host.end(), [&](unsigned char b) { return b != h.byte; })) {
+        } else if (bad != 0) {
           corrupted.fetch_add(1);
         }
       };
@@ -90,7 +102,7 @@ gpu_stress_result run_gpu_stress(platform& p, memory_resource& pool) {
                                 : cls < 8 ? 1 + rng() % MiB
                                           : MiB + rng() % (7 * MiB);
           const int slot = static_cast<int>(rng() % 2);
-          const auto byte = static_cast<unsigned char>(1 + (t * 41 + ++serial) % 255);
+          const std::uint64_t seed = (static_cast<std::uint64_t>(t) << 32) | ++serial;
           void* ptr = nullptr;
           try {
             ptr = pool.allocate(n, default_alignment, streams[slot]);
@@ -101,9 +113,9 @@ gpu_stress_result run_gpu_stress(platform& p, memory_resource& pool) {
             failures.fetch_add(1);
             continue;
           }
-          // The GPU touches every byte, in stream order on the allocation's stream.
-          if (!p.memset_async(ptr, byte, n, streams[slot])) failures.fetch_add(1);
-          mine.push_back({ptr, n, slot, byte});
+          // The GPU writes every byte, in stream order on the allocation's stream.
+          if (!kernels->fill(ptr, n, seed, as_stream(streams[slot])).empty()) failures.fetch_add(1);
+          mine.push_back({ptr, n, slot, seed});
           allocations.fetch_add(1);
           bytes.fetch_add(n);
         } else {
@@ -111,6 +123,7 @@ gpu_stress_result run_gpu_stress(platform& p, memory_resource& pool) {
         }
       }
       while (!mine.empty()) check_and_free(mine.size() - 1);
+      counters.deallocate(counter, sizeof(unsigned long long));
       for (auto s : streams) {
         pool.release_stream(s);
         (void)p.stream_destroy(s);
@@ -128,7 +141,7 @@ void expect_clean(const char* what, const gpu_stress_result& r, const memory_res
   EXPECT_EQ(pool.stats().live_bytes, 0u);
   EXPECT_EQ(pool.validate(), "");
   std::printf("[gpu stress] %s: %d threads x %d operations, 2 streams each: %llu allocations, "
-              "%.1f MiB written by the GPU and checked, %llu out_of_memory, %llu corrupted\n",
+              "%.1f MiB written and checked by kernels, %llu out_of_memory, %llu corrupted\n",
               what, gpu_threads, gpu_ops_per_thread, static_cast<unsigned long long>(r.allocations),
               static_cast<double>(r.bytes_written) / static_cast<double>(MiB),
               static_cast<unsigned long long>(r.ooms), static_cast<unsigned long long>(r.corrupted));
