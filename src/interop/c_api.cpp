@@ -2,15 +2,25 @@
 //
 // Every entry point is noexcept and funnels C++ exceptions through `guarded`, which maps
 // each typed error to its status code and keeps the text in a thread-local buffer.
-// A pool handle owns, in declaration order, a private sim device (if asked for), the
-// caching pool's upstream resource and the pool, so they are destroyed in reverse.
 //
-// Invariant: `recorded_` holds, for each live allocation passed to gpumem_record_stream,
-// the streams recorded for it; an entry goes away when the allocation is freed.
+// A handle (gpumem_pool) is a small shell around a pool_body. The body owns, in
+// declaration order, a private sim device (if asked for), the caching pool's upstream
+// resource and the pool, so they are destroyed in reverse. gpumem_pool_destroy deletes the
+// body but keeps the shell forever, marked destroyed, so any later call on the handle is
+// refused with a typed error instead of reading freed memory.
+//
+// Invariants:
+//  - a shell's state is handle_live while its body exists and handle_destroyed after, and
+//    never changes back; a destroyed shell is never freed or reused (its address is never
+//    handed out again), and it is on the `tombstones` list, so it stays reachable;
+//  - `recorded` holds, for each live allocation passed to gpumem_record_stream, the
+//    streams recorded for it; an entry goes away when the allocation is freed.
 #include "gpumem/interop/gpumem.h"
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -33,7 +43,10 @@
 #define GPUMEM_C_API_HAS_SNAPSHOT 1
 #endif
 
-struct gpumem_pool {
+namespace {
+
+// What a handle serves while it is live.
+struct pool_body {
   std::unique_ptr<gpumem::sim_platform> own_sim;  // only for sim_capacity
   gpumem::platform* platform = nullptr;
   std::unique_ptr<gpumem::memory_resource> upstream;  // caching_pool's
@@ -49,10 +62,27 @@ struct gpumem_pool {
   std::atomic<bool> any_recorded{false};
   std::atomic<std::uint64_t> cross_stream_waits{0};
 
-  ~gpumem_pool() {
+  ~pool_body() {
     if (wait_event.value != 0) (void)platform->event_destroy(wait_event);
   }
 };
+
+// Distinctive values, so a pointer to something else is unlikely to pass for a handle
+// (best effort only: reading a pointer that was never a handle is undefined anyway).
+enum : std::uint32_t {
+  handle_live = 0x6c697665,       // "live"
+  handle_destroyed = 0x64656164,  // "dead"
+};
+
+}  // namespace
+
+// The handle: 24 bytes that outlive the pool (see the file comment).
+struct gpumem_pool {
+  std::atomic<std::uint32_t> state{handle_live};
+  pool_body* body = nullptr;             // owned while live; null once destroyed
+  gpumem_pool* next_tombstone = nullptr;  // the tombstones list, once destroyed
+};
+static_assert(sizeof(gpumem_pool) <= 24, "gpumem.h promises 24 bytes per destroyed pool");
 
 namespace {
 
@@ -175,11 +205,11 @@ pool_spec parse_spec(std::string_view config) {
   return spec;
 }
 
-std::unique_ptr<gpumem_pool> make_pool(const char* config) {
+std::unique_ptr<pool_body> make_pool(const char* config) {
   const pool_spec spec = parse_spec(config != nullptr ? config : "");
   // Parse the pool options before touching a device, so a typo costs no driver call.
   const gpumem::pool_options options = gpumem::pool_options::parse(spec.pool_options);
-  auto handle = std::make_unique<gpumem_pool>();
+  auto handle = std::make_unique<pool_body>();
   if (spec.sim_capacity != 0) {
     gpumem::sim_options o;
     o.capacity = spec.sim_capacity;
@@ -215,25 +245,58 @@ gpumem_status null_pool(const char* where) noexcept {
   }
 }
 
+// Every destroyed handle, newest first: never freed, so a stale handle stays readable.
+std::atomic<gpumem_pool*> tombstones{nullptr};
+
+// Refuses a non-null handle whose state is not handle_live: sets this thread's error to
+// say whether the pool was destroyed or the pointer was never a handle.
+gpumem_status refuse_handle(const gpumem_pool* pool, std::uint32_t state,
+                            const char* where) noexcept {
+  char text[256];
+  if (state == handle_destroyed)
+    std::snprintf(text, sizeof text,
+                  "%s: the pool %p was destroyed (gpumem_pool_destroy); its handle cannot be "
+                  "used any more",
+                  where, static_cast<const void*>(pool));
+  else
+    std::snprintf(text, sizeof text,
+                  "%s: %p is not a gpumem pool handle (gpumem_pool_create never returned it)",
+                  where, static_cast<const void*>(pool));
+  return fail(GPUMEM_ERROR_INVALID_ARGUMENT, text);
+}
+
+// The body of a live handle; otherwise nullptr, with this thread's error set to say why
+// (null handle, destroyed pool, not a handle). On a live handle: one atomic load.
+pool_body* live_body(gpumem_pool* pool, const char* where) noexcept {
+  if (pool == nullptr) {
+    null_pool(where);
+    return nullptr;
+  }
+  const std::uint32_t state = pool->state.load(std::memory_order_acquire);
+  if (state == handle_live) [[likely]] return pool->body;
+  refuse_handle(pool, state, where);
+  return nullptr;
+}
+
 // Makes `free_stream` wait for the work queued so far on each stream recorded for `addr`,
 // and forgets them. On failure the record stays, so a retried free waits again.
-// REQUIRES: pool->recorded_mutex held.
-void wait_for_recorded_streams(gpumem_pool* pool, std::vector<std::uintptr_t>& streams,
+// REQUIRES: pool.recorded_mutex held.
+void wait_for_recorded_streams(pool_body& pool, std::vector<std::uintptr_t>& streams,
                                gpumem::stream_handle free_stream) {
-  gpumem::platform& p = *pool->platform;
+  gpumem::platform& p = *pool.platform;
   for (std::uintptr_t s : streams) {
     if (s == free_stream.value) continue;
-    if (pool->wait_event.value == 0) {
-      auto ev = p.event_create(pool->device);
+    if (pool.wait_event.value == 0) {
+      auto ev = p.event_create(pool.device);
       if (!ev)
         gpumem::throw_cuda_error(ev.error(), "gpumem_free: event for a recorded stream");
-      pool->wait_event = ev.value();
+      pool.wait_event = ev.value();
     }
-    if (auto st = p.event_record(pool->wait_event, gpumem::stream_handle{s}); !st)
+    if (auto st = p.event_record(pool.wait_event, gpumem::stream_handle{s}); !st)
       gpumem::throw_cuda_error(st, "gpumem_free: record on a recorded stream");
-    if (auto st = p.stream_wait_event(free_stream, pool->wait_event); !st)
+    if (auto st = p.stream_wait_event(free_stream, pool.wait_event); !st)
       gpumem::throw_cuda_error(st, "gpumem_free: wait for a recorded stream");
-    pool->cross_stream_waits.fetch_add(1, std::memory_order_relaxed);
+    pool.cross_stream_waits.fetch_add(1, std::memory_order_relaxed);
   }
 }
 
@@ -274,12 +337,30 @@ gpumem_status gpumem_pool_create(const char* config, gpumem_pool** out) {
   if (out == nullptr)
     return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_pool_create: null output pointer");
   *out = nullptr;
-  return guarded("gpumem_pool_create", [&] { *out = make_pool(config).release(); });
+  return guarded("gpumem_pool_create", [&] {
+    auto shell = std::make_unique<gpumem_pool>();  // first: a failure here leaks no pool
+    shell->body = make_pool(config).release();
+    *out = shell.release();
+  });
 }
 
 void gpumem_pool_destroy(gpumem_pool* pool) {
+  if (pool == nullptr) return;
+  // The state changes once: of two destroys (even racing ones) only one deletes the body.
+  std::uint32_t state = handle_live;
+  if (!pool->state.compare_exchange_strong(state, handle_destroyed, std::memory_order_acq_rel)) {
+    refuse_handle(pool, state, "gpumem_pool_destroy");
+    return;
+  }
   // Destructors of pools never throw; the delete itself cannot either.
-  delete pool;
+  delete pool->body;
+  pool->body = nullptr;
+  // The shell stays, reachable from the list (so leak checkers do not report it).
+  gpumem_pool* head = tombstones.load(std::memory_order_relaxed);
+  do {
+    pool->next_tombstone = head;
+  } while (!tombstones.compare_exchange_weak(head, pool, std::memory_order_release,
+                                             std::memory_order_relaxed));
 }
 
 gpumem_status gpumem_allocate(gpumem_pool* pool, size_t size, size_t alignment, void* stream,
@@ -287,68 +368,70 @@ gpumem_status gpumem_allocate(gpumem_pool* pool, size_t size, size_t alignment, 
   if (out == nullptr)
     return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_allocate: null output pointer");
   *out = nullptr;
-  if (pool == nullptr) return null_pool("gpumem_allocate");
+  pool_body* body = live_body(pool, "gpumem_allocate");
+  if (body == nullptr) return last_error_status;
   return guarded("gpumem_allocate",
-                 [&] { *out = pool->pool->allocate(size, alignment, to_stream(stream)); });
+                 [&] { *out = body->pool->allocate(size, alignment, to_stream(stream)); });
 }
 
 void* gpumem_malloc(gpumem_pool* pool, size_t size, void* stream) {
   void* ptr = nullptr;
-  if (pool == nullptr) {
-    null_pool("gpumem_malloc");
-    return nullptr;
-  }
+  pool_body* body = live_body(pool, "gpumem_malloc");
+  if (body == nullptr) return nullptr;
   guarded("gpumem_malloc", [&] {
-    ptr = pool->pool->allocate(size, gpumem::default_alignment, to_stream(stream));
+    ptr = body->pool->allocate(size, gpumem::default_alignment, to_stream(stream));
   });
   return ptr;
 }
 
 gpumem_status gpumem_free(gpumem_pool* pool, void* ptr, size_t size, void* stream) {
-  if (pool == nullptr) return null_pool("gpumem_free");
+  pool_body* body = live_body(pool, "gpumem_free");
+  if (body == nullptr) return last_error_status;
   return guarded("gpumem_free", [&] {
     const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
     const gpumem::stream_handle s = to_stream(stream);
-    if (pool->any_recorded.load(std::memory_order_acquire)) {
-      std::unique_lock lock(pool->recorded_mutex);
-      auto it = pool->recorded.find(addr);
-      if (it != pool->recorded.end()) {
+    if (body->any_recorded.load(std::memory_order_acquire)) {
+      std::unique_lock lock(body->recorded_mutex);
+      auto it = body->recorded.find(addr);
+      if (it != body->recorded.end()) {
         // Waits first: once the pool has the block, `stream` may reuse it at once.
-        wait_for_recorded_streams(pool, it->second, s);
+        wait_for_recorded_streams(*body, it->second, s);
         std::vector<std::uintptr_t> streams = std::move(it->second);
-        pool->recorded.erase(it);
+        body->recorded.erase(it);
         try {
-          pool->pool->deallocate(ptr, size, s);
+          body->pool->deallocate(ptr, size, s);
         } catch (...) {
-          pool->recorded.emplace(addr, std::move(streams));  // refused: nothing changed
+          body->recorded.emplace(addr, std::move(streams));  // refused: nothing changed
           throw;
         }
         return;
       }
     }
-    pool->pool->deallocate(ptr, size, s);
+    body->pool->deallocate(ptr, size, s);
   });
 }
 
 gpumem_status gpumem_record_stream(gpumem_pool* pool, void* ptr, void* stream) {
-  if (pool == nullptr) return null_pool("gpumem_record_stream");
+  pool_body* body = live_body(pool, "gpumem_record_stream");
+  if (body == nullptr) return last_error_status;
   if (ptr == nullptr)
     return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_record_stream: null pointer");
   return guarded("gpumem_record_stream", [&] {
-    std::lock_guard lock(pool->recorded_mutex);
-    auto& streams = pool->recorded[reinterpret_cast<std::uintptr_t>(ptr)];
+    std::lock_guard lock(body->recorded_mutex);
+    auto& streams = body->recorded[reinterpret_cast<std::uintptr_t>(ptr)];
     const auto s = reinterpret_cast<std::uintptr_t>(stream);
     if (std::find(streams.begin(), streams.end(), s) == streams.end()) streams.push_back(s);
-    pool->any_recorded.store(true, std::memory_order_release);
+    body->any_recorded.store(true, std::memory_order_release);
   });
 }
 
 gpumem_status gpumem_pool_stats(gpumem_pool* pool, gpumem_stats* out) {
-  if (pool == nullptr) return null_pool("gpumem_pool_stats");
+  pool_body* body = live_body(pool, "gpumem_pool_stats");
+  if (body == nullptr) return last_error_status;
   if (out == nullptr)
     return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_pool_stats: null output pointer");
   return guarded("gpumem_pool_stats", [&] {
-    const gpumem::resource_stats s = pool->pool->stats();
+    const gpumem::resource_stats s = body->pool->stats();
     gpumem_stats r{};
     r.live_bytes = s.live_bytes;
     r.peak_live_bytes = s.peak_live_bytes;
@@ -360,14 +443,15 @@ gpumem_status gpumem_pool_stats(gpumem_pool* pool, gpumem_stats* out) {
     r.deallocations = s.deallocations;
     r.alloc_retries = s.alloc_retries;
     r.oom_count = s.oom_count;
-    r.cross_stream_waits = pool->cross_stream_waits.load(std::memory_order_relaxed);
+    r.cross_stream_waits = body->cross_stream_waits.load(std::memory_order_relaxed);
     r.fragmentation = s.fragmentation();
     *out = r;
   });
 }
 
 gpumem_status gpumem_pool_counter(gpumem_pool* pool, const char* name, uint64_t* out) {
-  if (pool == nullptr) return null_pool("gpumem_pool_counter");
+  pool_body* body = live_body(pool, "gpumem_pool_counter");
+  if (body == nullptr) return last_error_status;
   if (name == nullptr || out == nullptr)
     return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_pool_counter: null name or output");
   return guarded("gpumem_pool_counter", [&] {
@@ -375,11 +459,11 @@ gpumem_status gpumem_pool_counter(gpumem_pool* pool, const char* name, uint64_t*
     for (std::size_t i = 0; i < gpumem::platform_op_count; ++i) {
       const auto op = static_cast<gpumem::platform_op>(i);
       if (gpumem::platform_op_name(op) == n) {
-        *out = pool->platform->calls_made(op);
+        *out = body->platform->calls_made(op);
         return;
       }
     }
-    if (auto* vmm = dynamic_cast<const gpumem::vmm_page_pool*>(pool->pool.get())) {
+    if (auto* vmm = dynamic_cast<const gpumem::vmm_page_pool*>(body->pool.get())) {
       const gpumem::vmm_page_counts c = vmm->page_counts();
       const std::pair<std::string_view, std::uint64_t> counters[] = {
           {"page_size", c.page_size},         {"pages_mapped", c.mapped_pages},
@@ -393,40 +477,52 @@ gpumem_status gpumem_pool_counter(gpumem_pool* pool, const char* name, uint64_t*
         }
     }
     throw gpumem::invalid_argument("unknown counter '" + std::string(n) + "' for the '" +
-                                   pool->allocator + "' pool");
+                                   body->allocator + "' pool");
   });
 }
 
 gpumem_status gpumem_pool_trim(gpumem_pool* pool, uint64_t* released) {
-  if (pool == nullptr) return null_pool("gpumem_pool_trim");
+  pool_body* body = live_body(pool, "gpumem_pool_trim");
+  if (body == nullptr) return last_error_status;
   return guarded("gpumem_pool_trim", [&] {
-    const std::size_t bytes = pool->pool->trim();
+    const std::size_t bytes = body->pool->trim();
     if (released != nullptr) *released = bytes;
   });
 }
 
+// The four accessors below answer "" (or -1) for NULL without an error, as documented;
+// for a destroyed pool they answer the same and set the error.
+
 const char* gpumem_pool_allocator(gpumem_pool* pool) {
-  return pool == nullptr ? "" : pool->allocator.c_str();
+  if (pool == nullptr) return "";
+  const pool_body* body = live_body(pool, "gpumem_pool_allocator");
+  return body == nullptr ? "" : body->allocator.c_str();
 }
 
 const char* gpumem_pool_platform(gpumem_pool* pool) {
+  if (pool == nullptr) return "";
+  const pool_body* body = live_body(pool, "gpumem_pool_platform");
   // kind() returns a literal ("cuda" / "sim"), so its data is NUL-terminated.
-  return pool == nullptr ? "" : pool->platform->kind().data();
+  return body == nullptr ? "" : body->platform->kind().data();
 }
 
-int gpumem_pool_device(gpumem_pool* pool) { return pool == nullptr ? -1 : pool->device; }
+int gpumem_pool_device(gpumem_pool* pool) {
+  if (pool == nullptr) return -1;
+  const pool_body* body = live_body(pool, "gpumem_pool_device");
+  return body == nullptr ? -1 : body->device;
+}
 
 const char* gpumem_pool_config(gpumem_pool* pool) {
-  return pool == nullptr ? "" : pool->config.c_str();
+  if (pool == nullptr) return "";
+  const pool_body* body = live_body(pool, "gpumem_pool_config");
+  return body == nullptr ? "" : body->config.c_str();
 }
 
 size_t gpumem_pool_report(gpumem_pool* pool, size_t size, char* buf, size_t capacity) {
   std::string report;
-  if (pool == nullptr) {
-    null_pool("gpumem_pool_report");
-    return 0;
-  }
-  if (guarded("gpumem_pool_report", [&] { report = pool->pool->memory_report(size); }) !=
+  pool_body* body = live_body(pool, "gpumem_pool_report");
+  if (body == nullptr) return 0;
+  if (guarded("gpumem_pool_report", [&] { report = body->pool->memory_report(size); }) !=
       GPUMEM_SUCCESS)
     return 0;
   if (buf != nullptr && capacity > 0) {
@@ -441,9 +537,10 @@ gpumem_status gpumem_stream_create(gpumem_pool* pool, void** out) {
   if (out == nullptr)
     return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_stream_create: null output pointer");
   *out = nullptr;
-  if (pool == nullptr) return null_pool("gpumem_stream_create");
+  pool_body* body = live_body(pool, "gpumem_stream_create");
+  if (body == nullptr) return last_error_status;
   return guarded("gpumem_stream_create", [&] {
-    auto s = pool->platform->stream_create(pool->device);
+    auto s = body->platform->stream_create(body->device);
     if (!s)
       gpumem::throw_cuda_error(s.error(), "gpumem_stream_create");
     *out = reinterpret_cast<void*>(s.value().value);
@@ -451,33 +548,36 @@ gpumem_status gpumem_stream_create(gpumem_pool* pool, void** out) {
 }
 
 gpumem_status gpumem_stream_destroy(gpumem_pool* pool, void* stream) {
-  if (pool == nullptr) return null_pool("gpumem_stream_destroy");
+  pool_body* body = live_body(pool, "gpumem_stream_destroy");
+  if (body == nullptr) return last_error_status;
   if (stream == nullptr)
     return fail(GPUMEM_ERROR_INVALID_ARGUMENT,
                 "gpumem_stream_destroy: the default stream cannot be destroyed");
   return guarded("gpumem_stream_destroy", [&] {
-    pool->pool->release_stream(to_stream(stream));
-    if (auto st = pool->platform->stream_destroy(to_stream(stream)); !st)
+    body->pool->release_stream(to_stream(stream));
+    if (auto st = body->platform->stream_destroy(to_stream(stream)); !st)
       gpumem::throw_cuda_error(st, "gpumem_stream_destroy");
   });
 }
 
 gpumem_status gpumem_stream_synchronize(gpumem_pool* pool, void* stream) {
-  if (pool == nullptr) return null_pool("gpumem_stream_synchronize");
+  pool_body* body = live_body(pool, "gpumem_stream_synchronize");
+  if (body == nullptr) return last_error_status;
   return guarded("gpumem_stream_synchronize", [&] {
-    if (auto st = pool->platform->stream_synchronize(to_stream(stream)); !st)
+    if (auto st = body->platform->stream_synchronize(to_stream(stream)); !st)
       gpumem::throw_cuda_error(st, "gpumem_stream_synchronize");
   });
 }
 
 gpumem_status gpumem_snapshot(gpumem_pool* pool, const char* path) {
-  if (pool == nullptr) return null_pool("gpumem_snapshot");
+  pool_body* body = live_body(pool, "gpumem_snapshot");
+  if (body == nullptr) return last_error_status;
   if (path == nullptr || *path == '\0')
     return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_snapshot: empty path");
 #ifdef GPUMEM_C_API_HAS_SNAPSHOT
   // No event recorder is attached to C API pools: segments and blocks, no device trace.
   return guarded("gpumem_snapshot",
-                 [&] { gpumem::write_memory_snapshot(*pool->pool, nullptr, std::string(path)); });
+                 [&] { gpumem::write_memory_snapshot(*body->pool, nullptr, std::string(path)); });
 #else
   return fail(GPUMEM_ERROR_NOT_SUPPORTED,
               "gpumem_snapshot: this build has no PyTorch snapshot exporter "

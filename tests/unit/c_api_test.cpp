@@ -1,7 +1,7 @@
 // The C API's edge cases (gpumem/interop/gpumem.h): configuration errors, every bad free,
-// out of memory, the thread-local last error, record_stream waits, null handles, reports,
-// counters and snapshots. Pools use a private sim device (sim_capacity), so nothing here
-// depends on a GPU or on another test's state.
+// out of memory, the thread-local last error, record_stream waits, null handles, handles
+// used after gpumem_pool_destroy, reports, counters and snapshots. Pools use a private sim
+// device (sim_capacity), so nothing here depends on a GPU or on another test's state.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -415,6 +415,139 @@ TEST(c_api, destroying_a_pool_with_live_allocations_frees_them) {
   void* p = gpumem_malloc(pool, 40 * MiB, nullptr);
   EXPECT_NE(p, nullptr) << last_error();
   gpumem_pool_destroy(pool);
+}
+
+// Every entry point, on a handle already destroyed: refused with the typed error and a
+// text naming the call and saying the pool was destroyed; nothing of the pool is read.
+void expect_every_call_refused_after_destroy(const char* config) {
+  SCOPED_TRACE(config);
+  gpumem_pool* pool = nullptr;
+  ASSERT_EQ(gpumem_pool_create(config, &pool), GPUMEM_SUCCESS) << last_error();
+  void* live = gpumem_malloc(pool, 3 * MiB, nullptr);  // freed with the pool
+  ASSERT_NE(live, nullptr) << last_error();
+  void* stream = nullptr;
+  ASSERT_EQ(gpumem_stream_create(pool, &stream), GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(gpumem_stream_destroy(pool, stream), GPUMEM_SUCCESS) << last_error();
+  gpumem_pool_destroy(pool);
+
+  auto refused = [&](const char* call) {
+    EXPECT_EQ(gpumem_last_status(), GPUMEM_ERROR_INVALID_ARGUMENT) << call;
+    EXPECT_NE(last_error().find(call), std::string::npos) << last_error();
+    EXPECT_NE(last_error().find("was destroyed"), std::string::npos) << last_error();
+  };
+  gpumem_stats s{};
+  void* out = reinterpret_cast<void*>(0x1);
+  uint64_t value = 7;
+  char buf[16] = "untouched";
+
+  EXPECT_EQ(gpumem_malloc(pool, 16, nullptr), nullptr);
+  refused("gpumem_malloc");
+  EXPECT_EQ(gpumem_allocate(pool, 16, 256, nullptr, &out), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(out, nullptr);
+  refused("gpumem_allocate");
+  EXPECT_EQ(gpumem_free(pool, live, 3 * MiB, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  refused("gpumem_free");
+  EXPECT_EQ(gpumem_record_stream(pool, live, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  refused("gpumem_record_stream");
+  EXPECT_EQ(gpumem_pool_stats(pool, &s), GPUMEM_ERROR_INVALID_ARGUMENT);
+  refused("gpumem_pool_stats");
+  EXPECT_EQ(gpumem_pool_counter(pool, "cuMemMap", &value), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(value, 7u);
+  refused("gpumem_pool_counter");
+  EXPECT_EQ(gpumem_pool_trim(pool, &value), GPUMEM_ERROR_INVALID_ARGUMENT);
+  refused("gpumem_pool_trim");
+  EXPECT_EQ(gpumem_pool_report(pool, 1, buf, sizeof buf), 0u);
+  EXPECT_STREQ(buf, "untouched");
+  refused("gpumem_pool_report");
+  out = reinterpret_cast<void*>(0x1);
+  EXPECT_EQ(gpumem_stream_create(pool, &out), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(out, nullptr);
+  refused("gpumem_stream_create");
+  EXPECT_EQ(gpumem_stream_destroy(pool, stream), GPUMEM_ERROR_INVALID_ARGUMENT);
+  refused("gpumem_stream_destroy");
+  EXPECT_EQ(gpumem_stream_synchronize(pool, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  refused("gpumem_stream_synchronize");
+  const std::string path = ::testing::TempDir() + "c_api_destroyed.pickle";
+  EXPECT_EQ(gpumem_snapshot(pool, path.c_str()), GPUMEM_ERROR_INVALID_ARGUMENT);
+  refused("gpumem_snapshot");
+  EXPECT_FALSE(std::ifstream(path).good()) << "a snapshot of a destroyed pool was written";
+  EXPECT_STREQ(gpumem_pool_allocator(pool), "");
+  refused("gpumem_pool_allocator");
+  EXPECT_STREQ(gpumem_pool_platform(pool), "");
+  refused("gpumem_pool_platform");
+  EXPECT_STREQ(gpumem_pool_config(pool), "");
+  refused("gpumem_pool_config");
+  EXPECT_EQ(gpumem_pool_device(pool), -1);
+  refused("gpumem_pool_device");
+  gpumem_pool_destroy(pool);
+  refused("gpumem_pool_destroy");
+}
+
+TEST(c_api, every_call_on_a_destroyed_vmm_page_pool_is_refused_saying_so) {
+  expect_every_call_refused_after_destroy(small_sim);
+}
+
+TEST(c_api, every_call_on_a_destroyed_caching_pool_is_refused_saying_so) {
+  expect_every_call_refused_after_destroy(
+      "platform:sim,sim_capacity:256M,allocator:caching_pool");
+}
+
+TEST(c_api, a_second_destroy_is_refused_and_other_pools_are_untouched) {
+  pool_handle other(small_sim);
+  ASSERT_EQ(other.status, GPUMEM_SUCCESS);
+  void* kept = gpumem_malloc(other.pool, MiB, nullptr);
+  ASSERT_NE(kept, nullptr);
+  const gpumem_stats before = other.stats();
+
+  gpumem_pool* pool = nullptr;
+  ASSERT_EQ(gpumem_pool_create(small_sim, &pool), GPUMEM_SUCCESS);
+  void* stale = gpumem_malloc(pool, MiB, nullptr);
+  ASSERT_NE(stale, nullptr);
+  gpumem_pool_destroy(pool);
+  gpumem_pool_destroy(pool);
+  EXPECT_EQ(gpumem_last_status(), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("gpumem_pool_destroy"), std::string::npos) << last_error();
+  EXPECT_NE(last_error().find("was destroyed"), std::string::npos) << last_error();
+
+  // The dead pool's pointer given to a live pool: refused, that pool as it was.
+  EXPECT_EQ(gpumem_free(other.pool, stale, MiB, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  const gpumem_stats after = other.stats();
+  EXPECT_EQ(after.live_bytes, before.live_bytes);
+  EXPECT_EQ(after.live_allocations, before.live_allocations);
+  EXPECT_EQ(after.reserved_bytes, before.reserved_bytes);
+  EXPECT_EQ(after.deallocations, before.deallocations);
+
+  // A handle is never reused, so the dead one stays dead while new pools come and go.
+  for (int i = 0; i < 8; ++i) {
+    gpumem_pool* fresh = nullptr;
+    ASSERT_EQ(gpumem_pool_create(small_sim, &fresh), GPUMEM_SUCCESS);
+    EXPECT_NE(fresh, pool);
+    gpumem_pool_destroy(fresh);
+  }
+  EXPECT_EQ(gpumem_malloc(pool, 16, nullptr), nullptr);
+  EXPECT_NE(last_error().find("was destroyed"), std::string::npos) << last_error();
+  EXPECT_EQ(gpumem_free(other.pool, kept, MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+}
+
+TEST(c_api, racing_destroys_of_one_pool_free_it_once) {
+  for (int round = 0; round < 20; ++round) {
+    gpumem_pool* pool = nullptr;
+    ASSERT_EQ(gpumem_pool_create("platform:sim,sim_capacity:64M", &pool), GPUMEM_SUCCESS);
+    ASSERT_NE(gpumem_malloc(pool, MiB, nullptr), nullptr);
+    std::atomic<int> refused{0};
+    std::atomic<bool> go{false};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t)
+      threads.emplace_back([&] {
+        while (!go.load()) {
+        }
+        gpumem_pool_destroy(pool);  // a fresh thread's status is GPUMEM_SUCCESS
+        if (gpumem_last_status() == GPUMEM_ERROR_INVALID_ARGUMENT) refused.fetch_add(1);
+      });
+    go.store(true);
+    for (auto& t : threads) t.join();
+    EXPECT_EQ(refused.load(), 3) << "exactly one destroy may win";
+  }
 }
 
 }  // namespace

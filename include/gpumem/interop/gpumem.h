@@ -34,7 +34,13 @@
  *    gpumem::invalid_argument -> GPUMEM_ERROR_INVALID_ARGUMENT, gpumem::cuda_error ->
  *    GPUMEM_ERROR_CUDA, anything else -> GPUMEM_ERROR_INTERNAL;
  *  - functions of one pool may be called from several threads at once; destroy must not
- *    race with other calls on the same pool.
+ *    race with other calls on the same pool (a call that overlaps the destroy is the
+ *    caller's bug and may read freed memory);
+ *  - a handle stays detectable after gpumem_pool_destroy: every later call on it (a second
+ *    destroy included) is refused with GPUMEM_ERROR_INVALID_ARGUMENT and a text saying the
+ *    pool was destroyed; it never touches the freed pool. This costs one atomic load per
+ *    call and keeps 24 bytes per destroyed pool for the life of the process. A pointer
+ *    gpumem_pool_create never returned is not detectable (reading it is undefined).
  */
 #ifndef GPUMEM_INTEROP_GPUMEM_H
 #define GPUMEM_INTEROP_GPUMEM_H
@@ -100,7 +106,8 @@ GPUMEM_API const char* gpumem_status_name(gpumem_status status);
 /* REQUIRES: out != NULL. On failure *out is set to NULL. */
 GPUMEM_API gpumem_status gpumem_pool_create(const char* config, gpumem_pool** out);
 /* Gives every byte back to the driver. Live allocations are freed with the pool. NULL is
- * a no-op. */
+ * a no-op. The handle stays dead, never reused: a later call on it, or a second destroy,
+ * sets GPUMEM_ERROR_INVALID_ARGUMENT ("... was destroyed") and does nothing else. */
 GPUMEM_API void gpumem_pool_destroy(gpumem_pool* pool);
 
 /* NULL on failure (also for size 0): gpumem_last_status() / gpumem_last_error() say why. */
@@ -129,7 +136,8 @@ GPUMEM_API gpumem_status gpumem_pool_counter(gpumem_pool* pool, const char* name
                                              uint64_t* out);
 /* Gives cached memory back to the driver; *released (may be NULL) receives the bytes. */
 GPUMEM_API gpumem_status gpumem_pool_trim(gpumem_pool* pool, uint64_t* released);
-/* "vmm_page_pool" or "caching_pool"; "" for NULL. */
+/* "vmm_page_pool" or "caching_pool"; "" for NULL. The accessors below answer "" (or -1)
+ * for NULL, and also for a destroyed pool, where they set the error as well. */
 GPUMEM_API const char* gpumem_pool_allocator(gpumem_pool* pool);
 /* "cuda" or "sim"; "" for NULL. */
 GPUMEM_API const char* gpumem_pool_platform(gpumem_pool* pool);
