@@ -31,19 +31,14 @@ void block_arena::delete_block(block* b) {
 }
 
 block_arena::stream_bins* block_arena::bins_for(std::uintptr_t stream, bool create) {
+  // Records are never removed, so the cached pointer stays valid.
+  if (last_bins_ != nullptr && last_bins_->stream == stream) return last_bins_;
   for (auto& b : bins_)
-    if (b->stream == stream) return b.get();
+    if (b->stream == stream) return last_bins_ = b.get();
   if (!create) return nullptr;
   bins_.push_back(std::make_unique<stream_bins>());
   bins_.back()->stream = stream;
-  return bins_.back().get();
-}
-
-void block_arena::bin_index(std::size_t size, int& level, int& sub) const noexcept {
-  const std::uint64_t units = std::max<std::uint64_t>(1, size / unit_);
-  level = 63 - std::countl_zero(units);
-  sub = level >= 4 ? static_cast<int>((units >> (level - 4)) & 15)
-                   : static_cast<int>((units << (4 - level)) & 15);
+  return last_bins_ = bins_.back().get();
 }
 
 void block_arena::insert_free(block* b) {
@@ -51,6 +46,8 @@ void block_arena::insert_free(block* b) {
   stream_bins& bins = *bins_for(b->stream, true);
   int f, sb;
   bin_index(b->size, f, sb);
+  b->bin_level = static_cast<std::uint8_t>(f);
+  b->bin_sub = static_cast<std::uint8_t>(sb);
   block*& head = bins.heads[f][sb];
   b->bin_prev = nullptr;
   b->bin_next = head;
@@ -64,8 +61,7 @@ void block_arena::insert_free(block* b) {
 
 void block_arena::erase_free(block* b) {
   stream_bins& bins = *bins_for(b->stream, false);
-  int f, sb;
-  bin_index(b->size, f, sb);
+  const int f = b->bin_level, sb = b->bin_sub;
   if (b->bin_prev != nullptr)
     b->bin_prev->bin_next = b->bin_next;
   else

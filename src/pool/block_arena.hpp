@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <array>
+#include <bit>
 #include <functional>
 #include <memory>
 #include <map>
@@ -40,6 +41,8 @@ struct block {
   block* bin_next = nullptr;
   std::uint32_t segment = 0;
   state st = state::free;
+  std::uint8_t bin_level = 0;   // the free bin it is in (state::free only), so erasing
+  std::uint8_t bin_sub = 0;     // it needs no recomputation
   std::uintptr_t stream = 0;    // stream whose order makes this block safe to reuse
   std::uint64_t free_epoch = 0; // the stream's free counter when it was freed
   std::size_t requested = 0;    // bytes the user asked for (allocated blocks)
@@ -122,7 +125,13 @@ class block_arena {
   // Merges a free block with free neighbours of its stream; returns the result.
   block* merge(block* b);
   stream_bins* bins_for(std::uintptr_t stream, bool create);
-  void bin_index(std::size_t size, int& level, int& sub) const noexcept;
+  // Bin of a size: level floor(log2(size / unit)), then 16 linear sub-bins.
+  void bin_index(std::size_t size, int& level, int& sub) const noexcept {
+    const std::uint64_t units = size / unit_ > 0 ? size / unit_ : 1;
+    level = 63 - std::countl_zero(units);
+    sub = level >= 4 ? static_cast<int>((units >> (level - 4)) & 15)
+                     : static_cast<int>((units << (4 - level)) & 15);
+  }
   // The smallest free block of `bins` with size >= need (lowest address on ties).
   block* best_fit(const stream_bins& bins, std::size_t need) const;
   template <class F>
@@ -131,6 +140,7 @@ class block_arena {
   std::size_t unit_;
   std::size_t max_cached_blocks_;
   std::vector<std::unique_ptr<stream_bins>> bins_;  // a few streams: searched linearly
+  stream_bins* last_bins_ = nullptr;  // the last one found: most calls ask for it again
   std::size_t free_blocks_ = 0;
   flat_map<std::pair<std::uint64_t, std::uint64_t>, block*, mix_hash> quick_;  // (stream, size)
   std::size_t cached_blocks_ = 0;

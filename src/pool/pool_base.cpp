@@ -175,7 +175,7 @@ void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream
   }
   recent_frees_[recent_next_] = addr;
   recent_next_ = (recent_next_ + 1) % recent_frees_.size();
-  auto& s = streams_[stream.value];
+  auto& s = stream_state_of(stream.value);
   arenas_[id]->release(b, stream.value, ++s.frees);
   notify(pool_event_kind::free, addr, bytes, stream.value);
   stats_.live_bytes -= bytes;
@@ -225,6 +225,7 @@ void pool_base::release_stream(stream_handle stream) {
   for (auto& a : arenas_) a->retag_free(stream.value, 0);
   if (it->second.event.value != 0) (void)device_platform().event_destroy(it->second.event);
   streams_.erase(it);
+  last_stream_state_ = nullptr;
 }
 
 void pool_base::synchronize_streams_with_free_blocks() {

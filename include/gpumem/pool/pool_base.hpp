@@ -202,6 +202,17 @@ class pool_base : public memory_resource {
   std::unique_ptr<detail::block_arena> arenas_[2];
   std::size_t guarded_live_bytes_ = 0;  // requested bytes of live guarded allocations
   std::unordered_map<std::uintptr_t, stream_state> streams_;
+  // The state of the stream last looked up (elements of an unordered_map keep their
+  // address; reset when a stream is released). Most frees are on the stream of the last.
+  std::uintptr_t last_stream_ = 0;
+  stream_state* last_stream_state_ = nullptr;
+  stream_state& stream_state_of(std::uintptr_t stream) {
+    if (last_stream_state_ == nullptr || last_stream_ != stream) {
+      last_stream_state_ = &streams_[stream];
+      last_stream_ = stream;
+    }
+    return *last_stream_state_;
+  }
   std::size_t alignment_limit_;
   resource_stats stats_{};
   std::size_t peak_allocated_ = 0;      // rounded block bytes
