@@ -41,11 +41,14 @@ kv_block_storage::kv_block_storage(vmm_page_pool& pages, std::size_t block_bytes
 kv_block_storage::~kv_block_storage() {
   // Never throws. The stream may still read blocks: let it finish before unmapping.
   (void)platform_.stream_synchronize(stream_);
-  if (!handles_.empty()) {
-    if (!unmap_top(0).ok()) {
-      // The pages stay mapped: they cannot go back to the pool; the pool releases the
-      // handles at its end and the driver frees them with the range.
-    }
+  if (!handles_.empty() && !unmap_top(0).ok()) {
+    // Order no longer matters: try every page left, giving back each one that unmaps. A
+    // page that stays mapped is never given back (the pool would map it again); the pool
+    // releases its handle at its end.
+    std::vector<physical_handle> unmapped;
+    for (std::size_t i = 0; i < handles_.size(); ++i)
+      if (platform_.unmap(base_ + i * page_, page_)) unmapped.push_back(handles_[i]);
+    pool_.return_pages(unmapped);
   }
   (void)platform_.free_range(base_, range_bytes_);
 }
@@ -77,20 +80,28 @@ void kv_block_storage::free(block_id id) {
   --used_count_;
 }
 
+std::size_t kv_block_storage::blocks_in(std::size_t pages) const noexcept {
+  return std::min(max_blocks_, pages * page_ / block_bytes_);
+}
+
 bool kv_block_storage::grow_to(std::size_t blocks) {
   if (blocks <= capacity_) return true;
   if (blocks > max_blocks_) return false;
   const std::size_t have = handles_.size();
   const std::size_t need_pages = (blocks * block_bytes_ + page_ - 1) / page_;
   const std::size_t max_pages = range_bytes_ / page_;
-  const std::size_t pages = std::min(max_pages - have, std::max(need_pages - have, grow_pages_));
+  // Pages an earlier undo left mapped without access count towards this growth; so
+  // end > accessible_pages_ (blocks > capacity_).
+  const std::size_t end =
+      std::max(have, std::min(max_pages, std::max(need_pages, accessible_pages_ + grow_pages_)));
   std::vector<physical_handle> lent;
   try {
-    lent = pool_.lend_pages(pages);
+    lent = pool_.lend_pages(end - have);
   } catch (const out_of_memory&) {
     return false;
   }
-  // Map page by page (a handle maps from its start only), then one access grant.
+  // Map page by page (a handle maps from its start only), then one access grant over
+  // every page without access.
   const std::uintptr_t first = base_ + have * page_;
   std::size_t mapped = 0;
   status failed;
@@ -100,15 +111,24 @@ bool kv_block_storage::grow_to(std::size_t blocks) {
       break;
     }
   }
-  if (failed.ok()) failed = platform_.set_access(device_, first, pages * page_);
+  if (failed.ok())
+    failed = platform_.set_access(device_, base_ + accessible_pages_ * page_,
+                                  (end - accessible_pages_) * page_);
   if (!failed.ok()) {
-    for (std::size_t i = mapped; i-- > 0;) (void)platform_.unmap(first + i * page_, page_);
-    pool_.return_pages(lent);
+    // Undo from the top, stopping at the first unmap that fails: that page and those
+    // below it stay mapped, so they stay ours (contiguous, without access) and are never
+    // given back while mapped: the pool would map them again.
+    std::size_t kept = mapped;
+    while (kept > 0 && platform_.unmap(first + (kept - 1) * page_, page_)) --kept;
+    const auto split = lent.begin() + static_cast<std::ptrdiff_t>(kept);
+    handles_.insert(handles_.end(), lent.begin(), split);
+    pool_.return_pages({split, lent.end()});
     if (failed.kind == failure_kind::out_of_memory) return false;
     throw_cuda_error(failed, "kv_block_storage: map pages");
   }
   handles_.insert(handles_.end(), lent.begin(), lent.end());
-  const std::size_t new_capacity = std::min(max_blocks_, handles_.size() * page_ / block_bytes_);
+  accessible_pages_ = handles_.size();
+  const std::size_t new_capacity = blocks_in(accessible_pages_);
   for (std::size_t id = capacity_; id < new_capacity; ++id) free_->insert(id);
   capacity_ = new_capacity;
   ++growths_;
@@ -140,6 +160,7 @@ status kv_block_storage::unmap_top(std::size_t first) {
   const std::size_t keep = handles_.size() - unmapped;
   pool_.return_pages({handles_.begin() + static_cast<std::ptrdiff_t>(keep), handles_.end()});
   handles_.resize(keep);
+  accessible_pages_ = std::min(accessible_pages_, keep);
   return failed;
 }
 
@@ -154,7 +175,7 @@ std::size_t kv_block_storage::shrink(std::size_t keep_free) {
     throw_cuda_error(s, "kv_block_storage: wait for the stream before unmapping");
   const std::size_t before = handles_.size();
   const status failed = unmap_top(keep_pages);
-  const std::size_t new_capacity = std::min(max_blocks_, handles_.size() * page_ / block_bytes_);
+  const std::size_t new_capacity = blocks_in(accessible_pages_);
   for (std::size_t id = new_capacity; id < capacity_; ++id) free_->erase(id);
   capacity_ = new_capacity;
   ++shrinks_;
@@ -163,8 +184,9 @@ std::size_t kv_block_storage::shrink(std::size_t keep_free) {
 }
 
 std::string kv_block_storage::validate() const {
-  if (capacity_ != std::min(max_blocks_, handles_.size() * page_ / block_bytes_))
-    return "capacity disagrees with the mapped pages";
+  if (accessible_pages_ > handles_.size()) return "more pages accessible than mapped";
+  if (capacity_ != blocks_in(accessible_pages_))
+    return "capacity disagrees with the accessible pages";
   std::size_t used = 0;
   for (std::size_t id = 0; id < max_blocks_; ++id) {
     const bool is_free = free_->contains(id);

@@ -3,9 +3,11 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <vector>
 
 #include "gpumem/backend.hpp"
 #include "gpumem/errors.hpp"
+#include "gpumem/kv.hpp"
 #include "gpumem/platform.hpp"
 #include "gpumem/pool.hpp"
 
@@ -140,6 +142,66 @@ TEST(fuzz_regression, vmm_page_pool_survives_an_unmap_failing_inside_a_growth_un
     }
   }
   EXPECT_TRUE(sim.live_objects().none()) << sim.live_objects().describe();
+}
+
+// kv_block_storage's growth maps its lent pages one by one, then grants access once. When
+// a map (or the access grant) fails and the undo's cuMemUnmap fails too, the page left
+// mapped must not go back to the pool: the pool would map or lend it again while it is
+// still mapped in the storage's range, and the storage's next growth would fail "address
+// range already mapped" (a cuda_error no fault explains). The storage keeps such a page
+// mapped, without access, and grants it access at its next growth.
+TEST(fuzz_regression, kv_block_storage_survives_an_unmap_failing_inside_a_growth_undo) {
+  struct failing_call {
+    platform_op op;
+    std::uint64_t nth;
+  };
+  // A 2nd map failing (page 1 of 3; page 0's unmap fails), or the access grant failing
+  // (all 3 mapped; the unmap of page 2 fails).
+  for (failing_call first : {failing_call{platform_op::map, 2}, failing_call{platform_op::set_access, 1}}) {
+    SCOPED_TRACE(platform_op_name(first.op));
+    sim_platform sim(sim_options{.capacity = 256 * MiB, .granularity = 2 * MiB});
+    {
+      vmm_page_pool pool(sim);
+      {
+        constexpr std::size_t block = 16 * 1024, per_page = 2 * MiB / block;
+        kv_block_storage storage(pool, block, 8 * per_page);
+        sim.inject_fault(first.op, sim_fault{.nth = first.nth, .kind = failure_kind::driver_error});
+        sim.inject_fault(platform_op::unmap, sim_fault{.nth = 1, .kind = failure_kind::driver_error});
+        EXPECT_THROW((void)storage.grow_to(3 * per_page), cuda_error);
+        sim.clear_faults();
+        EXPECT_EQ(storage.validate(), "");
+        EXPECT_EQ(pool.validate(), "");
+        EXPECT_EQ(storage.capacity_blocks(), 0u) << "a failed growth adds no block";
+        // The pool's own growth takes whatever pages it holds spare.
+        void* direct = nullptr;
+        EXPECT_NO_THROW(direct = pool.allocate(4 * MiB));
+        if (direct != nullptr) std::memset(direct, 0x3c, 4 * MiB);
+        bool grew = false;
+        EXPECT_NO_THROW(grew = storage.grow_to(3 * per_page)) << "the storage must stay usable";
+        EXPECT_TRUE(grew);
+        EXPECT_EQ(storage.validate(), "");
+        if (grew) {
+          std::vector<kv_block_storage::block_id> ids;
+          for (std::size_t i = 0; i < 3 * per_page; ++i) ids.push_back(*storage.try_allocate());
+          for (auto id : ids) std::memset(storage.address(id), static_cast<int>(id % 251), block);
+          for (auto id : ids) {
+            const auto* bytes = static_cast<const unsigned char*>(storage.address(id));
+            ASSERT_EQ(bytes[0], id % 251);
+            ASSERT_EQ(bytes[block - 1], id % 251);
+          }
+          for (auto id : ids) storage.free(id);
+        }
+        if (direct != nullptr) {
+          EXPECT_EQ(static_cast<unsigned char*>(direct)[4 * MiB - 1], 0x3c);
+          pool.deallocate(direct, 4 * MiB);
+        }
+        (void)storage.shrink();
+        EXPECT_EQ(storage.validate(), "");
+        EXPECT_EQ(pool.validate(), "");
+      }
+    }
+    EXPECT_TRUE(sim.live_objects().none()) << sim.live_objects().describe();
+  }
 }
 
 }  // namespace

@@ -9,8 +9,15 @@
 //  - allocate() returns the lowest free id, so free blocks gather at the top, where
 //    shrink() can give their pages back.
 //
+//  - A growth that fails undoes its maps from the top; when an unmap fails too, that page
+//    and those below it stay mapped, so they stay here, without access, and are never
+//    given back while mapped (the pool would map them again). The next growth grants them
+//    access with its own pages; shrink() and the destructor unmap them.
+//
 // Invariants (validate()):
-//  - capacity_blocks() == min(max_blocks, mapped_pages * page_size / block_bytes);
+//  - accessible_pages <= mapped_pages; pages [0, accessible_pages) have access, pages
+//    [accessible_pages, mapped_pages) are left by a failed undo and have none;
+//  - capacity_blocks() == min(max_blocks, accessible_pages * page_size / block_bytes);
 //  - an id below capacity is free (in the free set) or used, never both; none above is;
 //  - mapped_pages == handles held (lent by the pool, mapped here in order).
 // Not thread-safe: the owner (kv_cache) serializes calls.
@@ -72,6 +79,7 @@ class kv_block_storage {
   std::size_t used_blocks() const noexcept { return used_count_; }
   std::size_t free_blocks() const noexcept { return capacity_ - used_count_; }
   std::size_t mapped_pages() const noexcept { return handles_.size(); }
+  std::size_t accessible_pages() const noexcept { return accessible_pages_; }
   std::size_t mapped_bytes() const noexcept { return handles_.size() * page_; }
   std::size_t page_size() const noexcept { return page_; }
   std::uint64_t growths() const noexcept { return growths_; }
@@ -79,8 +87,10 @@ class kv_block_storage {
   std::string validate() const;
 
  private:
-  // Unmaps mapped pages [first, mapped_pages()) and returns them to the pool.
+  // Unmaps mapped pages [first, mapped_pages()) from the top and returns them to the
+  // pool, stopping at the first unmap that fails (that page and those below stay).
   status unmap_top(std::size_t first);
+  std::size_t blocks_in(std::size_t pages) const noexcept;
 
   vmm_page_pool& pool_;
   platform& platform_;
@@ -93,6 +103,7 @@ class kv_block_storage {
   std::uintptr_t base_ = 0;
   std::size_t range_bytes_ = 0;
   std::vector<physical_handle> handles_;  // page i of the range maps handles_[i]
+  std::size_t accessible_pages_ = 0;      // handles_[0, accessible_pages_) have access
   std::unique_ptr<detail::id_bitmap> free_;
   std::vector<std::uint8_t> used_;
   std::size_t capacity_ = 0;
