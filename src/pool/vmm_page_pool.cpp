@@ -221,15 +221,22 @@ bool vmm_page_pool::create_chunks(std::size_t pages, bool single_pages) {
   if (options_.limit_bytes != 0 && reserved_locked() + bytes > options_.limit_bytes) return false;
   const std::size_t first_new = chunks_.size();
   const std::size_t spare_before = spare_.size();
-  // Undo this call's chunks when a later one fails: all or nothing.
+  // Undo this call's chunks when a later one fails: all or nothing, but for a chunk whose
+  // cuMemRelease fails too: forgetting it would leak its handle, so it stays, spare (still
+  // counted reserved), for later use or release (release_cached, the destructor).
   auto undo = [&] {
+    std::size_t kept = first_new;
     for (std::size_t i = first_new; i < chunks_.size(); ++i) {
-      (void)device_platform().release_physical(chunks_[i].handle);
+      if (!device_platform().release_physical(chunks_[i].handle)) {
+        chunks_[kept++] = chunks_[i];
+        continue;
+      }
       sub_reserved(chunks_[i].pages * page_);
       counts_.pages_created -= chunks_[i].pages;
     }
-    chunks_.resize(first_new);
+    chunks_.resize(kept);
     spare_.resize(spare_before);
+    for (std::size_t i = first_new; i < kept; ++i) spare_.push_back(static_cast<std::uint32_t>(i));
   };
   for (std::size_t left = pages; left > 0;) {
     const std::size_t big = options_.big_chunk_pages;

@@ -204,4 +204,45 @@ TEST(fuzz_regression, kv_block_storage_survives_an_unmap_failing_inside_a_growth
   }
 }
 
+// vmm_page_pool creates the chunks of a growth (or of lent pages) one by one; when one
+// cuMemCreate fails, the undo releases the chunks already made. When that cuMemRelease
+// fails too, the chunk was forgotten and its handle leaked (sim: one physical handle left
+// at teardown; seen with several fault rules armed at once on the KV cache + page pool).
+// The chunk now stays, spare, and is used or released later.
+TEST(fuzz_regression, vmm_page_pool_keeps_a_chunk_whose_release_fails_inside_a_creation_undo) {
+  for (const bool lending : {false, true}) {
+    SCOPED_TRACE(lending ? "lend_pages (kv_block_storage growth)" : "pool growth");
+    sim_platform sim(sim_options{.capacity = 256 * MiB, .granularity = 2 * MiB});
+    {
+      vmm_page_pool pool(sim);
+      constexpr std::size_t block = 16 * 1024, per_page = 2 * MiB / block;
+      kv_block_storage storage(pool, block, 8 * per_page);
+      sim.inject_fault(platform_op::create_physical,
+                       sim_fault{.nth = 2, .kind = failure_kind::driver_error});
+      sim.inject_fault(platform_op::release_physical,
+                       sim_fault{.nth = 1, .kind = failure_kind::driver_error});
+      if (lending)
+        EXPECT_THROW((void)storage.grow_to(3 * per_page), cuda_error);
+      else
+        EXPECT_THROW((void)pool.allocate(4 * MiB), cuda_error);
+      sim.clear_faults();
+      EXPECT_EQ(pool.validate(), "");
+      EXPECT_EQ(storage.validate(), "");
+      EXPECT_EQ(pool.page_counts().spare_pages, 1u) << "the chunk whose release failed stays";
+      void* direct = nullptr;
+      EXPECT_NO_THROW(direct = pool.allocate(4 * MiB));
+      if (direct != nullptr) std::memset(direct, 0x3c, 4 * MiB);
+      EXPECT_TRUE(storage.grow_to(3 * per_page));
+      for (std::size_t i = 0; i < 3 * per_page; ++i) std::memset(storage.address(*storage.try_allocate()), 0x5a, block);
+      for (std::size_t i = 0; i < 3 * per_page; ++i) storage.free(static_cast<kv_block_storage::block_id>(i));
+      (void)storage.shrink();
+      if (direct != nullptr) pool.deallocate(direct, 4 * MiB);
+      (void)pool.trim();
+      EXPECT_EQ(pool.stats().reserved_bytes, 0u);
+      EXPECT_EQ(pool.validate(), "");
+    }
+    EXPECT_TRUE(sim.live_objects().none()) << sim.live_objects().describe();
+  }
+}
+
 }  // namespace

@@ -125,7 +125,8 @@ class vmm_page_pool final : public pool_base {
 
   std::uintptr_t page_address(std::size_t page) const noexcept { return va_base_ + page * page_; }
   // Creates chunks for `pages` pages (sized as above) into spare_; false (and
-  // nothing kept of this call) when the device or the limit has no room.
+  // nothing kept of this call, but a chunk the undo could not release: it stays spare)
+  // when the device or the limit has no room. Throws gpumem::cuda_error likewise.
   bool create_chunks(std::size_t pages, bool single_pages = false);
   std::size_t spare_pages() const;
   std::size_t spare_single_pages() const;
