@@ -4,7 +4,8 @@
 // (allocate / free on its stream or another / trim / release_stream / held events / bad
 // input), checked after each step against the reference model (no overlap, alignment,
 // bytes intact until freed, live bytes and count, validate()), then a second corpus with
-// sim faults injected (every failure typed, nothing changed, pool usable, no leak).
+// sim faults injected (every failure typed, nothing changed, pool usable, no leak); for
+// the KV cache also a corpus with several fault rules armed at once.
 // Runs in every CI build, under ASan+UBSan and TSan too. GPUMEM_FUZZ_SEEDS overrides the
 // seed count (for longer local runs); totals are printed for docs/RELIABILITY.md.
 #include <gtest/gtest.h>
@@ -116,6 +117,22 @@ TEST(fuzz_corpus_kv_cache, injected_faults_are_typed_and_leave_the_cache_valid) 
     ASSERT_EQ(why, "") << "seed " << seed;
   }
   report("kv_cache with faults", counts);
+  EXPECT_GT(counts.faults_armed, n * 2);
+  EXPECT_GT(counts.typed_failures, 0u);
+}
+
+// Up to three fault rules armed at once, so a failure strikes inside another's undo (two
+// faults in a row: RELIABILITY.md finding 4). Undo paths must still leave the cache and the
+// page pool valid and leak nothing.
+TEST(fuzz_corpus_kv_cache, several_faults_at_once_are_typed_and_leak_nothing) {
+  fuzz_counts counts;
+  const auto n = seeds();
+  for (std::uint64_t seed = 0; seed < n; ++seed) {
+    const auto bytes = corpus_bytes(4'000'000 + seed, kv_bytes_per_seed);
+    const auto why = run_kv_cache_fuzz(bytes.data(), bytes.size(), true, ops_per_seed, counts, 3);
+    ASSERT_EQ(why, "") << "seed " << seed;
+  }
+  report("kv_cache with up to 3 faults at once", counts);
   EXPECT_GT(counts.faults_armed, n * 2);
   EXPECT_GT(counts.typed_failures, 0u);
 }

@@ -146,37 +146,49 @@ inline constexpr std::array<gpumem::platform_op, 16> fault_ops = {
 // Arms one sim fault at a time: a new rule only once the previous one has fired (its op
 // was called nth times since) or was passed over three times, so each failure is a single
 // fault, as a driver gives them; undo paths run with the driver healthy. names(): every call a rule has targeted.
+// With rules_at_once > 1, up to that many rules on different calls stay armed together, so
+// a failure may strike inside another's undo (two faults in a row: RELIABILITY.md finding 4).
 class fault_arm {
  public:
+  explicit fault_arm(std::size_t rules_at_once = 1) : rules_at_once_(std::max<std::size_t>(1, rules_at_once)) {}
   void arm(gpumem::sim_platform& sim, byte_source& in, fuzz_counts& counts) {
     const auto op = fault_ops[in.u8() % fault_ops.size()];
     gpumem::sim_fault f;
     f.nth = 1 + in.u8() % 6;
     f.kind = in.u8() % 2 ? gpumem::failure_kind::out_of_memory : gpumem::failure_kind::driver_error;
+    std::erase_if(rules_, [&](const rule& r) { return sim.calls_made(r.op) >= r.due; });
     // A rule whose op is not called for a while (not on this pool's paths) gives way.
-    if (pending(sim) && ++waited_ < 3) return;
+    if (rules_.size() >= rules_at_once_ && ++waited_ < 3) return;
     waited_ = 0;
-    sim.clear_faults();
+    if (rules_.size() >= rules_at_once_) {
+      sim.clear_faults();
+      rules_.clear();
+    }
+    std::erase_if(rules_, [&](const rule& r) { return r.op == op; });  // sim keeps one rule a call
     sim.inject_fault(op, f);
-    op_ = op;
-    due_ = sim.calls_made(op) + f.nth;
-    armed_ = true;
+    rules_.push_back(rule{op, sim.calls_made(op) + f.nth});
     const std::string name(gpumem::platform_op_name(op));
     if (std::find(names_.begin(), names_.end(), name) == names_.end()) names_.push_back(name);
     ++counts.faults_armed;
   }
-  bool pending(const gpumem::sim_platform& sim) const { return armed_ && sim.calls_made(op_) < due_; }
+  bool pending(const gpumem::sim_platform& sim) const {
+    return std::any_of(rules_.begin(), rules_.end(),
+                       [&](const rule& r) { return sim.calls_made(r.op) < r.due; });
+  }
   bool any() const { return !names_.empty(); }
   const std::vector<std::string>& names() const { return names_; }
   void clear(gpumem::sim_platform& sim) {
     sim.clear_faults();
-    armed_ = false;
+    rules_.clear();
   }
 
  private:
-  gpumem::platform_op op_{};
-  std::uint64_t due_ = 0;
-  bool armed_ = false;
+  struct rule {
+    gpumem::platform_op op;
+    std::uint64_t due;  // calls_made(op) once it has fired
+  };
+  std::size_t rules_at_once_;
+  std::vector<rule> rules_;
   int waited_ = 0;
   std::vector<std::string> names_;
 };

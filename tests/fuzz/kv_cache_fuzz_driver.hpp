@@ -35,8 +35,9 @@ class kv_driver {
   using token = gpumem::token_id;
 
   kv_driver(gpumem::sim_platform& sim, gpumem::vmm_page_pool& pages, gpumem::kv_cache& kv,
-            byte_source& in, bool fault_mode, fuzz_counts& counts)
-      : sim_(sim), pages_(pages), kv_(kv), in_(in), fault_mode_(fault_mode), counts_(counts) {
+            byte_source& in, bool fault_mode, fuzz_counts& counts, std::size_t fault_rules = 1)
+      : sim_(sim), pages_(pages), kv_(kv), in_(in), fault_mode_(fault_mode), counts_(counts),
+        faults_(fault_rules) {
     for (int p = 0; p < 3; ++p) {
       std::vector<token> t(16 * (1 + p) + 16);
       std::iota(t.begin(), t.end(), 10000 * (p + 1));
@@ -331,8 +332,10 @@ class kv_driver {
 
 }  // namespace detail
 
+// fault_rules: how many sim fault rules may be armed at once in fault mode (fault_arm).
 inline std::string run_kv_cache_fuzz(const std::uint8_t* data, std::size_t size, bool fault_mode,
-                                     std::size_t max_ops, fuzz_counts& counts) {
+                                     std::size_t max_ops, fuzz_counts& counts,
+                                     std::size_t fault_rules = 1) {
   ++counts.runs;
   gpumem::sim_platform sim(detail::device_options());
   byte_source in(data, size);
@@ -353,7 +356,7 @@ inline std::string run_kv_cache_fuzz(const std::uint8_t* data, std::size_t size,
     c.stream = stream.value();
     try {
       gpumem::kv_cache kv(pages, c, &host);
-      detail::kv_driver driver(sim, pages, kv, in, fault_mode, counts);
+      detail::kv_driver driver(sim, pages, kv, in, fault_mode, counts, fault_rules);
       why = driver.run(max_ops);
     } catch (const std::exception& e) {
       why = std::string("unexpected exception: ") + e.what();
