@@ -129,8 +129,13 @@ TEST_F(UseAfterDestroy, APointerOfADestroyedCachingPoolIsRefusedByLivePools) {
     const std::string at_start = expect_refused_and_intact(*live, first, MiB);
     EXPECT_NE(at_start.find("already freed"), std::string::npos) << at_start;
     EXPECT_NE(at_start.find("'caching_pool'"), std::string::npos) << at_start;
+    // Further in: unknown, or — when an earlier test in this process freed a block at that
+    // very address (sim reuses host memory) — "already freed" by the registry's memory of
+    // recent frees. Either way refused, typed, the live pool intact.
     const std::string further_in = expect_refused_and_intact(*live, second, MiB);
-    EXPECT_NE(further_in.find("unknown pointer"), std::string::npos) << further_in;
+    EXPECT_TRUE(further_in.find("unknown pointer") != std::string::npos ||
+                further_in.find("already freed") != std::string::npos)
+        << further_in;
   }
   live_vmm.deallocate(kept_vmm, MiB);
   live_caching.deallocate(kept_caching, MiB);
