@@ -20,8 +20,8 @@ namespace {
 using namespace gpumem;
 using gpumem_test::cuda;
 using gpumem_test::device_kernels;
+using gpumem_test::MiB;
 
-constexpr std::size_t MiB = std::size_t{1} << 20;
 constexpr int illegal_address_exit = 3;
 
 device_kernels& kernels() {

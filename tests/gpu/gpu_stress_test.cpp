@@ -31,8 +31,8 @@ using namespace gpumem;
 
 using gpumem_test::cuda;
 using gpumem_test::device_kernels;
+using gpumem_test::MiB;
 
-constexpr std::size_t MiB = std::size_t{1} << 20;
 constexpr int gpu_threads = 6;
 constexpr int gpu_ops_per_thread = 400;
 

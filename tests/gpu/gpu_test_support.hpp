@@ -4,12 +4,15 @@
 
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <memory>
 #include <string>
 
 #include "gpumem/platform.hpp"
 
 namespace gpumem_test {
+
+inline constexpr std::size_t MiB = std::size_t{1} << 20;
 
 inline gpumem::platform* cuda() {
   static std::string why;
