@@ -9,7 +9,11 @@
 //   grow_512    a fresh vmm_page_pool serves one 1 GiB request: 512 pages created, mapped
 //               and given access; reported per page, with one-page handles and big_chunk:32
 //   threads     1, 2, 4, 8 threads (up to the cores) sharing one pool, same-size pairs: the
-//               wall time per pair over all threads (lower = better; one mutex per pool)
+//               wall time per pair over all threads (lower = better), with the per-thread
+//               caches (the default) and without them (thread_cache:off: the pool's mutex on
+//               every call)
+//
+// The pools run with their defaults and again with thread_cache:off, in the same process.
 //
 // Usage: pool_bench [--device auto|cuda|sim] [--json FILE]
 #include <algorithm>
@@ -105,12 +109,23 @@ int main(int argc, char** argv) {
   runtime_resource pool_upstream(p, 0);
   caching_pool caching(pool_upstream);
   vmm_page_pool vmm_pool(p, 0);
+  pool_options locked_options;
+  locked_options.thread_cache = false;
+  runtime_resource locked_upstream(p, 0);
+  caching_pool caching_locked(locked_upstream, locked_options);
+  vmm_page_pool vmm_locked(p, 0, locked_options);
 
   std::vector<allocator_fns> allocators;
   allocators.push_back({"vmm_page_pool", [&](std::size_t n) { return vmm_pool.allocate(n); },
                         [&](void* q, std::size_t n) { vmm_pool.deallocate(q, n); }});
   allocators.push_back({"caching_pool", [&](std::size_t n) { return caching.allocate(n); },
                         [&](void* q, std::size_t n) { caching.deallocate(q, n); }});
+  allocators.push_back({"vmm_page_pool/locked",
+                        [&](std::size_t n) { return vmm_locked.allocate(n); },
+                        [&](void* q, std::size_t n) { vmm_locked.deallocate(q, n); }});
+  allocators.push_back({"caching_pool/locked",
+                        [&](std::size_t n) { return caching_locked.allocate(n); },
+                        [&](void* q, std::size_t n) { caching_locked.deallocate(q, n); }});
   allocators.push_back({"cudaMallocAsync",
                         [&](std::size_t n) {
                           auto r = p.async_malloc(0, n, {});
@@ -167,10 +182,18 @@ int main(int argc, char** argv) {
     growths.push_back(g);
   }
 
-  // Contention: T threads share one vmm_page_pool (one mutex), each doing same-size pairs.
-  std::vector<std::pair<int, double>> threaded;
-  {
-    vmm_page_pool shared(p, 0);
+  // Contention: T threads share one vmm_page_pool, each doing same-size pairs; with thread
+  // caches and with every call under the pool's mutex.
+  struct threaded_row {
+    bool cached;
+    int threads;
+    double ns;
+  };
+  std::vector<threaded_row> threaded;
+  for (bool cached : {true, false}) {
+    pool_options o;
+    o.thread_cache = cached;
+    vmm_page_pool shared(p, 0, o);
     const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
     for (unsigned t : {1u, 2u, 4u, 8u}) {
       if (t > hw) break;
@@ -184,15 +207,15 @@ int main(int argc, char** argv) {
         });
       for (auto& w : workers) w.join();
       const double total_ns = std::chrono::duration<double, std::nano>(clock_type::now() - t0).count();
-      threaded.emplace_back(static_cast<int>(t), total_ns / (static_cast<double>(steps) * t));
+      threaded.push_back({cached, static_cast<int>(t), total_ns / (static_cast<double>(steps) * t)});
     }
   }
 
   const row& async_row = *std::find_if(rows.begin(), rows.end(), [](auto& r) { return r.name == "cudaMallocAsync"; });
-  std::printf("\n%-16s %16s %16s %14s %14s\n", "allocator", "same_size ns/pair", "mixed_64 ns/pair",
+  std::printf("\n%-20s %16s %16s %14s %14s\n", "allocator", "same_size ns/pair", "mixed_64 ns/pair",
               "vs async same", "vs async mixed");
   for (auto& r : rows)
-    std::printf("%-16s %16.1f %16.1f %13.1fx %13.1fx\n", r.name.c_str(), r.same, r.mixed,
+    std::printf("%-20s %16.1f %16.1f %13.1fx %13.1fx\n", r.name.c_str(), r.same, r.mixed,
                 async_row.same / r.same, async_row.mixed / r.mixed);
   for (const growth& g : growths)
     std::printf("\ngrow_512 (big_chunk %zu): %.0f ns per page (median of 5; %llu cuMemCreate, %llu cuMemMap, "
@@ -200,9 +223,10 @@ int main(int argc, char** argv) {
                 g.big_chunk, g.ns_per_page, static_cast<unsigned long long>(g.creates),
                 static_cast<unsigned long long>(g.maps), static_cast<unsigned long long>(g.accesses));
   std::printf("\n");
-  for (auto [t, ns] : threaded)
-    std::printf("%d thread(s) sharing one pool: %.1f ns of wall time per alloc+free pair, all "
-                "threads together\n", t, ns);
+  for (const threaded_row& r : threaded)
+    std::printf("%d thread(s) sharing one pool, %s: %.1f ns of wall time per alloc+free pair, "
+                "all threads together\n", r.threads,
+                r.cached ? "thread caches" : "thread_cache:off", r.ns);
 
   if (!json_path.empty()) {
     std::FILE* f = std::fopen(json_path.c_str(), "w");

@@ -6,8 +6,8 @@
 
 namespace gpumem::detail {
 
-block_arena::block_arena(std::size_t unit, std::size_t max_cached_blocks)
-    : unit_(unit), max_cached_blocks_(max_cached_blocks) {}
+block_arena::block_arena(std::uint8_t id, std::size_t unit, std::size_t max_cached_blocks)
+    : id_(id), unit_(unit), max_cached_blocks_(max_cached_blocks) {}
 
 block_arena::~block_arena() {
   for (block* b : all_records_) delete b;
@@ -18,9 +18,11 @@ block* block_arena::new_block() {
     block* b = spare_blocks_.back();
     spare_blocks_.pop_back();
     *b = block{};
+    b->arena_id = id_;
     return b;
   }
   block* b = new block{};
+  b->arena_id = id_;
   all_records_.push_back(b);
   return b;
 }

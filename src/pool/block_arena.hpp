@@ -43,6 +43,8 @@ struct block {
   state st = state::free;
   std::uint8_t bin_level = 0;   // the free bin it is in (state::free only), so erasing
   std::uint8_t bin_sub = 0;     // it needs no recomputation
+  std::uint8_t arena_id = 0;    // the owning arena's id, so a block held outside it (a
+                                // thread cache) goes back to the right one
   std::uintptr_t stream = 0;    // stream whose order makes this block safe to reuse
   std::uint64_t free_epoch = 0; // the stream's free counter when it was freed
   std::size_t requested = 0;    // bytes the user asked for (allocated blocks)
@@ -51,7 +53,8 @@ struct block {
 class block_arena {
  public:
   // granularity of block sizes and addresses (512 B, like PyTorch).
-  explicit block_arena(std::size_t unit = 512, std::size_t max_cached_blocks = 4096);
+  explicit block_arena(std::uint8_t id = 0, std::size_t unit = 512,
+                       std::size_t max_cached_blocks = 4096);
   ~block_arena();
   block_arena(const block_arena&) = delete;
   block_arena& operator=(const block_arena&) = delete;
@@ -137,6 +140,7 @@ class block_arena {
   template <class F>
   void for_each_free(F&& f) const;
 
+  std::uint8_t id_;
   std::size_t unit_;
   std::size_t max_cached_blocks_;
   std::vector<std::unique_ptr<stream_bins>> bins_;  // a few streams: searched linearly

@@ -4,21 +4,48 @@
 #include <cstdio>
 #include <limits>
 #include <sstream>
+#include <unordered_map>
 
 #include "gpumem/errors.hpp"
 #include "backend/ownership_registry.hpp"
 #include "pool/block_arena.hpp"
+#include "pool/thread_cache.hpp"
 
 namespace gpumem {
+
+namespace {
+
+// The thread's caches of the pools it used lately, named by pool id. A slot whose pool
+// was destroyed never matches again (ids are not reused); a thread using more pools than
+// slots finds the others through the pool's map, under the pool lock.
+struct cache_slot {
+  std::uint64_t pool = 0;
+  detail::thread_cache* cache = nullptr;
+};
+thread_local std::array<cache_slot, 8> t_cache_slots{};
+thread_local unsigned t_next_slot = 0;
+std::atomic<std::uint64_t> g_next_pool_id{1};
+
+void raise_to(std::atomic<std::size_t>& peak, std::size_t value) noexcept {
+  std::size_t seen = peak.load(std::memory_order_relaxed);
+  while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+  }
+}
+
+}  // namespace
 
 pool_base::pool_base(platform& platform, int device, pool_options options,
                      std::size_t alignment_limit)
     : memory_resource(platform, device),
       options_(options),
+      pool_id_(g_next_pool_id.fetch_add(1, std::memory_order_relaxed)),
+      fast_path_allowed_(options.thread_cache && !options.guard && !options.scrub &&
+                         options.release_threshold == std::numeric_limits<std::size_t>::max()),
       alignment_limit_(alignment_limit) {
-  arenas_[small_arena] = std::make_unique<detail::block_arena>();
-  arenas_[large_arena] = std::make_unique<detail::block_arena>();
+  arenas_[small_arena] = std::make_unique<detail::block_arena>(small_arena);
+  arenas_[large_arena] = std::make_unique<detail::block_arena>(large_arena);
   streams_.try_emplace(0);  // the default stream: fresh and reserved memory is tagged with it
+  fast_path_.store(fast_path_allowed_, std::memory_order_relaxed);
 }
 
 pool_base::~pool_base() {
@@ -26,7 +53,103 @@ pool_base::~pool_base() {
     if (s.event.value != 0) (void)device_platform().event_destroy(s.event);
 }
 
+detail::thread_cache* pool_base::this_thread_cache() const noexcept {
+  for (const cache_slot& s : t_cache_slots)
+    if (s.pool == pool_id_) return s.cache;
+  return nullptr;
+}
+
+detail::thread_cache& pool_base::cache_for_this_thread_locked() {
+  if (detail::thread_cache* c = this_thread_cache()) return *c;
+  detail::thread_cache*& c = cache_of_thread_[std::this_thread::get_id()];
+  if (c == nullptr) {
+    caches_.push_back(std::make_unique<detail::thread_cache>());
+    c = caches_.back().get();
+    if (caches_.size() > 1) one_thread_.store(false, std::memory_order_relaxed);
+  }
+  t_cache_slots[t_next_slot++ % t_cache_slots.size()] = {pool_id_, c};
+  return *c;
+}
+
+void pool_base::publish(std::int64_t requested, std::int64_t block) noexcept {
+  // Two's complement: adding a negative delta as unsigned subtracts it.
+  const auto live = live_bytes_.fetch_add(static_cast<std::size_t>(requested),
+                                          std::memory_order_relaxed) +
+                    static_cast<std::size_t>(requested);
+  const auto held = block_bytes_.fetch_add(static_cast<std::size_t>(block),
+                                           std::memory_order_relaxed) +
+                    static_cast<std::size_t>(block);
+  if (requested > 0) raise_to(peak_live_bytes_, live);
+  if (block > 0) raise_to(peak_block_bytes_, held);
+}
+
+void pool_base::count(detail::thread_cache& c, std::int64_t requested, std::int64_t block) noexcept {
+  c.pending_live += requested;
+  c.pending_blocks += block;
+  if (one_thread_.load(std::memory_order_relaxed) || c.pending_live >= stats_slack ||
+      c.pending_live <= -stats_slack || c.pending_blocks >= stats_slack ||
+      c.pending_blocks <= -stats_slack) {
+    publish(c.pending_live, c.pending_blocks);
+    c.pending_live = 0;
+    c.pending_blocks = 0;
+  }
+}
+
+std::size_t pool_base::live_bytes_locked() const {
+  std::size_t total = live_bytes_.load(std::memory_order_relaxed);
+  for (const auto& c : caches_) {
+    std::lock_guard cache_lock(c->mutex);
+    total += static_cast<std::size_t>(c->pending_live);
+  }
+  return total;
+}
+
+std::size_t pool_base::block_bytes_locked() const {
+  std::size_t total = block_bytes_.load(std::memory_order_relaxed);
+  for (const auto& c : caches_) {
+    std::lock_guard cache_lock(c->mutex);
+    total += static_cast<std::size_t>(c->pending_blocks);
+  }
+  return total;
+}
+
+void pool_base::release_to_arena_locked(detail::block* b, std::uintptr_t stream) {
+  auto& s = stream_state_of(stream);
+  arenas_[b->arena_id]->release(b, stream, ++s.frees);
+}
+
+void pool_base::drain_locked(detail::thread_cache& c) {
+  std::lock_guard cache_lock(c.mutex);
+  c.drain([&](detail::block* b, std::uintptr_t stream) { release_to_arena_locked(b, stream); });
+}
+
+bool pool_base::drain_thread_caches() {
+  bool any = false;
+  for (auto& c : caches_) {
+    std::lock_guard cache_lock(c->mutex);
+    any = any || c->free_blocks != 0;
+    c->drain([&](detail::block* b, std::uintptr_t stream) { release_to_arena_locked(b, stream); });
+  }
+  return any;
+}
+
 void* pool_base::do_allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) {
+  // Fast path: a block this thread freed on this stream, of this size; no pool lock.
+  if (fast_path_.load(std::memory_order_relaxed) && alignment <= arenas_[0]->unit()) {
+    if (detail::thread_cache* c = this_thread_cache()) {
+      std::lock_guard cache_lock(c->mutex);
+      if (detail::block* b = c->pop(stream.value, arenas_[0]->round(bytes))) {
+        c->live[b->addr] = {b, bytes};
+        c->allocations += 1;
+        count(*c, static_cast<std::int64_t>(bytes), static_cast<std::int64_t>(b->size));
+        return reinterpret_cast<void*>(b->addr);
+      }
+    }
+  }
+  return allocate_locked(bytes, alignment, stream);
+}
+
+void* pool_base::allocate_locked(std::size_t bytes, std::size_t alignment, stream_handle stream) {
   std::lock_guard lock(mutex_);
   if (options_.guard) {
     void* g = allocate_guarded(bytes, alignment, stream);
@@ -35,36 +158,37 @@ void* pool_base::do_allocate(std::size_t bytes, std::size_t alignment, stream_ha
       throw out_of_memory(report_locked(bytes));
     }
     guarded_live_bytes_ += bytes;
-    stats_.live_bytes += bytes;
-    stats_.live_allocations += 1;
+    guarded_live_count_ += 1;
     stats_.allocations += 1;
-    if (stats_.live_bytes > stats_.peak_live_bytes) stats_.peak_live_bytes = stats_.live_bytes;
+    publish(static_cast<std::int64_t>(bytes), 0);
     notify(pool_event_kind::alloc, reinterpret_cast<std::uintptr_t>(g), bytes, stream.value);
     return g;
   }
+  detail::thread_cache& mine = cache_for_this_thread_locked();
   const std::uint32_t id = bytes <= options_.small_threshold ? small_arena : large_arena;
   detail::block_arena& a = *arenas_[id];
   const std::size_t size = a.round(bytes);
   detail::block* b = a.allocate(size, alignment, stream.value, bytes);
-  void* ptr = b != nullptr ? reinterpret_cast<void*>(b->addr)
-                           : allocate_slow(id, size, alignment, stream, bytes);
-  stats_.live_bytes += bytes;
-  stats_.live_allocations += 1;
-  stats_.allocations += 1;
-  if (stats_.live_bytes > stats_.peak_live_bytes) stats_.peak_live_bytes = stats_.live_bytes;
-  const std::size_t held = arenas_[0]->allocated_bytes() + arenas_[1]->allocated_bytes();
-  if (held > peak_allocated_) peak_allocated_ = held;
-  notify(pool_event_kind::alloc, reinterpret_cast<std::uintptr_t>(ptr), bytes, stream.value);
-  return ptr;
+  if (b == nullptr) b = allocate_slow(id, size, alignment, stream, bytes);
+  {
+    std::lock_guard cache_lock(mine.mutex);
+    mine.live[b->addr] = {b, bytes};
+    mine.allocations += 1;
+    count(mine, static_cast<std::int64_t>(bytes), static_cast<std::int64_t>(b->size));
+  }
+  notify(pool_event_kind::alloc, b->addr, bytes, stream.value);
+  return reinterpret_cast<void*>(b->addr);
 }
 
-void* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std::size_t alignment,
+detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std::size_t alignment,
                                stream_handle stream, std::size_t requested) {
   detail::block_arena& a = *arenas_[id];
   streams_.try_emplace(stream.value);
+  // Before merging: what other threads keep freed in their caches.
+  drain_thread_caches();
   a.flush();
   if (auto* b = a.allocate(size, alignment, stream.value, requested))
-    return reinterpret_cast<void*>(b->addr);
+    return b;
   auto from_other_streams = [&](detail::block_arena& arena) {
     return streams_.size() > 1
                ? arena.allocate_from_other_streams(
@@ -74,24 +198,24 @@ void* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std::size_t a
                      })
                : nullptr;
   };
-  if (auto* b = from_other_streams(a)) return reinterpret_cast<void*>(b->addr);
+  if (auto* b = from_other_streams(a)) return b;
   if (id == small_arena && small_may_use_large_arena()) {
     detail::block_arena& large = *arenas_[large_arena];
     large.flush();
     if (auto* b = large.allocate(size, alignment, stream.value, requested))
-      return reinterpret_cast<void*>(b->addr);
-    if (auto* b = from_other_streams(large)) return reinterpret_cast<void*>(b->addr);
+      return b;
+    if (auto* b = from_other_streams(large)) return b;
   }
   if (grow(a, id, size, alignment, stream)) {
     if (auto* b = a.allocate(size, alignment, stream.value, requested))
-      return reinterpret_cast<void*>(b->addr);
+      return b;
   }
   // Memory pressure: give back everything cached, then try once more.
   stats_.alloc_retries += 1;
   release_cached();
   if (grow(a, id, size, alignment, stream)) {
     if (auto* b = a.allocate(size, alignment, stream.value, requested))
-      return reinterpret_cast<void*>(b->addr);
+      return b;
   }
   stats_.oom_count += 1;
   if (observer_ != nullptr) {
@@ -139,48 +263,79 @@ bool pool_base::free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch,
 }
 
 void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream) {
-  std::lock_guard lock(mutex_);
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  // Fast path: a pointer this thread allocated, freed with its size; no pool lock.
+  // (0 is the live maps' empty key: never looked up.)
+  if (fast_path_.load(std::memory_order_relaxed) && addr != 0) {
+    if (detail::thread_cache* c = this_thread_cache()) {
+      std::unique_lock cache_lock(c->mutex);
+      const detail::live_record* r = c->live.find(addr);
+      if (r != nullptr && r->requested == bytes) {
+        detail::block* b = r->b;
+        c->live.erase(addr);
+        c->note_free(addr);
+        count(*c, -static_cast<std::int64_t>(bytes), -static_cast<std::int64_t>(b->size));
+        if (c->push(b, stream.value)) return;
+        cache_lock.unlock();  // full: the block goes to its arena, under the pool lock
+        std::lock_guard lock(mutex_);
+        release_to_arena_locked(b, stream.value);
+        return;
+      }
+    }
+  }
+  deallocate_locked(addr, bytes, stream);
+}
+
+void pool_base::deallocate_locked(std::uintptr_t addr, std::size_t bytes, stream_handle stream) {
+  std::lock_guard lock(mutex_);
   if (options_.guard && free_guarded(addr, bytes, stream)) {
     recent_frees_[recent_next_] = addr;
     recent_next_ = (recent_next_ + 1) % recent_frees_.size();
     notify(pool_event_kind::free, addr, bytes, stream.value);
     guarded_live_bytes_ -= bytes;
-    stats_.live_bytes -= bytes;
-    stats_.live_allocations -= 1;
+    guarded_live_count_ -= 1;
     stats_.deallocations += 1;
+    publish(-static_cast<std::int64_t>(bytes), 0);
     return;
   }
-  // The arena its size points to, else the other (small blocks may live in the large one).
-  std::uint32_t id = bytes <= options_.small_threshold ? small_arena : large_arena;
-  detail::block* b = arenas_[id]->find_live(addr);
-  if (b == nullptr) {
-    id = 1 - id;
-    b = arenas_[id]->find_live(addr);
-  }
-  if (b == nullptr || b->requested != bytes) {
-    if (b != nullptr)
+  // The cache holding the record: this thread's first, then the others' (a free on another
+  // thread than the allocation's).
+  detail::thread_cache* mine = this_thread_cache();
+  detail::block* b = nullptr;
+  for (std::size_t i = 0; i <= caches_.size() && b == nullptr && addr != 0; ++i) {
+    detail::thread_cache* c = i == 0 ? mine : caches_[i - 1].get();
+    if (c == nullptr || (i > 0 && c == mine)) continue;
+    std::lock_guard cache_lock(c->mutex);
+    const detail::live_record* r = c->live.find(addr);
+    if (r == nullptr) continue;
+    if (r->requested != bytes)
       throw invalid_argument("deallocate: size mismatch for pointer " + hex_address(addr) +
                              " of the '" + std::string(name()) + "' pool: allocated " +
-                             std::to_string(b->requested) + " bytes, freed as " +
+                             std::to_string(r->requested) + " bytes, freed as " +
                              std::to_string(bytes));
-    throw invalid_argument("deallocate: " + diagnose_locked(addr));
+    if (options_.scrub) {
+      // Zeroed in stream order before the block is free: a later owner on this stream runs
+      // after the memset, one on another stream only after an event recorded later still.
+      // A failure leaves the allocation live (the caller may retry the free).
+      if (auto st = device_platform().memset_async(reinterpret_cast<void*>(addr), 0,
+                                                   r->b->size, stream);
+          !st)
+        throw_cuda_error(st, "pool: scrub a freed block");
+    }
+    b = r->b;
+    c->live.erase(addr);
+    c->note_free(addr);
+    count(*c, -static_cast<std::int64_t>(bytes), -static_cast<std::int64_t>(b->size));
   }
-  if (options_.scrub) {
-    // Zeroed in stream order before the block is free: a later owner on this stream runs
-    // after the memset, one on another stream only after an event recorded later still.
-    // A failure leaves the allocation live (the caller may retry the free).
-    if (auto st = device_platform().memset_async(ptr, 0, b->size, stream); !st)
-      throw_cuda_error(st, "pool: scrub a freed block");
+  if (b == nullptr) throw invalid_argument("deallocate: " + diagnose_locked(addr));
+  bool kept = false;
+  if (fast_path_.load(std::memory_order_relaxed)) {
+    detail::thread_cache& c = cache_for_this_thread_locked();
+    std::lock_guard cache_lock(c.mutex);
+    kept = c.push(b, stream.value);
   }
-  recent_frees_[recent_next_] = addr;
-  recent_next_ = (recent_next_ + 1) % recent_frees_.size();
-  auto& s = stream_state_of(stream.value);
-  arenas_[id]->release(b, stream.value, ++s.frees);
+  if (!kept) release_to_arena_locked(b, stream.value);
   notify(pool_event_kind::free, addr, bytes, stream.value);
-  stats_.live_bytes -= bytes;
-  stats_.live_allocations -= 1;
-  stats_.deallocations += 1;
   if (options_.release_threshold != std::numeric_limits<std::size_t>::max() &&
       stats_.reserved_bytes - arenas_[0]->allocated_bytes() - arenas_[1]->allocated_bytes() >
           options_.release_threshold) {
@@ -197,15 +352,25 @@ std::string pool_base::diagnose_locked(std::uintptr_t addr) const {
   const std::string pool = "the '" + std::string(name()) + "' pool (device " +
                            std::to_string(device()) + ")";
   if (addr == 0) return "null pointer passed to " + pool;
-  // Error path: a scan of the live blocks is fine here.
-  for (const auto& a : arenas_)
-    for (const detail::block* b : a->live_blocks_list())
-      if (addr > b->addr && addr < b->addr + b->size)
-        return "interior pointer " + hex_address(addr) + ": it lies " +
-               std::to_string(addr - b->addr) + " bytes inside the live allocation at " +
-               hex_address(b->addr) + " (" + std::to_string(b->requested) + " bytes) of " + pool;
-  if (std::find(recent_frees_.begin(), recent_frees_.end(), addr) != recent_frees_.end())
-    return "double free: pointer " + hex_address(addr) + " was already freed to " + pool;
+  // Error path: a scan of the live allocations is fine here.
+  for (const auto& c : caches_) {
+    std::lock_guard cache_lock(c->mutex);
+    std::string inside;
+    c->live.for_each([&](std::uintptr_t at, const detail::live_record& r) {
+      if (inside.empty() && addr > at && addr < at + r.b->size)
+        inside = "interior pointer " + hex_address(addr) + ": it lies " +
+                 std::to_string(addr - at) + " bytes inside the live allocation at " +
+                 hex_address(at) + " (" + std::to_string(r.requested) + " bytes) of " + pool;
+    });
+    if (!inside.empty()) return inside;
+  }
+  bool freed = std::find(recent_frees_.begin(), recent_frees_.end(), addr) != recent_frees_.end();
+  for (const auto& c : caches_) {
+    std::lock_guard cache_lock(c->mutex);
+    freed = freed || std::find(c->recent_frees.begin(), c->recent_frees.end(), addr) !=
+                         c->recent_frees.end();
+  }
+  if (freed) return "double free: pointer " + hex_address(addr) + " was already freed to " + pool;
   return detail::registry_diagnose(reinterpret_cast<const void*>(addr), this);
 }
 
@@ -217,6 +382,9 @@ std::string pool_base::hex_address(std::uintptr_t addr) {
 
 void pool_base::release_stream(stream_handle stream) {
   std::lock_guard lock(mutex_);
+  // Blocks freed on the stream may sit in thread caches: into the arenas first, so they
+  // are re-tagged below (the stream's state is made as they go back).
+  if (stream.value != 0) drain_thread_caches();
   auto it = streams_.find(stream.value);
   if (it == streams_.end() || stream.value == 0) return;
   // Its blocks become the default stream's, safe at once: the stream's work is done.
@@ -238,6 +406,7 @@ void pool_base::synchronize_streams_with_free_blocks() {
 
 std::size_t pool_base::trim() {
   std::lock_guard lock(mutex_);
+  drain_thread_caches();
   return release_cached();
 }
 
@@ -251,15 +420,32 @@ void pool_base::sub_reserved(std::size_t bytes) { stats_.reserved_bytes -= bytes
 
 resource_stats pool_base::stats() const {
   std::lock_guard lock(mutex_);
-  resource_stats s = stats_;
-  s.cached_bytes = s.reserved_bytes - arenas_[0]->allocated_bytes() - arenas_[1]->allocated_bytes();
+  resource_stats s = stats_;  // reserved, retries, OOMs; guarded allocation counts
+  s.live_allocations = guarded_live_count_;
+  for (const auto& c : caches_) {
+    std::lock_guard cache_lock(c->mutex);
+    s.allocations += c->allocations;
+    s.deallocations += c->deallocations;
+    s.live_allocations += c->live.size();
+  }
+  s.live_bytes = live_bytes_locked();
+  s.peak_live_bytes = std::max(peak_live_bytes_.load(std::memory_order_relaxed), s.live_bytes);
+  const std::size_t handed_out = block_bytes_locked();
+  s.cached_bytes = s.reserved_bytes > handed_out ? s.reserved_bytes - handed_out : 0;
   return s;
 }
 
 pool_base::arena_bytes pool_base::bytes_in_arena(bool small) const {
   std::lock_guard lock(mutex_);
-  const auto& a = *arenas_[small ? small_arena : large_arena];
-  return {a.allocated_bytes(), a.cached_bytes(), a.free_bytes()};
+  const std::uint32_t id = small ? small_arena : large_arena;
+  const auto& a = *arenas_[id];
+  // Blocks in thread caches are allocated in the arena but cached for the user.
+  std::size_t in_caches = 0;
+  for (const auto& c : caches_) {
+    std::lock_guard cache_lock(c->mutex);
+    in_caches += c->free_bytes[id];
+  }
+  return {a.allocated_bytes() - in_caches, a.cached_bytes() + in_caches, a.free_bytes()};
 }
 
 std::size_t pool_base::largest_free_block() const {
@@ -269,10 +455,7 @@ std::size_t pool_base::largest_free_block() const {
 
 std::vector<live_allocation> pool_base::biggest_live(std::size_t limit) const {
   std::lock_guard lock(mutex_);
-  std::vector<live_allocation> all;
-  for (const auto& a : arenas_)
-    for (const detail::block* b : a->live_blocks_list())
-      all.push_back({b->addr, b->requested, b->size, b->stream});
+  std::vector<live_allocation> all = live_list_locked();
   std::sort(all.begin(), all.end(),
             [](const auto& x, const auto& y) { return x.requested > y.requested; });
   if (all.size() > limit) all.resize(limit);
@@ -286,7 +469,10 @@ std::string pool_base::memory_report(std::size_t bytes) const {
 
 std::string pool_base::report_locked(std::size_t bytes) const {
   std::ostringstream r;
-  const std::size_t allocated = arenas_[0]->allocated_bytes() + arenas_[1]->allocated_bytes();
+  const std::size_t allocated = block_bytes_locked();
+  const std::size_t live_bytes = live_bytes_locked();
+  const std::size_t peak_live = std::max(peak_live_bytes_.load(std::memory_order_relaxed), live_bytes);
+  const std::vector<live_allocation> live = live_list_locked();
   const std::uint32_t id = bytes <= options_.small_threshold ? small_arena : large_arena;
   r << "gpumem: out of memory on device " << device() << " (" << device_platform().kind()
     << "): the '" << name() << "' pool could not allocate " << format_bytes(bytes) << " ("
@@ -297,8 +483,9 @@ std::string pool_base::report_locked(std::size_t bytes) const {
   if (info)
     r << "  device: " << format_bytes(info.value().total) << " total, "
       << format_bytes(info.value().free) << " free\n";
-  r << "  live (requested): " << format_bytes(stats_.live_bytes) << " in "
-    << stats_.live_allocations << " allocations (peak " << format_bytes(stats_.peak_live_bytes)
+  r << "  live (requested): " << format_bytes(live_bytes) << " in "
+    << live.size() + guarded_live_count_
+    << " allocations (peak " << format_bytes(peak_live)
     << "); handed out as blocks: " << format_bytes(allocated) << "\n";
   r << "  reserved: " << format_bytes(stats_.reserved_bytes) << " (peak "
     << format_bytes(stats_.peak_reserved_bytes) << "); cached, not handed out: "
@@ -307,14 +494,16 @@ std::string pool_base::report_locked(std::size_t bytes) const {
     << format_bytes(std::max(arenas_[0]->largest_free_block(), arenas_[1]->largest_free_block()))
     << " (the largest request that fits without growing)\n";
   if (options_.limit_bytes != 0) r << "  limit: " << format_bytes(options_.limit_bytes) << "\n";
-  r << "  so far: " << stats_.allocations << " allocations, " << stats_.alloc_retries
+  std::uint64_t allocations = stats_.allocations;
+  for (const auto& c : caches_) {
+    std::lock_guard cache_lock(c->mutex);
+    allocations += c->allocations;
+  }
+  r << "  so far: " << allocations << " allocations, " << stats_.alloc_retries
     << " retried after releasing cached memory, " << stats_.oom_count << " out of memory\n";
   r << "  this pool holds " << format_bytes(stats_.reserved_bytes) << " from the driver:\n";
   r << describe_holdings();
-  std::vector<live_allocation> all;
-  for (const auto& a : arenas_)
-    for (const detail::block* b : a->live_blocks_list())
-      all.push_back({b->addr, b->requested, b->size, b->stream});
+  std::vector<live_allocation> all = live;
   std::sort(all.begin(), all.end(), [](const auto& x, const auto& y) {
     return x.requested != y.requested ? x.requested > y.requested : x.address < y.address;
   });
@@ -339,7 +528,22 @@ std::string pool_base::report_locked(std::size_t bytes) const {
   return r.str();
 }
 
+std::vector<live_allocation> pool_base::live_list_locked() const {
+  std::vector<live_allocation> out;
+  for (const auto& c : caches_) {
+    std::lock_guard cache_lock(c->mutex);
+    c->live.for_each([&](std::uintptr_t addr, const detail::live_record& r) {
+      out.push_back({addr, r.requested, r.b->size, r.b->stream});
+    });
+  }
+  return out;
+}
+
 std::vector<memory_segment> pool_base::segments_locked() const {
+  // An arena's allocated block is live when a thread cache records it, else it sits freed
+  // in a thread cache (cached, for the user).
+  std::unordered_map<std::uintptr_t, std::size_t> requested;
+  for (const live_allocation& l : live_list_locked()) requested[l.address] = l.requested;
   struct chain {
     const detail::block* first;
     bool small;
@@ -373,8 +577,12 @@ std::vector<memory_segment> pool_base::segments_locked() const {
       mb.stream = b->stream;
       switch (b->st) {
         case detail::block::state::allocated:
-          mb.st = memory_block::state::allocated;
-          mb.requested = b->requested;
+          if (auto it = requested.find(b->addr); it != requested.end()) {
+            mb.st = memory_block::state::allocated;
+            mb.requested = it->second;
+          } else {
+            mb.st = memory_block::state::cached;
+          }
           break;
         case detail::block::state::cached:
           mb.st = memory_block::state::cached;
@@ -403,7 +611,7 @@ void pool_base::inspect(
 
 std::size_t pool_base::peak_allocated_block_bytes() const {
   std::lock_guard lock(mutex_);
-  return peak_allocated_;
+  return std::max(peak_block_bytes_.load(std::memory_order_relaxed), block_bytes_locked());
 }
 
 void pool_base::set_observer(pool_observer* observer) {
@@ -412,6 +620,9 @@ void pool_base::set_observer(pool_observer* observer) {
     throw invalid_argument("set_observer: the '" + std::string(name()) +
                            "' pool already has an observer; detach it first");
   observer_ = observer;
+  // An observer must see every call: no fast path while one is attached.
+  fast_path_.store(fast_path_allowed_ && observer == nullptr, std::memory_order_relaxed);
+  if (observer != nullptr) drain_thread_caches();
 }
 
 pool_observer* pool_base::observer() const {
@@ -427,9 +638,39 @@ std::string pool_base::validate() const {
                            arenas_[0]->free_bytes() + arenas_[1]->allocated_bytes() +
                            arenas_[1]->cached_bytes() + arenas_[1]->free_bytes();
   if (held > stats_.reserved_bytes) return "arenas hold more than is reserved";
-  if (arenas_[0]->requested_bytes() + arenas_[1]->requested_bytes() + guarded_live_bytes_ !=
-      stats_.live_bytes)
-    return "live bytes do not match the live blocks";
+  // Each allocated arena block is either live (recorded in one thread cache) or freed into
+  // one thread cache, never both and never twice.
+  std::size_t live_requested = 0, live_blocks = 0, cached_in_threads = 0, records = 0;
+  std::unordered_map<const detail::block*, int> seen;
+  for (const auto& c : caches_) {
+    std::lock_guard cache_lock(c->mutex);
+    c->live.for_each([&](std::uintptr_t addr, const detail::live_record& r) {
+      live_requested += r.requested;
+      live_blocks += r.b->size;
+      records += (r.b->addr == addr && r.b->st == detail::block::state::allocated) ? 1 : 0;
+      seen[r.b] += 1;
+    });
+    std::size_t count = 0, bytes[2] = {0, 0};
+    c->for_each_free([&](const detail::block* b, std::uintptr_t) {
+      count += 1;
+      bytes[b->arena_id] += b->size;
+      cached_in_threads += b->size;
+      records += b->st == detail::block::state::allocated ? 1 : 0;
+      seen[b] += 1;
+    });
+    if (count != c->free_blocks || bytes[0] != c->free_bytes[0] || bytes[1] != c->free_bytes[1])
+      return "a thread cache's counts do not match its freed blocks";
+  }
+  if (records != seen.size()) return "a thread cache names a block that is not allocated";
+  for (const auto& [b, n] : seen)
+    if (n != 1) return "a block is in thread caches more than once";
+  if (live_requested + guarded_live_bytes_ != live_bytes_locked())
+    return "live bytes do not match the live allocations";
+  if (live_blocks != block_bytes_locked())
+    return "handed-out bytes do not match the live blocks";
+  if (live_blocks + cached_in_threads !=
+      arenas_[0]->allocated_bytes() + arenas_[1]->allocated_bytes())
+    return "arenas' allocated blocks are neither live nor in a thread cache";
   std::size_t in_segments = 0;
   for (const memory_segment& seg : segments_locked()) {
     std::uintptr_t at = seg.address;

@@ -98,18 +98,19 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
       if (n != static_cast<double>(static_cast<std::size_t>(n)) || n > 4096)
         throw invalid_argument("config: big_chunk must be a whole number of pages up to 4096");
       o.big_chunk_pages = static_cast<std::size_t>(n);
-    } else if (key == "scrub" || key == "guard") {
+    } else if (key == "scrub" || key == "guard" || key == "thread_cache") {
       bool on = false;
       if (value == "on" || value == "true" || value == "1")
         on = true;
       else if (!(value == "off" || value == "false" || value == "0"))
         throw invalid_argument("config: " + std::string(key) + " must be on or off, not '" +
                                std::string(value) + "'");
-      (key == "scrub" ? o.scrub : o.guard) = on;
+      (key == "scrub" ? o.scrub : key == "guard" ? o.guard : o.thread_cache) = on;
     } else {
       throw invalid_argument("config: unknown key '" + std::string(key) +
                              "' (known: reserve, reserve_fraction, limit, release_threshold, "
-                             "small_threshold, cross_stream, va_reserve, big_chunk, scrub, guard)");
+                             "small_threshold, cross_stream, va_reserve, big_chunk, scrub, guard, "
+                             "thread_cache)");
     }
   }
 }
@@ -130,7 +131,8 @@ std::string pool_options::to_string() const {
   out << ",small_threshold:" << small_threshold
       << ",cross_stream:" << (cross_stream == cross_stream_policy::wait ? "wait" : "event")
       << ",va_reserve:" << va_reserve_bytes << ",big_chunk:" << big_chunk_pages
-      << ",scrub:" << (scrub ? "on" : "off") << ",guard:" << (guard ? "on" : "off");
+      << ",scrub:" << (scrub ? "on" : "off") << ",guard:" << (guard ? "on" : "off")
+      << ",thread_cache:" << (thread_cache ? "on" : "off");
   return out.str();
 }
 

@@ -168,6 +168,7 @@ std::vector<physical_handle> vmm_page_pool::lend_pages(std::size_t pages) {
   retire_completed(false);
   std::size_t have = spare_single_pages();
   if (have < pages) {
+    drain_thread_caches();  // freed blocks held by threads may cover whole pages
     reclaim(pages - have, false);
     have = spare_single_pages();
   }

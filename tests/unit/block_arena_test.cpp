@@ -342,7 +342,7 @@ TEST(BlockArena, OtherStreamsAreTakenOnlyWhenUsableAndReTagged) {
 }
 
 TEST(BlockArena, ReleaseFlushesWhenTheQuickListIsFull) {
-  block_arena a(512, 4);
+  block_arena a(0, 512, 4);
   a.add_region(base, MiB, 1, 7);
   std::vector<block*> blocks;
   for (int i = 0; i < 6; ++i) blocks.push_back(a.allocate(512 * (i + 1), 256, 7, 1));
@@ -463,7 +463,7 @@ bool inside_some(const std::vector<region_desc>& regions, std::uintptr_t addr, s
 
 TEST(BlockArena, RandomizedAgainstAReferenceModel) {
   std::mt19937_64 rng(20240611);
-  block_arena a(512, 64);  // a small quick-list cap exercises the automatic flush too
+  block_arena a(0, 512, 64);  // a small quick-list cap exercises the automatic flush too
   // Regions 0 and 1 are adjacent in one segment (they link and merge), region 2 is
   // adjacent to 1 in another segment (never merges), region 3 stands apart.
   std::vector<region_desc> regions = {

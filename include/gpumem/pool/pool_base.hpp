@@ -19,18 +19,31 @@
 //  - memory_segments(): the blocks of each segment tile it (sizes sum to its size), and
 //    the segments' sizes sum to the bytes the arenas hold (allocated + cached + free).
 //
+// Threads (pool_options::thread_cache, on by default): each thread has a cache in front of
+// the pool (src/pool/thread_cache.hpp) holding the live allocations it made and the blocks
+// it freed, by exact (stream, size). An allocation that finds such a block, and a free of
+// a pointer this thread allocated, take only that cache's lock, never the pool's: threads
+// do not serialize on the pool in the steady state. Everything else takes the pool lock;
+// there, a thread's cache is drained into the arenas when it misses (so its blocks merge,
+// as the arenas' own quick lists do), every cache is drained before the pool grows, trims
+// or gives memory back, and reports count cached blocks as cached. The fast path is off
+// with guard, scrub, a release threshold or an observer attached (each needs every call).
+// validate() and the reports are exact when no call is in flight on another thread.
+//
 // Observation: set_observer() attaches a pool_observer (telemetry's event recorder) told
 // of every alloc, free, segment map/unmap and OOM; with none attached the cost is one
 // predictable branch per operation.
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -44,6 +57,7 @@ namespace gpumem {
 namespace detail {
 class block_arena;
 struct block;
+struct thread_cache;
 }
 
 // One live allocation, for reports ("the biggest live allocations").
@@ -160,6 +174,10 @@ class pool_base : public memory_resource {
   // (caching_pool: so an up-front reservation serves every size).
   virtual bool small_may_use_large_arena() const noexcept { return false; }
 
+  // Gives every thread cache's freed blocks back to the arenas (before reclaiming free
+  // memory). Returns whether any were held. REQUIRES: mutex_ held.
+  bool drain_thread_caches();
+
   detail::block_arena& arena(std::uint32_t id) { return *arenas_[id]; }
   const detail::block_arena& arena(std::uint32_t id) const { return *arenas_[id]; }
   static constexpr std::uint32_t small_arena = 0;
@@ -187,7 +205,9 @@ class pool_base : public memory_resource {
     std::uint64_t completed_epoch = 0;  // frees up to here are known complete
   };
 
-  void* allocate_slow(std::uint32_t arena_id, std::size_t size, std::size_t alignment,
+  void* allocate_locked(std::size_t bytes, std::size_t alignment, stream_handle stream);
+  void deallocate_locked(std::uintptr_t addr, std::size_t bytes, stream_handle stream);
+  detail::block* allocate_slow(std::uint32_t arena_id, std::size_t size, std::size_t alignment,
                       stream_handle stream, std::size_t requested);
   // wanted_by: the stream that would reuse the memory (policy wait makes it wait);
   // nullptr: only ask whether the free is complete.
@@ -199,8 +219,47 @@ class pool_base : public memory_resource {
   std::string diagnose_locked(std::uintptr_t addr) const;
   static std::string hex_address(std::uintptr_t addr);
 
+  // This thread's cache of this pool, or nullptr when it has none yet (no lock taken).
+  detail::thread_cache* this_thread_cache() const noexcept;
+  // This thread's cache, made on first use. REQUIRES: mutex_ held.
+  detail::thread_cache& cache_for_this_thread_locked();
+  // REQUIRES: mutex_ held; not c.mutex.
+  void drain_locked(detail::thread_cache& c);
+  // An allocated block handed back: it is reusable in `stream`'s order. REQUIRES: mutex_.
+  void release_to_arena_locked(detail::block* b, std::uintptr_t stream);
+  // Counts an allocation (+) or a free (-) of live bytes (requested, rounded block) in c.
+  // While one thread uses the pool the shared totals and peaks move on every call (exact);
+  // with more, a cache publishes once its unpublished bytes pass stats_slack either way,
+  // so a peak can miss up to that much per other thread. REQUIRES: c.mutex held.
+  void count(detail::thread_cache& c, std::int64_t requested, std::int64_t block) noexcept;
+  // Adds to the shared totals and raises the peaks.
+  void publish(std::int64_t requested, std::int64_t block) noexcept;
+  static constexpr std::int64_t stats_slack = std::int64_t{4} << 20;
+  // Every live allocation of the arenas (not guarded ones), unordered. REQUIRES: mutex_.
+  std::vector<live_allocation> live_list_locked() const;
+
   std::unique_ptr<detail::block_arena> arenas_[2];
+  // Thread caches: made under mutex_, never destroyed before the pool (a thread that
+  // exits leaves its cache, drained like the others). Threads find theirs through a
+  // thread-local slot naming the pool by pool_id_, unique for the process lifetime, so a
+  // slot left by a destroyed pool never matches a later one.
+  const std::uint64_t pool_id_;
+  const bool fast_path_allowed_;          // by the options, fixed at construction
+  // Read on every call, written rarely: on a line of their own, away from the totals.
+  alignas(64) std::atomic<bool> fast_path_{false};  // allowed and no observer attached
+  std::atomic<bool> one_thread_{true};    // at most one thread cache made so far
+  std::vector<std::unique_ptr<detail::thread_cache>> caches_;
+  std::unordered_map<std::thread::id, detail::thread_cache*> cache_of_thread_;
+  // Shared totals of live bytes (requested; rounded blocks handed out) and their peaks;
+  // the thread caches' pending_* complete them (see count()).
+  alignas(64) std::atomic<std::size_t> live_bytes_{0};
+  std::atomic<std::size_t> peak_live_bytes_{0};
+  std::atomic<std::size_t> block_bytes_{0}, peak_block_bytes_{0};
+  // Sums of the totals and every cache's pending bytes. REQUIRES: mutex_ held.
+  std::size_t live_bytes_locked() const;
+  std::size_t block_bytes_locked() const;
   std::size_t guarded_live_bytes_ = 0;  // requested bytes of live guarded allocations
+  std::size_t guarded_live_count_ = 0;
   std::unordered_map<std::uintptr_t, stream_state> streams_;
   // The state of the stream last looked up (elements of an unordered_map keep their
   // address; reset when a stream is released). Most frees are on the stream of the last.
@@ -214,8 +273,9 @@ class pool_base : public memory_resource {
     return *last_stream_state_;
   }
   std::size_t alignment_limit_;
+  // reserved bytes and their peak, retries, OOMs, guarded allocation counts; the rest of
+  // the stats live in the atomics above and the thread caches.
   resource_stats stats_{};
-  std::size_t peak_allocated_ = 0;      // rounded block bytes
   pool_observer* observer_ = nullptr;
   std::array<std::uintptr_t, 1024> recent_frees_{};  // to tell a double free from a stranger
   std::size_t recent_next_ = 0;

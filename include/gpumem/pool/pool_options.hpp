@@ -17,6 +17,9 @@
 //   guard:on|off             vmm_page_pool debug mode: every allocation gets pages of its own
 //                            ending at an unmapped guard page, so an overrun faults at once
 //                            (default off; frees wait for their stream)
+//   thread_cache:on|off      per-thread caches in front of the pool: a thread reuses the
+//                            blocks it freed, and frees what it allocated, without the
+//                            pool's lock (default on; off: every call takes the pool lock)
 //
 // Unknown keys and malformed values throw gpumem::invalid_argument naming them.
 #pragma once
@@ -41,6 +44,7 @@ struct pool_options {
   std::size_t big_chunk_pages = 0;
   bool scrub = false;
   bool guard = false;
+  bool thread_cache = true;
 
   static pool_options parse(std::string_view config);
   // GPUMEM_CONF, or defaults when unset.
