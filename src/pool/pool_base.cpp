@@ -138,7 +138,7 @@ void* pool_base::do_allocate(std::size_t bytes, std::size_t alignment, stream_ha
   if (fast_path_.load(std::memory_order_relaxed) && alignment <= arenas_[0]->unit()) {
     if (detail::thread_cache* c = this_thread_cache()) {
       std::lock_guard cache_lock(c->mutex);
-      if (detail::block* b = c->pop(stream.value, arenas_[0]->round(bytes))) {
+      if (detail::block* b = c->pop(stream.value, block_size_for(bytes))) {
         c->live[b->addr] = {b, bytes};
         c->allocations += 1;
         count(*c, static_cast<std::int64_t>(bytes), static_cast<std::int64_t>(b->size));
@@ -167,7 +167,7 @@ void* pool_base::allocate_locked(std::size_t bytes, std::size_t alignment, strea
   detail::thread_cache& mine = cache_for_this_thread_locked();
   const std::uint32_t id = bytes <= options_.small_threshold ? small_arena : large_arena;
   detail::block_arena& a = *arenas_[id];
-  const std::size_t size = a.round(bytes);
+  const std::size_t size = block_size_for(bytes);
   detail::block* b = a.allocate(size, alignment, stream.value, bytes);
   if (b == nullptr) b = allocate_slow(id, size, alignment, stream, bytes);
   {
@@ -477,7 +477,7 @@ std::string pool_base::report_locked(std::size_t bytes) const {
   r << "gpumem: out of memory on device " << device() << " (" << device_platform().kind()
     << "): the '" << name() << "' pool could not allocate " << format_bytes(bytes) << " ("
     << bytes << " bytes).\n";
-  r << "  requested: " << bytes << " bytes, a block of " << arenas_[id]->round(bytes)
+  r << "  requested: " << bytes << " bytes, a block of " << block_size_for(bytes)
     << " bytes in the " << (id == small_arena ? "small" : "large") << "-request arena\n";
   auto info = device_platform().mem_info(device());
   if (info)

@@ -91,6 +91,11 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
       else
         throw invalid_argument("config: cross_stream must be 'wait' or 'event', not '" +
                                std::string(value) + "'");
+    } else if (key == "round_large") {
+      o.round_large = parse_bytes(value);
+      if (o.round_large != 0 && (o.round_large & (o.round_large - 1)) != 0)
+        throw invalid_argument("config: round_large must be 0 or a power of two, not '" +
+                               std::string(value) + "'");
     } else if (key == "va_reserve") {
       o.va_reserve_bytes = parse_bytes(value);
     } else if (key == "big_chunk") {
@@ -110,7 +115,7 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
       throw invalid_argument("config: unknown key '" + std::string(key) +
                              "' (known: reserve, reserve_fraction, limit, release_threshold, "
                              "small_threshold, cross_stream, va_reserve, big_chunk, scrub, guard, "
-                             "thread_cache)");
+                             "thread_cache, round_large)");
     }
   }
 }
@@ -132,7 +137,7 @@ std::string pool_options::to_string() const {
       << ",cross_stream:" << (cross_stream == cross_stream_policy::wait ? "wait" : "event")
       << ",va_reserve:" << va_reserve_bytes << ",big_chunk:" << big_chunk_pages
       << ",scrub:" << (scrub ? "on" : "off") << ",guard:" << (guard ? "on" : "off")
-      << ",thread_cache:" << (thread_cache ? "on" : "off");
+      << ",thread_cache:" << (thread_cache ? "on" : "off") << ",round_large:" << round_large;
   return out.str();
 }
 

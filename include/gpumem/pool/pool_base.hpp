@@ -219,6 +219,14 @@ class pool_base : public memory_resource {
   std::string diagnose_locked(std::uintptr_t addr) const;
   static std::string hex_address(std::uintptr_t addr);
 
+  // The block size serving a request: 512-byte units; with pool_options::round_large, large
+  // requests (over small_threshold) are rounded up to a multiple of it.
+  std::size_t block_size_for(std::size_t bytes) const noexcept {
+    constexpr std::size_t unit = 512;
+    const std::size_t step =
+        bytes > options_.small_threshold && options_.round_large > unit ? options_.round_large : unit;
+    return (bytes + step - 1) / step * step;
+  }
   // This thread's cache of this pool, or nullptr when it has none yet (no lock taken).
   detail::thread_cache* this_thread_cache() const noexcept;
   // This thread's cache, made on first use. REQUIRES: mutex_ held.

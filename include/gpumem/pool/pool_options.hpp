@@ -17,6 +17,13 @@
 //   guard:on|off             vmm_page_pool debug mode: every allocation gets pages of its own
 //                            ending at an unmapped guard page, so an overrun faults at once
 //                            (default off; frees wait for their stream)
+//   round_large:BYTES        round blocks of large requests (over small_threshold) up to a
+//                            multiple of BYTES, a power of two (default 0: 512 B, like small
+//                            ones). With the page size (2M on the H200), vmm_page_pool's large
+//                            blocks own whole pages: no page is pinned by another block's
+//                            tail, and a tensor re-allocated a little larger each step fits
+//                            the block its predecessor freed. Costs up to BYTES per live large
+//                            block (worst case: many requests just over a multiple)
 //   thread_cache:on|off      per-thread caches in front of the pool: a thread reuses the
 //                            blocks it freed, and frees what it allocated, without the
 //                            pool's lock (default on; off: every call takes the pool lock)
@@ -45,6 +52,7 @@ struct pool_options {
   bool scrub = false;
   bool guard = false;
   bool thread_cache = true;
+  std::size_t round_large = 0;
 
   static pool_options parse(std::string_view config);
   // GPUMEM_CONF, or defaults when unset.

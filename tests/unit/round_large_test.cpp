@@ -1,0 +1,72 @@
+// pool_options::round_large: large requests get blocks rounded up to a multiple of it
+// (whole pages for vmm_page_pool with the page size), small ones stay in 512-byte units.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "gpumem/errors.hpp"
+#include "gpumem/pool/pool_options.hpp"
+#include "gpumem/pool/vmm_page_pool.hpp"
+#include "unit/pool_test_support.hpp"
+
+namespace {
+
+using namespace gpumem;
+using gpumem_test::KiB;
+using gpumem_test::MiB;
+
+class RoundLarge : public gpumem_test::sim_pool_test {};
+
+TEST_F(RoundLarge, ParsesPowersOfTwoOnly) {
+  EXPECT_EQ(pool_options::parse("round_large:2M").round_large, 2 * MiB);
+  EXPECT_EQ(pool_options{}.round_large, 0u);
+  EXPECT_THROW(pool_options::parse("round_large:3M"), invalid_argument);
+  EXPECT_THROW(pool_options::parse("round_large:x"), invalid_argument);
+  EXPECT_NE(pool_options::parse("round_large:4096").to_string().find("round_large:4096"),
+            std::string::npos);
+}
+
+TEST_F(RoundLarge, LargeBlocksOwnWholePagesAndSmallOnesDoNot) {
+  pool_options o;
+  o.round_large = 2 * MiB;
+  vmm_page_pool pool(sim, 0, o);
+  void* large = pool.allocate(3 * MiB + 1);
+  void* small = pool.allocate(100 * KiB + 1);
+  EXPECT_EQ(pool.bytes_in_arena(false).allocated, 4 * MiB);
+  EXPECT_EQ(pool.bytes_in_arena(true).allocated, 100 * KiB + 512);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(large) % (2 * MiB), 0u);
+  EXPECT_EQ(pool.stats().live_bytes, 3 * MiB + 1 + 100 * KiB + 1) << "requested bytes, not blocks";
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.deallocate(large, 3 * MiB + 1);
+  pool.deallocate(small, 100 * KiB + 1);
+}
+
+TEST_F(RoundLarge, ATensorGrowingEachStepReusesItsPredecessorsBlock) {
+  // A KV tensor re-allocated 32 KiB longer each step, the new one made before the old is
+  // freed: with whole-page blocks, step t+1 fits the block step t-1 freed, without moving
+  // or mapping pages.
+  pool_options o;
+  o.round_large = 2 * MiB;
+  vmm_page_pool pool(sim, 0, o);
+  std::size_t n = 20 * MiB + 64 * KiB;
+  void* old_block = pool.allocate(n);
+  void* prev_freed = nullptr;
+  auto maps_before = calls(platform_op::map);
+  int reused = 0;
+  for (int step = 0; step < 20; ++step) {
+    if (step == 1) maps_before = calls(platform_op::map);  // after the second block's growth
+    const std::size_t next = n + 32 * KiB;
+    void* grown = pool.allocate(next);
+    reused += grown == prev_freed ? 1 : 0;
+    pool.deallocate(old_block, n);
+    prev_freed = old_block;
+    old_block = grown;
+    n = next;
+  }
+  EXPECT_GE(reused, 18) << "the freed predecessor should serve the next step";
+  EXPECT_EQ(calls(platform_op::map) - maps_before, 0u);
+  pool.deallocate(old_block, n);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
+}  // namespace
