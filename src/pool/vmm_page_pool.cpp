@@ -21,6 +21,8 @@ vmm_page_pool::vmm_page_pool(platform& platform, int device, pool_options option
   if (!g) throw_cuda_error(g.error(), "vmm_page_pool: granularity");
   page_ = std::max(g.value().recommended, g.value().minimum);
   set_alignment_limit(page_);
+  // Large blocks own whole pages unless configured otherwise (pool_options::round_large).
+  if (options_.round_large == 0) options_.round_large = page_;
   counts_.page_size = page_;
   std::size_t va = options.va_reserve_bytes != 0 ? options.va_reserve_bytes
                                                  : 2 * device_total_bytes();

@@ -1,8 +1,10 @@
 // pool_options::round_large: large requests get blocks rounded up to a multiple of it
-// (whole pages for vmm_page_pool with the page size), small ones stay in 512-byte units.
+// (vmm_page_pool's default: its page size, so large blocks own whole pages) while the bytes
+// lost to rounding stay within 1/32 of the live bytes; small ones stay in 512-byte units.
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "gpumem/errors.hpp"
 #include "gpumem/pool/pool_options.hpp"
@@ -30,15 +32,52 @@ TEST_F(RoundLarge, LargeBlocksOwnWholePagesAndSmallOnesDoNot) {
   pool_options o;
   o.round_large = 2 * MiB;
   vmm_page_pool pool(sim, 0, o);
+  void* base = pool.allocate(256 * MiB);  // live bytes that can absorb a rounding loss
   void* large = pool.allocate(3 * MiB + 1);
   void* small = pool.allocate(100 * KiB + 1);
-  EXPECT_EQ(pool.bytes_in_arena(false).allocated, 4 * MiB);
+  EXPECT_EQ(pool.bytes_in_arena(false).allocated, 256 * MiB + 4 * MiB);
   EXPECT_EQ(pool.bytes_in_arena(true).allocated, 100 * KiB + 512);
   EXPECT_EQ(reinterpret_cast<std::uintptr_t>(large) % (2 * MiB), 0u);
-  EXPECT_EQ(pool.stats().live_bytes, 3 * MiB + 1 + 100 * KiB + 1) << "requested bytes, not blocks";
+  EXPECT_EQ(pool.stats().live_bytes, 256 * MiB + 3 * MiB + 1 + 100 * KiB + 1)
+      << "requested bytes, not blocks";
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
   pool.deallocate(large, 3 * MiB + 1);
   pool.deallocate(small, 100 * KiB + 1);
+  pool.deallocate(base, 256 * MiB);
+}
+
+TEST_F(RoundLarge, TheVmmPagePoolRoundsToItsPageByDefaultAnd512TurnsItOff) {
+  {
+    vmm_page_pool pool(sim, 0);
+    EXPECT_EQ(pool.options().round_large, 2 * MiB);
+    void* base = pool.allocate(256 * MiB);
+    void* p = pool.allocate(5 * MiB);
+    EXPECT_EQ(pool.bytes_in_arena(false).allocated, 256 * MiB + 6 * MiB);
+    pool.deallocate(p, 5 * MiB);
+    pool.deallocate(base, 256 * MiB);
+  }
+  pool_options o;
+  o.round_large = 512;
+  vmm_page_pool pool(sim, 0, o);
+  void* base = pool.allocate(256 * MiB);
+  void* p = pool.allocate(5 * MiB);
+  EXPECT_EQ(pool.bytes_in_arena(false).allocated, 256 * MiB + 5 * MiB);
+  pool.deallocate(p, 5 * MiB);
+  pool.deallocate(base, 256 * MiB);
+}
+
+TEST_F(RoundLarge, RoundingNeverWastesMoreThanAThirtySecondOfTheLiveBytes) {
+  // The worst case for rounding: every request just over a page.
+  vmm_page_pool pool(sim, 0);
+  std::vector<void*> held;
+  const std::size_t n = 2 * MiB + 4 * KiB;
+  for (int i = 0; i < 100; ++i) held.push_back(pool.allocate(n));
+  const std::size_t live = 100 * n;
+  const std::size_t blocks = pool.bytes_in_arena(false).allocated;
+  EXPECT_GT(blocks, live) << "some requests were rounded";
+  EXPECT_LE(blocks, live + live / 32);
+  for (void* p : held) pool.deallocate(p, n);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
 }
 
 TEST_F(RoundLarge, ATensorGrowingEachStepReusesItsPredecessorsBlock) {
@@ -48,6 +87,7 @@ TEST_F(RoundLarge, ATensorGrowingEachStepReusesItsPredecessorsBlock) {
   pool_options o;
   o.round_large = 2 * MiB;
   vmm_page_pool pool(sim, 0, o);
+  void* base = pool.allocate(512 * MiB);  // other live tensors: the loss stays under 1/32
   std::size_t n = 20 * MiB + 64 * KiB;
   void* old_block = pool.allocate(n);
   void* prev_freed = nullptr;
@@ -66,6 +106,7 @@ TEST_F(RoundLarge, ATensorGrowingEachStepReusesItsPredecessorsBlock) {
   EXPECT_GE(reused, 18) << "the freed predecessor should serve the next step";
   EXPECT_EQ(calls(platform_op::map) - maps_before, 0u);
   pool.deallocate(old_block, n);
+  pool.deallocate(base, 512 * MiB);
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
 }
 

@@ -220,12 +220,19 @@ class pool_base : public memory_resource {
   static std::string hex_address(std::uintptr_t addr);
 
   // The block size serving a request: 512-byte units; with pool_options::round_large, large
-  // requests (over small_threshold) are rounded up to a multiple of it.
+  // requests (over small_threshold) are rounded up to a multiple of it while the bytes lost
+  // to rounding stay within 1/round_waste_share of the live bytes (so a workload of requests
+  // just over a multiple cannot waste more than that share).
+  static constexpr std::size_t round_waste_share = 32;
   std::size_t block_size_for(std::size_t bytes) const noexcept {
     constexpr std::size_t unit = 512;
-    const std::size_t step =
-        bytes > options_.small_threshold && options_.round_large > unit ? options_.round_large : unit;
-    return (bytes + step - 1) / step * step;
+    if (bytes > options_.small_threshold && options_.round_large > unit) {
+      const std::size_t r = (bytes + options_.round_large - 1) / options_.round_large * options_.round_large;
+      const std::size_t live = live_bytes_.load(std::memory_order_relaxed) + bytes;
+      const std::size_t held = block_bytes_.load(std::memory_order_relaxed) + r;
+      if (held <= live + live / round_waste_share) return r;
+    }
+    return (bytes + unit - 1) / unit * unit;
   }
   // This thread's cache of this pool, or nullptr when it has none yet (no lock taken).
   detail::thread_cache* this_thread_cache() const noexcept;
