@@ -24,9 +24,15 @@
 //    its alignment), and the page after the run stays unmapped: an overrun past the last
 //    page faults at once (sim: SIGSEGV; GPU: an illegal address). Frees synchronize their
 //    stream, unmap and keep the chunks for reuse. The arenas are not used.
+//  - Whole pages for large blocks: pool_options::round_large defaults to the page size, so
+//    a large request's block owns whole pages (while the rounding loss stays within 1/32
+//    of the live bytes; past that, 512-byte blocks as for small ones). No page is pinned by
+//    another live block's tail, and a tensor re-allocated a little larger each step (a KV
+//    cache grown by one token) fits the block its predecessor freed.
 //  - Packing: when a live block's last page has a free tail at the end of its run and the
 //    address space after it is unmapped, a growth maps only the pages the request lacks
-//    right after that tail, so consecutive large blocks share a page.
+//    right after that tail, so consecutive large blocks share a page (blocks that are not
+//    whole pages: small ones, and large ones past the rounding cap).
 //  - Physical memory is given back (cuMemRelease) for unmapped chunks: under memory
 //    pressure, past the release threshold, or on trim().
 //
