@@ -95,22 +95,26 @@ void pool_base::count(detail::thread_cache& c, std::int64_t requested, std::int6
   }
 }
 
-std::size_t pool_base::live_bytes_locked() const {
-  std::size_t total = live_bytes_.load(std::memory_order_relaxed);
-  for (const auto& c : caches_) {
+namespace {
+// A shared total plus what each thread cache has not published yet.
+std::size_t with_pending(const std::atomic<std::size_t>& shared,
+                         const std::vector<std::unique_ptr<detail::thread_cache>>& caches,
+                         std::int64_t detail::thread_cache::*pending) {
+  std::size_t total = shared.load(std::memory_order_relaxed);
+  for (const auto& c : caches) {
     std::lock_guard cache_lock(c->mutex);
-    total += static_cast<std::size_t>(c->pending_live);
+    total += static_cast<std::size_t>((*c).*pending);
   }
   return total;
 }
+}  // namespace
+
+std::size_t pool_base::live_bytes_locked() const {
+  return with_pending(live_bytes_, caches_, &detail::thread_cache::pending_live);
+}
 
 std::size_t pool_base::block_bytes_locked() const {
-  std::size_t total = block_bytes_.load(std::memory_order_relaxed);
-  for (const auto& c : caches_) {
-    std::lock_guard cache_lock(c->mutex);
-    total += static_cast<std::size_t>(c->pending_blocks);
-  }
-  return total;
+  return with_pending(block_bytes_, caches_, &detail::thread_cache::pending_blocks);
 }
 
 void pool_base::release_to_arena_locked(detail::block* b, std::uintptr_t stream) {
