@@ -40,10 +40,23 @@ vmm_page_pool::vmm_page_pool(platform& platform, int device, pool_options option
     reserve = static_cast<std::size_t>(options.reserve_fraction *
                                        static_cast<double>(device_total_bytes()));
   if (reserve > 0) {
-    std::lock_guard lock(mutex_);
-    if (!create_chunks((reserve + page_ - 1) / page_)) {
+    // A constructor that throws runs no destructor: give back what was taken here.
+    auto give_back = [&] {
+      for (const chunk& c : chunks_)
+        if (c.live) (void)platform.release_physical(c.handle);
       (void)platform.free_range(va_base_, va_pages_ * page_);
       detail::registry_remove(reinterpret_cast<void*>(va_base_));
+    };
+    std::lock_guard lock(mutex_);
+    bool made = false;
+    try {
+      made = create_chunks((reserve + page_ - 1) / page_);
+    } catch (...) {
+      give_back();  // a driver failure: create_chunks kept only handles it could not release
+      throw;
+    }
+    if (!made) {
+      give_back();
       throw out_of_memory("gpumem: vmm_page_pool could not reserve " + format_bytes(reserve) +
                           " up front on device " + std::to_string(device));
     }

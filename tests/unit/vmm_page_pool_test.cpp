@@ -610,6 +610,25 @@ TEST_F(VmmPagePool, BadInputIsRefusedAndThePoolStaysUsable) {
   expect_page_accounting(pool);
 }
 
+// Regression (fixed 2026-12-01), it was: a driver failure while creating the up-front
+// reservation's pages threw out of the constructor with the virtual range (and the
+// ownership registry's entry for it) left behind.
+TEST_F(VmmPagePool, AFailedUpFrontReservationLeaksNoRangeAndNoPage) {
+  pool_options o;
+  o.reserve_bytes = 8 * MiB;
+  sim.inject_fault(platform_op::create_physical, sim_fault{3, false, 0.0, failure_kind::driver_error});
+  EXPECT_THROW(vmm_page_pool(sim, 0, o), cuda_error);
+  sim.clear_faults();
+  // Also when the undo of the pages made so far fails: those handles go with the range.
+  sim.inject_fault(platform_op::create_physical, sim_fault{2, false, 0.0, failure_kind::driver_error});
+  sim.inject_fault(platform_op::release_physical, sim_fault{1, false, 0.0, failure_kind::driver_error});
+  EXPECT_THROW(vmm_page_pool(sim, 0, o), cuda_error);
+  sim.clear_faults();
+  EXPECT_TRUE(sim.live_objects().none()) << sim.live_objects().describe();
+  vmm_page_pool pool(sim, 0, o);  // the same reservation works once the driver does
+  EXPECT_EQ(pool.stats().reserved_bytes, 8 * MiB);
+}
+
 TEST_F(VmmPagePool, ConstructionFailuresThrowCudaErrorAndLeakNothing) {
   sim.inject_fault(platform_op::granularity, sim_fault{1, false, 0.0, failure_kind::driver_error});
   EXPECT_THROW(vmm_page_pool{sim}, cuda_error);
