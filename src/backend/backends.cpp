@@ -167,12 +167,22 @@ vmm_resource::~vmm_resource() {
   (void)take_all();
   std::lock_guard lock(mutex_);
   mappings_.clear();  // each vmm_mapping unmaps, releases and frees its range
+  stranded_.clear();  // one more attempt each
 }
 
 void* vmm_resource::do_allocate(std::size_t bytes, std::size_t alignment, stream_handle) {
   const std::size_t size = (bytes + granularity_ - 1) / granularity_ * granularity_;
   const std::size_t align = alignment > granularity_ ? alignment : granularity_;
-  auto m = vmm_mapping::create(device_platform(), device(), size, align);
+  {
+    std::lock_guard lock(mutex_);
+    std::erase_if(stranded_, [](vmm_mapping& left) { return static_cast<bool>(left.release()); });
+  }
+  vmm_mapping leftover;
+  auto m = vmm_mapping::create(device_platform(), device(), size, align, &leftover);
+  if (!leftover.empty()) {
+    std::lock_guard lock(mutex_);
+    stranded_.push_back(std::move(leftover));
+  }
   if (!m) {
     if (m.error().kind == failure_kind::out_of_memory)
       throw_out_of_memory(bytes, m.error(), holdings());

@@ -3,13 +3,17 @@
 namespace gpumem {
 
 result<vmm_mapping> vmm_mapping::create(platform& platform, int device, std::size_t size,
-                                        std::size_t alignment) {
+                                        std::size_t alignment, vmm_mapping* leftover) {
   vmm_mapping m;
   m.platform_ = &platform;
   m.device_ = device;
   m.size_ = size;
-  // Each step is recorded as soon as it succeeds, so the destructor of `m` undoes
-  // exactly the steps taken when a later one fails.
+  // Each step is recorded as soon as it succeeds, so an undo releases exactly the steps
+  // taken when a later one fails.
+  auto undo = [&](const status& why) {
+    if (!m.release() && leftover != nullptr) *leftover = std::move(m);
+    return why;
+  };
   auto range = platform.reserve_range(size, alignment);
   if (!range) {
     m.platform_ = nullptr;
@@ -18,12 +22,12 @@ result<vmm_mapping> vmm_mapping::create(platform& platform, int device, std::siz
   m.address_ = range.value();
   m.range_live_ = true;
   auto handle = platform.create_physical(device, size);
-  if (!handle) return handle.error();
+  if (!handle) return undo(handle.error());
   m.handle_ = handle.value();
   m.handle_live_ = true;
-  if (auto s = platform.map(m.address_, size, m.handle_, 0); !s) return s;
+  if (auto s = platform.map(m.address_, size, m.handle_, 0); !s) return undo(s);
   m.mapped_ = true;
-  if (auto s = platform.set_access(device, m.address_, size); !s) return s;
+  if (auto s = platform.set_access(device, m.address_, size); !s) return undo(s);
   return m;
 }
 

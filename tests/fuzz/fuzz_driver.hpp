@@ -347,7 +347,8 @@ inline std::string judge_failure(const std::exception_ptr& e, bool faults_armed,
 // Runs one input on `target`. fault_mode: the input may arm sim faults. max_ops bounds the
 // operations (0: until the input ends).
 inline std::string run_pool_fuzz(pool_target target, const std::uint8_t* data, std::size_t size,
-                                 bool fault_mode, std::size_t max_ops, fuzz_counts& counts);
+                                 bool fault_mode, std::size_t max_ops, fuzz_counts& counts,
+                                 std::size_t fault_rules = 1);
 
 // The fixed_block_pool driver (ids, not pointers).
 inline std::string run_fixed_block_fuzz(bool over_vmm_page, const std::uint8_t* data,
@@ -366,8 +367,9 @@ struct live_block {
 class pool_driver {
  public:
   pool_driver(gpumem::sim_platform& sim, pool_under_test& pool, byte_source& in, bool fault_mode,
-              fuzz_counts& counts)
-      : sim_(sim), pool_(pool), in_(in), fault_mode_(fault_mode), counts_(counts) {}
+              fuzz_counts& counts, std::size_t fault_rules = 1)
+      : sim_(sim), pool_(pool), in_(in), fault_mode_(fault_mode), counts_(counts),
+        faults_(fault_rules) {}
 
   std::string run(std::size_t max_ops) {
     for (int i = 0; i < 2; ++i) {
@@ -744,7 +746,8 @@ inline std::string leak_check(gpumem::sim_platform& sim) {
 }  // namespace detail
 
 inline std::string run_pool_fuzz(pool_target target, const std::uint8_t* data, std::size_t size,
-                                 bool fault_mode, std::size_t max_ops, fuzz_counts& counts) {
+                                 bool fault_mode, std::size_t max_ops, fuzz_counts& counts,
+                                 std::size_t fault_rules) {
   if (target == pool_target::fixed_block_over_vmm_page || target == pool_target::fixed_block_over_caching)
     return run_fixed_block_fuzz(target == pool_target::fixed_block_over_vmm_page, data, size,
                                 fault_mode, max_ops, counts);
@@ -788,7 +791,7 @@ inline std::string run_pool_fuzz(pool_target target, const std::uint8_t* data, s
     if (caching) pool = std::make_unique<detail::resource_pool<gpumem::caching_pool>>(*caching);
     else if (pages) pool = std::make_unique<detail::resource_pool<gpumem::vmm_page_pool>>(*pages);
     else pool = std::make_unique<detail::pinned_pool>(*pinned);
-    detail::pool_driver driver(sim, *pool, in, fault_mode, counts);
+    detail::pool_driver driver(sim, *pool, in, fault_mode, counts, fault_rules);
     why = driver.run(max_ops);
     sim.clear_faults();
   }

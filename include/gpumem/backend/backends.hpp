@@ -103,6 +103,9 @@ class vmm_resource final : public detail::tracked_resource {
  private:
   std::size_t granularity_ = 0;
   std::unordered_map<void*, vmm_mapping> mappings_;  // guarded by mutex_
+  // What failed allocations could not undo (a second driver failure): released again at
+  // the next allocation and at destruction, so nothing is abandoned. Guarded by mutex_.
+  std::vector<vmm_mapping> stranded_;
 };
 
 class pinned_host_resource final : public detail::tracked_resource {

@@ -18,10 +18,12 @@ class vmm_mapping {
  public:
   vmm_mapping() = default;
   // Reserves, creates, maps and grants access; on failure undoes what it did and
-  // returns the failed call's status.
+  // returns the failed call's status. When the undo fails too (a second driver failure),
+  // what is left goes to *leftover, if given, for the caller to release later; without
+  // it, it is given up after that one attempt.
   // REQUIRES: size and alignment are multiples of the device's granularity.
   static result<vmm_mapping> create(platform& platform, int device, std::size_t size,
-                                    std::size_t alignment);
+                                    std::size_t alignment, vmm_mapping* leftover = nullptr);
   ~vmm_mapping() { reset(); }
   vmm_mapping(vmm_mapping&& other) noexcept { *this = std::move(other); }
   vmm_mapping& operator=(vmm_mapping&& other) noexcept;
