@@ -220,7 +220,7 @@ block* block_arena::take(block* b, std::size_t size, std::size_t alignment,
   b->st = block::state::allocated;
   b->stream = stream;
   b->requested = requested;
-  live_[b->addr] = b;
+  ++allocated_blocks_;
   allocated_bytes_ += b->size;
   requested_bytes_ += requested;
   return b;
@@ -240,7 +240,7 @@ block* block_arena::allocate(std::size_t size, std::size_t alignment, std::uintp
       cached_bytes_ -= b->size;
       b->st = block::state::allocated;
       b->requested = requested;
-      live_[b->addr] = b;
+      ++allocated_blocks_;
       allocated_bytes_ += b->size;
       requested_bytes_ += requested;
       return b;
@@ -280,13 +280,8 @@ block* block_arena::allocate_from_other_streams(std::size_t size, std::size_t al
   return take(best, size, alignment, stream, requested);
 }
 
-block* block_arena::find_live(std::uintptr_t ptr) const {
-  block* const* b = live_.find(ptr);
-  return b == nullptr ? nullptr : *b;
-}
-
 void block_arena::release(block* b, std::uintptr_t stream, std::uint64_t free_epoch) {
-  live_.erase(b->addr);
+  --allocated_blocks_;
   allocated_bytes_ -= b->size;
   requested_bytes_ -= b->requested;
   b->requested = 0;
@@ -400,13 +395,6 @@ std::size_t block_arena::largest_free_block() const {
   return largest;
 }
 
-std::vector<const block*> block_arena::live_blocks_list() const {
-  std::vector<const block*> out;
-  out.reserve(live_.size());
-  live_.for_each([&](std::uintptr_t, const block* b) { out.push_back(b); });
-  return out;
-}
-
 std::string block_arena::validate() const {
   std::size_t free_sum = 0, cached_sum = 0, live_sum = 0, requested_sum = 0;
   std::string why;
@@ -430,21 +418,22 @@ std::string block_arena::validate() const {
       ++cached_count;
     }
   });
-  live_.for_each([&](std::uintptr_t addr, const block* b) {
-    if (b->st != block::state::allocated || b->addr != addr) why = "live map inconsistent";
-    live_sum += b->size;
-    requested_sum += b->requested;
-  });
   if (!why.empty()) return why;
   const std::unordered_set<const block*> spare(spare_blocks_.begin(), spare_blocks_.end());
+  std::size_t live_count = 0;
   for (const block* b : all_records_) {
     if (spare.contains(b)) continue;
+    if (b->st == block::state::allocated) {
+      ++live_count;
+      live_sum += b->size;
+      requested_sum += b->requested;
+    }
     if (b->next != nullptr && (b->next->prev != b || b->next->addr != b->addr + b->size))
       return "neighbour links broken";
   }
   if (free_sum != free_bytes_) return "free_bytes wrong";
   if (cached_sum != cached_bytes_ || cached_count != cached_blocks_) return "cached count wrong";
-  if (live_sum != allocated_bytes_) return "allocated_bytes wrong";
+  if (live_sum != allocated_bytes_ || live_count != allocated_blocks_) return "allocated_bytes wrong";
   if (requested_sum != requested_bytes_) return "requested_bytes wrong";
   return {};
 }

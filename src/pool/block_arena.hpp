@@ -11,8 +11,9 @@
 // Invariants (validate()):
 //  - blocks of a segment tile their regions: b->next->addr == b->addr + b->size;
 //  - no two address-adjacent blocks are both in the merged free index with the same stream;
-//  - every free-index entry is state::free, every quick-list entry state::cached, every
-//    live entry state::allocated;
+//  - every free-index entry is state::free, every quick-list entry state::cached;
+//  - allocated_bytes / requested_bytes / live_blocks sum the blocks in state::allocated
+//    (the arena keeps no address index of them: their owner, the pool, finds them);
 //  - free_bytes + cached_bytes + allocated_bytes == sum of region sizes held.
 // Not thread-safe: the owning pool serializes calls.
 #pragma once
@@ -77,8 +78,6 @@ class block_arena {
                                      std::uintptr_t stream, std::size_t requested,
                                      const std::function<bool(const block&)>& usable);
 
-  // The allocated block at ptr, or nullptr.
-  block* find_live(std::uintptr_t ptr) const;
   // Returns an allocated block; it is reusable in `stream`'s order.
   void release(block* b, std::uintptr_t stream, std::uint64_t free_epoch);
 
@@ -97,9 +96,8 @@ class block_arena {
   std::size_t cached_bytes() const noexcept { return cached_bytes_; }
   std::size_t allocated_bytes() const noexcept { return allocated_bytes_; }
   std::size_t requested_bytes() const noexcept { return requested_bytes_; }
-  std::size_t live_blocks() const noexcept { return live_.size(); }
+  std::size_t live_blocks() const noexcept { return allocated_blocks_; }
   std::size_t largest_free_block() const;
-  std::vector<const block*> live_blocks_list() const;
   // Calls f(first) for the first block of every contiguous region, by address; the
   // region's blocks follow through `next` (allocated, cached and free alike).
   template <class F>
@@ -148,7 +146,7 @@ class block_arena {
   std::size_t free_blocks_ = 0;
   flat_map<std::pair<std::uint64_t, std::uint64_t>, block*, mix_hash> quick_;  // (stream, size)
   std::size_t cached_blocks_ = 0;
-  flat_map<std::uintptr_t, block*, mix_hash> live_;
+  std::size_t allocated_blocks_ = 0;
   // Blocks at the edges of contiguous regions, by their outer address, so a region added
   // next to an existing one is linked to it (and can merge).
   std::map<std::uintptr_t, block*> region_start_;  // start address -> first block

@@ -122,19 +122,11 @@ void pool_base::release_to_arena_locked(detail::block* b, std::uintptr_t stream)
   arenas_[b->arena_id]->release(b, stream, ++s.frees);
 }
 
-void pool_base::drain_locked(detail::thread_cache& c) {
-  std::lock_guard cache_lock(c.mutex);
-  c.drain([&](detail::block* b, std::uintptr_t stream) { release_to_arena_locked(b, stream); });
-}
-
-bool pool_base::drain_thread_caches() {
-  bool any = false;
+void pool_base::drain_thread_caches() {
   for (auto& c : caches_) {
     std::lock_guard cache_lock(c->mutex);
-    any = any || c->free_blocks != 0;
     c->drain([&](detail::block* b, std::uintptr_t stream) { release_to_arena_locked(b, stream); });
   }
-  return any;
 }
 
 void* pool_base::do_allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) {

@@ -24,10 +24,10 @@
 // it freed, by exact (stream, size). An allocation that finds such a block, and a free of
 // a pointer this thread allocated, take only that cache's lock, never the pool's: threads
 // do not serialize on the pool in the steady state. Everything else takes the pool lock;
-// there, a thread's cache is drained into the arenas when it misses (so its blocks merge,
-// as the arenas' own quick lists do), every cache is drained before the pool grows, trims
-// or gives memory back, and reports count cached blocks as cached. The fast path is off
-// with guard, scrub, a release threshold or an observer attached (each needs every call).
+// there, every cache is drained into the arenas (where its blocks merge) when an arena
+// cannot serve a request, before the pool grows, trims or gives memory back, and reports
+// count cached blocks as cached. The fast path is off with guard, scrub, a release
+// threshold or an observer attached (each needs every call).
 // validate() and the reports are exact when no call is in flight on another thread.
 //
 // Observation: set_observer() attaches a pool_observer (telemetry's event recorder) told
@@ -175,8 +175,8 @@ class pool_base : public memory_resource {
   virtual bool small_may_use_large_arena() const noexcept { return false; }
 
   // Gives every thread cache's freed blocks back to the arenas (before reclaiming free
-  // memory). Returns whether any were held. REQUIRES: mutex_ held.
-  bool drain_thread_caches();
+  // memory). REQUIRES: mutex_ held.
+  void drain_thread_caches();
 
   detail::block_arena& arena(std::uint32_t id) { return *arenas_[id]; }
   const detail::block_arena& arena(std::uint32_t id) const { return *arenas_[id]; }
@@ -238,8 +238,6 @@ class pool_base : public memory_resource {
   detail::thread_cache* this_thread_cache() const noexcept;
   // This thread's cache, made on first use. REQUIRES: mutex_ held.
   detail::thread_cache& cache_for_this_thread_locked();
-  // REQUIRES: mutex_ held; not c.mutex.
-  void drain_locked(detail::thread_cache& c);
   // An allocated block handed back: it is reusable in `stream`'s order. REQUIRES: mutex_.
   void release_to_arena_locked(detail::block* b, std::uintptr_t stream);
   // Counts an allocation (+) or a free (-) of live bytes (requested, rounded block) in c.
