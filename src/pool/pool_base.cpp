@@ -65,7 +65,6 @@ detail::thread_cache& pool_base::cache_for_this_thread_locked() {
   if (c == nullptr) {
     caches_.push_back(std::make_unique<detail::thread_cache>());
     c = caches_.back().get();
-    if (caches_.size() > 1) one_thread_.store(false, std::memory_order_relaxed);
   }
   t_cache_slots[t_next_slot++ % t_cache_slots.size()] = {pool_id_, c};
   return *c;
@@ -84,27 +83,33 @@ void pool_base::publish(std::int64_t requested, std::int64_t block) noexcept {
 }
 
 void pool_base::count(detail::thread_cache& c, std::int64_t requested, std::int64_t block) noexcept {
-  c.pending_live += requested;
-  c.pending_blocks += block;
-  if (one_thread_.load(std::memory_order_relaxed) || c.pending_live >= stats_slack ||
-      c.pending_live <= -stats_slack || c.pending_blocks >= stats_slack ||
-      c.pending_blocks <= -stats_slack) {
-    publish(c.pending_live, c.pending_blocks);
-    c.pending_live = 0;
-    c.pending_blocks = 0;
+  constexpr auto relaxed = std::memory_order_relaxed;
+  const std::int64_t live = c.pending_live.load(relaxed) + requested;
+  const std::int64_t held = c.pending_blocks.load(relaxed) + block;
+  if (live >= stats_slack || live <= -stats_slack || held >= stats_slack || held <= -stats_slack) {
+    c.pending_live.store(0, relaxed);
+    c.pending_blocks.store(0, relaxed);
+    publish(live, held);
+    return;
   }
+  c.pending_live.store(live, relaxed);
+  c.pending_blocks.store(held, relaxed);
+  // The peaks see this thread's pending bytes at once: exact while one thread uses the
+  // pool, and no shared write unless a peak rises.
+  if (requested > 0)
+    raise_to(peak_live_bytes_, live_bytes_.load(relaxed) + static_cast<std::size_t>(live));
+  if (block > 0)
+    raise_to(peak_block_bytes_, block_bytes_.load(relaxed) + static_cast<std::size_t>(held));
 }
 
 namespace {
 // A shared total plus what each thread cache has not published yet.
 std::size_t with_pending(const std::atomic<std::size_t>& shared,
                          const std::vector<std::unique_ptr<detail::thread_cache>>& caches,
-                         std::int64_t detail::thread_cache::*pending) {
+                         std::atomic<std::int64_t> detail::thread_cache::*pending) {
   std::size_t total = shared.load(std::memory_order_relaxed);
-  for (const auto& c : caches) {
-    std::lock_guard cache_lock(c->mutex);
-    total += static_cast<std::size_t>((*c).*pending);
-  }
+  for (const auto& c : caches)
+    total += static_cast<std::size_t>(((*c).*pending).load(std::memory_order_relaxed));
   return total;
 }
 }  // namespace
@@ -129,12 +134,42 @@ void pool_base::drain_thread_caches() {
   }
 }
 
+std::size_t pool_base::block_size_for(std::size_t bytes,
+                                      const detail::thread_cache* mine) const noexcept {
+  constexpr std::size_t unit = 512;
+  if (bytes > options_.small_threshold && options_.round_large > unit) {
+    const std::size_t r = (bytes + options_.round_large - 1) / options_.round_large * options_.round_large;
+    std::size_t live = live_bytes_.load(std::memory_order_relaxed) + bytes;
+    std::size_t held = block_bytes_.load(std::memory_order_relaxed) + r;
+    if (mine != nullptr) {
+      live += static_cast<std::size_t>(mine->pending_live.load(std::memory_order_relaxed));
+      held += static_cast<std::size_t>(mine->pending_blocks.load(std::memory_order_relaxed));
+    }
+    if (held <= live + live / round_waste_share) return r;
+  }
+  return (bytes + unit - 1) / unit * unit;
+}
+
+std::size_t pool_base::near_fit_limit(std::size_t bytes, std::size_t size,
+                                      const detail::thread_cache& mine) const noexcept {
+  constexpr auto relaxed = std::memory_order_relaxed;
+  const std::size_t live = live_bytes_.load(relaxed) +
+                           static_cast<std::size_t>(mine.pending_live.load(relaxed)) + bytes;
+  const std::size_t held = block_bytes_.load(relaxed) +
+                           static_cast<std::size_t>(mine.pending_blocks.load(relaxed)) + size;
+  const std::size_t allowed = live + live / round_waste_share;
+  if (held >= allowed) return size;
+  return size + std::min(size / near_fit_share, allowed - held);
+}
+
 void* pool_base::do_allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) {
-  // Fast path: a block this thread freed on this stream, of this size; no pool lock.
+  // Fast path: a block this thread freed on this stream, of this size or a little larger;
+  // no pool lock.
   if (fast_path_.load(std::memory_order_relaxed) && alignment <= arenas_[0]->unit()) {
     if (detail::thread_cache* c = this_thread_cache()) {
       std::lock_guard cache_lock(c->mutex);
-      if (detail::block* b = c->pop(stream.value, block_size_for(bytes))) {
+      const std::size_t size = block_size_for(bytes, c);
+      if (detail::block* b = c->pop(stream.value, size, near_fit_limit(bytes, size, *c))) {
         c->live[b->addr] = {b, bytes};
         c->allocations += 1;
         count(*c, static_cast<std::int64_t>(bytes), static_cast<std::int64_t>(b->size));
@@ -163,7 +198,7 @@ void* pool_base::allocate_locked(std::size_t bytes, std::size_t alignment, strea
   detail::thread_cache& mine = cache_for_this_thread_locked();
   const std::uint32_t id = bytes <= options_.small_threshold ? small_arena : large_arena;
   detail::block_arena& a = *arenas_[id];
-  const std::size_t size = block_size_for(bytes);
+  const std::size_t size = block_size_for(bytes, &mine);
   detail::block* b = a.allocate(size, alignment, stream.value, bytes);
   if (b == nullptr) b = allocate_slow(id, size, alignment, stream, bytes);
   {
@@ -473,7 +508,7 @@ std::string pool_base::report_locked(std::size_t bytes) const {
   r << "gpumem: out of memory on device " << device() << " (" << device_platform().kind()
     << "): the '" << name() << "' pool could not allocate " << format_bytes(bytes) << " ("
     << bytes << " bytes).\n";
-  r << "  requested: " << bytes << " bytes, a block of " << block_size_for(bytes)
+  r << "  requested: " << bytes << " bytes, a block of " << block_size_for(bytes, nullptr)
     << " bytes in the " << (id == small_arena ? "small" : "large") << "-request arena\n";
   auto info = device_platform().mem_info(device());
   if (info)

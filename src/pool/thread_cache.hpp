@@ -3,12 +3,15 @@
 // It holds
 //  - the live allocations this thread made, address -> (block, requested bytes), so a free
 //    on the same thread finds its block without the pool's lock; and
-//  - blocks this thread freed, by exact (stream, size). A block freed on stream S is handed
-//    out again only for S, at once (stream order makes that safe), never for another stream.
+//  - blocks this thread freed, per stream, binned by size (16 bins per power of two, like
+//    the arena's free index). A block freed on stream S is handed out again only for S,
+//    at once (stream order makes that safe), never for another stream. A request takes
+//    the smallest kept block that fits within `max_size` (exact sizes first): a near fit
+//    saves the pool's locked path when sizes vary, and the caller bounds the waste.
 //
 // Blocks in either part stay `allocated` in their arena: the arena does not see them, and
-// nothing here writes a block field the arena reads (only `quick_next`, which the arena
-// uses for its own cached blocks alone). The pool drains the freed blocks back into the
+// nothing here writes a block field the arena reads for an allocated block (only the bin
+// links and bin index, which the arena uses for its own free blocks alone). The pool drains the freed blocks back into the
 // arenas, with the pool lock held, before it merges, grows, trims or gives memory back.
 //
 // Locking: `mutex` guards everything here. The owner thread takes it on each operation
@@ -18,6 +21,10 @@
 #pragma once
 
 #include <array>
+#include <atomic>
+#include <bit>
+#include <memory>
+#include <vector>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
@@ -46,32 +53,64 @@ struct alignas(64) thread_cache {
   std::uint64_t deallocations = 0;
   // Live bytes (requested, and as rounded blocks) counted here but not yet added to the
   // pool's shared totals: threads do not write one shared line on every call.
-  std::int64_t pending_live = 0;
-  std::int64_t pending_blocks = 0;
+  // Written only with `mutex` held (a load and a store, never contended); read without it
+  // where an estimate will do.
+  std::atomic<std::int64_t> pending_live{0};
+  std::atomic<std::int64_t> pending_blocks{0};
   std::array<std::uintptr_t, 64> recent_frees{};  // to tell a double free from a stranger
   std::size_t recent_next = 0;
 
-  // A block of exactly `size` bytes freed on `stream`, or nullptr.
-  block* pop(std::uintptr_t stream, std::size_t size) noexcept {
-    block** head = free_heads_.find({stream, size});
-    if (head == nullptr || *head == nullptr) return nullptr;
-    block* b = *head;
-    if (b->quick_next != nullptr)
-      *head = b->quick_next;
-    else
-      free_heads_.erase({stream, size});  // only keys with blocks stay: drain's scan is short
-    b->quick_next = nullptr;
-    free_blocks -= 1;
-    free_bytes[b->arena_id] -= b->size;
-    return b;
+  // The smallest kept block freed on `stream` with size in [size, max_size], or nullptr.
+  // Looks at a few blocks of size's own bin (exact sizes win), then at the first non-empty
+  // bin above, whose blocks all fit.
+  block* pop(std::uintptr_t stream, std::size_t size, std::size_t max_size) noexcept {
+    stream_bins* bins = bins_for(stream);
+    if (bins == nullptr || bins->level_mask == 0) return nullptr;
+    int f, sb;
+    bin_index(size, f, sb);
+    block* best = nullptr;
+    int looked = 0;
+    for (block* b = bins->heads[f][sb]; b != nullptr && looked < scan_limit; b = b->bin_next, ++looked) {
+      if (b->size < size || b->size > max_size) continue;
+      if (best == nullptr || b->size < best->size) best = b;
+      if (b->size == size) break;
+    }
+    if (best == nullptr) {
+      std::uint32_t above = sb == 15 ? 0 : bins->bin_mask[f] & (~0u << (sb + 1));
+      if (above == 0) {
+        const std::uint64_t levels = f == 63 ? 0 : bins->level_mask & (~std::uint64_t{0} << (f + 1));
+        if (levels == 0) return nullptr;
+        f = std::countr_zero(levels);
+        above = bins->bin_mask[f];
+      }
+      block* head = bins->heads[f][std::countr_zero(above)];
+      if (head->size > max_size) return nullptr;  // the others in its bin are near it
+      best = head;
+    }
+    unlink(*bins, best);
+    return best;
   }
   // Keeps b for reuse on `stream`; false when the cache is full (the caller gives b to
   // its arena instead).
   bool push(block* b, std::uintptr_t stream) {
     if (free_blocks >= max_free_blocks) return false;
-    block*& head = free_heads_[{stream, b->size}];
-    b->quick_next = head;
+    stream_bins* bins = bins_for(stream);
+    if (bins == nullptr) {
+      bins_.push_back(std::make_unique<stream_bins>());
+      bins_.back()->stream = stream;
+      bins = last_ = bins_.back().get();
+    }
+    int f, sb;
+    bin_index(b->size, f, sb);
+    b->bin_level = static_cast<std::uint8_t>(f);
+    b->bin_sub = static_cast<std::uint8_t>(sb);
+    block*& head = bins->heads[f][sb];
+    b->bin_prev = nullptr;
+    b->bin_next = head;
+    if (head != nullptr) head->bin_prev = b;
     head = b;
+    bins->bin_mask[f] |= 1u << sb;
+    bins->level_mask |= std::uint64_t{1} << f;
     free_blocks += 1;
     free_bytes[b->arena_id] += b->size;
     return true;
@@ -80,25 +119,23 @@ struct alignas(64) thread_cache {
   template <class F>
   void drain(F&& give_back) {
     if (free_blocks == 0) return;
-    free_heads_.for_each_mutable([&](const std::pair<std::uint64_t, std::uint64_t>& key, block*& head) {
-      while (head != nullptr) {
-        block* b = head;
-        head = b->quick_next;
-        b->quick_next = nullptr;
-        give_back(b, static_cast<std::uintptr_t>(key.first));
-      }
-    });
-    free_heads_.clear();
+    for (auto& bins : bins_) {
+      for_each_in(*bins, [&](block* b) {
+        b->bin_prev = b->bin_next = nullptr;
+        give_back(b, bins->stream);
+      });
+      bins->level_mask = 0;
+      bins->bin_mask = {};
+      bins->heads = {};
+    }
     free_blocks = 0;
     free_bytes = {};
   }
   // Calls f(block, stream) for each freed block held.
   template <class F>
   void for_each_free(F&& f) const {
-    free_heads_.for_each([&](const std::pair<std::uint64_t, std::uint64_t>& key, block* head) {
-      for (const block* b = head; b != nullptr; b = b->quick_next)
-        f(b, static_cast<std::uintptr_t>(key.first));
-    });
+    for (const auto& bins : bins_)
+      for_each_in(*bins, [&](const block* b) { f(b, bins->stream); });
   }
   void note_free(std::uintptr_t addr) noexcept {
     deallocations += 1;
@@ -107,10 +144,57 @@ struct alignas(64) thread_cache {
   }
 
  private:
-  // (stream, size) -> freed blocks linked through quick_next; a key is erased with its last
-  // block. The stream may be 0 (the default stream) but size never is, so the key is never
-  // the map's empty key.
-  flat_map<std::pair<std::uint64_t, std::uint64_t>, block*, mix_hash> free_heads_;
+  // Blocks of one size bin looked at before moving to the bin above.
+  static constexpr int scan_limit = 4;
+  // The kept blocks of one stream, linked through bin_prev / bin_next (fields the arena
+  // uses only for its own free blocks), bin (level, sub) as the arena's bin_index.
+  struct stream_bins {
+    std::uintptr_t stream = 0;
+    std::uint64_t level_mask = 0;                  // bit f: level f has a non-empty bin
+    std::array<std::uint32_t, 64> bin_mask{};      // bit s: bin (f, s) non-empty
+    std::array<std::array<block*, 16>, 64> heads{};
+  };
+  static void bin_index(std::size_t size, int& level, int& sub) noexcept {
+    const std::uint64_t units = size / 512 > 0 ? size / 512 : 1;
+    level = 63 - std::countl_zero(units);
+    sub = level >= 4 ? static_cast<int>((units >> (level - 4)) & 15)
+                     : static_cast<int>((units << (4 - level)) & 15);
+  }
+  stream_bins* bins_for(std::uintptr_t stream) noexcept {
+    if (last_ != nullptr && last_->stream == stream) return last_;
+    for (auto& bins : bins_)
+      if (bins->stream == stream) return last_ = bins.get();
+    return nullptr;
+  }
+  void unlink(stream_bins& bins, block* b) noexcept {
+    const int f = b->bin_level, sb = b->bin_sub;
+    if (b->bin_prev != nullptr)
+      b->bin_prev->bin_next = b->bin_next;
+    else
+      bins.heads[f][sb] = b->bin_next;
+    if (b->bin_next != nullptr) b->bin_next->bin_prev = b->bin_prev;
+    b->bin_prev = b->bin_next = nullptr;
+    if (bins.heads[f][sb] == nullptr) {
+      bins.bin_mask[f] &= ~(1u << sb);
+      if (bins.bin_mask[f] == 0) bins.level_mask &= ~(std::uint64_t{1} << f);
+    }
+    free_blocks -= 1;
+    free_bytes[b->arena_id] -= b->size;
+  }
+  template <class F>
+  static void for_each_in(const stream_bins& bins, F&& fn) {
+    for (std::uint64_t levels = bins.level_mask; levels != 0; levels &= levels - 1) {
+      const int f = std::countr_zero(levels);
+      for (std::uint32_t subs = bins.bin_mask[f]; subs != 0; subs &= subs - 1)
+        for (block* b = bins.heads[f][std::countr_zero(subs)]; b != nullptr;) {
+          block* next = b->bin_next;  // fn may reset b's links
+          fn(b);
+          b = next;
+        }
+    }
+  }
+  std::vector<std::unique_ptr<stream_bins>> bins_;  // a few streams: searched linearly
+  stream_bins* last_ = nullptr;                     // the last one used
 };
 
 }  // namespace gpumem::detail

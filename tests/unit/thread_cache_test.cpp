@@ -91,6 +91,60 @@ TEST_F(ThreadCache, ABlockInAThreadCacheIsReusedOnlyOnTheStreamThatFreedIt) {
   sim.hold_events(false);
 }
 
+// A near fit: a kept block up to 1/16 larger than the request serves it from the thread's
+// cache, on its own stream only, while the bytes handed out beyond the live bytes stay
+// within 1/32 of them (pool_base::near_fit_limit).
+TEST_F(ThreadCache, ASlightlyLargerKeptBlockServesARequestOnItsStream) {
+  vmm_page_pool pool(sim, 0);
+  void* ballast = pool.allocate(64 * MiB);  // live bytes, so the waste allowance is not the limit
+  void* p = pool.allocate(100 * KiB);
+  pool.deallocate(p, 100 * KiB);
+  void* q = pool.allocate(97 * KiB);
+  EXPECT_EQ(q, p) << "a block 3% larger, kept by this thread, was not reused";
+  const resource_stats s = pool.stats();
+  EXPECT_EQ(s.live_bytes, 64 * MiB + 97 * KiB);
+  EXPECT_EQ(pool.peak_allocated_block_bytes(), 64 * MiB + 100 * KiB)
+      << "the block handed out is counted at its own size";
+  pool.deallocate(q, 97 * KiB);
+  // Over 1/16 larger: not a near fit (the block stays kept, another one is carved).
+  void* r = pool.allocate(90 * KiB);
+  EXPECT_NE(r, p);
+  EXPECT_EQ(pool.bytes_in_arena(false).allocated + pool.bytes_in_arena(true).allocated,
+            64 * MiB + 90 * KiB);
+  pool.deallocate(r, 90 * KiB);
+  pool.deallocate(ballast, 64 * MiB);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
+TEST_F(ThreadCache, ANearFitNeverCrossesStreamsOrTheWasteAllowance) {
+  vmm_page_pool pool(sim, 0);
+  const stream_handle s1 = make_stream(), s2 = make_stream();
+  sim.hold_events(true);
+  void* ballast = pool.allocate(64 * MiB, default_alignment, s1);
+  void* p = pool.allocate(100 * KiB, default_alignment, s1);
+  pool.deallocate(p, 100 * KiB, s1);
+  void* other = pool.allocate(99 * KiB, default_alignment, s2);
+  EXPECT_FALSE(overlaps(other, 99 * KiB, p, 100 * KiB))
+      << "s2 got memory whose last use on s1 is not known complete";
+  pool.deallocate(other, 99 * KiB, s2);
+  pool.deallocate(ballast, 64 * MiB, s1);
+  sim.hold_events(false);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+
+  // Alone in a pool, 96 KiB may waste at most 3 KiB (1/32): the kept 100 KiB block is
+  // refused; 97 KiB may take it.
+  vmm_page_pool alone(sim, 0);
+  void* kept = alone.allocate(100 * KiB);
+  alone.deallocate(kept, 100 * KiB);
+  void* small = alone.allocate(96 * KiB);
+  EXPECT_NE(small, kept) << "a near fit wasted more than 1/32 of the live bytes";
+  alone.deallocate(small, 96 * KiB);
+  void* fits = alone.allocate(97 * KiB);
+  EXPECT_EQ(fits, kept);
+  alone.deallocate(fits, 97 * KiB);
+  EXPECT_TRUE(alone.is_valid()) << alone.validate();
+}
+
 TEST_F(ThreadCache, WhatAnExitedThreadFreedIsReclaimedBeforeOutOfMemory) {
   pool_options o;
   o.limit_bytes = 8 * MiB;  // room for one 8 MiB segment only

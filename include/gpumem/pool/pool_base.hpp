@@ -222,18 +222,16 @@ class pool_base : public memory_resource {
   // The block size serving a request: 512-byte units; with pool_options::round_large, large
   // requests (over small_threshold) are rounded up to a multiple of it while the bytes lost
   // to rounding stay within 1/round_waste_share of the live bytes (so a workload of requests
-  // just over a multiple cannot waste more than that share).
+  // just over a multiple cannot waste more than that share). `mine` (may be null) is the
+  // calling thread's cache, whose unpublished bytes count too.
   static constexpr std::size_t round_waste_share = 32;
-  std::size_t block_size_for(std::size_t bytes) const noexcept {
-    constexpr std::size_t unit = 512;
-    if (bytes > options_.small_threshold && options_.round_large > unit) {
-      const std::size_t r = (bytes + options_.round_large - 1) / options_.round_large * options_.round_large;
-      const std::size_t live = live_bytes_.load(std::memory_order_relaxed) + bytes;
-      const std::size_t held = block_bytes_.load(std::memory_order_relaxed) + r;
-      if (held <= live + live / round_waste_share) return r;
-    }
-    return (bytes + unit - 1) / unit * unit;
-  }
+  std::size_t block_size_for(std::size_t bytes, const detail::thread_cache* mine) const noexcept;
+  // The largest block a thread cache may hand out for a request of `bytes` served by blocks
+  // of `size`: up to 1/near_fit_share larger (no split, no pool lock when sizes vary),
+  // while the bytes handed out beyond the live bytes stay within 1/round_waste_share of them.
+  static constexpr std::size_t near_fit_share = 16;
+  std::size_t near_fit_limit(std::size_t bytes, std::size_t size,
+                             const detail::thread_cache& mine) const noexcept;
   // This thread's cache of this pool, or nullptr when it has none yet (no lock taken).
   detail::thread_cache* this_thread_cache() const noexcept;
   // This thread's cache, made on first use. REQUIRES: mutex_ held.
@@ -241,9 +239,10 @@ class pool_base : public memory_resource {
   // An allocated block handed back: it is reusable in `stream`'s order. REQUIRES: mutex_.
   void release_to_arena_locked(detail::block* b, std::uintptr_t stream);
   // Counts an allocation (+) or a free (-) of live bytes (requested, rounded block) in c.
-  // While one thread uses the pool the shared totals and peaks move on every call (exact);
-  // with more, a cache publishes once its unpublished bytes pass stats_slack either way,
-  // so a peak can miss up to that much per other thread. REQUIRES: c.mutex held.
+  // A cache publishes to the shared totals once its unpublished bytes pass stats_slack
+  // either way (no shared write per call); the peaks count the calling cache's unpublished
+  // bytes at once, so they are exact while one thread uses the pool and can miss up to
+  // stats_slack per other thread with more. REQUIRES: c.mutex held.
   void count(detail::thread_cache& c, std::int64_t requested, std::int64_t block) noexcept;
   // Adds to the shared totals and raises the peaks.
   void publish(std::int64_t requested, std::int64_t block) noexcept;
@@ -260,7 +259,6 @@ class pool_base : public memory_resource {
   const bool fast_path_allowed_;          // by the options, fixed at construction
   // Read on every call, written rarely: on a line of their own, away from the totals.
   alignas(64) std::atomic<bool> fast_path_{false};  // allowed and no observer attached
-  std::atomic<bool> one_thread_{true};    // at most one thread cache made so far
   std::vector<std::unique_ptr<detail::thread_cache>> caches_;
   std::unordered_map<std::thread::id, detail::thread_cache*> cache_of_thread_;
   // Shared totals of live bytes (requested; rounded blocks handed out) and their peaks;
