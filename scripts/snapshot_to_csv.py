@@ -35,6 +35,14 @@ def convert(snapshot, device):
     return rows
 
 
+def write_csv(rows, path):
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "wt") as out:
+        out.write("action,addr,size,stream,time_us\n")
+        for row in rows:
+            out.write(",".join(str(v) for v in row) + "\n")
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("snapshot")
@@ -48,11 +56,7 @@ def main(argv):
     except (OSError, pickle.UnpicklingError, ValueError, EOFError) as e:
         print(f"snapshot_to_csv: {args.snapshot}: {e}", file=sys.stderr)
         return 1
-    opener = gzip.open if args.out.endswith(".gz") else open
-    with opener(args.out, "wt") as out:
-        out.write("action,addr,size,stream,time_us\n")
-        for row in rows:
-            out.write(",".join(str(v) for v in row) + "\n")
+    write_csv(rows, args.out)
     print(f"{args.out}: {len(rows)} events from device {args.device}")
     return 0
 
