@@ -94,13 +94,15 @@ class flat_map {
   std::size_t size_ = 0;
 };
 
-// Fibonacci hashing: spreads addresses (multiples of 512) and sizes over the table.
+// Fibonacci hashing, with the product's high bits folded down: the table takes the low
+// bits, and the product's low bits carry nothing of an address's zero low bits (a 2 MiB
+// page-aligned address times any odd constant has 21 zero low bits too: all such keys
+// would share a few home slots).
 struct mix_hash {
-  std::size_t operator()(std::uint64_t k) const noexcept {
-    return static_cast<std::size_t>((k * 0x9e3779b97f4a7c15ULL) >> 17);
-  }
+  static std::size_t fold(std::uint64_t h) noexcept { return static_cast<std::size_t>(h ^ (h >> 29) ^ (h >> 47)); }
+  std::size_t operator()(std::uint64_t k) const noexcept { return fold(k * 0x9e3779b97f4a7c15ULL); }
   std::size_t operator()(const std::pair<std::uint64_t, std::uint64_t>& k) const noexcept {
-    return static_cast<std::size_t>(((k.first * 0x9e3779b97f4a7c15ULL) ^ (k.second * 0xc2b2ae3d27d4eb4fULL)) >> 17);
+    return fold((k.first * 0x9e3779b97f4a7c15ULL) ^ (k.second * 0xc2b2ae3d27d4eb4fULL));
   }
 };
 

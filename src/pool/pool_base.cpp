@@ -166,10 +166,12 @@ void* pool_base::do_allocate(std::size_t bytes, std::size_t alignment, stream_ha
   // Fast path: a block this thread freed on this stream, of this size or a little larger;
   // no pool lock.
   if (fast_path_.load(std::memory_order_relaxed) && alignment <= arenas_[0]->unit()) {
-    if (detail::thread_cache* c = this_thread_cache()) {
+    if (detail::thread_cache* c = this_thread_cache(); c != nullptr && c->keeping()) {
       std::lock_guard cache_lock(c->mutex);
       const std::size_t size = block_size_for(bytes, c);
-      if (detail::block* b = c->pop(stream.value, size, near_fit_limit(bytes, size, *c))) {
+      detail::block* b = c->pop(stream.value, size, near_fit_limit(bytes, size, *c));
+      c->note_request(b != nullptr);
+      if (b != nullptr) {
         c->live[b->addr] = {b, bytes};
         c->allocations += 1;
         count(*c, static_cast<std::int64_t>(bytes), static_cast<std::int64_t>(b->size));
@@ -306,8 +308,9 @@ void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream
         c->live.erase(addr);
         c->note_free(addr);
         count(*c, -static_cast<std::int64_t>(bytes), -static_cast<std::int64_t>(b->size));
-        if (c->push(b, stream.value)) return;
-        cache_lock.unlock();  // full: the block goes to its arena, under the pool lock
+        if (c->keeping() && c->push(b, stream.value)) return;
+        c->note_passed_free();
+        cache_lock.unlock();  // full or not keeping: to its arena, under the pool lock
         std::lock_guard lock(mutex_);
         release_to_arena_locked(b, stream.value);
         return;
@@ -363,7 +366,8 @@ void pool_base::deallocate_locked(std::uintptr_t addr, std::size_t bytes, stream
   if (fast_path_.load(std::memory_order_relaxed)) {
     detail::thread_cache& c = cache_for_this_thread_locked();
     std::lock_guard cache_lock(c.mutex);
-    kept = c.push(b, stream.value);
+    kept = c.keeping() && c.push(b, stream.value);
+    if (!kept) c.note_passed_free();
   }
   if (!kept) release_to_arena_locked(b, stream.value);
   notify(pool_event_kind::free, addr, bytes, stream.value);

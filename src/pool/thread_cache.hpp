@@ -137,6 +137,20 @@ struct alignas(64) thread_cache {
     for (const auto& bins : bins_)
       for_each_in(*bins, [&](const block* b) { f(b, bins->stream); });
   }
+  // Whether frees keep blocks here. A cache whose blocks rarely serve this thread's
+  // requests (sizes that vary at random: under min_hit_percent of a window of requests)
+  // only adds work (held blocks are drained back before the arena can merge them) and
+  // stops keeping blocks for a while.
+  bool keeping() const noexcept { return pass_frees_ == 0; }
+  void note_request(bool served) noexcept {
+    window_hits_ += served ? 1 : 0;
+    if (++window_requests_ < window) return;
+    if (window_hits_ * 100 < window * min_hit_percent) pass_frees_ = pause_frees;
+    window_requests_ = window_hits_ = 0;
+  }
+  void note_passed_free() noexcept {
+    if (pass_frees_ > 0) pass_frees_ -= 1;
+  }
   void note_free(std::uintptr_t addr) noexcept {
     deallocations += 1;
     recent_frees[recent_next] = addr;
@@ -144,6 +158,12 @@ struct alignas(64) thread_cache {
   }
 
  private:
+  static constexpr std::uint32_t window = 256;
+  static constexpr std::uint32_t min_hit_percent = 40;
+  static constexpr std::uint32_t pause_frees = 4096;
+  std::uint32_t window_requests_ = 0;
+  std::uint32_t window_hits_ = 0;
+  std::uint32_t pass_frees_ = 0;  // frees left that go to the arena, not kept
   // Blocks of one size bin looked at before moving to the bin above.
   static constexpr int scan_limit = 4;
   // The kept blocks of one stream, linked through bin_prev / bin_next (fields the arena

@@ -145,6 +145,34 @@ TEST_F(ThreadCache, ANearFitNeverCrossesStreamsOrTheWasteAllowance) {
   EXPECT_TRUE(alone.is_valid()) << alone.validate();
 }
 
+// A thread whose requests its kept blocks rarely serve (sizes at random) stops keeping
+// blocks for a while: its frees go to the arena, under the pool lock, like thread_cache:off.
+TEST_F(ThreadCache, AThreadWhoseKeptBlocksRarelyFitStopsKeepingThem) {
+  vmm_page_pool pool(sim, 0);
+  std::promise<void> ready, go, freed;
+  std::thread worker([&] {
+    // 300 requests, each a size no kept block can serve (each larger than every before).
+    std::size_t size = 64 * KiB;
+    for (int i = 0; i < 300; ++i, size += 8 * KiB) pool.deallocate(pool.allocate(size), size);
+    void* p = pool.allocate(KiB);
+    ready.set_value();
+    go.get_future().wait();
+    pool.deallocate(p, KiB);  // not kept: needs the pool lock, held by the main thread
+    freed.set_value();
+  });
+  ready.get_future().wait();
+  bool blocked = false;
+  pool.inspect([&](const std::vector<memory_segment>&) {
+    go.set_value();
+    blocked = freed.get_future().wait_for(std::chrono::milliseconds(200)) ==
+              std::future_status::timeout;
+  });
+  worker.join();
+  EXPECT_TRUE(blocked) << "a free was kept in the thread cache although its blocks rarely fit";
+  EXPECT_EQ(pool.stats().live_bytes, 0u);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
 TEST_F(ThreadCache, WhatAnExitedThreadFreedIsReclaimedBeforeOutOfMemory) {
   pool_options o;
   o.limit_bytes = 8 * MiB;  // room for one 8 MiB segment only
