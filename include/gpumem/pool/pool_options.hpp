@@ -25,7 +25,8 @@
 //                            the block its predecessor freed. Costs up to BYTES per live large
 //                            block (worst case: many requests just over a multiple)
 //   thread_cache:on|off      per-thread caches in front of the pool: a thread reuses the
-//                            blocks it freed, and frees what it allocated, without the
+//                            blocks it freed (its size, or up to 1/16 larger within the
+//                            1/32 waste allowance), and frees what it allocated, without the
 //                            pool's lock (default on; off: every call takes the pool lock)
 //
 // Unknown keys and malformed values throw gpumem::invalid_argument naming them.
