@@ -32,55 +32,33 @@ void block_arena::delete_block(block* b) {
   spare_blocks_.push_back(b);
 }
 
-block_arena::stream_bins* block_arena::bins_for(std::uintptr_t stream, bool create) {
+size_bins* block_arena::bins_for(std::uintptr_t stream, bool create) {
   // Records are never removed, so the cached pointer stays valid.
   if (last_bins_ != nullptr && last_bins_->stream == stream) return last_bins_;
   for (auto& b : bins_)
     if (b->stream == stream) return last_bins_ = b.get();
   if (!create) return nullptr;
-  bins_.push_back(std::make_unique<stream_bins>());
+  bins_.push_back(std::make_unique<size_bins>());
   bins_.back()->stream = stream;
   return last_bins_ = bins_.back().get();
 }
 
 void block_arena::insert_free(block* b) {
   b->st = block::state::free;
-  stream_bins& bins = *bins_for(b->stream, true);
-  int f, sb;
-  bin_index(b->size, f, sb);
-  b->bin_level = static_cast<std::uint8_t>(f);
-  b->bin_sub = static_cast<std::uint8_t>(sb);
-  block*& head = bins.heads[f][sb];
-  b->bin_prev = nullptr;
-  b->bin_next = head;
-  if (head != nullptr) head->bin_prev = b;
-  head = b;
-  bins.bin_mask[f] |= 1u << sb;
-  bins.level_mask |= std::uint64_t{1} << f;
+  bins_for(b->stream, true)->insert(b);
   free_bytes_ += b->size;
   ++free_blocks_;
 }
 
 void block_arena::erase_free(block* b) {
-  stream_bins& bins = *bins_for(b->stream, false);
-  const int f = b->bin_level, sb = b->bin_sub;
-  if (b->bin_prev != nullptr)
-    b->bin_prev->bin_next = b->bin_next;
-  else
-    bins.heads[f][sb] = b->bin_next;
-  if (b->bin_next != nullptr) b->bin_next->bin_prev = b->bin_prev;
-  b->bin_prev = b->bin_next = nullptr;
-  if (bins.heads[f][sb] == nullptr) {
-    bins.bin_mask[f] &= ~(1u << sb);
-    if (bins.bin_mask[f] == 0) bins.level_mask &= ~(std::uint64_t{1} << f);
-  }
+  bins_for(b->stream, false)->erase(b);
   free_bytes_ -= b->size;
   --free_blocks_;
 }
 
-block* block_arena::best_fit(const stream_bins& bins, std::size_t need) const {
+block* block_arena::best_fit(const size_bins& bins, std::size_t need) const {
   int f, sb;
-  bin_index(need, f, sb);
+  size_bins::index(need, f, sb);
   auto smallest = [&](block* head, bool check_fit) {
     block* best = nullptr;
     for (block* b = head; b != nullptr; b = b->bin_next) {
@@ -93,28 +71,12 @@ block* block_arena::best_fit(const stream_bins& bins, std::size_t need) const {
   // Blocks in need's own bin may be smaller than need; every block above it fits, and
   // the first non-empty bin above holds the smallest of those.
   if (block* b = smallest(bins.heads[f][sb], true)) return b;
-  std::uint32_t above = sb == 15 ? 0 : bins.bin_mask[f] & (~0u << (sb + 1));
-  if (above == 0) {
-    const std::uint64_t levels = f == 63 ? 0 : bins.level_mask & (~std::uint64_t{0} << (f + 1));
-    if (levels == 0) return nullptr;
-    f = std::countr_zero(levels);
-    above = bins.bin_mask[f];
-  }
-  return smallest(bins.heads[f][std::countr_zero(above)], false);
+  return smallest(bins.first_above(f, sb), false);
 }
 
 template <class F>
 void block_arena::for_each_free(F&& fn) const {
-  for (const auto& bins : bins_)
-    for (std::uint64_t levels = bins->level_mask; levels != 0; levels &= levels - 1) {
-      const int f = std::countr_zero(levels);
-      for (std::uint32_t subs = bins->bin_mask[f]; subs != 0; subs &= subs - 1)
-        for (block* b = bins->heads[f][std::countr_zero(subs)]; b != nullptr;) {
-          block* next = b->bin_next;  // fn may not unlink b, but read it first anyway
-          fn(b);
-          b = next;
-        }
-    }
+  for (const auto& bins : bins_) bins->for_each(fn);
 }
 
 void block_arena::add_region(std::uintptr_t addr, std::size_t size, std::uint32_t segment,
@@ -249,7 +211,7 @@ block* block_arena::allocate(std::size_t size, std::size_t alignment, std::uintp
   }
   // Best fit; with a larger alignment, ask for enough room to align inside the block.
   const std::size_t need = size + (alignment > unit_ ? alignment - unit_ : 0);
-  const stream_bins* bins = bins_for(stream, false);
+  const size_bins* bins = bins_for(stream, false);
   block* b = bins != nullptr ? best_fit(*bins, need) : nullptr;
   if (b == nullptr && alignment > unit_ && bins != nullptr) {
     // `need` assumed the worst padding; an already aligned block may fit with less.

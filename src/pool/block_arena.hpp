@@ -51,6 +51,84 @@ struct block {
   std::size_t requested = 0;    // bytes the user asked for (allocated blocks)
 };
 
+// Blocks of one stream binned by size: the index behind the arena's best fit and the thread
+// caches' near fits. Level floor(log2(size / 512 B)), then 16 linear sub-bins; two bitmaps
+// find the first non-empty bin above a size in O(1). Blocks are linked through bin_prev /
+// bin_next and remember their bin (bin_level, bin_sub), so unlinking needs no search.
+struct size_bins {
+  static constexpr int levels = 64;
+  static constexpr int sub_bins = 16;
+  static constexpr std::size_t unit = 512;
+  std::uintptr_t stream = 0;
+  std::uint64_t level_mask = 0;                      // bit f: level f has a non-empty bin
+  std::array<std::uint32_t, levels> bin_mask{};      // bit s: bin (f, s) non-empty
+  std::array<std::array<block*, sub_bins>, levels> heads{};
+
+  static void index(std::size_t size, int& level, int& sub) noexcept {
+    const std::uint64_t units = size / unit > 0 ? size / unit : 1;
+    level = 63 - std::countl_zero(units);
+    sub = level >= 4 ? static_cast<int>((units >> (level - 4)) & 15)
+                     : static_cast<int>((units << (4 - level)) & 15);
+  }
+  bool empty() const noexcept { return level_mask == 0; }
+  void insert(block* b) noexcept {
+    int f, sb;
+    index(b->size, f, sb);
+    b->bin_level = static_cast<std::uint8_t>(f);
+    b->bin_sub = static_cast<std::uint8_t>(sb);
+    block*& head = heads[f][sb];
+    b->bin_prev = nullptr;
+    b->bin_next = head;
+    if (head != nullptr) head->bin_prev = b;
+    head = b;
+    bin_mask[f] |= 1u << sb;
+    level_mask |= std::uint64_t{1} << f;
+  }
+  void erase(block* b) noexcept {
+    const int f = b->bin_level, sb = b->bin_sub;
+    if (b->bin_prev != nullptr)
+      b->bin_prev->bin_next = b->bin_next;
+    else
+      heads[f][sb] = b->bin_next;
+    if (b->bin_next != nullptr) b->bin_next->bin_prev = b->bin_prev;
+    b->bin_prev = b->bin_next = nullptr;
+    if (heads[f][sb] == nullptr) {
+      bin_mask[f] &= ~(1u << sb);
+      if (bin_mask[f] == 0) level_mask &= ~(std::uint64_t{1} << f);
+    }
+  }
+  // The head of the first non-empty bin above bin (level, sub): every block there is larger
+  // than any block of (level, sub). nullptr when none.
+  block* first_above(int level, int sub) const noexcept {
+    std::uint32_t above = sub == sub_bins - 1 ? 0 : bin_mask[level] & (~0u << (sub + 1));
+    if (above == 0) {
+      const std::uint64_t up = level == levels - 1 ? 0 : level_mask & (~std::uint64_t{0} << (level + 1));
+      if (up == 0) return nullptr;
+      level = std::countr_zero(up);
+      above = bin_mask[level];
+    }
+    return heads[level][std::countr_zero(above)];
+  }
+  // Calls f(block*) for every block; f may reset the block's links (read first).
+  template <class F>
+  void for_each(F&& f) const {
+    for (std::uint64_t lv = level_mask; lv != 0; lv &= lv - 1) {
+      const int l = std::countr_zero(lv);
+      for (std::uint32_t subs = bin_mask[l]; subs != 0; subs &= subs - 1)
+        for (block* b = heads[l][std::countr_zero(subs)]; b != nullptr;) {
+          block* next = b->bin_next;
+          f(b);
+          b = next;
+        }
+    }
+  }
+  void clear() noexcept {
+    level_mask = 0;
+    bin_mask = {};
+    heads = {};
+  }
+};
+
 class block_arena {
  public:
   // granularity of block sizes and addresses (512 B, like PyTorch).
@@ -107,15 +185,6 @@ class block_arena {
   std::string validate() const;
 
  private:
-  // The free blocks of one stream, binned by size class.
-  struct stream_bins {
-    static constexpr int levels = 64;     // floor(log2(size / unit))
-    static constexpr int sub_bins = 16;   // linear subdivisions of each power of two
-    std::uintptr_t stream = 0;
-    std::uint64_t level_mask = 0;                      // bit f: level f has a non-empty bin
-    std::array<std::uint32_t, levels> bin_mask{};      // bit s: bin (f, s) non-empty
-    std::array<std::array<block*, sub_bins>, levels> heads{};
-  };
   block* new_block();
   void delete_block(block* b);
   void insert_free(block* b);
@@ -125,24 +194,17 @@ class block_arena {
               std::size_t requested);
   // Merges a free block with free neighbours of its stream; returns the result.
   block* merge(block* b);
-  stream_bins* bins_for(std::uintptr_t stream, bool create);
-  // Bin of a size: level floor(log2(size / unit)), then 16 linear sub-bins.
-  void bin_index(std::size_t size, int& level, int& sub) const noexcept {
-    const std::uint64_t units = size / unit_ > 0 ? size / unit_ : 1;
-    level = 63 - std::countl_zero(units);
-    sub = level >= 4 ? static_cast<int>((units >> (level - 4)) & 15)
-                     : static_cast<int>((units << (4 - level)) & 15);
-  }
+  size_bins* bins_for(std::uintptr_t stream, bool create);
   // The smallest free block of `bins` with size >= need (lowest address on ties).
-  block* best_fit(const stream_bins& bins, std::size_t need) const;
+  block* best_fit(const size_bins& bins, std::size_t need) const;
   template <class F>
   void for_each_free(F&& f) const;
 
   std::uint8_t id_;
   std::size_t unit_;
   std::size_t max_cached_blocks_;
-  std::vector<std::unique_ptr<stream_bins>> bins_;  // a few streams: searched linearly
-  stream_bins* last_bins_ = nullptr;  // the last one found: most calls ask for it again
+  std::vector<std::unique_ptr<size_bins>> bins_;  // a few streams: searched linearly
+  size_bins* last_bins_ = nullptr;  // the last one found: most calls ask for it again
   std::size_t free_blocks_ = 0;
   flat_map<std::pair<std::uint64_t, std::uint64_t>, block*, mix_hash> quick_;  // (stream, size)
   std::size_t cached_blocks_ = 0;

@@ -64,10 +64,10 @@ struct alignas(64) thread_cache {
   // Looks at a few blocks of size's own bin (exact sizes win), then at the first non-empty
   // bin above, whose blocks all fit.
   block* pop(std::uintptr_t stream, std::size_t size, std::size_t max_size) noexcept {
-    stream_bins* bins = bins_for(stream);
-    if (bins == nullptr || bins->level_mask == 0) return nullptr;
+    size_bins* bins = bins_for(stream);
+    if (bins == nullptr || bins->empty()) return nullptr;
     int f, sb;
-    bin_index(size, f, sb);
+    size_bins::index(size, f, sb);
     block* best = nullptr;
     int looked = 0;
     for (block* b = bins->heads[f][sb]; b != nullptr && looked < scan_limit; b = b->bin_next, ++looked) {
@@ -76,41 +76,25 @@ struct alignas(64) thread_cache {
       if (b->size == size) break;
     }
     if (best == nullptr) {
-      std::uint32_t above = sb == 15 ? 0 : bins->bin_mask[f] & (~0u << (sb + 1));
-      if (above == 0) {
-        const std::uint64_t levels = f == 63 ? 0 : bins->level_mask & (~std::uint64_t{0} << (f + 1));
-        if (levels == 0) return nullptr;
-        f = std::countr_zero(levels);
-        above = bins->bin_mask[f];
-      }
-      block* head = bins->heads[f][std::countr_zero(above)];
-      if (head->size > max_size) return nullptr;  // the others in its bin are near it
-      best = head;
+      best = bins->first_above(f, sb);
+      if (best == nullptr || best->size > max_size) return nullptr;  // its bin's others are near it
     }
-    unlink(*bins, best);
+    bins->erase(best);
+    free_blocks -= 1;
+    free_bytes[best->arena_id] -= best->size;
     return best;
   }
   // Keeps b for reuse on `stream`; false when the cache is full (the caller gives b to
   // its arena instead).
   bool push(block* b, std::uintptr_t stream) {
     if (free_blocks >= max_free_blocks) return false;
-    stream_bins* bins = bins_for(stream);
+    size_bins* bins = bins_for(stream);
     if (bins == nullptr) {
-      bins_.push_back(std::make_unique<stream_bins>());
+      bins_.push_back(std::make_unique<size_bins>());
       bins_.back()->stream = stream;
       bins = last_ = bins_.back().get();
     }
-    int f, sb;
-    bin_index(b->size, f, sb);
-    b->bin_level = static_cast<std::uint8_t>(f);
-    b->bin_sub = static_cast<std::uint8_t>(sb);
-    block*& head = bins->heads[f][sb];
-    b->bin_prev = nullptr;
-    b->bin_next = head;
-    if (head != nullptr) head->bin_prev = b;
-    head = b;
-    bins->bin_mask[f] |= 1u << sb;
-    bins->level_mask |= std::uint64_t{1} << f;
+    bins->insert(b);
     free_blocks += 1;
     free_bytes[b->arena_id] += b->size;
     return true;
@@ -120,13 +104,11 @@ struct alignas(64) thread_cache {
   void drain(F&& give_back) {
     if (free_blocks == 0) return;
     for (auto& bins : bins_) {
-      for_each_in(*bins, [&](block* b) {
+      bins->for_each([&](block* b) {
         b->bin_prev = b->bin_next = nullptr;
         give_back(b, bins->stream);
       });
-      bins->level_mask = 0;
-      bins->bin_mask = {};
-      bins->heads = {};
+      bins->clear();
     }
     free_blocks = 0;
     free_bytes = {};
@@ -135,7 +117,7 @@ struct alignas(64) thread_cache {
   template <class F>
   void for_each_free(F&& f) const {
     for (const auto& bins : bins_)
-      for_each_in(*bins, [&](const block* b) { f(b, bins->stream); });
+      bins->for_each([&](const block* b) { f(b, bins->stream); });
   }
   // Whether frees keep blocks here. A cache whose blocks rarely serve this thread's
   // requests (sizes that vary at random: under min_hit_percent of a window of requests)
@@ -166,55 +148,15 @@ struct alignas(64) thread_cache {
   std::uint32_t pass_frees_ = 0;  // frees left that go to the arena, not kept
   // Blocks of one size bin looked at before moving to the bin above.
   static constexpr int scan_limit = 4;
-  // The kept blocks of one stream, linked through bin_prev / bin_next (fields the arena
-  // uses only for its own free blocks), bin (level, sub) as the arena's bin_index.
-  struct stream_bins {
-    std::uintptr_t stream = 0;
-    std::uint64_t level_mask = 0;                  // bit f: level f has a non-empty bin
-    std::array<std::uint32_t, 64> bin_mask{};      // bit s: bin (f, s) non-empty
-    std::array<std::array<block*, 16>, 64> heads{};
-  };
-  static void bin_index(std::size_t size, int& level, int& sub) noexcept {
-    const std::uint64_t units = size / 512 > 0 ? size / 512 : 1;
-    level = 63 - std::countl_zero(units);
-    sub = level >= 4 ? static_cast<int>((units >> (level - 4)) & 15)
-                     : static_cast<int>((units << (4 - level)) & 15);
-  }
-  stream_bins* bins_for(std::uintptr_t stream) noexcept {
+  // The kept blocks of `stream` (a size_bins per stream the thread freed on), or nullptr.
+  size_bins* bins_for(std::uintptr_t stream) noexcept {
     if (last_ != nullptr && last_->stream == stream) return last_;
     for (auto& bins : bins_)
       if (bins->stream == stream) return last_ = bins.get();
     return nullptr;
   }
-  void unlink(stream_bins& bins, block* b) noexcept {
-    const int f = b->bin_level, sb = b->bin_sub;
-    if (b->bin_prev != nullptr)
-      b->bin_prev->bin_next = b->bin_next;
-    else
-      bins.heads[f][sb] = b->bin_next;
-    if (b->bin_next != nullptr) b->bin_next->bin_prev = b->bin_prev;
-    b->bin_prev = b->bin_next = nullptr;
-    if (bins.heads[f][sb] == nullptr) {
-      bins.bin_mask[f] &= ~(1u << sb);
-      if (bins.bin_mask[f] == 0) bins.level_mask &= ~(std::uint64_t{1} << f);
-    }
-    free_blocks -= 1;
-    free_bytes[b->arena_id] -= b->size;
-  }
-  template <class F>
-  static void for_each_in(const stream_bins& bins, F&& fn) {
-    for (std::uint64_t levels = bins.level_mask; levels != 0; levels &= levels - 1) {
-      const int f = std::countr_zero(levels);
-      for (std::uint32_t subs = bins.bin_mask[f]; subs != 0; subs &= subs - 1)
-        for (block* b = bins.heads[f][std::countr_zero(subs)]; b != nullptr;) {
-          block* next = b->bin_next;  // fn may reset b's links
-          fn(b);
-          b = next;
-        }
-    }
-  }
-  std::vector<std::unique_ptr<stream_bins>> bins_;  // a few streams: searched linearly
-  stream_bins* last_ = nullptr;                     // the last one used
+  std::vector<std::unique_ptr<size_bins>> bins_;  // a few streams: searched linearly
+  size_bins* last_ = nullptr;                     // the last one used
 };
 
 }  // namespace gpumem::detail
