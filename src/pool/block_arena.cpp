@@ -249,6 +249,11 @@ void block_arena::release(block* b, std::uintptr_t stream, std::uint64_t free_ep
   b->requested = 0;
   b->stream = stream;
   b->free_epoch = free_epoch;
+  if (max_cached_blocks_ == 0) {  // no quick lists: merged at once
+    b->st = block::state::free;
+    insert_free(merge(b));
+    return;
+  }
   if (cached_blocks_ >= max_cached_blocks_) flush();
   b->st = block::state::cached;
   auto& head = quick_[{stream, b->size}];

@@ -131,7 +131,9 @@ struct size_bins {
 
 class block_arena {
  public:
-  // granularity of block sizes and addresses (512 B, like PyTorch).
+  // granularity of block sizes and addresses (512 B, like PyTorch). max_cached_blocks:
+  // the quick lists' capacity; 0: no quick lists, a released block is merged at once (for
+  // owners that keep their own exact-size caches in front, such as the pools' thread caches).
   explicit block_arena(std::uint8_t id = 0, std::size_t unit = 512,
                        std::size_t max_cached_blocks = 4096);
   ~block_arena();

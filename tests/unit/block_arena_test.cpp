@@ -64,6 +64,26 @@ TEST(BlockArena, AddRegionThenAllocateSplitsFromTheFront) {
   EXPECT_ARENA_VALID(a);
 }
 
+// Without quick lists (capacity 0, as the pools run with thread caches) a released block is
+// merged with its free neighbours at once: best fit sees it immediately.
+TEST(BlockArena, WithoutQuickListsAReleaseMergesAtOnce) {
+  block_arena a(0, 512, 0);
+  a.add_region(base, MiB, 1, 7);
+  block* x = a.allocate(4096, 256, 7, 4096);
+  block* y = a.allocate(8192, 256, 7, 8192);
+  ASSERT_NE(x, nullptr);
+  ASSERT_NE(y, nullptr);
+  a.release(y, 7, 1);  // merges with the free rest of the region
+  EXPECT_EQ(y->st, block::state::free);  // in the merged index, not a quick list
+  EXPECT_EQ(y->size, MiB - 4096) << "merged with the free rest of the region";
+  EXPECT_EQ(a.cached_bytes(), 0u);
+  EXPECT_EQ(a.free_bytes(), MiB - 4096);
+  a.release(x, 7, 2);
+  EXPECT_EQ(a.free_bytes(), MiB);
+  EXPECT_EQ(a.largest_free_block(), MiB) << "the region is one free block again, no flush needed";
+  EXPECT_ARENA_VALID(a);
+}
+
 TEST(BlockArena, ReleaseGoesToQuickListAndExactSizeReusesIt) {
   block_arena a;
   a.add_region(base, MiB, 1, 7);
