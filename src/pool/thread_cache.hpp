@@ -3,8 +3,8 @@
 // It holds
 //  - the live allocations this thread made, address -> (block, requested bytes), so a free
 //    on the same thread finds its block without the pool's lock; and
-//  - blocks this thread freed, per stream, binned by size (16 bins per power of two, like
-//    the arena's free index). A block freed on stream S is handed out again only for S,
+//  - blocks this thread freed, per stream, binned by size (a size_bins, the index behind
+//    the arena's best fit). A block freed on stream S is handed out again only for S,
 //    at once (stream order makes that safe), never for another stream. A request takes
 //    the smallest kept block that fits within `max_size` (exact sizes first): a near fit
 //    saves the pool's locked path when sizes vary, and the caller bounds the waste.
