@@ -47,12 +47,16 @@ allocator_under_test make_allocator(const std::string& name, platform& p, int de
   return a;
 }
 
-std::string describe_calls(const replay_result& r) {
+// "call=count(time)" for each call made (the time where it is >= 1 ms); with `last_pass`,
+// the last pass's counts alone, calls it did not make left out.
+std::string describe_calls(const replay_result& r, bool last_pass = false) {
   std::string out;
-  for (auto& [call, n] : r.driver_calls) {
-    if (call == "cudaStreamCreate" || call == "cudaStreamDestroy") continue;
+  for (auto& [call, total] : last_pass ? r.last_pass_driver_calls : r.driver_calls) {
+    const std::uint64_t n = total;
+    if (call == "cudaStreamCreate" || call == "cudaStreamDestroy" || n == 0) continue;
     if (!out.empty()) out += " ";
     out += call + "=" + std::to_string(n);
+    if (last_pass) continue;
     auto ns = r.driver_call_ns.find(call);
     if (ns != r.driver_call_ns.end() && ns->second >= 1e6) {  // time where it is >= 1 ms
       char ms[32];
@@ -135,7 +139,8 @@ int run_replay(int argc, char** argv) {
               {"auto", "cuda", "sim"})
       .option("capacity", "BYTES", "sim device memory (e.g. 80G)", "80G")
       .option("passes", "N", "replay the trace N times on each allocator; the last pass is "
-                             "the warm (steady-state) figure", "2")
+                             "the warm (steady-state) figure, and its driver calls are shown "
+                             "on their own (none: the allocator settled)", "2")
       .option("config", "CONF", "pool options, key:value,... (default: GPUMEM_CONF)")
       .option("plot", "FILE.svg", "also draw live and reserved bytes over the trace, per allocator")
       .option("snapshot", "FILE.pickle",
@@ -287,6 +292,11 @@ int run_replay(int argc, char** argv) {
       w.key("driver_calls").begin_object();
       for (auto& [call, n] : r.driver_calls) w.member(call, n);
       w.end_object();
+      if (passes > 1) {
+        w.key("last_pass_driver_calls").begin_object();
+        for (auto& [call, n] : r.last_pass_driver_calls) w.member(call, n);
+        w.end_object();
+      }
       w.key(on_sim ? "modelled_driver_ms_by_call" : "driver_ms_by_call").begin_object();
       for (auto& [call, ns] : r.driver_call_ns) w.member(call, ns / 1e6);
       w.end_object();
@@ -319,6 +329,8 @@ int run_replay(int argc, char** argv) {
                 format_bytes(r.peak_live_bytes).c_str(), format_bytes(r.peak_reserved_bytes).c_str(),
                 r.fragmentation, r.ns_per_event_cold, r.ns_per_event_warm, driver_ms,
                 describe_calls(r).c_str());
+    if (passes > 1 && !r.oom)
+      std::printf("%-14s %s\n", "  last pass:", describe_calls(r, true).c_str());
     if (r.oom) {
       std::printf("  %s: OUT OF MEMORY at event %llu:\n%s\n", r.allocator.c_str(),
                   static_cast<unsigned long long>(r.oom_event), r.oom_message.c_str());

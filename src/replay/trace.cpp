@@ -205,7 +205,10 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
   std::vector<void*> ptrs(t.allocs, nullptr);
   const std::size_t sample_every = std::max<std::size_t>(1, t.events.size() / 2000);
   std::size_t live = 0;
+  std::array<std::uint64_t, platform_op_count> calls_at_pass{};
   for (int pass = 0; pass < options.passes && !r.oom; ++pass) {
+    for (std::size_t i = 0; i < platform_op_count; ++i)
+      calls_at_pass[i] = p.calls_made(static_cast<platform_op>(i));
     const auto start = std::chrono::steady_clock::now();
     std::uint64_t index = 0;
     for (const trace_event& e : t.events) {
@@ -259,6 +262,7 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
     const std::uint64_t n = p.calls_made(op) - calls_before[i];
     if (n == 0) continue;
     const auto name = std::string(platform_op_name(op));
+    if (options.passes > 1) r.last_pass_driver_calls[name] = p.calls_made(op) - calls_at_pass[i];
     r.driver_calls[name] = n;
     const double ns = static_cast<double>(op_ns(op) - ns_before[i]);
     r.driver_call_ns[name] = ns;

@@ -236,6 +236,26 @@ TEST_F(Replay, SyntheticTraceOnTheCachingPool) {
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
 }
 
+// The last pass's calls alone: every allocation is a cudaMalloc again on the raw backend;
+// a caching pool that has settled calls nothing there.
+TEST_F(Replay, TheLastPassCountsItsOwnDriverCalls) {
+  const trace t = parse_trace(synthetic_trace_text(), "synthetic");
+  runtime_resource res(sim);
+  const replay_result raw = replay_trace(t, res, replay_options{3, true});
+  EXPECT_EQ(raw.driver_calls.at("cudaMalloc"), 3 * t.allocs);
+  EXPECT_EQ(raw.last_pass_driver_calls.at("cudaMalloc"), t.allocs);
+  EXPECT_EQ(raw.last_pass_driver_calls.at("cudaFree"), t.allocs);
+
+  runtime_resource upstream(sim);
+  caching_pool pool(upstream);
+  const replay_result cached = replay_trace(t, pool, replay_options{3, true});
+  ASSERT_GT(cached.driver_calls.at("cudaMalloc"), 0u);
+  EXPECT_EQ(cached.last_pass_driver_calls.at("cudaMalloc"), 0u) << "the pool did not settle";
+
+  const replay_result once = replay_trace(t, pool, replay_options{1, true});
+  EXPECT_TRUE(once.last_pass_driver_calls.empty()) << "one pass has no separate last pass";
+}
+
 TEST_F(Replay, SyntheticTraceOnTheVmmPagePool) {
   const trace t = parse_trace(synthetic_trace_text(), "synthetic");
   vmm_page_pool pool(sim);

@@ -65,6 +65,9 @@ struct replay_result {
   double ns_per_event_warm = 0;        // last pass (== cold with one pass)
   std::map<std::string, std::uint64_t> driver_calls;  // CUDA call name -> count
   std::map<std::string, double> driver_call_ns;       // CUDA call name -> time in it
+  // Calls made during the last pass alone (with several passes: the steady state of a
+  // workload that repeats; a pool that has settled makes none there).
+  std::map<std::string, std::uint64_t> last_pass_driver_calls;
   double driver_ns = 0;                // driver time: modelled on sim, measured through a
                                        // timed_platform (on the GPU), else 0
   bool oom = false;
