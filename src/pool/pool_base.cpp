@@ -45,9 +45,9 @@ pool_base::pool_base(platform& platform, int device, pool_options options,
   // With thread caches in front, the arenas keep no quick lists of their own: a block a
   // cache gives back is merged at once, so best fit sees every free byte (fragmentation on
   // the shared traces: train_llama 1.0011 -> 1.0006, infer_llama 1.0139 -> 1.0120 for
-  // vmm_page_pool, lower for caching_pool too, sim). Without them the quick lists are the
-  // fast path of exact-size reuse.
-  const std::size_t quick_blocks = options.thread_cache ? 0 : 4096;
+  // vmm_page_pool, lower for caching_pool too, sim). Without them (thread_cache:off, guard,
+  // scrub, a release threshold) the quick lists are the fast path of exact-size reuse.
+  const std::size_t quick_blocks = fast_path_allowed_ ? 0 : 4096;
   arenas_[small_arena] = std::make_unique<detail::block_arena>(small_arena, 512, quick_blocks);
   arenas_[large_arena] = std::make_unique<detail::block_arena>(large_arena, 512, quick_blocks);
   streams_.try_emplace(0);  // the default stream: fresh and reserved memory is tagged with it
@@ -140,29 +140,40 @@ void pool_base::drain_thread_caches() {
   }
 }
 
+namespace {
+// Live (requested) and handed-out block bytes: the shared totals plus what `mine` (may be
+// null) has not published. An estimate while other threads run (their pending is left out).
+struct live_and_held {
+  std::size_t live, held;
+};
+live_and_held totals(const std::atomic<std::size_t>& live, const std::atomic<std::size_t>& held,
+                     const detail::thread_cache* mine) noexcept {
+  constexpr auto relaxed = std::memory_order_relaxed;
+  live_and_held t{live.load(relaxed), held.load(relaxed)};
+  if (mine != nullptr) {
+    t.live += static_cast<std::size_t>(mine->pending_live.load(relaxed));
+    t.held += static_cast<std::size_t>(mine->pending_blocks.load(relaxed));
+  }
+  return t;
+}
+}  // namespace
+
 std::size_t pool_base::block_size_for(std::size_t bytes,
                                       const detail::thread_cache* mine) const noexcept {
   constexpr std::size_t unit = 512;
   if (bytes > options_.small_threshold && options_.round_large > unit) {
     const std::size_t r = (bytes + options_.round_large - 1) / options_.round_large * options_.round_large;
-    std::size_t live = live_bytes_.load(std::memory_order_relaxed) + bytes;
-    std::size_t held = block_bytes_.load(std::memory_order_relaxed) + r;
-    if (mine != nullptr) {
-      live += static_cast<std::size_t>(mine->pending_live.load(std::memory_order_relaxed));
-      held += static_cast<std::size_t>(mine->pending_blocks.load(std::memory_order_relaxed));
-    }
-    if (held <= live + live / round_waste_share) return r;
+    const live_and_held t = totals(live_bytes_, block_bytes_, mine);
+    const std::size_t live = t.live + bytes;
+    if (t.held + r <= live + live / round_waste_share) return r;
   }
   return (bytes + unit - 1) / unit * unit;
 }
 
 std::size_t pool_base::near_fit_limit(std::size_t bytes, std::size_t size,
                                       const detail::thread_cache& mine) const noexcept {
-  constexpr auto relaxed = std::memory_order_relaxed;
-  const std::size_t live = live_bytes_.load(relaxed) +
-                           static_cast<std::size_t>(mine.pending_live.load(relaxed)) + bytes;
-  const std::size_t held = block_bytes_.load(relaxed) +
-                           static_cast<std::size_t>(mine.pending_blocks.load(relaxed)) + size;
+  const live_and_held t = totals(live_bytes_, block_bytes_, &mine);
+  const std::size_t live = t.live + bytes, held = t.held + size;
   const std::size_t allowed = live + live / round_waste_share;
   if (held >= allowed) return size;
   return size + std::min(size / near_fit_share, allowed - held);
