@@ -96,6 +96,16 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
       if (o.round_large != 0 && (o.round_large & (o.round_large - 1)) != 0)
         throw invalid_argument("config: round_large must be 0 or a power of two, not '" +
                                std::string(value) + "'");
+    } else if (key == "map_worker") {
+      if (value == "auto")
+        o.map_worker = map_worker_mode::automatic;
+      else if (value == "on" || value == "true" || value == "1")
+        o.map_worker = map_worker_mode::on;
+      else if (value == "off" || value == "false" || value == "0")
+        o.map_worker = map_worker_mode::off;
+      else
+        throw invalid_argument("config: map_worker must be auto, on or off, not '" +
+                               std::string(value) + "'");
     } else if (key == "va_reserve") {
       o.va_reserve_bytes = parse_bytes(value);
     } else if (key == "big_chunk") {
@@ -115,7 +125,7 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
       throw invalid_argument("config: unknown key '" + std::string(key) +
                              "' (known: reserve, reserve_fraction, limit, release_threshold, "
                              "small_threshold, cross_stream, va_reserve, big_chunk, scrub, guard, "
-                             "thread_cache, round_large)");
+                             "thread_cache, round_large, map_worker)");
     }
   }
 }
@@ -137,7 +147,11 @@ std::string pool_options::to_string() const {
       << ",cross_stream:" << (cross_stream == cross_stream_policy::wait ? "wait" : "event")
       << ",va_reserve:" << va_reserve_bytes << ",big_chunk:" << big_chunk_pages
       << ",scrub:" << (scrub ? "on" : "off") << ",guard:" << (guard ? "on" : "off")
-      << ",thread_cache:" << (thread_cache ? "on" : "off") << ",round_large:" << round_large;
+      << ",thread_cache:" << (thread_cache ? "on" : "off") << ",round_large:" << round_large
+      << ",map_worker:"
+      << (map_worker == map_worker_mode::on    ? "on"
+          : map_worker == map_worker_mode::off ? "off"
+                                               : "auto");
   return out.str();
 }
 

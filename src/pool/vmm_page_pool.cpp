@@ -7,6 +7,7 @@
 #include "gpumem/errors.hpp"
 #include "backend/ownership_registry.hpp"
 #include "pool/block_arena.hpp"
+#include "pool/vmm_worker.hpp"
 
 namespace gpumem {
 
@@ -34,6 +35,18 @@ vmm_page_pool::vmm_page_pool(platform& platform, int device, pool_options option
   page_table_.assign(va_pages_, no_chunk);
   detail::registry_add_managed(reinterpret_cast<void*>(va_base_), va, this);
   va_free_.emplace(0, va_pages_);
+  // The map worker pays off where driver calls cost time: on a GPU (see vmm_worker.hpp).
+  const bool worker = options_.map_worker == map_worker_mode::on ||
+                      (options_.map_worker == map_worker_mode::automatic && platform.kind() == "cuda");
+  if (worker && !options_.guard) {
+    try {
+      worker_ = std::make_unique<detail::vmm_worker>(platform, device);
+    } catch (...) {
+      (void)platform.free_range(va_base_, va_pages_ * page_);
+      detail::registry_remove(reinterpret_cast<void*>(va_base_));
+      throw;
+    }
+  }
 
   std::size_t reserve = options.reserve_bytes;
   if (options.reserve_fraction > 0)
@@ -67,6 +80,7 @@ vmm_page_pool::~vmm_page_pool() {
   // Never throws: unmap every page, release every handle, free the range, ignoring a
   // driver that is already shutting down.
   platform& p = device_platform();
+  stop_worker();  // its queued unmaps done; what is left is unmapped here
   for (auto& r : retiring_) {
     (void)p.stream_synchronize(stream_handle{r.stream});
     std::size_t at = r.first_page;
@@ -126,16 +140,25 @@ void vmm_page_pool::release_stream(stream_handle stream) {
 
 void vmm_page_pool::retire_completed(bool wait, const std::uintptr_t* only_stream) {
   platform& p = device_platform();
+  collect_worker();
   for (auto it = retiring_.begin(); it != retiring_.end();) {
     retiring_run& r = *it;
-    if (only_stream != nullptr && r.stream != *only_stream) {
+    if (r.queued || (only_stream != nullptr && r.stream != *only_stream)) {
       ++it;
       continue;
     }
-    if (wait) {
-      if (auto st = p.stream_synchronize(stream_handle{r.stream}); !st)
-        throw_cuda_error(st, "vmm_page_pool: wait for a stream before unmapping");
-    } else if (!free_known_complete(r.stream, r.epoch)) {
+    if (r.work_pending) {
+      if (wait) {
+        if (auto st = p.stream_synchronize(stream_handle{r.stream}); !st)
+          throw_cuda_error(st, "vmm_page_pool: wait for a stream before unmapping");
+      } else if (!free_known_complete(r.stream, r.epoch)) {
+        ++it;
+        continue;
+      }
+      r.work_pending = false;  // its chunks may now be mapped for any stream
+      for (auto& [id, pages] : r.chunks) chunks_[id].waiting -= 1;
+    }
+    if (queue_unmap(r)) {
       ++it;
       continue;
     }
@@ -172,6 +195,100 @@ void vmm_page_pool::retire_completed(bool wait, const std::uintptr_t* only_strea
     }
     it = retiring_.erase(it);
   }
+  if (wait && worker_ != nullptr) {
+    worker_->drain();
+    collect_worker();
+  }
+}
+
+bool vmm_page_pool::queue_unmap(retiring_run& r) {
+  if (worker_ == nullptr || (r.chunks.size() > 1 && !batched_unmap_)) return false;
+  r.token = ++next_token_;
+  r.queued = true;
+  worker_->unmap(page_address(r.first_page), r.pages * page_, r.token);
+  return true;
+}
+
+void vmm_page_pool::collect_worker() {
+  if (worker_ == nullptr) return;
+  std::vector<detail::vmm_worker::finished_unmap> finished;
+  std::vector<detail::vmm_worker::failed_grant> failed_grants;
+  status failed_unmap;
+  worker_->collect(finished, failed_grants);
+  for (auto& f : finished) {
+    auto it = std::find_if(retiring_.begin(), retiring_.end(),
+                           [&](const retiring_run& r) { return r.queued && r.token == f.token; });
+    if (it == retiring_.end()) continue;
+    retiring_run& r = *it;
+    if (!f.result) {
+      r.queued = false;  // still mapped: unmapped again later
+      const bool refused = f.result.kind == failure_kind::invalid_value ||
+                           f.result.kind == failure_kind::not_supported;
+      if (r.chunks.size() > 1 && refused && batched_unmap_)
+        batched_unmap_ = false;  // this driver wants one call per mapping: done by the caller
+      else if (failed_unmap.ok())
+        failed_unmap = f.result;
+      continue;
+    }
+    for (std::size_t q = r.first_page; q < r.first_page + r.pages; ++q) page_table_[q] = no_chunk;
+    va_insert(r.first_page, r.pages);
+    for (auto& [id, pages] : r.chunks) chunks_[id].retiring -= 1;
+    retiring_.erase(it);
+  }
+  status failed_grant;
+  bool granted_again = true;
+  for (const auto& g : failed_grants) {
+    // Granted again here, so the pool's memory is usable from now on; the failure is still
+    // reported: work queued on that memory before now may have faulted.
+    if (!device_platform().set_access(device(), g.va, g.bytes)) granted_again = false;
+    if (failed_grant.ok()) failed_grant = g.result;
+  }
+  if (!failed_grant.ok())
+    throw_cuda_error(failed_grant,
+                     granted_again ? "vmm_page_pool: grant access to grown pages on the map worker "
+                                     "(granted again since; work queued on them before may have faulted)"
+                                   : "vmm_page_pool: grant access to grown pages on the map worker "
+                                     "(granting again failed too: blocks there fault when used)");
+  if (!failed_unmap.ok())
+    throw_cuda_error(failed_unmap, "vmm_page_pool: unmap the old mapping of remapped pages "
+                                   "(on the map worker; kept mapped, retried later)");
+}
+
+void vmm_page_pool::wait_for_grant(stream_handle stream, std::uint32_t ticket) {
+  status st = worker_->make_stream_wait(stream, ticket);
+  if (st.ok()) return;
+  // The stream cannot wait on the GPU: the host does, so the memory is usable on return.
+  worker_->wait_until_granted(ticket);
+  if (st.kind == failure_kind::not_supported) stop_worker();  // no use without the waits
+}
+
+void vmm_page_pool::stop_worker() noexcept {
+  if (worker_ == nullptr) return;
+  worker_->drain();
+  try {
+    collect_worker();
+  } catch (...) {
+    // The failure stays visible: a failed unmap's run is kept (not queued) and unmapped on
+    // the caller's thread from now on; a failed grant already reached its stream's work.
+  }
+  worker_.reset();
+  grants_.clear();
+}
+
+void vmm_page_pool::before_hand_out(const detail::block& b, stream_handle stream) {
+  if (grants_.empty()) return;
+  std::erase_if(grants_, [&](const pending_grant& g) { return worker_->granted(g.ticket); });
+  const std::size_t first = (b.addr - va_base_) / page_;
+  const std::size_t end = (b.addr + b.size - va_base_ + page_ - 1) / page_;
+  std::uint32_t latest = 0;
+  bool wait = false;
+  for (pending_grant& g : grants_) {
+    if (g.waited == stream.value || g.first_page >= end || g.first_page + g.pages <= first) continue;
+    // Tickets are granted in order: waiting for the latest one covers the others.
+    if (!wait || static_cast<std::int32_t>(g.ticket - latest) > 0) latest = g.ticket;
+    wait = true;
+  }
+  if (wait) wait_for_grant(stream, latest);
 }
 
 std::vector<physical_handle> vmm_page_pool::lend_pages(std::size_t pages) {
@@ -185,11 +302,16 @@ std::vector<physical_handle> vmm_page_pool::lend_pages(std::size_t pages) {
   if (have < pages) {
     drain_thread_caches();  // freed blocks held by threads may cover whole pages
     reclaim(pages - have, false);
+    if (worker_ != nullptr) {  // reclaimed pages are lent only once their old mapping is gone
+      worker_->drain();
+      collect_worker();
+    }
     have = spare_single_pages();
   }
   if (have < pages && !create_chunks(pages - have, true)) {
     // Memory pressure: what other streams freed may be reclaimed once they finish.
     reclaim(pages - have, true);
+    retire_completed(true);
     have = spare_single_pages();
     if (have < pages && !create_chunks(pages - have, true)) {
       lock.unlock();
@@ -335,10 +457,12 @@ std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait, const stream_h
     const std::size_t n = c.chunks.size();
     std::size_t take = 0, pages = 0;
     while (take < n && got + pages < wanted) pages += chunks_[c.chunks[n - 1 - take++]].pages;
-    if (c.deferred) {
-      // Carved out now; the old mapping stays until the old work is done (retire_completed).
+    if (c.deferred || worker_ != nullptr) {
+      // Carved out now; the old mapping stays until the old work is done (retire_completed),
+      // or, done already, until the map worker has unmapped it.
       const std::size_t lo = chunks_[c.chunks[n - take]].mapped_at;
       retiring_run r{lo, {}, pages, c.b->stream, c.b->free_epoch};  // before carve moves b
+      r.work_pending = c.deferred;
       arena(c.arena_id).carve(c.b, page_address(lo), pages * page_);
       notify(pool_event_kind::segment_unmap, page_address(lo), pages * page_);
       for (std::size_t i = n - take; i < n; ++i) {
@@ -347,9 +471,15 @@ std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait, const stream_h
         for (std::size_t q = 0; q < k.pages; ++q) page_table_[k.mapped_at + q] = retiring_page;
         k.mapped_at = no_page;
         k.retiring += 1;
-        k.only_stream = r.stream;
+        if (c.deferred) {
+          k.waiting += 1;
+          k.only_stream = r.stream;
+        }
         spare_.push_back(c.chunks[i]);
       }
+      // (Not queued when the driver wants one unmap per mapping: the next retire_completed
+      // unmaps it on the caller's thread.)
+      if (!c.deferred) (void)queue_unmap(r);
       retiring_.push_back(std::move(r));
       got += pages;
       counts_.pages_reclaimed += pages;
@@ -412,9 +542,14 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
   retire_completed(false);
   // Physical chunks first: kept ones, then reclaimed ones, then new memory.
   // Enough virtual address space first, so a failure leaves nothing behind.
-  if (std::none_of(va_free_.begin(), va_free_.end(),
-                   [&](const auto& r) { return r.second >= pages; }))
-    return false;
+  auto va_fits = [&] {
+    return std::any_of(va_free_.begin(), va_free_.end(), [&](const auto& r) { return r.second >= pages; });
+  };
+  if (!va_fits() && worker_ != nullptr && worker_->busy()) {
+    worker_->drain();  // old mappings on their way out hold address space
+    collect_worker();
+  }
+  if (!va_fits()) return false;
   // Packing: the free tail left in the last page of a live block, at the end of its run
   // with unmapped address space after it, is extended by only the pages the request lacks,
   // so consecutive large blocks share pages instead of each rounding up on its own.
@@ -522,7 +657,14 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
     }
     at += k.pages;
   }
-  if (failed.ok()) failed = device_platform().set_access(device(), page_address(first), covered * page_);
+  // The access grant: on the map worker (the stream waits for it below), else here.
+  std::uint32_t ticket = 0;
+  if (failed.ok()) {
+    if (worker_ != nullptr)
+      ticket = worker_->grant_access(page_address(first), covered * page_);
+    else
+      failed = device_platform().set_access(device(), page_address(first), covered * page_);
+  }
   if (!failed.ok()) {
     // Undo. A chunk whose unmap fails too stays mapped where it is, its address space not
     // reused: stranded until the pool's end (which unmaps it), never handed out.
@@ -552,6 +694,11 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
   }
   arena.add_region(page_address(first), covered * page_, 0, stream.value);
   notify(pool_event_kind::segment_map, page_address(first), covered * page_);
+  if (worker_ != nullptr) {
+    std::erase_if(grants_, [&](const pending_grant& g) { return worker_->granted(g.ticket); });
+    grants_.push_back(pending_grant{first, covered, ticket, stream.value});
+    wait_for_grant(stream, ticket);
+  }
   return true;
 }
 
@@ -713,12 +860,13 @@ std::string vmm_page_pool::validate_holdings() const {
   }
   if (table_mapped != mapped) return "page table maps pages of no live chunk";
   std::size_t retiring_pages = 0;
-  std::vector<std::uint32_t> retiring_refs(chunks_.size(), 0);
+  std::vector<std::uint32_t> retiring_refs(chunks_.size(), 0), waiting_refs(chunks_.size(), 0);
   for (const auto& r : retiring_) {
     std::size_t sum = 0;
     for (auto& [id, pages] : r.chunks) {
       if (!chunks_[id].live || chunks_[id].pages != pages) return "a retiring run names a wrong chunk";
       retiring_refs[id] += 1;
+      waiting_refs[id] += r.work_pending ? 1 : 0;
       sum += pages;
     }
     if (sum != r.pages) return "a retiring run's pages disagree with its chunks";
@@ -727,9 +875,12 @@ std::string vmm_page_pool::validate_holdings() const {
     retiring_pages += r.pages;
   }
   if (retiring_pages != table_retiring) return "retiring pages in the table disagree with the runs";
-  for (std::uint32_t id = 0; id < chunks_.size(); ++id)
-    if (chunks_[id].live && chunks_[id].retiring != retiring_refs[id])
-      return "a chunk's retiring count disagrees with the runs";
+  for (std::uint32_t id = 0; id < chunks_.size(); ++id) {
+    if (!chunks_[id].live) continue;
+    if (chunks_[id].retiring != retiring_refs[id]) return "a chunk's retiring count disagrees with the runs";
+    if (chunks_[id].waiting != waiting_refs[id])
+      return "a chunk's count of old mappings still in use disagrees with the runs";
+  }
   std::size_t lent = 0;
   for (auto& [h, id] : lent_) {
     if (!chunks_[id].live || !chunks_[id].lent || chunks_[id].pages != 1 ||

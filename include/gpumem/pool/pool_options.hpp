@@ -28,6 +28,11 @@
 //                            blocks it freed (its size, or up to 1/16 larger within the
 //                            1/32 waste allowance), and frees what it allocated, without the
 //                            pool's lock (default on; off: every call takes the pool lock)
+//   map_worker:auto|on|off   vmm_page_pool: grant access to grown runs and unmap old
+//                            mappings on a helper thread; a stream that gets new memory waits
+//                            on the GPU (cuStreamWaitValue32) until access is granted, so the
+//                            allocating thread does not (auto: on for the cuda platform, off on
+//                            sim, whose calls cost no driver time; see vmm_page_pool.hpp)
 //
 // Unknown keys and malformed values throw gpumem::invalid_argument naming them.
 #pragma once
@@ -40,6 +45,7 @@
 namespace gpumem {
 
 enum class cross_stream_policy { event, wait };
+enum class map_worker_mode { automatic, on, off };
 
 struct pool_options {
   std::size_t reserve_bytes = 0;
@@ -54,6 +60,7 @@ struct pool_options {
   bool guard = false;
   bool thread_cache = true;
   std::size_t round_large = 0;
+  map_worker_mode map_worker = map_worker_mode::automatic;
 
   static pool_options parse(std::string_view config);
   // GPUMEM_CONF, or defaults when unset.

@@ -51,6 +51,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <span>
 #include <unordered_map>
 #include <utility>
@@ -59,6 +60,10 @@
 #include "gpumem/pool/pool_base.hpp"
 
 namespace gpumem {
+
+namespace detail {
+class vmm_worker;
+}
 
 struct vmm_page_counts {
   std::size_t page_size = 0;
@@ -98,6 +103,7 @@ class vmm_page_pool final : public pool_base {
   std::string describe_holdings() const override;
   std::string validate_holdings() const override;
   void* allocate_guarded(std::size_t bytes, std::size_t alignment, stream_handle stream) override;
+  void before_hand_out(const detail::block& b, stream_handle stream) override;
   bool free_guarded(std::uintptr_t addr, std::size_t bytes, stream_handle stream) override;
 
  private:
@@ -116,16 +122,27 @@ class vmm_page_pool final : public pool_base {
     bool live = false;
     bool lent = false;                // handed out by lend_pages
     std::uint32_t retiring = 0;       // old mappings not yet unmapped (retiring_ runs)
-    std::uintptr_t only_stream = 0;   // while retiring != 0: the one stream that may map it
+    std::uint32_t waiting = 0;        // of those, ones whose last use may still be running
+    std::uintptr_t only_stream = 0;   // while waiting != 0: the one stream that may map it
   };
   // An old mapping of remapped chunks, unmapped once work on `stream` up to free `epoch`
-  // is complete.
+  // is complete (work_pending false), by the map worker where there is one (queued).
   struct retiring_run {
     std::size_t first_page = 0;
     std::vector<std::pair<std::uint32_t, std::size_t>> chunks;  // chunk id, pages, in order
     std::size_t pages = 0;
     std::uintptr_t stream = 0;
     std::uint64_t epoch = 0;
+    bool work_pending = true;  // its chunks count it in `waiting`
+    bool queued = false;       // with the map worker, as `token`
+    std::uint64_t token = 0;
+  };
+  // A grown run whose access grant the map worker has not done yet: streams other than the
+  // one that waited for `ticket` must wait too before they get memory in it.
+  struct pending_grant {
+    std::size_t first_page = 0, pages = 0;
+    std::uint32_t ticket = 0;
+    std::uintptr_t waited = 0;  // the stream made to wait
   };
   static constexpr std::uint32_t retiring_page = 0xfffffffeu;  // page_table_: a retiring page
 
@@ -147,11 +164,20 @@ class vmm_page_pool final : public pool_base {
   // streams, all of them). Throws gpumem::cuda_error when an unmap fails (the run is kept).
   // only_stream: just that stream's runs.
   void retire_completed(bool wait, const std::uintptr_t* only_stream = nullptr);
-  // Spare chunks a growth for `stream` may map (chunks still retiring elsewhere are
-  // excluded for other streams).
+  // Spare chunks a growth for `stream` may map (chunks whose old mapping's work may still
+  // run are excluded for other streams; an old mapping merely not yet unmapped is no bar:
+  // a handle may be mapped twice).
   bool mappable_for(std::uint32_t chunk, std::uintptr_t stream) const {
-    return chunks_[chunk].retiring == 0 || chunks_[chunk].only_stream == stream;
+    return chunks_[chunk].waiting == 0 || chunks_[chunk].only_stream == stream;
   }
+  // Map worker: queues the unmap of a run whose work is complete (false: the driver wants one
+  // call per mapping, so the caller unmaps it itself); collects finished unmaps (their
+  // address space comes back) and throws a failure the worker met; makes `stream` wait for
+  // a grant (on the host if the stream cannot wait); stops using the worker.
+  bool queue_unmap(retiring_run& r);
+  void collect_worker();
+  void wait_for_grant(stream_handle stream, std::uint32_t ticket);
+  void stop_worker() noexcept;
   std::size_t spare_pages_for(std::uintptr_t stream) const;
   // Unmaps the adjacent mapped chunks `chunk_ids` (ascending addresses): one cuMemUnmap
   // over the run when the driver accepts it, else one per chunk from the top down.
@@ -175,6 +201,9 @@ class vmm_page_pool final : public pool_base {
   vmm_page_counts counts_{};
   std::unordered_map<std::uint64_t, std::uint32_t> lent_;  // lent handle -> chunk
   bool batched_unmap_ = true;  // cleared the first time the driver refuses a multi-mapping unmap
+  std::unique_ptr<detail::vmm_worker> worker_;  // null: access and unmaps on the caller's thread
+  std::vector<pending_grant> grants_;
+  std::uint64_t next_token_ = 0;
 };
 
 }  // namespace gpumem
