@@ -98,8 +98,6 @@ static_assert(std::is_same_v<pfn_mem_address_free, decltype(&::cuMemAddressFree)
 static_assert(std::is_same_v<pfn_mem_map, decltype(&::cuMemMap)>);
 static_assert(std::is_same_v<pfn_mem_unmap, decltype(&::cuMemUnmap)>);
 static_assert(std::is_same_v<pfn_mem_set_access, decltype(&::cuMemSetAccess)>);
-using pfn_stream_wait_value32 = CUresult(CUDAAPI*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-static_assert(std::is_same_v<pfn_stream_wait_value32, decltype(&::cuStreamWaitValue32)>);
 
 // The driver functions gpumem uses, all present or the platform is not made.
 struct driver_api {
@@ -123,7 +121,6 @@ struct driver_api {
   pfn_mem_map mem_map = nullptr;
   pfn_mem_unmap mem_unmap = nullptr;
   pfn_mem_set_access mem_set_access = nullptr;
-  pfn_stream_wait_value32 stream_wait_value32 = nullptr;  // optional: may stay null
 
   // REQUIRES: the runtime has loaded and initialised the driver (a successful
   // cudaGetDeviceCount). On failure `why` names the first missing function.
@@ -147,8 +144,7 @@ struct driver_api {
            load_one("cuMemAddressFree", mem_address_free, why) &&
            load_one("cuMemMap", mem_map, why) &&
            load_one("cuMemUnmap", mem_unmap, why) &&
-           load_one("cuMemSetAccess", mem_set_access, why) &&
-           (load_one("cuStreamWaitValue32", stream_wait_value32, nullptr) || true);
+           load_one("cuMemSetAccess", mem_set_access, why);
   }
 
  private:
@@ -699,22 +695,6 @@ class cuda_platform final : public platform {
     if (e != cudaSuccess) return runtime_failure(op, e);
     e = cudaFreeAsync(ptr, to_cuda(stream));
     if (e != cudaSuccess) return runtime_failure(op, e);
-    return status::success();
-  }
-
-  status stream_wait_value(stream_handle stream, const std::uint32_t* flag,
-                           std::uint32_t value) override {
-    constexpr platform_op op = platform_op::stream_wait_value;
-    calls_.add(op);
-    if (api_.stream_wait_value32 == nullptr) return driver_failure(op, CUDA_ERROR_NOT_SUPPORTED);
-    device_guard guard(api_);
-    if (cudaError_t e = guard.enter_stream_device(stream); e != cudaSuccess)
-      return runtime_failure(op, e);
-    // Pinned host memory is mapped at the same address on the device (unified addressing).
-    const CUresult r = api_.stream_wait_value32(
-        reinterpret_cast<CUstream>(stream.value), reinterpret_cast<CUdeviceptr>(flag), value,
-        CU_STREAM_WAIT_VALUE_GEQ);
-    if (r != CUDA_SUCCESS) return driver_failure(op, r);
     return status::success();
   }
 

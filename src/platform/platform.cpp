@@ -42,17 +42,9 @@ std::string_view platform_op_name(platform_op op) noexcept {
     case platform_op::memset_async: return "cudaMemsetAsync";
     case platform_op::async_malloc: return "cudaMallocAsync";
     case platform_op::async_free: return "cudaFreeAsync";
-    case platform_op::stream_wait_value: return "cuStreamWaitValue32";
     case platform_op::count_: break;
   }
   return "unknown";
-}
-
-status platform::stream_wait_value(stream_handle, const std::uint32_t*, std::uint32_t) {
-  calls_.add(platform_op::stream_wait_value);
-  return status::failure(platform_op::stream_wait_value, failure_kind::not_supported, 801,
-                         "CUDA_ERROR_NOT_SUPPORTED",
-                         "this platform has no stream memory operations");
 }
 
 std::string status::describe() const {

@@ -89,7 +89,6 @@ std::uint64_t modelled_latency_ns(platform_op op, std::size_t bytes) noexcept {
     case platform_op::async_free: ns = 700; break;
     // Stream-ordered and bookkeeping calls: sub-microsecond launches, not measured in
     // BASELINES.md; charged a nominal 1 us (copies: plus the bytes read and written at 4.3 TB/s).
-    case platform_op::stream_wait_value: ns = 1000; break;
     case platform_op::memcpy_async:
     case platform_op::memset_async:
       ns = 1000.0 + 2.0 * static_cast<double>(bytes) / 4.3e12 * 1e9;  // read + write

@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -18,7 +17,6 @@
 #include <optional>
 #include <random>
 #include <set>
-#include <thread>
 #include <sstream>
 #include <vector>
 
@@ -1123,25 +1121,6 @@ status sim_platform::stream_wait_event(stream_handle stream, event_handle event)
     return fail(platform_op::stream_wait_event, failure_kind::invalid_value, "unknown stream");
   if (!state_->events.contains(event.value))
     return fail(platform_op::stream_wait_event, failure_kind::invalid_value, "unknown event");
-  return status::success();
-}
-
-status sim_platform::stream_wait_value(stream_handle stream, const std::uint32_t* flag,
-                                       std::uint32_t value) {
-  GPUMEM_SIM_ENTER(platform_op::stream_wait_value);
-  GPUMEM_SIM_CHARGE(platform_op::stream_wait_value, 0);
-  {
-    std::lock_guard lock(state_->mutex);
-    if (!known_stream(*state_, stream))
-      return fail(platform_op::stream_wait_value, failure_kind::invalid_value, "unknown stream");
-  }
-  if (flag == nullptr)
-    return fail(platform_op::stream_wait_value, failure_kind::invalid_value, "null flag");
-  // The GPU polls; sim's stream work runs at once, so its caller waits instead (outside the
-  // platform's lock: the thread that raises the flag may be calling the platform).
-  std::atomic_ref<std::uint32_t> counter(*const_cast<std::uint32_t*>(flag));
-  while (static_cast<std::int32_t>(counter.load(std::memory_order_acquire) - value) < 0)
-    std::this_thread::yield();
   return status::success();
 }
 

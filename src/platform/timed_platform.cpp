@@ -153,13 +153,6 @@ status timed_platform::stream_wait_event(stream_handle stream, event_handle even
   return timed(ns_[static_cast<std::size_t>(platform_op::stream_wait_event)], [&] { return inner_.stream_wait_event(stream, event); });
 }
 
-status timed_platform::stream_wait_value(stream_handle stream, const std::uint32_t* flag,
-                                         std::uint32_t value) {
-  calls_.add(platform_op::stream_wait_value);
-  return timed(ns_[static_cast<std::size_t>(platform_op::stream_wait_value)],
-               [&] { return inner_.stream_wait_value(stream, flag, value); });
-}
-
 status timed_platform::memcpy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) {
   calls_.add(platform_op::memcpy_async);
   return timed(ns_[static_cast<std::size_t>(platform_op::memcpy_async)], [&] { return inner_.memcpy_async(dst, src, bytes, stream); });

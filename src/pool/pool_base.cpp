@@ -220,7 +220,6 @@ void* pool_base::allocate_locked(std::size_t bytes, std::size_t alignment, strea
   const std::size_t size = block_size_for(bytes, &mine);
   detail::block* b = a.allocate(size, alignment, stream.value, bytes);
   if (b == nullptr) b = allocate_slow(id, size, alignment, stream, bytes);
-  before_hand_out(*b, stream);
   {
     std::lock_guard cache_lock(mine.mutex);
     mine.live[b->addr] = {b, bytes};

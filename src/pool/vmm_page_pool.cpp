@@ -38,15 +38,7 @@ vmm_page_pool::vmm_page_pool(platform& platform, int device, pool_options option
   // The map worker pays off where driver calls cost time: on a GPU (see vmm_worker.hpp).
   const bool worker = options_.map_worker == map_worker_mode::on ||
                       (options_.map_worker == map_worker_mode::automatic && platform.kind() == "cuda");
-  if (worker && !options_.guard) {
-    try {
-      worker_ = std::make_unique<detail::vmm_worker>(platform, device);
-    } catch (...) {
-      (void)platform.free_range(va_base_, va_pages_ * page_);
-      detail::registry_remove(reinterpret_cast<void*>(va_base_));
-      throw;
-    }
-  }
+  if (worker && !options_.guard) worker_ = std::make_unique<detail::vmm_worker>(platform);
 
   std::size_t reserve = options.reserve_bytes;
   if (options.reserve_fraction > 0)
@@ -212,9 +204,8 @@ bool vmm_page_pool::queue_unmap(retiring_run& r) {
 void vmm_page_pool::collect_worker() {
   if (worker_ == nullptr) return;
   std::vector<detail::vmm_worker::finished_unmap> finished;
-  std::vector<detail::vmm_worker::failed_grant> failed_grants;
-  status failed_unmap;
-  worker_->collect(finished, failed_grants);
+  status failed;
+  worker_->collect(finished);
   for (auto& f : finished) {
     auto it = std::find_if(retiring_.begin(), retiring_.end(),
                            [&](const retiring_run& r) { return r.queued && r.token == f.token; });
@@ -226,8 +217,8 @@ void vmm_page_pool::collect_worker() {
                            f.result.kind == failure_kind::not_supported;
       if (r.chunks.size() > 1 && refused && batched_unmap_)
         batched_unmap_ = false;  // this driver wants one call per mapping: done by the caller
-      else if (failed_unmap.ok())
-        failed_unmap = f.result;
+      else if (failed.ok())
+        failed = f.result;
       continue;
     }
     for (std::size_t q = r.first_page; q < r.first_page + r.pages; ++q) page_table_[q] = no_chunk;
@@ -235,31 +226,9 @@ void vmm_page_pool::collect_worker() {
     for (auto& [id, pages] : r.chunks) chunks_[id].retiring -= 1;
     retiring_.erase(it);
   }
-  status failed_grant;
-  bool granted_again = true;
-  for (const auto& g : failed_grants) {
-    // Granted again here, so the pool's memory is usable from now on; the failure is still
-    // reported: work queued on that memory before now may have faulted.
-    if (!device_platform().set_access(device(), g.va, g.bytes)) granted_again = false;
-    if (failed_grant.ok()) failed_grant = g.result;
-  }
-  if (!failed_grant.ok())
-    throw_cuda_error(failed_grant,
-                     granted_again ? "vmm_page_pool: grant access to grown pages on the map worker "
-                                     "(granted again since; work queued on them before may have faulted)"
-                                   : "vmm_page_pool: grant access to grown pages on the map worker "
-                                     "(granting again failed too: blocks there fault when used)");
-  if (!failed_unmap.ok())
-    throw_cuda_error(failed_unmap, "vmm_page_pool: unmap the old mapping of remapped pages "
-                                   "(on the map worker; kept mapped, retried later)");
-}
-
-void vmm_page_pool::wait_for_grant(stream_handle stream, std::uint32_t ticket) {
-  status st = worker_->make_stream_wait(stream, ticket);
-  if (st.ok()) return;
-  // The stream cannot wait on the GPU: the host does, so the memory is usable on return.
-  worker_->wait_until_granted(ticket);
-  if (st.kind == failure_kind::not_supported) stop_worker();  // no use without the waits
+  if (!failed.ok())
+    throw_cuda_error(failed, "vmm_page_pool: unmap the old mapping of remapped pages "
+                             "(on the map worker; kept mapped, retried later)");
 }
 
 void vmm_page_pool::stop_worker() noexcept {
@@ -268,27 +237,9 @@ void vmm_page_pool::stop_worker() noexcept {
   try {
     collect_worker();
   } catch (...) {
-    // The failure stays visible: a failed unmap's run is kept (not queued) and unmapped on
-    // the caller's thread from now on; a failed grant already reached its stream's work.
+    // A failed unmap's run is kept (not queued): the caller's thread unmaps it from now on.
   }
   worker_.reset();
-  grants_.clear();
-}
-
-void vmm_page_pool::before_hand_out(const detail::block& b, stream_handle stream) {
-  if (grants_.empty()) return;
-  std::erase_if(grants_, [&](const pending_grant& g) { return worker_->granted(g.ticket); });
-  const std::size_t first = (b.addr - va_base_) / page_;
-  const std::size_t end = (b.addr + b.size - va_base_ + page_ - 1) / page_;
-  std::uint32_t latest = 0;
-  bool wait = false;
-  for (pending_grant& g : grants_) {
-    if (g.waited == stream.value || g.first_page >= end || g.first_page + g.pages <= first) continue;
-    // Tickets are granted in order: waiting for the latest one covers the others.
-    if (!wait || static_cast<std::int32_t>(g.ticket - latest) > 0) latest = g.ticket;
-    wait = true;
-  }
-  if (wait) wait_for_grant(stream, latest);
 }
 
 std::vector<physical_handle> vmm_page_pool::lend_pages(std::size_t pages) {
@@ -657,14 +608,7 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
     }
     at += k.pages;
   }
-  // The access grant: on the map worker (the stream waits for it below), else here.
-  std::uint32_t ticket = 0;
-  if (failed.ok()) {
-    if (worker_ != nullptr)
-      ticket = worker_->grant_access(page_address(first), covered * page_);
-    else
-      failed = device_platform().set_access(device(), page_address(first), covered * page_);
-  }
+  if (failed.ok()) failed = device_platform().set_access(device(), page_address(first), covered * page_);
   if (!failed.ok()) {
     // Undo. A chunk whose unmap fails too stays mapped where it is, its address space not
     // reused: stranded until the pool's end (which unmaps it), never handed out.
@@ -694,11 +638,6 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
   }
   arena.add_region(page_address(first), covered * page_, 0, stream.value);
   notify(pool_event_kind::segment_map, page_address(first), covered * page_);
-  if (worker_ != nullptr) {
-    std::erase_if(grants_, [&](const pending_grant& g) { return worker_->granted(g.ticket); });
-    grants_.push_back(pending_grant{first, covered, ticket, stream.value});
-    wait_for_grant(stream, ticket);
-  }
   return true;
 }
 

@@ -1,11 +1,9 @@
-// vmm_page_pool with map_worker:on (sim, 1 GiB, 2 MiB pages): access grants and unmaps of
-// old mappings run on a helper thread, and a stream that gets memory whose grant is not done
-// waits for it on the "GPU" (stream_wait_value), never the allocating thread.
+// vmm_page_pool with map_worker:on (sim, 1 GiB, 2 MiB pages): the old mappings of remapped
+// pages are unmapped on a helper thread, and their address space is reused only after that.
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <chrono>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -42,26 +40,24 @@ TEST(MapWorkerOption, ParsesAutoOnOffAndRefusesOthers) {
   EXPECT_THROW(pool_options::parse("map_worker:sometimes"), invalid_argument);
 }
 
-// The allocating stream waits for the grant; on sim that wait returns once it is done, so
-// the bytes are usable at once. The default on sim is no worker: no stream waits.
-TEST_F(MapWorker, GrownMemoryIsGrantedOnTheWorkerAndTheStreamWaitsForIt) {
+// The default on sim is no worker; with it, growth is unchanged (mapped and granted here).
+TEST_F(MapWorker, GrowthIsUnchangedAndSimDefaultsToNoWorker) {
+  const auto unmaps = calls(platform_op::unmap);
   {
     vmm_page_pool plain(sim);
     void* p = plain.allocate(7 * MiB);
-    EXPECT_EQ(calls(platform_op::stream_wait_value), 0u) << "auto on sim: no worker";
     plain.deallocate(p, 7 * MiB);
+    EXPECT_GT(plain.trim(), 0u);
   }
   vmm_page_pool pool(sim, 0, with_worker());
   const auto access = calls(platform_op::set_access);
-  const stream_handle s = make_stream();
-  void* p = pool.allocate(7 * MiB, 256, s);
+  void* p = pool.allocate(7 * MiB);
   EXPECT_EQ(calls(platform_op::set_access), access + 1);
-  // One wait, or none when the worker was done first (the gated test below pins the wait).
-  EXPECT_LE(calls(platform_op::stream_wait_value), 1u);
-  ASSERT_TRUE(sim.memset_async(p, 0x5a, 7 * MiB, s).ok());  // faults if not granted
+  fill(p, 7 * MiB, 0x5a);
   EXPECT_TRUE(holds(p, 7 * MiB, 0x5a));
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
-  pool.deallocate(p, 7 * MiB, s);
+  pool.deallocate(p, 7 * MiB);
+  EXPECT_GT(calls(platform_op::unmap), unmaps);
 }
 
 // Reclaimed pages are mapped at their new place at once; the old mapping is unmapped on the
@@ -102,42 +98,12 @@ TEST_F(MapWorker, RemapsKeepLiveBytesAndOldMappingsAreUnmappedOnTheWorker) {
   EXPECT_EQ(sim.live_objects().mappings, 0u) << "an old mapping outlived trim()";
 }
 
-// A grant that fails on the worker (both tries) still releases the waiting stream; the
-// pool grants again on its own thread and reports the failure at its next call.
-TEST_F(MapWorker, AFailedGrantIsGrantedAgainAndReportedAtTheNextCall) {
-  vmm_page_pool pool(sim, 0, with_worker());
-  sim.inject_fault(platform_op::set_access, sim_fault{.nth = 1, .every_after = true,
-                                                      .kind = failure_kind::driver_error});
-  void* p = pool.allocate(4 * MiB);  // returns: its stream's wait is released anyway
-  sim.clear_faults();
-  try {
-    void* q = pool.allocate(64 * MiB);  // the next growth collects the failure
-    pool.deallocate(q, 64 * MiB);
-    FAIL() << "the failed grant was not reported";
-  } catch (const cuda_error& e) {
-    EXPECT_NE(std::string(e.what()).find("map worker"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("granted again"), std::string::npos) << e.what();
-  }
-  fill(p, 4 * MiB, 0x33);  // granted again: usable
-  EXPECT_TRUE(holds(p, 4 * MiB, 0x33));
-  void* q = pool.allocate(64 * MiB);  // and the pool goes on
-  fill(q, 64 * MiB, 0x44);
-  EXPECT_TRUE(pool.is_valid()) << pool.validate();
-  pool.deallocate(q, 64 * MiB);
-  pool.deallocate(p, 4 * MiB);
-}
-
-// A platform whose access grants block until the test opens a gate, and whose stream waits
-// are recorded rather than waited (as on a GPU): it shows which streams were made to wait.
+// A platform whose unmaps block until the test opens a gate: it shows which thread unmaps.
 class gated_platform final : public platform {
  public:
   explicit gated_platform(sim_platform& inner) : inner_(inner) {}
   void open() { open_.store(true); }
-  void refuse_waits() { refuse_waits_ = true; }  // as a platform without stream memory ops
-  std::vector<std::pair<std::uintptr_t, std::uint32_t>> waits() const {
-    std::lock_guard lock(mutex_);
-    return waits_;
-  }
+  bool unmap_waiting() const { return unmap_waiting_.load(); }
 
   std::string_view kind() const noexcept override { return inner_.kind(); }
   result<int> device_count() override { return inner_.device_count(); }
@@ -149,11 +115,13 @@ class gated_platform final : public platform {
   result<physical_handle> create_physical(int d, std::size_t s) override { return inner_.create_physical(d, s); }
   status release_physical(physical_handle h) override { return inner_.release_physical(h); }
   status map(std::uintptr_t va, std::size_t s, physical_handle h, std::size_t o) override { return inner_.map(va, s, h, o); }
-  status unmap(std::uintptr_t va, std::size_t s) override { return inner_.unmap(va, s); }
-  status set_access(int d, std::uintptr_t va, std::size_t s) override {
+  status unmap(std::uintptr_t va, std::size_t s) override {
+    unmap_waiting_.store(true);
     while (!open_.load()) std::this_thread::yield();
-    return inner_.set_access(d, va, s);
+    unmap_waiting_.store(false);
+    return inner_.unmap(va, s);
   }
+  status set_access(int d, std::uintptr_t va, std::size_t s) override { return inner_.set_access(d, va, s); }
   result<void*> runtime_malloc(int d, std::size_t s) override { return inner_.runtime_malloc(d, s); }
   status runtime_free(int d, void* p) override { return inner_.runtime_free(d, p); }
   result<void*> driver_alloc(int d, std::size_t s) override { return inner_.driver_alloc(d, s); }
@@ -175,30 +143,18 @@ class gated_platform final : public platform {
   status memset_async(void* d, int v, std::size_t n, stream_handle s) override { return inner_.memset_async(d, v, n, s); }
   result<void*> async_malloc(int d, std::size_t n, stream_handle s) override { return inner_.async_malloc(d, n, s); }
   status async_free(void* p, stream_handle s) override { return inner_.async_free(p, s); }
-  status stream_wait_value(stream_handle s, const std::uint32_t*, std::uint32_t v) override {
-    std::lock_guard lock(mutex_);
-    waits_.emplace_back(s.value, v);
-    if (refuse_waits_)
-      return status::failure(platform_op::stream_wait_value, failure_kind::not_supported, 801,
-                             "CUDA_ERROR_NOT_SUPPORTED", "refused by the test");
-    return status::success();
-  }
 
  private:
   sim_platform& inner_;
   std::atomic<bool> open_{false};
-  bool refuse_waits_ = false;
-  mutable std::mutex mutex_;
-  std::vector<std::pair<std::uintptr_t, std::uint32_t>> waits_;
+  std::atomic<bool> unmap_waiting_{false};
 };
 
-// While a grown run's grant is still pending, the rest of that run handed to ANOTHER stream
-// makes that stream wait for the grant too; once granted, no more waits are queued.
-TEST_F(MapWorker, AnotherStreamGettingMemoryOfAPendingGrantWaitsForItToo) {
+// A remap returns while the old mapping's unmap is still blocked in the driver: the unmap
+// is on the worker, not the allocating thread. Until it is done that address space is not
+// reused; trim() waits for it.
+TEST_F(MapWorker, ARemapReturnsBeforeTheOldMappingIsUnmapped) {
   gated_platform gated(sim);
-  const stream_handle s1 = make_stream();
-  const stream_handle s2 = make_stream();
-  const stream_handle s3 = make_stream();
   {
     // Opens the gate however the block ends, before the pool's end waits for its worker.
     struct opener {
@@ -207,55 +163,62 @@ TEST_F(MapWorker, AnotherStreamGettingMemoryOfAPendingGrantWaitsForItToo) {
     };
     vmm_page_pool pool(gated, 0, with_worker());
     opener open_at_exit{gated};
-    void* a = pool.allocate(256 * KiB, 256, s1);  // a fresh page; grant queued, not done
-    ASSERT_EQ(gated.waits().size(), 1u);
-    EXPECT_EQ(gated.waits()[0].first, s1.value);
-    const std::uint32_t ticket = gated.waits()[0].second;
-    void* b = pool.allocate(256 * KiB, 256, s2);  // the same page's free rest, for s2
-    EXPECT_TRUE(overlaps(b, 256 * KiB, a, 2 * MiB)) << "b should come from a's page";
-    auto waits = gated.waits();
-    ASSERT_EQ(waits.size(), 2u) << "s2 got memory of a pending grant without waiting";
-    EXPECT_EQ(waits[1], std::make_pair(s2.value, ticket));
-
-    gated.open();
-    pool.trim();  // waits for the worker
-    void* c = pool.allocate(256 * KiB, 256, s3);
-    EXPECT_EQ(gated.waits().size(), 2u) << "a granted run needs no more waits";
-    fill(a, 256 * KiB, 1);
-    fill(b, 256 * KiB, 2);
-    fill(c, 256 * KiB, 3);
-    EXPECT_TRUE(holds(a, 256 * KiB, 1));
+    std::vector<void*> blocks;
+    for (int i = 0; i < 8; ++i) {
+      blocks.push_back(pool.allocate(4 * MiB));
+      fill(blocks.back(), 4 * MiB, static_cast<unsigned char>(i + 1));
+    }
+    for (int i = 0; i < 8; i += 2) pool.deallocate(blocks[static_cast<std::size_t>(i)], 4 * MiB);
+    const auto creates = calls(platform_op::create_physical);
+    void* big = pool.allocate(16 * MiB);  // the four freed blocks' pages, remapped
+    EXPECT_EQ(calls(platform_op::create_physical), creates);
+    fill(big, 16 * MiB, 0xB1);
+    for (int i = 1; i < 8; i += 2)
+      EXPECT_TRUE(holds(blocks[static_cast<std::size_t>(i)], 4 * MiB, static_cast<unsigned char>(i + 1)));
+    // The worker is stuck in the first old mapping's unmap; allocate returned all the same.
+    for (int i = 0; i < 1000 && !gated.unmap_waiting(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    EXPECT_TRUE(gated.unmap_waiting()) << "no unmap was queued to the worker";
+    for (int i = 1; i < 8; i += 2)
+      EXPECT_FALSE(overlaps(big, 16 * MiB, blocks[static_cast<std::size_t>(i)], 4 * MiB));
     EXPECT_TRUE(pool.is_valid()) << pool.validate();
-    pool.deallocate(a, 256 * KiB, s1);
-    pool.deallocate(b, 256 * KiB, s2);
-    pool.deallocate(c, 256 * KiB, s3);
-    for (auto s : {s1, s2, s3}) pool.release_stream(s);
+    EXPECT_GT(sim.live_objects().mappings, pool.page_counts().mapped_pages)
+        << "old mappings should still exist beside the new ones";
+    gated.open();
+    pool.deallocate(big, 16 * MiB);
+    for (int i = 1; i < 8; i += 2) pool.deallocate(blocks[static_cast<std::size_t>(i)], 4 * MiB);
+    pool.trim();
+    EXPECT_EQ(sim.live_objects().mappings, 0u);
+    EXPECT_EQ(pool.stats().reserved_bytes, 0u);
+    EXPECT_TRUE(pool.is_valid()) << pool.validate();
   }
 }
 
-// A platform without stream memory operations: the pool waits for the grant on the host
-// once, then stops using the worker (grants on the caller's thread again).
-TEST_F(MapWorker, WithoutStreamWaitsThePoolFallsBackToGrantingItself) {
-  gated_platform gated(sim);
-  gated.refuse_waits();
-  vmm_page_pool pool(gated, 0, with_worker());
-  std::thread opener([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    gated.open();
-  });
-  void* p = pool.allocate(4 * MiB);  // its grant is done by the worker once the gate opens
-  opener.join();
-  EXPECT_EQ(gated.waits().size(), 1u) << "the stream was never asked to wait";
-  fill(p, 4 * MiB, 0x21);            // granted before allocate returned
-  const auto access = calls(platform_op::set_access);
-  void* q = pool.allocate(8 * MiB);
-  EXPECT_EQ(gated.waits().size(), 1u) << "kept asking a stream to wait";
-  EXPECT_EQ(calls(platform_op::set_access), access + 1);
-  fill(q, 8 * MiB, 0x22);
-  EXPECT_TRUE(holds(p, 4 * MiB, 0x21));
+// An unmap that fails on the worker is reported at the pool's next call; the old mapping is
+// kept and unmapped again later.
+TEST_F(MapWorker, AFailedUnmapOnTheWorkerIsReportedAndRetried) {
+  vmm_page_pool pool(sim, 0, with_worker());
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) blocks.push_back(pool.allocate(4 * MiB));
+  for (int i = 0; i < 8; i += 2) pool.deallocate(blocks[static_cast<std::size_t>(i)], 4 * MiB);
+  sim.inject_fault(platform_op::unmap, sim_fault{.nth = 1, .kind = failure_kind::driver_error});
+  void* big = pool.allocate(16 * MiB);  // remaps; the worker's first unmap fails
+  bool reported = false;
+  for (int i = 0; i < 100 && !reported; ++i) {
+    try {
+      pool.trim();  // collects what the worker finished
+    } catch (const cuda_error& e) {
+      reported = true;
+      EXPECT_NE(std::string(e.what()).find("map worker"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_TRUE(reported) << "the failed unmap was never reported";
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
-  pool.deallocate(q, 8 * MiB);
-  pool.deallocate(p, 4 * MiB);
+  pool.deallocate(big, 16 * MiB);
+  for (int i = 1; i < 8; i += 2) pool.deallocate(blocks[static_cast<std::size_t>(i)], 4 * MiB);
+  pool.trim();  // unmaps the kept old mapping too
+  EXPECT_EQ(sim.live_objects().mappings, 0u);
+  EXPECT_EQ(pool.stats().reserved_bytes, 0u);
 }
 
 // Threads and streams hammer a small pool with the worker on: every block's bytes are its

@@ -15,9 +15,6 @@
 #include <iterator>
 #include <memory>
 #include <new>
-#include <atomic>
-#include <chrono>
-#include <thread>
 #include <string>
 #include <utility>
 #include <vector>
@@ -398,30 +395,6 @@ TEST_P(sim_fidelity, held_events_stay_incomplete_until_released) {
   expect_invalid(sim_->stream_synchronize(stream.value()), "sync of a destroyed stream");
 }
 
-// cuStreamWaitValue32's GEQ compares as the driver does, through wraparound; sim's stream
-// work runs at once, so the caller waits until another thread raises the counter.
-TEST(sim_platform, a_stream_wait_on_a_counter_returns_once_another_thread_raises_it) {
-  sim_platform sim(sim_options{.capacity = 64 * MiB, .granularity = 2 * MiB});
-  auto host = sim.host_alloc_pinned(4096);
-  ASSERT_TRUE(host.ok());
-  auto* counter = static_cast<std::uint32_t*>(host.value());
-  *counter = 0xfffffff0u;
-  EXPECT_TRUE(sim.stream_wait_value({}, counter, 0xffffffe0u).ok()) << "already past";
-  std::atomic<bool> raised{false};
-  std::thread raiser([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    raised.store(true);
-    std::atomic_ref<std::uint32_t>(*counter).store(3u, std::memory_order_release);  // wrapped
-  });
-  EXPECT_TRUE(sim.stream_wait_value({}, counter, 2u).ok());
-  EXPECT_TRUE(raised.load()) << "returned before the counter reached the value";
-  raiser.join();
-  auto bad = sim.stream_wait_value(gpumem::stream_handle{12345}, counter, 1u);
-  EXPECT_EQ(bad.kind, failure_kind::invalid_value) << bad.describe();
-  EXPECT_TRUE(sim.host_free_pinned(host.value()).ok());
-  EXPECT_EQ(sim.calls_made(platform_op::stream_wait_value), 3u);
-}
-
 TEST(sim_platform, thousands_of_handles_use_no_file_descriptors) {
   auto count_fds = [] {
     std::size_t n = 0;
@@ -791,10 +764,6 @@ class op_harness {
         stream_ = sim_.stream_create(0).value();
         event_ = sim_.event_create(0).value();
         break;
-      case platform_op::stream_wait_value:
-        host_ = sim_.host_alloc_pinned(4096).value();
-        *static_cast<std::uint32_t*>(host_) = 7;  // already raised: the wait returns
-        break;
       default: break;
     }
     dst_.assign(64, 0xee);
@@ -897,8 +866,6 @@ class op_harness {
       }
       case platform_op::event_synchronize: return sim_.event_synchronize(event_);
       case platform_op::stream_wait_event: return sim_.stream_wait_event(stream_, event_);
-      case platform_op::stream_wait_value:
-        return sim_.stream_wait_value({}, static_cast<const std::uint32_t*>(host_), 7);
       case platform_op::memcpy_async:
         return sim_.memcpy_async(dst_.data(), src_.data(), dst_.size(), {});
       case platform_op::memset_async: return sim_.memset_async(dst_.data(), 0x22, dst_.size(), {});

@@ -55,7 +55,6 @@ enum class platform_op : std::uint8_t {
   memset_async,
   async_malloc,
   async_free,
-  stream_wait_value,
   count_
 };
 inline constexpr std::size_t platform_op_count = static_cast<std::size_t>(platform_op::count_);
@@ -238,14 +237,6 @@ class platform {
   // is measured against.
   virtual result<void*> async_malloc(int device, std::size_t size, stream_handle stream) = 0;
   virtual status async_free(void* ptr, stream_handle stream) = 0;
-  // Work queued on `stream` after this call starts only once the 32-bit counter at `flag`
-  // (memory from host_alloc_pinned, raised by a host thread) has reached `value`, compared
-  // as the driver does: (int32_t)(*flag - value) >= 0 (cuStreamWaitValue32, GEQ). A host
-  // thread can so finish preparing memory after the call that handed it out has returned.
-  // Sim runs stream work at once, so there the call itself waits for the flag.
-  // Default: failure_kind::not_supported (a platform without stream memory operations).
-  virtual status stream_wait_value(stream_handle stream, const std::uint32_t* flag,
-                                   std::uint32_t value);
 
   // --- accounting ----------------------------------------------------------------------
   const call_counters& calls() const noexcept { return calls_; }

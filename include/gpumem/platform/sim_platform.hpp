@@ -125,9 +125,6 @@ class sim_platform final : public platform {
   // Sim has no stream-ordered pool of its own: these allocate and free at once.
   result<void*> async_malloc(int device, std::size_t size, stream_handle stream) override;
   status async_free(void* ptr, stream_handle stream) override;
-  // Sim runs stream work at once: waits here until the flag reaches `value`.
-  status stream_wait_value(stream_handle stream, const std::uint32_t* flag,
-                           std::uint32_t value) override;
 
   struct state;  // detail
 

@@ -55,8 +55,6 @@ class timed_platform final : public platform {
   status memset_async(void* dst, int value, std::size_t bytes, stream_handle stream) override;
   result<void*> async_malloc(int device, std::size_t size, stream_handle stream) override;
   status async_free(void* ptr, stream_handle stream) override;
-  status stream_wait_value(stream_handle stream, const std::uint32_t* flag,
-                           std::uint32_t value) override;
 
  private:
   platform& inner_;

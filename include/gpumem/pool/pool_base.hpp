@@ -172,10 +172,6 @@ class pool_base : public memory_resource {
   }
   // Small requests may take free space of the large arena before the pool grows
   // (caching_pool: so an up-front reservation serves every size).
-  // Called under the pool lock with each block the locked path hands out on `stream`,
-  // before the caller gets it: a pool whose memory becomes usable later (vmm_page_pool's map
-  // worker) orders `stream` after that.
-  virtual void before_hand_out(const detail::block&, stream_handle) {}
   virtual bool small_may_use_large_arena() const noexcept { return false; }
 
   // Gives every thread cache's freed blocks back to the arenas (before reclaiming free

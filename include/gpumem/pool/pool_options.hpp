@@ -28,11 +28,10 @@
 //                            blocks it freed (its size, or up to 1/16 larger within the
 //                            1/32 waste allowance), and frees what it allocated, without the
 //                            pool's lock (default on; off: every call takes the pool lock)
-//   map_worker:auto|on|off   vmm_page_pool: grant access to grown runs and unmap old
-//                            mappings on a helper thread; a stream that gets new memory waits
-//                            on the GPU (cuStreamWaitValue32) until access is granted, so the
-//                            allocating thread does not (auto: on for the cuda platform, off on
-//                            sim, whose calls cost no driver time; see vmm_page_pool.hpp)
+//   map_worker:auto|on|off   vmm_page_pool: unmap the old mappings of remapped pages on a
+//                            helper thread, so the allocating thread does not pay ~40 us per
+//                            mapping while the GPU is busy (auto: on for the cuda platform, off
+//                            on sim, whose calls cost no driver time; see vmm_worker.hpp)
 //
 // Unknown keys and malformed values throw gpumem::invalid_argument naming them.
 #pragma once

@@ -33,6 +33,12 @@
 //    address space after it is unmapped, a growth maps only the pages the request lacks
 //    right after that tail, so consecutive large blocks share a page (blocks that are not
 //    whole pages: small ones, and large ones past the rounding cap).
+//  - Map worker (pool_options::map_worker): a reclaimed run whose last use is complete is
+//    carved out at once, its chunks mapped at their new place while the old mapping (a
+//    handle may be mapped twice) is unmapped on a helper thread; its address space comes
+//    back when the worker reports it done. So the allocating thread pays for cuMemMap and
+//    cuMemSetAccess only. Paths that need every old mapping gone (release, lending, the
+//    pool's end, address space running out) wait for the worker first.
 //  - Physical memory is given back (cuMemRelease) for unmapped chunks: under memory
 //    pressure, past the release threshold, or on trim().
 //
@@ -103,7 +109,6 @@ class vmm_page_pool final : public pool_base {
   std::string describe_holdings() const override;
   std::string validate_holdings() const override;
   void* allocate_guarded(std::size_t bytes, std::size_t alignment, stream_handle stream) override;
-  void before_hand_out(const detail::block& b, stream_handle stream) override;
   bool free_guarded(std::uintptr_t addr, std::size_t bytes, stream_handle stream) override;
 
  private:
@@ -137,13 +142,7 @@ class vmm_page_pool final : public pool_base {
     bool queued = false;       // with the map worker, as `token`
     std::uint64_t token = 0;
   };
-  // A grown run whose access grant the map worker has not done yet: streams other than the
-  // one that waited for `ticket` must wait too before they get memory in it.
-  struct pending_grant {
-    std::size_t first_page = 0, pages = 0;
-    std::uint32_t ticket = 0;
-    std::uintptr_t waited = 0;  // the stream made to wait
-  };
+
   static constexpr std::uint32_t retiring_page = 0xfffffffeu;  // page_table_: a retiring page
 
   std::uintptr_t page_address(std::size_t page) const noexcept { return va_base_ + page * page_; }
@@ -172,11 +171,10 @@ class vmm_page_pool final : public pool_base {
   }
   // Map worker: queues the unmap of a run whose work is complete (false: the driver wants one
   // call per mapping, so the caller unmaps it itself); collects finished unmaps (their
-  // address space comes back) and throws a failure the worker met; makes `stream` wait for
-  // a grant (on the host if the stream cannot wait); stops using the worker.
+  // address space comes back) and throws a failure the worker met; stops using the worker
+  // (after it finished its queue).
   bool queue_unmap(retiring_run& r);
   void collect_worker();
-  void wait_for_grant(stream_handle stream, std::uint32_t ticket);
   void stop_worker() noexcept;
   std::size_t spare_pages_for(std::uintptr_t stream) const;
   // Unmaps the adjacent mapped chunks `chunk_ids` (ascending addresses): one cuMemUnmap
@@ -201,8 +199,7 @@ class vmm_page_pool final : public pool_base {
   vmm_page_counts counts_{};
   std::unordered_map<std::uint64_t, std::uint32_t> lent_;  // lent handle -> chunk
   bool batched_unmap_ = true;  // cleared the first time the driver refuses a multi-mapping unmap
-  std::unique_ptr<detail::vmm_worker> worker_;  // null: access and unmaps on the caller's thread
-  std::vector<pending_grant> grants_;
+  std::unique_ptr<detail::vmm_worker> worker_;  // null: unmaps on the caller's thread
   std::uint64_t next_token_ = 0;
 };
 
