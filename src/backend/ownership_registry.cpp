@@ -20,13 +20,16 @@ struct owner_entry {
 
 struct freed_entry {
   std::uintptr_t address = 0;
+  std::size_t bytes = 0;
   std::string owner_name;
+  bool managed = false;  // a pool's range (or segment), given back by the pool
 };
 
 struct registry {
   std::mutex mutex;
   std::map<std::uintptr_t, owner_entry> live;
-  // The most recent frees, to tell a double free from a pointer never seen.
+  // The most recent frees and destroyed pools' ranges, to tell a double free or a pointer of
+  // a destroyed pool from a pointer never seen.
   std::array<freed_entry, 4096> freed{};
   std::size_t freed_next = 0;
 };
@@ -63,7 +66,8 @@ void registry_remove(const void* ptr) {
   std::lock_guard lock(r.mutex);
   auto it = r.live.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (it == r.live.end()) return;
-  r.freed[r.freed_next] = freed_entry{it->first, it->second.owner_name};
+  r.freed[r.freed_next] =
+      freed_entry{it->first, it->second.bytes, it->second.owner_name, it->second.managed};
   r.freed_next = (r.freed_next + 1) % r.freed.size();
   r.live.erase(it);
 }
@@ -92,8 +96,15 @@ std::string registry_diagnose(const void* ptr, const memory_resource* asked) {
                std::to_string(it->second.bytes) + " bytes, '" + it->second.owner_name + "')";
     }
   }
-  for (auto& f : r.freed) {
-    if (f.address == a && a != 0)
+  // Newest first: what happened to this address last.
+  for (std::size_t i = 1; i <= r.freed.size(); ++i) {
+    const freed_entry& f = r.freed[(r.freed_next + r.freed.size() - i) % r.freed.size()];
+    if (f.address == 0) break;  // the ring has not wrapped: no older entries
+    if (f.managed && a >= f.address && a < f.address + f.bytes)
+      return "pointer " + hex(a) + " lies in memory that a '" + f.owner_name +
+             "' pool has given back (the pool was destroyed, or released that memory); "
+             "nothing to free";
+    if (!f.managed && f.address == a)
       return "double free: pointer " + hex(a) + " was already freed (it belonged to the '" +
              f.owner_name + "' resource)";
   }
