@@ -8,6 +8,7 @@
 // the KV cache also a corpus with several fault rules armed at once.
 // Runs in every CI build, under ASan+UBSan and TSan too. GPUMEM_FUZZ_SEEDS overrides the
 // seed count (for longer local runs); totals are printed for docs/RELIABILITY.md.
+#include <algorithm>
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -85,6 +86,21 @@ TEST_P(fuzz_corpus, injected_faults_are_typed_and_leave_the_pool_valid) {
   report((std::string(target_name(GetParam())) + " with faults").c_str(), counts);
   EXPECT_GT(counts.faults_armed, n * 2);
   EXPECT_GT(counts.typed_failures, 0u) << "some injected fault must have made a call fail";
+}
+
+// Up to three fault rules armed at once for the pools too (half the seeds): a failure inside
+// another's undo must still leave the pool valid and leak nothing.
+TEST_P(fuzz_corpus, several_faults_at_once_are_typed_and_leak_nothing) {
+  fuzz_counts counts;
+  const auto n = std::max<std::uint64_t>(1, seeds() / 2);
+  for (std::uint64_t seed = 0; seed < n; ++seed) {
+    const auto bytes = corpus_bytes(5'000'000 + seed, bytes_per_seed);
+    const auto why = run_pool_fuzz(GetParam(), bytes.data(), bytes.size(), true, ops_per_seed, counts, 3);
+    ASSERT_EQ(why, "") << "seed " << seed;
+  }
+  report((std::string(target_name(GetParam())) + " with up to 3 faults at once").c_str(), counts);
+  EXPECT_GT(counts.faults_armed, n * 2);
+  EXPECT_GT(counts.typed_failures, 0u);
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -352,10 +352,10 @@ inline std::string run_pool_fuzz(pool_target target, const std::uint8_t* data, s
                                  bool fault_mode, std::size_t max_ops, fuzz_counts& counts,
                                  std::size_t fault_rules = 1);
 
-// The fixed_block_pool driver (ids, not pointers).
+// The fixed_block_pool driver (ids, not pointers). fault_rules as for run_pool_fuzz.
 inline std::string run_fixed_block_fuzz(bool over_vmm_page, const std::uint8_t* data,
                                         std::size_t size, bool fault_mode, std::size_t max_ops,
-                                        fuzz_counts& counts);
+                                        fuzz_counts& counts, std::size_t fault_rules = 1);
 
 namespace detail {
 
@@ -752,7 +752,7 @@ inline std::string run_pool_fuzz(pool_target target, const std::uint8_t* data, s
                                  std::size_t fault_rules) {
   if (target == pool_target::fixed_block_over_vmm_page || target == pool_target::fixed_block_over_caching)
     return run_fixed_block_fuzz(target == pool_target::fixed_block_over_vmm_page, data, size,
-                                fault_mode, max_ops, counts);
+                                fault_mode, max_ops, counts, fault_rules);
   ++counts.runs;
   gpumem::sim_platform sim(detail::device_options());
   byte_source in(data, size);
@@ -807,12 +807,12 @@ inline std::string run_pool_fuzz(pool_target target, const std::uint8_t* data, s
 
 inline std::string run_fixed_block_fuzz(bool over_vmm_page, const std::uint8_t* data,
                                         std::size_t size, bool fault_mode, std::size_t max_ops,
-                                        fuzz_counts& counts) {
+                                        fuzz_counts& counts, std::size_t fault_rules) {
   ++counts.runs;
   gpumem::sim_platform sim(detail::device_options());
   byte_source in(data, size);
   std::string why;
-  detail::fault_arm faults;
+  detail::fault_arm faults(fault_rules);
   {
     std::unique_ptr<gpumem::memory_resource> runtime;
     std::unique_ptr<gpumem::memory_resource> upstream;
