@@ -142,7 +142,6 @@ class vmm_page_pool final : public pool_base {
     bool queued = false;       // with the map worker, as `token`
     std::uint64_t token = 0;
   };
-
   static constexpr std::uint32_t retiring_page = 0xfffffffeu;  // page_table_: a retiring page
 
   std::uintptr_t page_address(std::size_t page) const noexcept { return va_base_ + page * page_; }
