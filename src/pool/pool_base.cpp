@@ -220,12 +220,10 @@ void* pool_base::allocate_locked(std::size_t bytes, std::size_t alignment, strea
   const std::size_t size = block_size_for(bytes, &mine);
   detail::block* b = a.allocate(size, alignment, stream.value, bytes);
   if (b == nullptr) b = allocate_slow(id, size, alignment, stream, bytes);
-  {
-    std::lock_guard cache_lock(mine.mutex);
-    mine.live[b->addr] = {b, bytes};
-    mine.allocations += 1;
-    count(mine, static_cast<std::int64_t>(bytes), static_cast<std::int64_t>(b->size));
-  }
+  // Its owner holding the pool mutex: no other thread can touch `mine` (thread_cache.hpp).
+  mine.live[b->addr] = {b, bytes};
+  mine.allocations += 1;
+  count(mine, static_cast<std::int64_t>(bytes), static_cast<std::int64_t>(b->size));
   notify(pool_event_kind::alloc, b->addr, bytes, stream.value);
   return reinterpret_cast<void*>(b->addr);
 }
@@ -318,6 +316,24 @@ void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream
   // (0 is the live maps' empty key: never looked up.)
   if (fast_path_.load(std::memory_order_relaxed) && addr != 0) {
     if (detail::thread_cache* c = this_thread_cache()) {
+      if (!c->keeping()) {
+        // The free goes to the arena anyway: take the pool mutex at once. Its owner
+        // holding it, no other thread can touch c (thread_cache.hpp): no cache lock.
+        std::unique_lock lock(mutex_);
+        const detail::live_record* r = c->live.find(addr);
+        if (r != nullptr && r->requested == bytes) {
+          detail::block* b = r->b;
+          c->live.erase(addr);
+          c->note_free(addr);
+          count(*c, -static_cast<std::int64_t>(bytes), -static_cast<std::int64_t>(b->size));
+          c->note_passed_free();
+          release_to_arena_locked(b, stream.value);
+          return;
+        }
+        lock.unlock();
+        deallocate_locked(addr, bytes, stream);
+        return;
+      }
       std::unique_lock cache_lock(c->mutex);
       const detail::live_record* r = c->live.find(addr);
       if (r != nullptr && r->requested == bytes) {

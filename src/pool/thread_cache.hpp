@@ -16,8 +16,11 @@
 //
 // Locking: `mutex` guards everything here. The owner thread takes it on each operation
 // (uncontended in the steady state: this is what makes threads scale); the pool takes it,
-// with the pool mutex held, to drain, search or inspect. Lock order: pool mutex, then a
-// cache's mutex; no one takes the pool mutex while holding a cache's.
+// with the pool mutex held, to drain, search or inspect. So the owner, while it holds the
+// pool mutex, needs no cache lock: every other thread reaches a cache only through the
+// pool mutex (the locked paths use this: one lock per call, not two). Lock order: pool
+// mutex, then a cache's mutex; no one takes the pool mutex while holding a cache's.
+// keeping() and the request window are the owner's alone (read and written by it only).
 #pragma once
 
 #include <array>
