@@ -189,7 +189,7 @@ block* block_arena::take(block* b, std::size_t size, std::size_t alignment,
 }
 
 block* block_arena::allocate(std::size_t size, std::size_t alignment, std::uintptr_t stream,
-                             std::size_t requested) {
+                             std::size_t requested, std::size_t max_split) {
   size = round(size);
   if (alignment <= unit_) {
     // Hot path: an exact-size block freed earlier on this stream.
@@ -222,7 +222,9 @@ block* block_arena::allocate(std::size_t size, std::size_t alignment, std::uintp
       if (b == nullptr || c->size < b->size || (c->size == b->size && c->addr < b->addr)) b = c;
     });
   }
-  return b != nullptr ? take(b, size, alignment, stream, requested) : nullptr;
+  // Best fit is the smallest that fits: when it is over the limit, so is every other.
+  if (b == nullptr || b->size > max_split) return nullptr;
+  return take(b, size, alignment, stream, requested);
 }
 
 block* block_arena::allocate_from_other_streams(std::size_t size, std::size_t alignment,

@@ -149,9 +149,10 @@ class block_arena {
                   std::uintptr_t stream);
 
   // A block of at least `size` bytes (rounded) aligned to `alignment`, on `stream`:
-  // quick list first, then best fit. nullptr when nothing fits. `requested` is recorded.
+  // quick list first, then best fit. nullptr when nothing fits, or when the best fit is a
+  // free block larger than `max_split` (left whole). `requested` is recorded.
   block* allocate(std::size_t size, std::size_t alignment, std::uintptr_t stream,
-                  std::size_t requested);
+                  std::size_t requested, std::size_t max_split = static_cast<std::size_t>(-1));
   // Best fit among free blocks of another stream that `usable` accepts; the block is
   // re-tagged to `stream`. nullptr when none.
   block* allocate_from_other_streams(std::size_t size, std::size_t alignment,

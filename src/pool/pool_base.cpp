@@ -218,7 +218,7 @@ void* pool_base::allocate_locked(std::size_t bytes, std::size_t alignment, strea
   const std::uint32_t id = bytes <= options_.small_threshold ? small_arena : large_arena;
   detail::block_arena& a = *arenas_[id];
   const std::size_t size = block_size_for(bytes, &mine);
-  detail::block* b = a.allocate(size, alignment, stream.value, bytes);
+  detail::block* b = a.allocate(size, alignment, stream.value, bytes, split_limit(size));
   if (b == nullptr) b = allocate_slow(id, size, alignment, stream, bytes);
   // Its owner holding the pool mutex: no other thread can touch `mine` (thread_cache.hpp).
   mine.live[b->addr] = {b, bytes};
@@ -235,7 +235,8 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
   // Before merging: what other threads keep freed in their caches.
   drain_thread_caches();
   a.flush();
-  if (auto* b = a.allocate(size, alignment, stream.value, requested))
+  const std::size_t max_split = split_limit(size);
+  if (auto* b = a.allocate(size, alignment, stream.value, requested, max_split))
     return b;
   auto from_other_streams = [&](detail::block_arena& arena) {
     return streams_.size() > 1
@@ -258,6 +259,9 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
     if (auto* b = a.allocate(size, alignment, stream.value, requested))
       return b;
   }
+  // A large free run kept whole above is split after all, before anything is given back.
+  if (max_split != static_cast<std::size_t>(-1))
+    if (auto* b = a.allocate(size, alignment, stream.value, requested)) return b;
   // Memory pressure: give back everything cached, then try once more.
   stats_.alloc_retries += 1;
   release_cached();

@@ -106,6 +106,11 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
       else
         throw invalid_argument("config: map_worker must be auto, on or off, not '" +
                                std::string(value) + "'");
+    } else if (key == "growth_slack") {
+      o.growth_slack = parse_number(value, key);
+      if (!(o.growth_slack >= 0.0 && o.growth_slack <= 1.0))
+        throw invalid_argument("config: growth_slack must be a fraction in [0, 1], not '" +
+                               std::string(value) + "'");
     } else if (key == "va_reserve") {
       o.va_reserve_bytes = parse_bytes(value);
     } else if (key == "big_chunk") {
@@ -125,7 +130,7 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
       throw invalid_argument("config: unknown key '" + std::string(key) +
                              "' (known: reserve, reserve_fraction, limit, release_threshold, "
                              "small_threshold, cross_stream, va_reserve, big_chunk, scrub, guard, "
-                             "thread_cache, round_large, map_worker)");
+                             "thread_cache, round_large, map_worker, growth_slack)");
     }
   }
 }
@@ -151,7 +156,8 @@ std::string pool_options::to_string() const {
       << ",map_worker:"
       << (map_worker == map_worker_mode::on    ? "on"
           : map_worker == map_worker_mode::off ? "off"
-                                               : "auto");
+                                               : "auto")
+      << ",growth_slack:" << growth_slack;
   return out.str();
 }
 

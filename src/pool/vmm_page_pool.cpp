@@ -485,6 +485,17 @@ std::pair<std::size_t, status> vmm_page_pool::unmap_run(std::span<const std::uin
   return {done, status::success()};
 }
 
+std::size_t vmm_page_pool::split_limit(std::size_t size) const {
+  constexpr std::size_t any = static_cast<std::size_t>(-1);
+  if (options_.growth_slack <= 0.0 || options_.guard) return any;
+  const std::size_t pages = (size + page_ - 1) / page_;
+  const double budget = static_cast<double>(peak_live_so_far()) * (1.0 + options_.growth_slack);
+  if (static_cast<double>(reserved_locked() + pages * page_) > budget) return any;
+  // Large: twice the request and a 32nd of what the pool holds (a large tensor's run, such
+  // as a training step's logits, that its next request of that size wants whole).
+  return std::max(2 * size, reserved_locked() / large_run_share);
+}
+
 bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t size,
                          std::size_t alignment, stream_handle stream) {
   const std::size_t pad = alignment > arena.unit() ? alignment - arena.unit() : 0;
@@ -533,6 +544,14 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
   extension ext = find_extension();
   std::size_t wanted = ext.first_page != no_page ? ext.pages : pages;
   std::size_t have = spare_pages_for(stream.value);
+  const std::size_t first_new = chunks_.size();
+  // Within the growth slack: new pages rather than a gather of scattered free ones (the
+  // limit or a full device: the gather after all).
+  // Within the growth slack: new pages rather than a gather of scattered free ones (at
+  // the limit or on a full device, the gather after all).
+  if (have < wanted && split_limit(size) != static_cast<std::size_t>(-1) &&
+      create_chunks(wanted - have))
+    have = spare_pages_for(stream.value);
   if (have < wanted) {
     reclaim(wanted - have, false, &stream);
     // Counted again: a reclaimed chunk may still be retiring for another stream.
@@ -542,7 +561,6 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
       wanted = ext.first_page != no_page ? ext.pages : pages;
     }
   }
-  const std::size_t first_new = chunks_.size();
   if (have < wanted && !create_chunks(wanted - have)) return false;
   // Undoes this call's new chunks (all spare) when the rest fails.
   auto release_new_chunks = [&] {

@@ -96,6 +96,7 @@ enum class pool_target : std::uint8_t {
   fixed_block_over_vmm_page,
   fixed_block_over_caching,
   vmm_page_map_worker,  // vmm_page_pool with map_worker:on (grants and unmaps on a thread)
+  vmm_page_growth_slack,  // vmm_page_pool with growth_slack:0.25 (large runs kept whole)
   count_
 };
 inline constexpr std::size_t pool_target_count = static_cast<std::size_t>(pool_target::count_);
@@ -111,6 +112,7 @@ inline const char* target_name(pool_target t) {
     case pool_target::fixed_block_over_vmm_page: return "fixed_block_pool_over_vmm_page_pool";
     case pool_target::fixed_block_over_caching: return "fixed_block_pool_over_caching_pool";
     case pool_target::vmm_page_map_worker: return "vmm_page_pool_map_worker";
+    case pool_target::vmm_page_growth_slack: return "vmm_page_pool_growth_slack";
     default: return "?";
   }
 }
@@ -788,6 +790,10 @@ inline std::string run_pool_fuzz(pool_target target, const std::uint8_t* data, s
         break;
       case pool_target::vmm_page_map_worker:
         o.map_worker = gpumem::map_worker_mode::on;
+        pages = std::make_unique<gpumem::vmm_page_pool>(sim, 0, o);
+        break;
+      case pool_target::vmm_page_growth_slack:
+        o.growth_slack = 0.25;
         pages = std::make_unique<gpumem::vmm_page_pool>(sim, 0, o);
         break;
       default:

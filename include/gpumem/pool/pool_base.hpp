@@ -173,6 +173,18 @@ class pool_base : public memory_resource {
   // Small requests may take free space of the large arena before the pool grows
   // (caching_pool: so an up-front reservation serves every size).
   virtual bool small_may_use_large_arena() const noexcept { return false; }
+  // The largest free block a request for a block of `size` bytes may split; past it the
+  // pool grows instead (vmm_page_pool's growth_slack), and splits only when growing fails.
+  // REQUIRES: mutex_ held.
+  virtual std::size_t split_limit(std::size_t size) const {
+    (void)size;
+    return static_cast<std::size_t>(-1);
+  }
+  // Peak live (requested) bytes so far: exact while one thread uses the pool; each other
+  // thread's cache may hold back up to stats_slack.
+  std::size_t peak_live_so_far() const noexcept {
+    return peak_live_bytes_.load(std::memory_order_relaxed);
+  }
 
   // Gives every thread cache's freed blocks back to the arenas (before reclaiming free
   // memory). REQUIRES: mutex_ held.

@@ -32,6 +32,13 @@
 //                            helper thread, so the allocating thread does not pay ~40 us per
 //                            mapping while the GPU is busy (auto: on for the cuda platform, off
 //                            on sim, whose calls cost no driver time; see vmm_worker.hpp)
+//   growth_slack:F           vmm_page_pool: memory it may hold beyond the peak live bytes,
+//                            as a fraction (0 <= F <= 1; default 0: the least memory). Within
+//                            (1 + F) x peak live, a request does not split a large free run
+//                            (a large tensor's, wanted back soon) and growth takes new pages
+//                            rather than gathering scattered free ones: each remapped page
+//                            costs ~80 us of driver time on a busy H200. 0.05 ran a training
+//                            step at native speed (see docs/INTEROP.md)
 //
 // Unknown keys and malformed values throw gpumem::invalid_argument naming them.
 #pragma once
@@ -60,6 +67,7 @@ struct pool_options {
   bool thread_cache = true;
   std::size_t round_large = 0;
   map_worker_mode map_worker = map_worker_mode::automatic;
+  double growth_slack = 0.0;
 
   static pool_options parse(std::string_view config);
   // GPUMEM_CONF, or defaults when unset.
