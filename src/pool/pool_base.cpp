@@ -314,6 +314,17 @@ bool pool_base::free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch,
   return s.completed_epoch >= epoch;
 }
 
+detail::block* pool_base::forget_live(detail::thread_cache& c, std::uintptr_t addr,
+                                      std::size_t bytes) noexcept {
+  const detail::live_record* r = c.live.find(addr);
+  if (r == nullptr || r->requested != bytes) return nullptr;
+  detail::block* b = r->b;
+  c.live.erase(addr);
+  c.note_free(addr);
+  count(c, -static_cast<std::int64_t>(bytes), -static_cast<std::int64_t>(b->size));
+  return b;
+}
+
 void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   // Fast path: a pointer this thread allocated, freed with its size; no pool lock.
@@ -324,12 +335,7 @@ void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream
         // The free goes to the arena anyway: take the pool mutex at once. Its owner
         // holding it, no other thread can touch c (thread_cache.hpp): no cache lock.
         std::unique_lock lock(mutex_);
-        const detail::live_record* r = c->live.find(addr);
-        if (r != nullptr && r->requested == bytes) {
-          detail::block* b = r->b;
-          c->live.erase(addr);
-          c->note_free(addr);
-          count(*c, -static_cast<std::int64_t>(bytes), -static_cast<std::int64_t>(b->size));
+        if (detail::block* b = forget_live(*c, addr, bytes)) {
           c->note_passed_free();
           release_to_arena_locked(b, stream.value);
           return;
@@ -339,12 +345,7 @@ void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream
         return;
       }
       std::unique_lock cache_lock(c->mutex);
-      const detail::live_record* r = c->live.find(addr);
-      if (r != nullptr && r->requested == bytes) {
-        detail::block* b = r->b;
-        c->live.erase(addr);
-        c->note_free(addr);
-        count(*c, -static_cast<std::int64_t>(bytes), -static_cast<std::int64_t>(b->size));
+      if (detail::block* b = forget_live(*c, addr, bytes)) {
         if (c->keeping() && c->push(b, stream.value)) return;
         c->note_passed_free();
         cache_lock.unlock();  // full or not keeping: to its arena, under the pool lock

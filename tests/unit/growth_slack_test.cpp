@@ -5,7 +5,6 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <filesystem>
 #include <string>
 
 #include "gpumem/errors.hpp"
@@ -58,6 +57,11 @@ freed_run free_a_run_then_ask_for_4_mib(vmm_page_pool& pool) {
   fill(r.small, 4 * MiB, 0x3c);
   return r;
 }
+void free_all(vmm_page_pool& pool, const freed_run& r) {
+  pool.deallocate(r.small, 4 * MiB);
+  pool.deallocate(r.keep, 2 * MiB);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
 
 TEST_F(GrowthSlack, WithoutItA4MiBRequestSplitsTheFreeRun) {
   vmm_page_pool pool(sim);
@@ -65,9 +69,7 @@ TEST_F(GrowthSlack, WithoutItA4MiBRequestSplitsTheFreeRun) {
   EXPECT_TRUE(overlaps(r.small, 4 * MiB, r.run, 64 * MiB));
   EXPECT_EQ(pool.stats().reserved_bytes, 66 * MiB);  // no growth
   EXPECT_LT(pool.largest_free_block(), 64 * MiB);
-  pool.deallocate(r.small, 4 * MiB);
-  pool.deallocate(r.keep, 2 * MiB);
-  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  free_all(pool, r);
 }
 
 TEST_F(GrowthSlack, WithinItTheRunStaysWholeAndTheRequestTakesNewPages) {
@@ -85,9 +87,7 @@ TEST_F(GrowthSlack, WithinItTheRunStaysWholeAndTheRequestTakesNewPages) {
   EXPECT_EQ(calls(platform_op::map), maps);
   EXPECT_TRUE(holds(r.small, 4 * MiB, 0x3c));
   pool.deallocate(again, 64 * MiB);
-  pool.deallocate(r.small, 4 * MiB);
-  pool.deallocate(r.keep, 2 * MiB);
-  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  free_all(pool, r);
 }
 
 TEST_F(GrowthSlack, PastTheBudgetTheRunIsSplitAsWithoutIt) {
@@ -96,90 +96,64 @@ TEST_F(GrowthSlack, PastTheBudgetTheRunIsSplitAsWithoutIt) {
   const freed_run r = free_a_run_then_ask_for_4_mib(pool);
   EXPECT_TRUE(overlaps(r.small, 4 * MiB, r.run, 64 * MiB));
   EXPECT_EQ(pool.stats().reserved_bytes, 66 * MiB);
-  pool.deallocate(r.small, 4 * MiB);
-  pool.deallocate(r.keep, 2 * MiB);
-  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  free_all(pool, r);
 }
 
 // Two 16 MiB runs freed apart from each other, then a 32 MiB request: no free run fits.
-struct scattered {
-  void* a = nullptr;
-  void* b = nullptr;
-  void* d = nullptr;
-  void* e = nullptr;
+// Returns how many pages the request made the pool remap and what it then held; the live
+// blocks around the runs keep their bytes.
+struct growth_outcome {
+  std::uint64_t pages_reclaimed = 0;
+  std::size_t reserved = 0;
 };
-scattered free_two_runs_apart(vmm_page_pool& pool) {
-  scattered s;
-  s.a = pool.allocate(16 * MiB);
-  s.b = pool.allocate(2 * MiB);
-  s.d = pool.allocate(16 * MiB);
-  s.e = pool.allocate(2 * MiB);
-  fill(s.b, 2 * MiB, 0x11);
-  fill(s.e, 2 * MiB, 0x22);
-  pool.deallocate(s.a, 16 * MiB);
-  pool.deallocate(s.d, 16 * MiB);
-  return s;
+growth_outcome ask_for_32_mib_between_two_freed_runs(vmm_page_pool& pool) {
+  void* a = pool.allocate(16 * MiB);
+  void* b = pool.allocate(2 * MiB);
+  void* d = pool.allocate(16 * MiB);
+  void* e = pool.allocate(2 * MiB);
+  fill(b, 2 * MiB, 0x11);
+  fill(e, 2 * MiB, 0x22);
+  pool.deallocate(a, 16 * MiB);
+  pool.deallocate(d, 16 * MiB);
+  void* x = pool.allocate(32 * MiB);
+  fill(x, 32 * MiB, 0x77);
+  const growth_outcome out{pool.page_counts().pages_reclaimed, pool.stats().reserved_bytes};
+  EXPECT_TRUE(holds(b, 2 * MiB, 0x11));
+  EXPECT_TRUE(holds(e, 2 * MiB, 0x22));
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.deallocate(x, 32 * MiB);
+  pool.deallocate(b, 2 * MiB);
+  pool.deallocate(e, 2 * MiB);
+  return out;
+}
+
+TEST_F(GrowthSlack, WithoutItAGrowthGathersTheScatteredRuns) {
+  vmm_page_pool pool(sim);
+  const growth_outcome out = ask_for_32_mib_between_two_freed_runs(pool);
+  EXPECT_EQ(out.pages_reclaimed, 16u);  // both runs' pages remapped
+  EXPECT_EQ(out.reserved, 36 * MiB);
 }
 
 TEST_F(GrowthSlack, WithinItAGrowthTakesNewPagesRatherThanGathering) {
-  vmm_page_pool tight(sim);
-  {
-    const scattered s = free_two_runs_apart(tight);
-    void* x = tight.allocate(32 * MiB);
-    EXPECT_EQ(tight.page_counts().pages_reclaimed, 16u);  // gathered: 16 pages remapped
-    EXPECT_EQ(tight.stats().reserved_bytes, 36 * MiB);
-    tight.deallocate(x, 32 * MiB);
-    tight.deallocate(s.b, 2 * MiB);
-    tight.deallocate(s.e, 2 * MiB);
-  }
   vmm_page_pool pool(sim, 0, slack(1.0));
-  const scattered s = free_two_runs_apart(pool);
-  void* x = pool.allocate(32 * MiB);
-  fill(x, 32 * MiB, 0x77);
-  EXPECT_EQ(pool.page_counts().pages_reclaimed, 0u);
-  EXPECT_EQ(pool.stats().reserved_bytes, 68 * MiB);
-  EXPECT_TRUE(holds(s.b, 2 * MiB, 0x11));
-  EXPECT_TRUE(holds(s.e, 2 * MiB, 0x22));
-  EXPECT_TRUE(pool.is_valid()) << pool.validate();
-  pool.deallocate(x, 32 * MiB);
-  pool.deallocate(s.b, 2 * MiB);
-  pool.deallocate(s.e, 2 * MiB);
+  const growth_outcome out = ask_for_32_mib_between_two_freed_runs(pool);
+  EXPECT_EQ(out.pages_reclaimed, 0u);
+  EXPECT_EQ(out.reserved, 68 * MiB);
 }
 
 TEST_F(GrowthSlack, WhenNewPagesCannotBeHadItGathersAfterAll) {
   pool_options o = slack(1.0);
   o.limit_bytes = 36 * MiB;  // exactly what the four blocks took
   vmm_page_pool pool(sim, 0, o);
-  const scattered s = free_two_runs_apart(pool);
-  void* x = pool.allocate(32 * MiB);
-  fill(x, 32 * MiB, 0x77);
-  EXPECT_EQ(pool.page_counts().pages_reclaimed, 16u);
-  EXPECT_EQ(pool.stats().reserved_bytes, 36 * MiB);
-  EXPECT_TRUE(holds(s.b, 2 * MiB, 0x11));
-  EXPECT_TRUE(holds(s.e, 2 * MiB, 0x22));
-  EXPECT_TRUE(pool.is_valid()) << pool.validate();
-  pool.deallocate(x, 32 * MiB);
-  pool.deallocate(s.b, 2 * MiB);
-  pool.deallocate(s.e, 2 * MiB);
+  const growth_outcome out = ask_for_32_mib_between_two_freed_runs(pool);
+  EXPECT_EQ(out.pages_reclaimed, 16u);
+  EXPECT_EQ(out.reserved, 36 * MiB);
 }
 
 // The shipped training trace, three passes on sim: the slack bounds fragmentation and
 // the steady state remaps fewer pages than the tight pool.
-std::string find_training_trace() {
-  namespace fs = std::filesystem;
-  const fs::path rel = fs::path("data") / "train_llama.csv.gz";
-  if (const char* dir = std::getenv("GPUMEM_SOURCE_DIR"); dir != nullptr && *dir != '\0')
-    if (fs::exists(fs::path(dir) / rel)) return (fs::path(dir) / rel).string();
-  std::error_code ec;
-  for (fs::path at = fs::current_path(ec); !ec && !at.empty(); at = at.parent_path()) {
-    if (fs::exists(at / rel)) return (at / rel).string();
-    if (at == at.parent_path()) break;
-  }
-  return {};
-}
-
 TEST(GrowthSlackTrace, BoundsFragmentationAndRemapsLessOnTheTrainingTrace) {
-  const std::string path = find_training_trace();
+  const std::string path = gpumem_test::find_in_source_tree("data/train_llama.csv.gz");
   if (path.empty())
     GTEST_SKIP() << "data/train_llama.csv.gz not found: set GPUMEM_SOURCE_DIR to the source tree "
                     "or run from inside it";

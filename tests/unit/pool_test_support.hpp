@@ -8,7 +8,9 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <string>
 #include <thread>
@@ -59,6 +61,22 @@ class sim_pool_test : public ::testing::Test {
 };
 
 inline void fill(void* p, std::size_t n, unsigned char byte) { std::memset(p, byte, n); }
+
+// A file of the source tree (such as data/train_llama.csv.gz): under GPUMEM_SOURCE_DIR,
+// else found by walking up from the working directory (ctest runs in the build tree, which
+// lies inside the source tree). Empty when not found.
+inline std::string find_in_source_tree(const std::string& relative) {
+  namespace fs = std::filesystem;
+  const fs::path rel(relative);
+  if (const char* dir = std::getenv("GPUMEM_SOURCE_DIR"); dir != nullptr && *dir != '\0')
+    if (fs::exists(fs::path(dir) / rel)) return (fs::path(dir) / rel).string();
+  std::error_code ec;
+  for (fs::path at = fs::current_path(ec); !ec && !at.empty(); at = at.parent_path()) {
+    if (fs::exists(at / rel)) return (at / rel).string();
+    if (at == at.parent_path()) break;
+  }
+  return {};
+}
 
 // True when all n bytes at p equal `byte` (memcmp against a pattern: fast in debug builds).
 inline bool holds(const void* p, std::size_t n, unsigned char byte) {

@@ -14,6 +14,7 @@
 #include "gpumem/platform/sim_platform.hpp"
 #include "gpumem/pool/caching_pool.hpp"
 #include "gpumem/pool/vmm_page_pool.hpp"
+#include "unit/pool_test_support.hpp"
 
 namespace {
 
@@ -349,24 +350,8 @@ TEST_F(Replay, APoolStaysUsableAfterAMultiStreamReplay) {
 
 // --- the shipped real trace ------------------------------------------------------------------
 
-// data/train_llama.csv.gz: from GPUMEM_SOURCE_DIR, else found by walking up from the
-// working directory (ctest runs in the build tree, which lies inside the source tree).
-std::string find_training_trace() {
-  namespace fs = std::filesystem;
-  const fs::path rel = fs::path("data") / "train_llama.csv.gz";
-  if (const char* dir = std::getenv("GPUMEM_SOURCE_DIR"); dir != nullptr && *dir != '\0') {
-    if (fs::exists(fs::path(dir) / rel)) return (fs::path(dir) / rel).string();
-  }
-  std::error_code ec;
-  for (fs::path at = fs::current_path(ec); !ec && !at.empty(); at = at.parent_path()) {
-    if (fs::exists(at / rel)) return (at / rel).string();
-    if (at == at.parent_path()) break;
-  }
-  return {};
-}
-
 TEST(ReplayRealTrace, TrainingTraceOnTheVmmPagePoolStaysWithinOnePercent) {
-  const std::string path = find_training_trace();
+  const std::string path = gpumem_test::find_in_source_tree("data/train_llama.csv.gz");
   if (path.empty())
     GTEST_SKIP() << "data/train_llama.csv.gz not found: set GPUMEM_SOURCE_DIR to the source tree "
                     "or run from inside it";

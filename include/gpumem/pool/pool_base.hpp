@@ -250,6 +250,10 @@ class pool_base : public memory_resource {
   detail::thread_cache& cache_for_this_thread_locked();
   // An allocated block handed back: it is reusable in `stream`'s order. REQUIRES: mutex_.
   void release_to_arena_locked(detail::block* b, std::uintptr_t stream);
+  // The block of live allocation `addr` recorded in c, if freed with the size it was
+  // allocated with: removed from c's records and counted as freed; else nullptr, c intact.
+  // REQUIRES: c.mutex held, or c's owner holding mutex_.
+  detail::block* forget_live(detail::thread_cache& c, std::uintptr_t addr, std::size_t bytes) noexcept;
   // Counts an allocation (+) or a free (-) of live bytes (requested, rounded block) in c.
   // A cache publishes to the shared totals once its unpublished bytes pass stats_slack
   // either way (no shared write per call); the peaks count the calling cache's unpublished
