@@ -32,9 +32,8 @@ void block_arena::delete_block(block* b) {
   spare_blocks_.push_back(b);
 }
 
-size_bins* block_arena::bins_for(std::uintptr_t stream, bool create) {
+size_bins* block_arena::find_bins(std::uintptr_t stream, bool create) {
   // Records are never removed, so the cached pointer stays valid.
-  if (last_bins_ != nullptr && last_bins_->stream == stream) return last_bins_;
   for (auto& b : bins_)
     if (b->stream == stream) return last_bins_ = b.get();
   if (!create) return nullptr;

@@ -197,7 +197,13 @@ class block_arena {
               std::size_t requested);
   // Merges a free block with free neighbours of its stream; returns the result.
   block* merge(block* b);
-  size_bins* bins_for(std::uintptr_t stream, bool create);
+  // The bins of `stream` (made when `create`), or nullptr. Inline: the last one found is
+  // asked for again by most calls.
+  size_bins* bins_for(std::uintptr_t stream, bool create) {
+    if (last_bins_ != nullptr && last_bins_->stream == stream) return last_bins_;
+    return find_bins(stream, create);
+  }
+  size_bins* find_bins(std::uintptr_t stream, bool create);
   // The smallest free block of `bins` with size >= need (lowest address on ties).
   block* best_fit(const size_bins& bins, std::size_t need) const;
   template <class F>

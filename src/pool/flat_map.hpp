@@ -48,6 +48,22 @@ class flat_map {
       if (slots_[i].first == Key{}) return false;
       if (slots_[i].first == key) break;
     }
+    erase_slot(i);
+    return true;
+  }
+
+  // One probe for a look-up that may end in an erase: the slot of key (its value stays
+  // valid until the next insert or erase), or npos.
+  static constexpr std::size_t npos = static_cast<std::size_t>(-1);
+  std::size_t slot_of(const Key& key) const noexcept {
+    for (std::size_t i = home(key);; i = (i + 1) & mask()) {
+      if (slots_[i].first == Key{}) return npos;
+      if (slots_[i].first == key) return i;
+    }
+  }
+  Value& value_at(std::size_t slot) noexcept { return slots_[slot].second; }
+  // REQUIRES: slot came from slot_of, with no insert or erase since.
+  void erase_slot(std::size_t i) noexcept {
     // Backward shift: move later entries of the probe run into the hole when their home
     // slot does not lie strictly between the hole and them.
     for (std::size_t j = (i + 1) & mask();; j = (j + 1) & mask()) {
@@ -60,7 +76,6 @@ class flat_map {
     }
     slots_[i] = {};
     --size_;
-    return true;
   }
 
   std::size_t size() const noexcept { return size_; }

@@ -316,10 +316,10 @@ bool pool_base::free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch,
 
 detail::block* pool_base::forget_live(detail::thread_cache& c, std::uintptr_t addr,
                                       std::size_t bytes) noexcept {
-  const detail::live_record* r = c.live.find(addr);
-  if (r == nullptr || r->requested != bytes) return nullptr;
-  detail::block* b = r->b;
-  c.live.erase(addr);
+  const std::size_t slot = c.live.slot_of(addr);
+  if (slot == c.live.npos || c.live.value_at(slot).requested != bytes) return nullptr;
+  detail::block* b = c.live.value_at(slot).b;
+  c.live.erase_slot(slot);
   c.note_free(addr);
   count(c, -static_cast<std::int64_t>(bytes), -static_cast<std::int64_t>(b->size));
   return b;
