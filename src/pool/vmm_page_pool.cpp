@@ -545,8 +545,6 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
   std::size_t wanted = ext.first_page != no_page ? ext.pages : pages;
   std::size_t have = spare_pages_for(stream.value);
   const std::size_t first_new = chunks_.size();
-  // Within the growth slack: new pages rather than a gather of scattered free ones (the
-  // limit or a full device: the gather after all).
   // Within the growth slack: new pages rather than a gather of scattered free ones (at
   // the limit or on a full device, the gather after all).
   if (have < wanted && split_limit(size) != static_cast<std::size_t>(-1) &&
