@@ -29,8 +29,12 @@ def main():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
     args = p.parse_args()
-    import torch
-    from transformers import LlamaForCausalLM
+    try:
+        import torch
+        from transformers import LlamaForCausalLM
+    except ImportError as e:
+        sys.exit("record_torch_trace.py: needs torch and transformers (%s); run it on the GPU "
+                 "machine" % e)
 
     torch.manual_seed(0)
     torch.cuda.memory._record_memory_history(enabled="all", context=None, max_entries=2_000_000)
