@@ -37,8 +37,9 @@
 //                            (1 + F) x peak live, a request does not split a large free run
 //                            (a large tensor's, wanted back soon) and growth takes new pages
 //                            rather than gathering scattered free ones: each remapped page
-//                            costs ~80 us of driver time on a busy H200. 0.05 ran a training
-//                            step at native speed (see docs/INTEROP.md)
+//                            costs ~80 us of driver time on a busy H200. From 0.03 a Llama
+//                            training step ran at native speed (fragmentation 1.03; the
+//                            default 1.0004 at 1-11% slower; see docs/INTEROP.md)
 //
 // Unknown keys and malformed values throw gpumem::invalid_argument naming them.
 #pragma once
