@@ -142,6 +142,8 @@ int run_replay(int argc, char** argv) {
                              "the warm (steady-state) figure, and its driver calls are shown "
                              "on their own (none: the allocator settled)", "2")
       .option("config", "CONF", "pool options, key:value,... (default: GPUMEM_CONF)")
+      .option("gpu-lag", "N", "sim only: queued work completes only every N trace events, "
+                              "as on a GPU running behind the CPU (0: at once)", "0")
       .option("plot", "FILE.svg", "also draw live and reserved bytes over the trace, per allocator")
       .option("snapshot", "FILE.pickle",
               "also write a PyTorch memory snapshot (torch.cuda.memory._snapshot() format) of "
@@ -159,6 +161,7 @@ int run_replay(int argc, char** argv) {
   const std::string path = args.positionals().at(0);
   const std::string device_kind = args.value_or("device", "auto");
   const int passes = static_cast<int>(*args.integer("passes", 1, 1000));
+  const auto gpu_lag = static_cast<std::size_t>(*args.integer("gpu-lag", 0, 100000000));
   const std::size_t capacity = parse_bytes(args.value_or("capacity", "80G"));
   const pool_options options = args.has("config") ? pool_options::parse(*args.value("config"))
                                                   : pool_options::from_environment();
@@ -178,6 +181,8 @@ int run_replay(int argc, char** argv) {
       throw cuda_error("cudaGetDeviceCount", 100, "CUDA_ERROR_NO_DEVICE", why, "gpumem replay");
   }
   const bool on_sim = cuda == nullptr;
+  if (gpu_lag > 0 && !on_sim)
+    throw invalid_argument("gpumem replay: --gpu-lag models a GPU on sim; on the GPU the lag is real");
 
   // Checked before the replays, so a bad snapshot request fails at once.
   std::string snapshot_allocator;
@@ -210,7 +215,7 @@ int run_replay(int argc, char** argv) {
                    on_sim ? "sim" : "cuda");
     }
     allocator_under_test a = make_allocator(name, p, 0, options);
-    results.push_back(replay_trace(t, *a.resource, replay_options{passes, false}));
+    results.push_back(replay_trace(t, *a.resource, replay_options{passes, false, gpu_lag}));
   }
 
   if (args.has("plot")) {
@@ -278,6 +283,7 @@ int run_replay(int argc, char** argv) {
     w.member("device", on_sim ? "sim" : "cuda");
     w.member("events", t.events.size());
     w.member("passes", passes);
+    w.member("gpu_lag", gpu_lag);
     w.key("results").begin_array();
     for (const auto& r : results) {
       w.begin_object();
@@ -317,9 +323,12 @@ int run_replay(int argc, char** argv) {
   std::printf("trace %s: %zu events (%zu allocs, %zu frees), peak live %s, %zu stream(s)\n",
               path.c_str(), t.events.size(), t.allocs, t.frees,
               format_bytes(t.peak_live_bytes).c_str(), t.streams.size());
-  std::printf("device: %s; %d pass(es), ns/event cold = first pass, warm = last pass%s\n\n",
+  std::printf("device: %s; %d pass(es), ns/event cold = first pass, warm = last pass%s%s\n\n",
               on_sim ? "sim" : "cuda", passes,
-              on_sim ? "; driver ms modelled from H200 latencies" : "; driver ms measured");
+              on_sim ? "; driver ms modelled from H200 latencies" : "; driver ms measured",
+              gpu_lag > 0 ? ("; queued work completes every " + std::to_string(gpu_lag) +
+                             " events (--gpu-lag)").c_str()
+                          : "");
   std::printf("%-14s %12s %12s %8s %10s %10s %10s  %s\n", "allocator", "peak live",
               "peak reserv", "frag", "ns/ev cold", "ns/ev warm", "driver ms", "driver calls");
   for (const auto& r : results) {

@@ -202,6 +202,19 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
   std::array<std::uint64_t, platform_op_count> ns_before{};
   for (std::size_t i = 0; i < platform_op_count; ++i) ns_before[i] = op_ns(static_cast<platform_op>(i));
 
+  // The GPU behind the CPU (sim): events stay incomplete between catch-ups, and all
+  // complete again however the replay ends.
+  struct lag_model {
+    sim_platform* sim;
+    explicit lag_model(sim_platform* s) : sim(s) {
+      if (sim != nullptr) sim->hold_events(true);
+    }
+    ~lag_model() {
+      if (sim == nullptr) return;
+      sim->complete_events();
+      sim->hold_events(false);
+    }
+  } lag{options.gpu_lag > 0 ? sim : nullptr};
   std::vector<void*> ptrs(t.allocs, nullptr);
   const std::size_t sample_every = std::max<std::size_t>(1, t.events.size() / 2000);
   std::size_t live = 0;
@@ -231,6 +244,7 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
         live -= e.size;
         ++r.frees;
       }
+      if (lag.sim != nullptr && (index + 1) % options.gpu_lag == 0) lag.sim->complete_events();
       if (pass == 0 && index % sample_every == 0) {
         r.live_samples.emplace_back(index, live);
         r.reserved_samples.emplace_back(index, resource.stats().reserved_bytes);

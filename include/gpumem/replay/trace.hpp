@@ -52,6 +52,10 @@ trace parse_trace(const std::string& text, const std::string& source);
 struct replay_options {
   int passes = 1;           // replay the trace this many times on one allocator
   bool touch = false;       // write the first bytes of each block (sim: proves mapping)
+  // sim only: work recorded on a stream completes only every `gpu_lag` trace events, as
+  // when a GPU runs behind the CPU that queues its work (frees are then not known complete
+  // at once: a pool reuses them in stream order or waits). 0: at once, the sim default.
+  std::size_t gpu_lag = 0;
 };
 
 struct replay_result {
