@@ -5,4 +5,5 @@
 #include "gpumem/pool/pinned_host_pool.hpp"
 #include "gpumem/pool/pool_base.hpp"
 #include "gpumem/pool/pool_options.hpp"
+#include "gpumem/pool/step_planner.hpp"
 #include "gpumem/pool/vmm_page_pool.hpp"

@@ -1,0 +1,65 @@
+// A step plan: where, in one region, each allocation of a repeating step goes.
+//
+// A training or serving loop makes the same requests in the same order every step. Given
+// one step's events, build_step_plan places every allocation that is born and freed
+// within the step, on the step's stream, at an offset of a region, so that no two
+// allocations live at the same time overlap: the dynamic storage allocation problem,
+// solved greedily by size (largest first, each in the smallest gap left by the ones
+// already placed that overlap it in time), as static memory planners of DNN compilers do.
+// On real training steps that meets the lower bound (the peak of planned bytes live at
+// once) or comes close; it is never below it.
+//
+// Pure computation over numbers: no memory is touched here (step_planner serves it).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace gpumem::detail {
+
+// One event of a recorded step. Allocations are numbered in the order they were made
+// within the step (id); a free names the allocation it ends. Frees of allocations made
+// before the step are not events of the step.
+struct step_event {
+  enum class kind : std::uint8_t { alloc, free };
+  kind what = kind::alloc;
+  std::uint32_t id = 0;
+  std::size_t bytes = 0;      // alloc: requested bytes; free: the bytes passed to free
+  std::size_t alignment = 0;  // alloc only
+  std::uintptr_t stream = 0;
+  friend bool operator==(const step_event&, const step_event&) = default;
+};
+
+struct step_plan {
+  static constexpr std::size_t unplanned = static_cast<std::size_t>(-1);
+  // Offsets are multiples of `unit`; a planned block spans its bytes rounded up to it.
+  static constexpr std::size_t unit = 512;
+
+  // Per allocation id: its offset in the region, or `unplanned` (it lives past the step,
+  // is used on another stream, or needs more alignment than `unit`: the pool serves it).
+  std::vector<std::size_t> offset;
+  // The sequence a planned step follows: every allocation (planned or not, so positions
+  // agree) and the frees of planned allocations, in the recorded order.
+  std::vector<step_event> sequence;
+  std::uintptr_t stream = 0;       // the stream of every planned allocation
+  std::size_t region_bytes = 0;    // end of the highest planned block
+  std::size_t lower_bound = 0;     // peak of planned (rounded) bytes live at once
+  std::size_t planned_count = 0;
+
+  bool planned(std::uint32_t id) const { return offset[id] != unplanned; }
+  static std::size_t block_bytes(std::size_t bytes) { return (bytes + unit - 1) / unit * unit; }
+};
+
+// REQUIRES: `events` is one step as recorded (ids 0.. in alloc order, each freed at most
+// once, after its alloc). Plans at most `max_planned` allocations (the largest first):
+// placement costs O(n^2) in the planned count.
+step_plan build_step_plan(std::span<const step_event> events, std::size_t max_planned);
+
+// "" when no two planned allocations that are live at the same time overlap and every
+// block lies inside the region; else what is wrong (tests and step_planner::validate).
+std::string check_step_plan(const step_plan& plan);
+
+}  // namespace gpumem::detail

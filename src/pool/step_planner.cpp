@@ -1,0 +1,365 @@
+#include "gpumem/pool/step_planner.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <optional>
+#include <unordered_map>
+#include <utility>
+
+#include "gpumem/errors.hpp"
+#include "gpumem/platform/status_error.hpp"
+#include "pool/step_plan.hpp"
+
+namespace gpumem {
+
+using detail::step_event;
+using detail::step_plan;
+
+// Invariants (validate()):
+//  - region_live == the live records marked planned, each inside [region, region + bytes),
+//    none overlapping another;
+//  - on_plan implies a plan, a region, and cursor <= plan->sequence.size();
+//  - the first cursor events of the plan's sequence are exactly what this step did so far
+//    (so the planned allocations live now are the ones live at that point of the recorded
+//    step, which the plan laid out apart).
+struct step_planner::state {
+  struct live_record {
+    std::uint64_t step = 0;  // the step that made it
+    std::uint32_t id = 0;    // its number within that step
+    std::size_t bytes = 0;
+    bool planned = false;    // in the region (else the pool's)
+  };
+
+  std::uint64_t step = 0;  // 1 from the first mark
+  std::vector<step_event> recording, previous;  // this step's events, the last step's
+  std::uint32_t next_id = 0;
+  std::unordered_map<std::uintptr_t, live_record> live;  // made since the first mark
+
+  std::optional<step_plan> plan;
+  std::vector<step_event> plan_source;  // the step the plan was built from
+  bool on_plan = false;                 // this step follows the plan so far
+  std::size_t cursor = 0;               // events of the plan's sequence done this step
+
+  std::uintptr_t region = 0;  // held from the pool while non-zero (also after the plan
+  std::size_t region_bytes = 0;  // is dropped, until its last allocation is freed)
+  std::uintptr_t region_stream = 0;
+  std::size_t region_live = 0, region_live_blocks = 0;
+
+  std::uint64_t retry_at_step = 0;  // after the pool refused a region: back off
+  unsigned refusals_in_a_row = 0;
+  event_handle wait_event{};  // for planned frees on another stream
+  step_planner_counts counts;
+
+  bool in_region(std::uintptr_t addr) const {
+    return region != 0 && addr >= region && addr < region + region_bytes;
+  }
+};
+
+namespace {
+
+std::string hex(std::uintptr_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+}  // namespace
+
+step_planner::step_planner(pool_base& pool, std::size_t max_planned)
+    : memory_resource(pool.device_platform(), pool.device()),
+      pool_(pool),
+      max_planned_(max_planned),
+      name_("step_plan+" + std::string(pool.name())),
+      s_(std::make_unique<state>()) {}
+
+step_planner::~step_planner() {
+  state& s = *s_;
+  if (s.region != 0) {
+    try {
+      pool_.deallocate(reinterpret_cast<void*>(s.region), s.region_bytes,
+                       stream_handle{s.region_stream});
+    } catch (...) {
+      // The pool reports its own failures; a destructor cannot.
+    }
+  }
+  if (s.wait_event.value != 0) (void)device_platform().event_destroy(s.wait_event);
+}
+
+void step_planner::count_alloc(std::size_t bytes) noexcept {
+  const std::size_t live = live_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+  std::size_t peak = peak_live_bytes_.load(std::memory_order_relaxed);
+  while (live > peak && !peak_live_bytes_.compare_exchange_weak(peak, live, std::memory_order_relaxed)) {
+  }
+  live_count_.fetch_add(1, std::memory_order_relaxed);
+  allocations_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void step_planner::count_free(std::size_t bytes) noexcept {
+  live_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
+  live_count_.fetch_sub(1, std::memory_order_relaxed);
+  deallocations_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void* step_planner::do_allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) {
+  if (!recording_.load(std::memory_order_acquire)) {
+    void* p = pool_.allocate(bytes, alignment, stream);
+    count_alloc(bytes);
+    return p;
+  }
+  std::lock_guard lock(mutex_);
+  state& s = *s_;
+  const step_event e{step_event::kind::alloc, s.next_id, bytes, alignment, stream.value};
+  bool planned = false;
+  if (s.on_plan) {
+    if (s.cursor < s.plan->sequence.size() && s.plan->sequence[s.cursor] == e) {
+      planned = s.plan->planned(e.id);
+    } else {
+      s.on_plan = false;  // the rest of this step goes to the pool
+      ++s.counts.steps_left_plan;
+    }
+  }
+  const std::uintptr_t addr =
+      planned ? s.region + s.plan->offset[e.id]
+              : reinterpret_cast<std::uintptr_t>(pool_.allocate(bytes, alignment, stream));
+  try {
+    s.live.emplace(addr, state::live_record{s.step, e.id, bytes, planned});
+    s.recording.push_back(e);
+  } catch (...) {
+    s.live.erase(addr);
+    if (!planned) pool_.deallocate(reinterpret_cast<void*>(addr), bytes, stream);
+    throw;
+  }
+  ++s.next_id;
+  if (s.on_plan) ++s.cursor;
+  if (planned) {
+    ++s.region_live;
+    s.region_live_blocks += step_plan::block_bytes(bytes);
+    s.counts.planned_live_bytes += bytes;
+    ++s.counts.planned_allocations;
+  }
+  count_alloc(bytes);
+  return reinterpret_cast<void*>(addr);
+}
+
+void step_planner::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream) {
+  if (!recording_.load(std::memory_order_acquire)) {
+    pool_.deallocate(ptr, bytes, stream);
+    count_free(bytes);
+    return;
+  }
+  std::lock_guard lock(mutex_);
+  state& s = *s_;
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  const auto it = s.live.find(addr);
+  if (it == s.live.end()) {
+    if (s.in_region(addr))
+      throw invalid_argument("free of " + hex(addr) +
+                             ": inside the step plan's region but not a live allocation "
+                             "(freed twice, or not an address allocate returned)");
+    pool_.deallocate(ptr, bytes, stream);  // made before the first mark, or not ours
+    count_free(bytes);
+    return;
+  }
+  const state::live_record rec = it->second;
+  if (!rec.planned) {
+    pool_.deallocate(ptr, bytes, stream);  // the pool checks the size; throws leave it live
+  } else {
+    if (bytes != rec.bytes)
+      throw invalid_argument("free of " + hex(addr) + " with size " + std::to_string(bytes) +
+                             ": it was allocated with " + std::to_string(rec.bytes) + " bytes");
+    if (stream.value != s.region_stream) {
+      // The region is reused in its stream's order: make that stream wait for this one.
+      platform& p = device_platform();
+      if (s.wait_event.value == 0) {
+        auto ev = p.event_create(device());
+        if (!ev) throw_cuda_error(ev.error(), "step_plan: event for a free on another stream");
+        s.wait_event = ev.value();
+      }
+      if (auto st = p.event_record(s.wait_event, stream); !st)
+        throw_cuda_error(st, "step_plan: record the freeing stream");
+      if (auto st = p.stream_wait_event(stream_handle{s.region_stream}, s.wait_event); !st)
+        throw_cuda_error(st, "step_plan: make the plan's stream wait");
+    }
+  }
+  s.live.erase(it);
+  if (rec.step == s.step) {
+    const step_event e{step_event::kind::free, rec.id, bytes, 0, stream.value};
+    s.recording.push_back(e);  // may throw bad_alloc: the step then only fails to match
+    if (s.on_plan && rec.planned) {
+      if (s.cursor < s.plan->sequence.size() && s.plan->sequence[s.cursor] == e) {
+        ++s.cursor;
+      } else {
+        s.on_plan = false;
+        ++s.counts.steps_left_plan;
+      }
+    }
+  }
+  if (rec.planned) {
+    --s.region_live;
+    s.region_live_blocks -= step_plan::block_bytes(bytes);
+    s.counts.planned_live_bytes -= bytes;
+    if (s.region_live == 0 && !s.plan) give_region_back(s);
+  }
+  count_free(bytes);
+}
+
+void step_planner::give_region_back(state& s) {
+  if (s.region == 0) return;
+  pool_.deallocate(reinterpret_cast<void*>(s.region), s.region_bytes, stream_handle{s.region_stream});
+  s.region = 0;
+  s.region_bytes = 0;
+  s.counts.region_bytes = 0;
+}
+
+void step_planner::mark_step() {
+  std::lock_guard lock(mutex_);
+  state& s = *s_;
+  ++s.counts.steps;
+  if (!recording_.load(std::memory_order_relaxed)) {
+    s.step = 1;
+    recording_.store(true, std::memory_order_release);
+    return;
+  }
+  const bool repeated = !s.recording.empty() && s.recording == s.previous;
+  s.previous = std::move(s.recording);
+  s.recording.clear();
+  s.next_id = 0;
+  ++s.step;
+  s.on_plan = false;
+  s.cursor = 0;
+
+  // The loop changed (two steps alike, not as planned): drop the plan; its region goes
+  // back once its last allocation is freed.
+  if (s.plan && repeated && s.previous != s.plan_source) {
+    s.plan.reset();
+    s.plan_source.clear();
+    if (s.region_live == 0) give_region_back(s);
+  }
+  if (!s.plan && repeated && s.region == 0 && s.step >= s.retry_at_step) build_plan(s);
+
+  s.on_plan = s.plan.has_value() && s.region_live == 0;
+  if (s.on_plan) ++s.counts.planned_steps;
+}
+
+void step_planner::build_plan(state& s) {
+  step_plan plan = detail::build_step_plan(s.previous, max_planned_);
+  if (plan.planned_count == 0) return;
+  void* region = nullptr;
+  try {
+    region = pool_.allocate(plan.region_bytes, step_plan::unit, stream_handle{plan.stream});
+  } catch (const out_of_memory&) {
+    // Not now: the loop runs on the pool as before; try again after 2, 4, ... steps.
+    ++s.counts.region_failures;
+    s.refusals_in_a_row = std::min(s.refusals_in_a_row + 1, 16u);
+    s.retry_at_step = s.step + (std::uint64_t{1} << s.refusals_in_a_row);
+    return;
+  }
+  s.refusals_in_a_row = 0;
+  s.region = reinterpret_cast<std::uintptr_t>(region);
+  s.region_bytes = plan.region_bytes;
+  s.region_stream = plan.stream;
+  s.counts.region_bytes = plan.region_bytes;
+  s.counts.plan_lower_bound = plan.lower_bound;
+  s.counts.planned_count = plan.planned_count;
+  ++s.counts.plans_built;
+  s.plan_source = s.previous;
+  s.plan = std::move(plan);
+}
+
+step_planner_counts step_planner::counts() const {
+  std::lock_guard lock(mutex_);
+  return s_->counts;
+}
+
+resource_stats step_planner::stats() const {
+  resource_stats r = pool_.stats();
+  r.live_bytes = live_bytes_.load(std::memory_order_relaxed);
+  r.peak_live_bytes = peak_live_bytes_.load(std::memory_order_relaxed);
+  r.live_allocations = live_count_.load(std::memory_order_relaxed);
+  r.allocations = allocations_.load(std::memory_order_relaxed);
+  r.deallocations = deallocations_.load(std::memory_order_relaxed);
+  std::lock_guard lock(mutex_);
+  r.cached_bytes += s_->region_bytes - s_->region_live_blocks;  // the region's unused part
+  return r;
+}
+
+std::string step_planner::validate() const {
+  if (std::string v = pool_.validate(); !v.empty()) return v;
+  std::lock_guard lock(mutex_);
+  const state& s = *s_;
+  std::vector<std::pair<std::uintptr_t, std::size_t>> planned;  // [addr, end)
+  for (const auto& [addr, rec] : s.live) {
+    if (!rec.planned) continue;
+    if (!s.in_region(addr) || addr + rec.bytes > s.region + s.region_bytes)
+      return "step_plan: planned allocation " + hex(addr) + " lies outside the region";
+    planned.emplace_back(addr, addr + step_plan::block_bytes(rec.bytes));
+  }
+  if (planned.size() != s.region_live)
+    return "step_plan: " + std::to_string(planned.size()) + " planned allocations live, " +
+           std::to_string(s.region_live) + " counted";
+  std::sort(planned.begin(), planned.end());
+  for (std::size_t i = 1; i < planned.size(); ++i)
+    if (planned[i].first < planned[i - 1].second)
+      return "step_plan: planned allocations " + hex(planned[i - 1].first) + " and " +
+             hex(planned[i].first) + " overlap";
+  if (s.on_plan && (!s.plan || s.region == 0 || s.cursor > s.plan->sequence.size()))
+    return "step_plan: on a plan without a plan, a region or a valid position";
+  if (s.plan) {
+    if (std::string v = detail::check_step_plan(*s.plan); !v.empty()) return "step_plan: " + v;
+    if (s.plan->region_bytes != s.region_bytes) return "step_plan: the region is not the plan's size";
+  }
+  return {};
+}
+
+void step_planner::release_stream(stream_handle stream) {
+  {
+    std::lock_guard lock(mutex_);
+    state& s = *s_;
+    if (s.region != 0 && s.region_stream == stream.value) {
+      // The region lives in this stream's order: no plan on it from now on.
+      s.plan.reset();
+      s.plan_source.clear();
+      s.on_plan = false;
+      if (s.region_live == 0) give_region_back(s);
+    }
+  }
+  pool_.release_stream(stream);
+}
+
+std::vector<memory_segment> step_planner::memory_segments() const {
+  std::vector<memory_segment> segments = pool_.memory_segments();
+  std::lock_guard lock(mutex_);
+  const state& s = *s_;
+  if (s.region == 0) return segments;
+  std::vector<memory_block> inside;  // the planned allocations live now, by address
+  for (const auto& [addr, rec] : s.live)
+    if (rec.planned)
+      inside.push_back({addr, step_plan::block_bytes(rec.bytes), rec.bytes, s.region_stream,
+                        memory_block::state::allocated});
+  std::sort(inside.begin(), inside.end(),
+            [](const memory_block& a, const memory_block& b) { return a.address < b.address; });
+  for (memory_segment& seg : segments) {
+    for (std::size_t i = 0; i < seg.blocks.size(); ++i) {
+      const memory_block region = seg.blocks[i];
+      if (region.address != s.region || region.st != memory_block::state::allocated) continue;
+      // The region's block (possibly rounded up by the pool) becomes planned blocks and
+      // free gaps that tile it.
+      std::vector<memory_block> tiles;
+      std::uintptr_t at = region.address;
+      for (const memory_block& b : inside) {
+        if (b.address > at) tiles.push_back({at, b.address - at, 0, s.region_stream, memory_block::state::free});
+        tiles.push_back(b);
+        at = b.address + b.size;
+      }
+      if (region.address + region.size > at)
+        tiles.push_back({at, region.address + region.size - at, 0, s.region_stream,
+                         memory_block::state::free});
+      seg.blocks.erase(seg.blocks.begin() + static_cast<std::ptrdiff_t>(i));
+      seg.blocks.insert(seg.blocks.begin() + static_cast<std::ptrdiff_t>(i), tiles.begin(), tiles.end());
+      return segments;
+    }
+  }
+  return segments;
+}
+
+}  // namespace gpumem

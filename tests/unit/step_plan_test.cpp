@@ -1,0 +1,455 @@
+// Step plans: the planner's layout (build_step_plan) and step_planner in front of a
+// vmm_page_pool on the sim device (1 GiB, 2 MiB pages).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpumem/errors.hpp"
+#include "gpumem/platform/sim_platform.hpp"
+#include "gpumem/pool/step_planner.hpp"
+#include "gpumem/pool/vmm_page_pool.hpp"
+#include "pool/step_plan.hpp"
+#include "unit/pool_test_support.hpp"
+
+namespace {
+
+using namespace gpumem;
+using detail::build_step_plan;
+using detail::check_step_plan;
+using detail::step_event;
+using detail::step_plan;
+using gpumem_test::fill;
+using gpumem_test::holds;
+using gpumem_test::MiB;
+
+step_event alloc(std::uint32_t id, std::size_t bytes, std::uintptr_t stream = 0,
+                 std::size_t alignment = 256) {
+  return {step_event::kind::alloc, id, bytes, alignment, stream};
+}
+step_event free_of(std::uint32_t id, std::size_t bytes, std::uintptr_t stream = 0) {
+  return {step_event::kind::free, id, bytes, 0, stream};
+}
+
+TEST(StepPlan, AllocationsLiveTogetherGetApartAndSuccessiveOnesShare) {
+  // 0 and 1 live together; 2 comes after both are freed and may take either place.
+  const std::vector<step_event> step = {alloc(0, 1000), alloc(1, 3000), free_of(0, 1000),
+                                        free_of(1, 3000), alloc(2, 3000), free_of(2, 3000)};
+  const step_plan plan = build_step_plan(step, 100);
+  ASSERT_EQ(plan.planned_count, 3u);
+  EXPECT_EQ(check_step_plan(plan), "");
+  const std::size_t b0 = step_plan::block_bytes(1000), b1 = step_plan::block_bytes(3000);
+  EXPECT_EQ(plan.lower_bound, b0 + b1);
+  EXPECT_EQ(plan.region_bytes, b0 + b1);  // the bound: nothing wasted
+  EXPECT_TRUE(plan.offset[0] + b0 <= plan.offset[1] || plan.offset[1] + b1 <= plan.offset[0]);
+  EXPECT_EQ(plan.offset[2], plan.offset[1]);  // the largest first, at the bottom
+  EXPECT_EQ(plan.sequence.size(), step.size());
+}
+
+TEST(StepPlan, LeavesToThePoolWhatOutlivesTheStepOrUsesAnotherStreamOrAlignment) {
+  const std::vector<step_event> step = {
+      alloc(0, 4096),                   // never freed in the step: lives past it
+      alloc(1, 8192, 7),                // freed on stream 7, the step's main stream is 0
+      alloc(2, 1 << 20),                // planned
+      alloc(3, 4096, 0, 4096),          // needs 4 KiB alignment
+      free_of(1, 8192, 7), free_of(3, 4096), free_of(2, 1 << 20),
+      alloc(4, 4096, 0), free_of(4, 4096, 9),  // freed on another stream than its own
+  };
+  const step_plan plan = build_step_plan(step, 100);
+  EXPECT_EQ(plan.stream, 0u);
+  EXPECT_FALSE(plan.planned(0));
+  EXPECT_FALSE(plan.planned(1));
+  EXPECT_TRUE(plan.planned(2));
+  EXPECT_FALSE(plan.planned(3));
+  EXPECT_FALSE(plan.planned(4));
+  EXPECT_EQ(plan.planned_count, 1u);
+  // Every allocation stays in the sequence (positions must agree); frees only of planned.
+  EXPECT_EQ(std::count_if(plan.sequence.begin(), plan.sequence.end(),
+                          [](const step_event& e) { return e.what == step_event::kind::alloc; }),
+            5);
+  EXPECT_EQ(plan.sequence.size(), 6u);
+  EXPECT_EQ(check_step_plan(plan), "");
+}
+
+TEST(StepPlan, PlansAtMostTheLargestAllowed) {
+  std::vector<step_event> step;
+  for (std::uint32_t i = 0; i < 10; ++i) step.push_back(alloc(i, (i + 1) * 1024));
+  for (std::uint32_t i = 0; i < 10; ++i) step.push_back(free_of(i, (i + 1) * 1024));
+  const step_plan plan = build_step_plan(step, 3);
+  EXPECT_EQ(plan.planned_count, 3u);
+  for (std::uint32_t i = 0; i < 10; ++i) EXPECT_EQ(plan.planned(i), i >= 7) << i;
+  EXPECT_EQ(check_step_plan(plan), "");
+}
+
+TEST(StepPlan, RandomStepsNeverOverlapLiveAllocationsAndStayNearTheBound) {
+  std::mt19937_64 rng(7);
+  double worst = 1.0;
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<step_event> step;
+    std::vector<std::pair<std::uint32_t, std::size_t>> live;
+    std::uint32_t next = 0;
+    const int events = 20 + static_cast<int>(rng() % 400);
+    for (int i = 0; i < events; ++i) {
+      if (live.empty() || rng() % 3 != 0) {
+        const std::size_t bytes = rng() % 2 == 0 ? 1 + rng() % 65536 : 1 + rng() % (8 << 20);
+        step.push_back(alloc(next, bytes));
+        live.emplace_back(next++, bytes);
+      } else {
+        const std::size_t k = rng() % live.size();
+        step.push_back(free_of(live[k].first, live[k].second));
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+      }
+    }
+    const step_plan plan = build_step_plan(step, 1 << 20);
+    ASSERT_EQ(check_step_plan(plan), "") << "trial " << trial;
+    ASSERT_GE(plan.region_bytes, plan.lower_bound);
+    if (plan.lower_bound > 0)
+      worst = std::max(worst, static_cast<double>(plan.region_bytes) /
+                                  static_cast<double>(plan.lower_bound));
+  }
+  // Random lifetimes are far harder than a training step's nested ones; the greedy layout
+  // still stays within a small factor of the bound (a failure here is a placement bug).
+  EXPECT_LT(worst, 1.6);
+}
+
+TEST(StepPlan, CheckFindsOverlappingLiveAllocations) {
+  const std::vector<step_event> step = {alloc(0, 1024), alloc(1, 1024), free_of(0, 1024),
+                                        free_of(1, 1024)};
+  step_plan plan = build_step_plan(step, 100);
+  ASSERT_EQ(check_step_plan(plan), "");
+  plan.offset[1] = plan.offset[0];
+  EXPECT_NE(check_step_plan(plan).find("overlap"), std::string::npos);
+  plan.offset[1] = plan.region_bytes;
+  EXPECT_NE(check_step_plan(plan).find("outside"), std::string::npos);
+}
+
+// --- step_planner on a pool ---
+
+class StepPlanner : public gpumem_test::sim_pool_test {
+ protected:
+  // One step of a loop: activations made and freed in a nested order, a big "logits"
+  // tensor, small scratch, and one tensor that lives into the next step (the loss).
+  struct loop {
+    std::vector<std::pair<void*, std::size_t>> carried;  // freed by the next step
+  };
+  void run_step(memory_resource& r, loop& l, stream_handle s, std::size_t variant = 0) {
+    std::vector<std::pair<void*, std::size_t>> acts;
+    for (std::size_t i = 0; i < 6; ++i) {
+      const std::size_t n = (3 + i) * MiB + 4096 * i + variant;
+      void* p = r.allocate(n, 256, s);
+      fill(p, n, static_cast<unsigned char>(i + 1));
+      acts.emplace_back(p, n);
+    }
+    for (auto [p, n] : l.carried) r.deallocate(p, n, s);
+    l.carried.clear();
+    void* logits = r.allocate(40 * MiB, 256, s);
+    fill(logits, 40 * MiB, 0xAA);
+    void* scratch = r.allocate(12345, 256, s);
+    fill(scratch, 12345, 0xBB);
+    for (std::size_t i = 0; i < acts.size(); ++i)
+      ASSERT_TRUE(holds(acts[i].first, acts[i].second, static_cast<unsigned char>(i + 1)));
+    ASSERT_TRUE(holds(logits, 40 * MiB, 0xAA));
+    r.deallocate(scratch, 12345, s);
+    r.deallocate(logits, 40 * MiB, s);
+    while (!acts.empty()) {
+      r.deallocate(acts.back().first, acts.back().second, s);
+      acts.pop_back();
+    }
+    void* loss = r.allocate(512, 256, s);
+    l.carried.emplace_back(loss, 512);
+  }
+  void finish(memory_resource& r, loop& l, stream_handle s) {
+    for (auto [p, n] : l.carried) r.deallocate(p, n, s);
+    l.carried.clear();
+  }
+};
+
+TEST_F(StepPlanner, BeforeTheFirstMarkEverythingGoesToThePool) {
+  vmm_page_pool pool(sim, 0);
+  step_planner planner(pool);
+  loop l;
+  for (int i = 0; i < 3; ++i) run_step(planner, l, {});
+  finish(planner, l, {});
+  EXPECT_EQ(planner.counts().plans_built, 0u);
+  EXPECT_EQ(planner.counts().planned_allocations, 0u);
+  EXPECT_EQ(planner.stats().live_bytes, 0u);
+  EXPECT_EQ(planner.validate(), "");
+}
+
+TEST_F(StepPlanner, TwoEqualStepsMakeAPlanThatServesLaterStepsWithoutTheDriver) {
+  vmm_page_pool pool(sim, 0);
+  step_planner planner(pool);
+  loop l;
+  planner.mark_step();  // recording starts
+  run_step(planner, l, {});
+  planner.mark_step();
+  run_step(planner, l, {});
+  planner.mark_step();  // the two steps agree: planned from here
+  auto c = planner.counts();
+  EXPECT_EQ(c.plans_built, 1u);
+  EXPECT_EQ(c.planned_count, 8u);  // 6 activations, logits, scratch; not the loss
+  EXPECT_EQ(c.region_bytes, c.plan_lower_bound);
+  const auto maps_before = calls(platform_op::map);
+  const auto creates_before = calls(platform_op::create_physical);
+  for (int i = 0; i < 5; ++i) {
+    run_step(planner, l, {});
+    planner.mark_step();
+    ASSERT_EQ(planner.validate(), "");
+  }
+  c = planner.counts();
+  EXPECT_EQ(c.planned_steps, 5u + 1u);  // the one begun at the last mark too
+  EXPECT_EQ(c.steps_left_plan, 0u);
+  EXPECT_EQ(c.planned_allocations, 5u * 8u);
+  EXPECT_EQ(calls(platform_op::map), maps_before);
+  EXPECT_EQ(calls(platform_op::create_physical), creates_before);
+  finish(planner, l, {});
+  EXPECT_EQ(planner.stats().live_bytes, 0u);
+  EXPECT_EQ(planner.stats().live_allocations, 0u);
+}
+
+TEST_F(StepPlanner, PeakLiveCountsPlannedAllocationsNotTheRegion) {
+  vmm_page_pool pool(sim, 0);
+  step_planner planner(pool);
+  loop l;
+  run_step(planner, l, {});
+  const std::size_t peak_one_step = planner.stats().peak_live_bytes;
+  for (int i = 0; i < 6; ++i) {
+    planner.mark_step();
+    run_step(planner, l, {});
+  }
+  ASSERT_GE(planner.counts().planned_allocations, 8u);
+  // The same requests every step: the same peak (plus the carried loss of the step before).
+  EXPECT_LE(planner.stats().peak_live_bytes, peak_one_step + 512);
+  EXPECT_GE(planner.stats().peak_live_bytes, peak_one_step);
+  EXPECT_EQ(planner.stats().reserved_bytes, pool.stats().reserved_bytes);
+  finish(planner, l, {});
+}
+
+TEST_F(StepPlanner, ADifferentRequestTakesTheRestOfTheStepToThePoolAndTheNextStepIsPlannedAgain) {
+  vmm_page_pool pool(sim, 0);
+  step_planner planner(pool);
+  loop l;
+  for (int i = 0; i < 3; ++i) {
+    planner.mark_step();
+    run_step(planner, l, {});
+  }
+  planner.mark_step();
+  ASSERT_EQ(planner.counts().plans_built, 1u);
+  const auto served = planner.counts().planned_allocations;
+  run_step(planner, l, {}, /*variant=*/512);  // every activation 512 bytes larger
+  EXPECT_EQ(planner.counts().steps_left_plan, 1u);
+  EXPECT_EQ(planner.counts().planned_allocations, served);  // nothing from the region
+  EXPECT_EQ(planner.validate(), "");
+  planner.mark_step();
+  run_step(planner, l, {});  // as planned again
+  EXPECT_EQ(planner.counts().planned_allocations, served + 8u);
+  EXPECT_EQ(planner.counts().plans_built, 1u);
+  planner.mark_step();
+  finish(planner, l, {});
+  EXPECT_EQ(planner.validate(), "");
+}
+
+TEST_F(StepPlanner, AFreeOutOfOrderLeavesThePlanAndNothingOverlaps) {
+  vmm_page_pool pool(sim, 0);
+  step_planner planner(pool);
+  const stream_handle s{};
+  auto step = [&](bool swap) {
+    void* a = planner.allocate(4 * MiB, 256, s);
+    void* b = planner.allocate(2 * MiB, 256, s);
+    fill(b, 2 * MiB, 0x22);
+    if (swap) {
+      planner.deallocate(b, 2 * MiB, s);
+      b = nullptr;
+    }
+    planner.deallocate(a, 4 * MiB, s);
+    void* c = planner.allocate(6 * MiB, 256, s);  // the plan had b freed here, not a
+    fill(c, 6 * MiB, 0x33);
+    if (b != nullptr) {
+      EXPECT_TRUE(holds(b, 2 * MiB, 0x22));
+      planner.deallocate(b, 2 * MiB, s);
+    }
+    planner.deallocate(c, 6 * MiB, s);
+  };
+  for (int i = 0; i < 3; ++i) {
+    planner.mark_step();
+    step(false);
+  }
+  planner.mark_step();
+  ASSERT_EQ(planner.counts().plans_built, 1u);
+  step(true);
+  EXPECT_EQ(planner.counts().steps_left_plan, 1u);
+  EXPECT_EQ(planner.validate(), "");
+}
+
+TEST_F(StepPlanner, APlannedAllocationLivingPastTheMarkKeepsTheNextStepOffThePlan) {
+  vmm_page_pool pool(sim, 0);
+  step_planner planner(pool);
+  const stream_handle s{};
+  std::vector<void*> kept;
+  auto step = [&](bool keep) {
+    void* a = planner.allocate(8 * MiB, 256, s);
+    fill(a, 8 * MiB, 0x44);
+    if (keep)
+      kept.push_back(a);
+    else
+      planner.deallocate(a, 8 * MiB, s);
+  };
+  for (int i = 0; i < 3; ++i) {
+    planner.mark_step();
+    step(false);
+  }
+  planner.mark_step();
+  step(true);  // served from the region, and not freed
+  planner.mark_step();
+  const auto served = planner.counts().planned_allocations;
+  step(false);  // must not get the kept one's address
+  EXPECT_EQ(planner.counts().planned_allocations, served);
+  EXPECT_TRUE(holds(kept[0], 8 * MiB, 0x44));
+  planner.deallocate(kept[0], 8 * MiB, s);
+  planner.mark_step();
+  step(false);  // the region is idle again: planned
+  EXPECT_EQ(planner.counts().planned_allocations, served + 1);
+  EXPECT_EQ(planner.validate(), "");
+}
+
+TEST_F(StepPlanner, ALoopThatChangesIsPlannedAgain) {
+  vmm_page_pool pool(sim, 0);
+  step_planner planner(pool);
+  loop l;
+  for (int i = 0; i < 3; ++i) {
+    planner.mark_step();
+    run_step(planner, l, {});
+  }
+  planner.mark_step();
+  ASSERT_EQ(planner.counts().plans_built, 1u);
+  for (int i = 0; i < 3; ++i) {
+    run_step(planner, l, {}, 1024);  // a new shape, from now on
+    planner.mark_step();
+  }
+  EXPECT_EQ(planner.counts().plans_built, 2u);
+  const auto served = planner.counts().planned_allocations;
+  run_step(planner, l, {}, 1024);
+  EXPECT_EQ(planner.counts().planned_allocations, served + 8u);
+  planner.mark_step();
+  finish(planner, l, {});
+  EXPECT_EQ(planner.validate(), "");
+}
+
+TEST_F(StepPlanner, BadFreesAreRefusedAndChangeNothing) {
+  vmm_page_pool pool(sim, 0);
+  step_planner planner(pool);
+  const stream_handle s{};
+  auto step = [&]() {
+    void* a = planner.allocate(MiB, 256, s);
+    planner.deallocate(a, MiB, s);
+  };
+  for (int i = 0; i < 3; ++i) {
+    planner.mark_step();
+    step();
+  }
+  planner.mark_step();
+  void* a = planner.allocate(MiB, 256, s);
+  ASSERT_EQ(planner.counts().planned_live_bytes, MiB);
+  EXPECT_THROW(planner.deallocate(a, MiB + 1, s), invalid_argument);
+  EXPECT_THROW(planner.deallocate(static_cast<char*>(a) + 512, MiB, s), invalid_argument);
+  EXPECT_EQ(planner.counts().planned_live_bytes, MiB);
+  planner.deallocate(a, MiB, s);
+  EXPECT_THROW(planner.deallocate(a, MiB, s), invalid_argument);  // twice
+  EXPECT_EQ(planner.counts().planned_live_bytes, 0u);
+  EXPECT_EQ(planner.counts().steps_left_plan, 0u);
+  EXPECT_EQ(planner.validate(), "");
+}
+
+TEST_F(StepPlanner, APlannedFreeOnAnotherStreamMakesThePlanStreamWait) {
+  vmm_page_pool pool(sim, 0);
+  step_planner planner(pool);
+  const stream_handle s = make_stream(), t = make_stream();
+  for (int i = 0; i < 3; ++i) {
+    planner.mark_step();
+    void* a = planner.allocate(MiB, 256, s);
+    planner.deallocate(a, MiB, s);
+  }
+  planner.mark_step();
+  void* a = planner.allocate(MiB, 256, s);
+  ASSERT_EQ(planner.counts().planned_live_bytes, MiB);
+  const auto waits = calls(platform_op::stream_wait_event);
+  planner.deallocate(a, MiB, t);
+  EXPECT_EQ(calls(platform_op::stream_wait_event), waits + 1);
+  EXPECT_EQ(planner.counts().steps_left_plan, 1u);  // not the recorded free
+  planner.release_stream(s);
+  planner.release_stream(t);
+  EXPECT_EQ(planner.counts().region_bytes, 0u);  // the region went back with its stream
+  EXPECT_EQ(planner.validate(), "");
+}
+
+TEST_F(StepPlanner, NoRoomForTheRegionLeavesTheLoopOnThePoolAndIsTriedAgainLater) {
+  pool_options o;
+  o.limit_bytes = 64 * MiB;
+  vmm_page_pool pool(sim, 0, o);
+  step_planner planner(pool);
+  const stream_handle s{};
+  void* held = planner.allocate(44 * MiB, 256, s);  // made before the marks: the pool's
+  auto step = [&]() {
+    void* a = planner.allocate(10 * MiB, 256, s);
+    void* b = planner.allocate(10 * MiB, 256, s);
+    fill(a, 10 * MiB, 1);
+    planner.deallocate(a, 10 * MiB, s);
+    planner.deallocate(b, 10 * MiB, s);
+  };
+  planner.mark_step();
+  step();
+  planner.mark_step();
+  step();
+  // Someone else takes the memory the step freed: at the mark the region (20 MiB) cannot
+  // be had within the limit.
+  void* blocker = pool.allocate(20 * MiB, 256, s);
+  planner.mark_step();
+  EXPECT_EQ(planner.counts().plans_built, 0u);
+  EXPECT_EQ(planner.counts().region_failures, 1u);
+  pool.deallocate(blocker, 20 * MiB, s);
+  step();  // on the pool, as without a plan
+  EXPECT_EQ(planner.counts().planned_allocations, 0u);
+  planner.mark_step();  // too soon to try again (backing off)
+  EXPECT_EQ(planner.counts().plans_built, 0u);
+  step();
+  planner.mark_step();  // tried again: the memory is back
+  EXPECT_EQ(planner.counts().plans_built, 1u);
+  step();
+  EXPECT_EQ(planner.counts().planned_allocations, 2u);
+  planner.deallocate(held, 44 * MiB, s);
+  EXPECT_EQ(planner.validate(), "");
+}
+
+TEST_F(StepPlanner, SegmentsShowPlannedAllocationsInsideTheRegion) {
+  vmm_page_pool pool(sim, 0);
+  step_planner planner(pool);
+  loop l;
+  for (int i = 0; i < 3; ++i) {
+    planner.mark_step();
+    run_step(planner, l, {});
+  }
+  planner.mark_step();
+  void* a = planner.allocate(3 * MiB, 256, {});  // the first planned allocation
+  ASSERT_EQ(planner.counts().planned_live_bytes, 3 * MiB);
+  bool found = false;
+  for (const memory_segment& seg : planner.memory_segments()) {
+    std::size_t sum = 0;
+    for (const memory_block& b : seg.blocks) {
+      sum += b.size;
+      if (b.address == reinterpret_cast<std::uintptr_t>(a)) {
+        found = true;
+        EXPECT_EQ(b.requested, 3 * MiB);
+        EXPECT_EQ(b.st, memory_block::state::allocated);
+      }
+    }
+    EXPECT_EQ(sum, seg.size);  // the blocks still tile the segment
+  }
+  EXPECT_TRUE(found);
+  planner.deallocate(a, 3 * MiB, {});
+  finish(planner, l, {});
+}
+
+}  // namespace
