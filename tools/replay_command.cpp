@@ -17,6 +17,7 @@
 #include "gpumem/replay/plot.hpp"
 #include "gpumem/replay/trace.hpp"
 #include "gpumem/telemetry/event_recorder.hpp"
+#include "gpumem/pool/step_planner.hpp"
 #include "gpumem/telemetry/snapshot.hpp"
 #include "json_writer.hpp"
 
@@ -27,8 +28,17 @@ namespace {
 // An allocator under test with what it stands on; destroyed before its platform.
 struct allocator_under_test {
   std::unique_ptr<memory_resource> upstream;
-  std::unique_ptr<memory_resource> resource;
+  std::unique_ptr<memory_resource> pool;      // under a step planner (--step-plan)
+  std::unique_ptr<memory_resource> resource;  // destroyed first (declared last)
 };
+
+// Puts a step planner in front of a pool (other resources are left as they are).
+void plan_steps(allocator_under_test& a) {
+  auto* pool = dynamic_cast<pool_base*>(a.resource.get());
+  if (pool == nullptr) return;
+  a.pool = std::move(a.resource);
+  a.resource = std::make_unique<step_planner>(*pool);
+}
 
 const std::vector<std::string> allocator_names = {"runtime", "driver", "vmm", "caching_pool",
                                                   "vmm_page_pool"};
@@ -151,6 +161,9 @@ int run_replay(int argc, char** argv) {
               "trace up to then; of --allocator's pool (vmm_page_pool with all)")
       .option("snapshot-events", "N", "trace events kept in the snapshot, the most recent",
               "100000")
+      .flag("step-plan", "put a step planner in front of each pool and mark the steps of the "
+                         "loop the trace ends with (its period; see find_steps), as a loop "
+                         "calling gpumem.torch.mark_step() would")
       .flag("json", "machine-readable output")
       .epilog("On sim, driver time is modelled from H200 measurements (BASELINES.md).");
   const parsed_args args = parser.parse(argc, argv);
@@ -197,6 +210,14 @@ int run_replay(int argc, char** argv) {
       args.has("snapshot") ? static_cast<std::size_t>(*args.integer("snapshot-events", 1, 100000000))
                            : 0;
 
+  std::vector<std::size_t> step_starts;
+  if (args.has("step-plan")) {
+    step_starts = find_steps(t);
+    if (!args.has("json"))
+      std::fprintf(stderr, "%s: %zu repeating steps found%s\n", path.c_str(), step_starts.size(),
+                   step_starts.empty() ? " (the trace does not end in a loop of equal steps)" : "");
+  }
+
   std::vector<replay_result> results;
   for (const std::string& name : names) {
     // Each allocator gets a fresh sim device so counts and capacity are its own.
@@ -215,7 +236,12 @@ int run_replay(int argc, char** argv) {
                    on_sim ? "sim" : "cuda");
     }
     allocator_under_test a = make_allocator(name, p, 0, options);
-    results.push_back(replay_trace(t, *a.resource, replay_options{passes, false, gpu_lag}));
+    if (args.has("step-plan")) plan_steps(a);
+    replay_options ro;
+    ro.passes = passes;
+    ro.gpu_lag = gpu_lag;
+    ro.step_starts = step_starts;
+    results.push_back(replay_trace(t, *a.resource, ro));
   }
 
   if (args.has("plot")) {
@@ -307,6 +333,11 @@ int run_replay(int argc, char** argv) {
       for (auto& [call, ns] : r.driver_call_ns) w.member(call, ns / 1e6);
       w.end_object();
       w.member(on_sim ? "modelled_driver_ms" : "driver_ms", r.driver_ns / 1e6);
+      if (args.has("step-plan")) {
+        w.member("steps_marked", r.steps_marked);
+        w.member("plans_built", r.plans_built);
+        w.member("planned_allocations", r.planned_allocations);
+      }
       w.member("oom", r.oom);
       if (r.oom) {
         w.member("oom_event", r.oom_event);
@@ -340,6 +371,11 @@ int run_replay(int argc, char** argv) {
                 describe_calls(r).c_str());
     if (passes > 1 && !r.oom)
       std::printf("%-14s %s\n", "  last pass:", describe_calls(r, true).c_str());
+    if (r.steps_marked > 0)
+      std::printf("%-14s %llu steps marked, %llu plan(s) built, %llu allocations served from "
+                  "a plan\n", "  step plan:", static_cast<unsigned long long>(r.steps_marked),
+                  static_cast<unsigned long long>(r.plans_built),
+                  static_cast<unsigned long long>(r.planned_allocations));
     if (r.oom) {
       std::printf("  %s: OUT OF MEMORY at event %llu:\n%s\n", r.allocator.c_str(),
                   static_cast<unsigned long long>(r.oom_event), r.oom_message.c_str());

@@ -114,8 +114,7 @@ void* step_planner::do_allocate(std::size_t bytes, std::size_t alignment, stream
     if (s.cursor < s.plan->sequence.size() && s.plan->sequence[s.cursor] == e) {
       planned = s.plan->planned(e.id);
     } else {
-      s.on_plan = false;  // the rest of this step goes to the pool
-      ++s.counts.steps_left_plan;
+      leave_plan(s);  // the rest of this step goes to the pool
     }
   }
   const std::uintptr_t addr =
@@ -189,8 +188,7 @@ void step_planner::do_deallocate(void* ptr, std::size_t bytes, stream_handle str
       if (s.cursor < s.plan->sequence.size() && s.plan->sequence[s.cursor] == e) {
         ++s.cursor;
       } else {
-        s.on_plan = false;
-        ++s.counts.steps_left_plan;
+        leave_plan(s);
       }
     }
   }
@@ -198,9 +196,17 @@ void step_planner::do_deallocate(void* ptr, std::size_t bytes, stream_handle str
     --s.region_live;
     s.region_live_blocks -= step_plan::block_bytes(bytes);
     s.counts.planned_live_bytes -= bytes;
-    if (s.region_live == 0 && !s.plan) give_region_back(s);
+    if (s.region_live == 0 && !s.on_plan) give_region_back(s);  // idle until a step follows it
   }
   count_free(bytes);
+}
+
+void step_planner::leave_plan(state& s) {
+  s.on_plan = false;
+  ++s.counts.steps_left_plan;
+  // An idle region would be memory the pool cannot use for the rest of the step (a loop's
+  // evaluation phase, say): it goes back, and is taken again when a step follows the plan.
+  if (s.region_live == 0) give_region_back(s);
 }
 
 void step_planner::give_region_back(state& s) {
@@ -235,35 +241,41 @@ void step_planner::mark_step() {
     s.plan_source.clear();
     if (s.region_live == 0) give_region_back(s);
   }
-  if (!s.plan && repeated && s.region == 0 && s.step >= s.retry_at_step) build_plan(s);
-
-  s.on_plan = s.plan.has_value() && s.region_live == 0;
-  if (s.on_plan) ++s.counts.planned_steps;
+  if (!s.plan && repeated && s.region == 0 && s.step >= s.retry_at_step) {
+    step_plan plan = detail::build_step_plan(s.previous, max_planned_);
+    if (plan.planned_count > 0) {
+      s.counts.plan_lower_bound = plan.lower_bound;
+      s.counts.planned_count = plan.planned_count;
+      ++s.counts.plans_built;
+      s.plan_source = s.previous;
+      s.plan = std::move(plan);
+    }
+  }
+  // A step begins on the plan when no planned allocation is live and the region is held.
+  if (s.plan && s.region_live == 0 && (s.region != 0 || take_region(s))) {
+    s.on_plan = true;
+    ++s.counts.planned_steps;
+  }
 }
 
-void step_planner::build_plan(state& s) {
-  step_plan plan = detail::build_step_plan(s.previous, max_planned_);
-  if (plan.planned_count == 0) return;
+bool step_planner::take_region(state& s) {
+  if (s.step < s.retry_at_step) return false;
   void* region = nullptr;
   try {
-    region = pool_.allocate(plan.region_bytes, step_plan::unit, stream_handle{plan.stream});
+    region = pool_.allocate(s.plan->region_bytes, step_plan::unit, stream_handle{s.plan->stream});
   } catch (const out_of_memory&) {
     // Not now: the loop runs on the pool as before; try again after 2, 4, ... steps.
     ++s.counts.region_failures;
     s.refusals_in_a_row = std::min(s.refusals_in_a_row + 1, 16u);
     s.retry_at_step = s.step + (std::uint64_t{1} << s.refusals_in_a_row);
-    return;
+    return false;
   }
   s.refusals_in_a_row = 0;
   s.region = reinterpret_cast<std::uintptr_t>(region);
-  s.region_bytes = plan.region_bytes;
-  s.region_stream = plan.stream;
-  s.counts.region_bytes = plan.region_bytes;
-  s.counts.plan_lower_bound = plan.lower_bound;
-  s.counts.planned_count = plan.planned_count;
-  ++s.counts.plans_built;
-  s.plan_source = s.previous;
-  s.plan = std::move(plan);
+  s.region_bytes = s.plan->region_bytes;
+  s.region_stream = s.plan->stream;
+  s.counts.region_bytes = s.region_bytes;
+  return true;
 }
 
 step_planner_counts step_planner::counts() const {
@@ -306,7 +318,8 @@ std::string step_planner::validate() const {
     return "step_plan: on a plan without a plan, a region or a valid position";
   if (s.plan) {
     if (std::string v = detail::check_step_plan(*s.plan); !v.empty()) return "step_plan: " + v;
-    if (s.plan->region_bytes != s.region_bytes) return "step_plan: the region is not the plan's size";
+    if (s.region != 0 && s.plan->region_bytes != s.region_bytes)
+      return "step_plan: the region is not the plan's size";
   }
   return {};
 }

@@ -12,6 +12,7 @@
 #include "gpumem/platform/sim_platform.hpp"
 #include "gpumem/platform/timed_platform.hpp"
 #include "gpumem/platform/status_error.hpp"
+#include "gpumem/pool/step_planner.hpp"
 
 #if GPUMEM_HAVE_ZLIB
 #include <zlib.h>
@@ -158,6 +159,46 @@ trace parse_trace(const std::string& text, const std::string& source) {
 
 trace load_trace(const std::string& path) { return parse_trace(read_all(path), path); }
 
+std::vector<std::size_t> find_steps(const trace& t, std::size_t min_repeats) {
+  // The allocations, as (size, stream), with their event indices.
+  std::vector<std::pair<std::uint64_t, std::uint32_t>> req;
+  std::vector<std::size_t> at;
+  for (std::size_t i = 0; i < t.events.size(); ++i)
+    if (t.events[i].op == trace_event::kind::alloc) {
+      req.emplace_back(t.events[i].size, t.events[i].stream);
+      at.push_back(i);
+    }
+  const std::size_t n = req.size();
+  std::size_t period = 0;
+  for (std::size_t p = 1; p <= n / 2 && period == 0; ++p)
+    if (std::equal(req.end() - static_cast<std::ptrdiff_t>(p), req.end(),
+                   req.end() - static_cast<std::ptrdiff_t>(2 * p)))
+      period = p;
+  if (period == 0) return {};
+  std::size_t first = n - 2 * period;  // the repeat holds for allocations [first, n)
+  while (first > 0 && req[first - 1] == req[first - 1 + period]) --first;
+  if ((n - first) / period < min_repeats) return {};
+
+  // Live bytes after each event of the last full period; the step begins at the first
+  // allocation after the least.
+  std::size_t live = 0, least = static_cast<std::size_t>(-1), least_at = 0;
+  const std::size_t from = at[n - 2 * period], to = at[n - period];
+  for (std::size_t i = 0; i < to; ++i) {
+    const trace_event& e = t.events[i];
+    live = e.op == trace_event::kind::alloc ? live + e.size : live - e.size;
+    if (i >= from && live < least) {
+      least = live;
+      least_at = i;
+    }
+  }
+  const auto next_alloc = std::upper_bound(at.begin(), at.end(), least_at);
+  const std::size_t phase = static_cast<std::size_t>(next_alloc - at.begin()) % period;
+  std::vector<std::size_t> starts;
+  for (std::size_t k = phase; k < n; k += period)
+    if (k >= first) starts.push_back(at[k]);
+  return starts;
+}
+
 replay_result replay_trace(const trace& t, memory_resource& resource, const replay_options& options) {
   replay_result r;
   r.allocator = std::string(resource.name());
@@ -215,6 +256,7 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
       sim->hold_events(false);
     }
   } lag{options.gpu_lag > 0 ? sim : nullptr};
+  auto* planner = dynamic_cast<step_planner*>(&resource);
   std::vector<void*> ptrs(t.allocs, nullptr);
   const std::size_t sample_every = std::max<std::size_t>(1, t.events.size() / 2000);
   std::size_t live = 0;
@@ -224,7 +266,13 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
       calls_at_pass[i] = p.calls_made(static_cast<platform_op>(i));
     const auto start = std::chrono::steady_clock::now();
     std::uint64_t index = 0;
+    auto next_step = options.step_starts.begin();
     for (const trace_event& e : t.events) {
+      if (planner != nullptr && next_step != options.step_starts.end() && *next_step == index) {
+        planner->mark_step();
+        ++next_step;
+        ++r.steps_marked;
+      }
       if (e.op == trace_event::kind::alloc) {
         try {
           void* ptr = resource.allocate(e.size, default_alignment, streams[e.stream]);
@@ -264,6 +312,10 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
         live -= e.size;
       }
     }
+  }
+  if (planner != nullptr) {
+    r.plans_built = planner->counts().plans_built;
+    r.planned_allocations = planner->counts().planned_allocations;
   }
   const resource_stats s = resource.stats();
   r.peak_reserved_bytes = s.peak_reserved_bytes;

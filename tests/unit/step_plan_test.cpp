@@ -407,16 +407,19 @@ TEST_F(StepPlanner, NoRoomForTheRegionLeavesTheLoopOnThePoolAndIsTriedAgainLater
   // be had within the limit.
   void* blocker = pool.allocate(20 * MiB, 256, s);
   planner.mark_step();
-  EXPECT_EQ(planner.counts().plans_built, 0u);
+  EXPECT_EQ(planner.counts().plans_built, 1u);
   EXPECT_EQ(planner.counts().region_failures, 1u);
+  EXPECT_EQ(planner.counts().region_bytes, 0u);
+  EXPECT_EQ(planner.counts().planned_steps, 0u);
   pool.deallocate(blocker, 20 * MiB, s);
   step();  // on the pool, as without a plan
   EXPECT_EQ(planner.counts().planned_allocations, 0u);
-  planner.mark_step();  // too soon to try again (backing off)
-  EXPECT_EQ(planner.counts().plans_built, 0u);
+  planner.mark_step();  // too soon to ask again (backing off)
+  EXPECT_EQ(planner.counts().planned_steps, 0u);
   step();
-  planner.mark_step();  // tried again: the memory is back
-  EXPECT_EQ(planner.counts().plans_built, 1u);
+  planner.mark_step();  // asked again: the memory is back
+  EXPECT_EQ(planner.counts().planned_steps, 1u);
+  EXPECT_EQ(planner.counts().region_bytes, 20 * MiB);
   step();
   EXPECT_EQ(planner.counts().planned_allocations, 2u);
   planner.deallocate(held, 44 * MiB, s);

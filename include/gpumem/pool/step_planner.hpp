@@ -7,7 +7,10 @@
 // frees), it plans the step (src/pool/step_plan.hpp): every allocation born and freed
 // within the step, on its main stream, gets an offset in one region, laid out so that
 // allocations live at the same time never overlap. The region is one allocation from the
-// pool, made at the mark. The following steps are served from it by position: the n-th
+// pool, taken at a mark; a step that leaves the plan gives it back as soon as nothing
+// planned is live in it (so another phase of the loop, an evaluation say, runs on the
+// pool's memory, not beside an idle region), and the next mark takes it again (out of
+// memory then: that step runs on the pool, and the region is asked for again later). The following steps are served from it by position: the n-th
 // request of a step, if it is the one recorded, gets its planned address with no search
 // and no driver call, and the memory a step needs is the plan's peak, not what a pool's
 // placement left free and scattered (the pool's remapping of scattered pages at a step's
@@ -50,7 +53,7 @@ struct step_planner_counts {
   std::uint64_t planned_steps = 0;        // steps begun on a plan
   std::uint64_t steps_left_plan = 0;      // of those, steps that left it (a difference)
   std::uint64_t planned_allocations = 0;  // served from a region
-  std::uint64_t region_failures = 0;      // plans dropped: the pool could not give the region
+  std::uint64_t region_failures = 0;      // marks where the pool could not give the region
   std::size_t region_bytes = 0;           // the region held now (0: none)
   std::size_t plan_lower_bound = 0;       // peak planned bytes live at once, of that plan
   std::size_t planned_count = 0;          // allocations per step the plan serves
@@ -93,8 +96,9 @@ class step_planner final : public memory_resource {
   struct state;  // recordings, the plan, the region, live allocations (step_planner.cpp)
 
   // REQUIRES: mutex_ held.
-  void build_plan(state& s);         // from s.previous; the region from the pool
+  bool take_region(state& s);        // from the pool, for s.plan; false: not now
   void give_region_back(state& s);   // REQUIRES: no planned allocation live
+  void leave_plan(state& s);         // the rest of this step goes to the pool
   void count_alloc(std::size_t bytes) noexcept;
   void count_free(std::size_t bytes) noexcept;
 

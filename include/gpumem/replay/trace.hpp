@@ -56,6 +56,9 @@ struct replay_options {
   // when a GPU runs behind the CPU that queues its work (frees are then not known complete
   // at once: a pool reuses them in stream order or waits). 0: at once, the sim default.
   std::size_t gpu_lag = 0;
+  // Event indices (ascending) before which a step begins, as find_steps() gives: when the
+  // resource is a step_planner, mark_step() is called there, in every pass.
+  std::vector<std::size_t> step_starts;
 };
 
 struct replay_result {
@@ -77,10 +80,23 @@ struct replay_result {
   bool oom = false;
   std::uint64_t oom_event = 0;         // event index where it happened
   std::string oom_message;
+  // With a step_planner: steps marked (all passes), plans built, allocations it served.
+  std::uint64_t steps_marked = 0;
+  std::uint64_t plans_built = 0;
+  std::uint64_t planned_allocations = 0;
   // Live and reserved bytes sampled over the (first) pass, for plots.
   std::vector<std::pair<std::uint64_t, std::size_t>> live_samples;
   std::vector<std::pair<std::uint64_t, std::size_t>> reserved_samples;
 };
+
+// Where the steps of a loop begin in `t`, as event indices, for a trace that ends by
+// repeating the same requests: the shortest period P (in allocations: sizes and streams)
+// with which the trace's last two periods agree, extended back as far as the repeat
+// holds, if it holds at least `min_repeats` times. Each step begins at the first request
+// after the point of the period where the trace has the fewest live bytes (so little
+// lives across a boundary), as a loop calling mark_step() at its top would. Empty when the
+// trace does not end in such a repeat (steps of varying shapes, say).
+std::vector<std::size_t> find_steps(const trace& t, std::size_t min_repeats = 3);
 
 // Replays `t` on `resource`. Streams other than the trace's first map to streams created
 // on the resource's platform. Stops at the first out_of_memory (reported, not thrown).
