@@ -135,6 +135,12 @@ def worker(args):
 
         return gpumem.torch.counters(0)
 
+    mark_step = None
+    if mode == "gpumem" and args.mark_steps:
+        import gpumem.torch
+
+        mark_step = gpumem.torch.mark_step
+    info["mark_steps"] = mark_step is not None
     start_counters = {}
     from transformers import LlamaForCausalLM
 
@@ -158,6 +164,8 @@ def worker(args):
                 start_counters = counters()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
+            if mark_step is not None:
+                mark_step()  # timed with the step: its cost is the step's
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
@@ -236,6 +244,9 @@ def main():
     p.add_argument("--gen-reps", type=int, default=1)
     p.add_argument("--timeout", type=int, default=150, help="seconds per subprocess")
     p.add_argument("--gpumem-conf", default=None, help="GPUMEM_CONF for the gpumem mode")
+    p.add_argument("--mark-steps", action="store_true",
+                   help="gpumem mode: call gpumem.torch.mark_step() at the top of each training "
+                        "step (steps alike are then served from a step plan)")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
@@ -257,6 +268,8 @@ def main():
         worker_args += ["--" + key.replace("_", "-"), str(getattr(args, key))]
     if args.gpumem_conf:
         worker_args += ["--gpumem-conf", args.gpumem_conf]
+    if args.mark_steps:
+        worker_args += ["--mark-steps"]
     for phase in args.phases.split(","):
         for mode in args.modes.split(","):
             env = dict(os.environ)

@@ -100,7 +100,8 @@ class Stats(ctypes.Structure):
 COUNTERS = ("cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
             "cudaMalloc", "cudaFree", "cudaEventRecord", "cudaEventQuery",
             "cudaStreamSynchronize", "pages_mapped", "pages_spare", "pages_created",
-            "pages_reclaimed", "pages_released")
+            "pages_reclaimed", "pages_released", "plan_marks", "plans_built", "planned_steps",
+            "steps_left_plan", "planned_allocations", "plan_region_bytes", "plan_lower_bound")
 
 _lock = threading.Lock()
 _lib = None
@@ -148,6 +149,7 @@ def _declare(lib):
         "gpumem_pool_stats": (c.c_int, [pool_p, c.POINTER(Stats)]),
         "gpumem_pool_counter": (c.c_int, [pool_p, c.c_char_p, c.POINTER(c.c_uint64)]),
         "gpumem_pool_trim": (c.c_int, [pool_p, c.POINTER(c.c_uint64)]),
+        "gpumem_pool_mark_step": (c.c_int, [pool_p]),
         "gpumem_pool_allocator": (c.c_char_p, [pool_p]),
         "gpumem_pool_platform": (c.c_char_p, [pool_p]),
         "gpumem_pool_device": (c.c_int, [pool_p]),
@@ -164,6 +166,7 @@ def _declare(lib):
         "gpumem_torch_empty_cache": (c.c_ulonglong, []),
         "gpumem_torch_failures": (c.c_ulonglong, []),
         "gpumem_torch_record_stream_on": (c.c_int, [c.c_int, c.c_void_p, c.c_void_p]),
+        "gpumem_torch_mark_step": (c.c_int, []),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)
@@ -305,6 +308,11 @@ class Pool:
             except InvalidArgumentError:
                 pass  # a counter this allocator does not have
         return result
+
+    def mark_step(self):
+        """A step boundary of a loop that repeats its requests: after two equal steps, the
+        next are served from a precomputed layout (gpumem_pool_mark_step in gpumem.h)."""
+        _check(self._lib, self._lib.gpumem_pool_mark_step(self.handle))
 
     def trim(self):
         released = ctypes.c_uint64()

@@ -3,6 +3,9 @@
     import gpumem.torch
     gpumem.torch.enable("release_threshold:8G")   # before the first CUDA allocation
     ...
+    for batch in loader:
+        gpumem.torch.mark_step()                   # optional: steps alike get a fixed layout
+        ...
     print(gpumem.torch.stats())                    # peak_reserved_bytes, peak_live_bytes, ...
 
 What changes under a pluggable allocator, and what enable() does about it:
@@ -138,6 +141,19 @@ def snapshot(path, device=0):
     gpumem.NotSupportedError where the library has no snapshot exporter)."""
     lib = gpumem.load()
     gpumem._check(lib, lib.gpumem_torch_snapshot(device, os.fsencode(path)))
+
+
+def mark_step():
+    """Marks a step boundary of the training or serving loop, on every device's pool: call
+    it once per step, at the same point (the top of the loop). Once two steps in a row made
+    the same requests, later steps are served from a precomputed layout in one region: no
+    search, no driver call, memory at the plan's peak; a step that differs goes to the pool
+    from its first difference (see include/gpumem/pool/step_planner.hpp). With
+    GPUMEM_CONF's step_plan:off it does nothing."""
+    lib = gpumem.load()
+    status = lib.gpumem_torch_mark_step()
+    if status != gpumem.SUCCESS:
+        gpumem._raise(lib, status)
 
 
 def empty_cache():

@@ -51,6 +51,7 @@ struct pool_body {
   gpumem::platform* platform = nullptr;
   std::unique_ptr<gpumem::memory_resource> upstream;  // caching_pool's
   std::unique_ptr<gpumem::pool_base> pool;
+  std::unique_ptr<gpumem::step_planner> planner;  // in front of pool (step_plan:on)
   std::string allocator;
   std::string config;
   int device = 0;
@@ -63,7 +64,13 @@ struct pool_body {
   std::atomic<std::uint64_t> cross_stream_waits{0};
 
   ~pool_body() {
+    planner.reset();  // before the pool it stands on
     if (wait_event.value != 0) (void)platform->event_destroy(wait_event);
+  }
+
+  // What allocations go through: the step planner, or the pool itself.
+  gpumem::memory_resource& front() const {
+    return planner != nullptr ? static_cast<gpumem::memory_resource&>(*planner) : *pool;
   }
 };
 
@@ -145,6 +152,7 @@ struct pool_spec {
   std::string platform;  // "" = gpumem::default_platform() (honours GPUMEM_DEVICE)
   int device = 0;
   std::size_t sim_capacity = 0;
+  bool step_plan = true;
   std::string pool_options;
 };
 
@@ -191,6 +199,11 @@ pool_spec parse_spec(std::string_view config) {
       spec.platform = value;
     } else if (key == "device") {
       spec.device = parse_device(value);
+    } else if (key == "step_plan") {
+      if (value != "on" && value != "off")
+        throw gpumem::invalid_argument("config: 'step_plan' must be on or off, got '" +
+                                       std::string(value) + "'");
+      spec.step_plan = value == "on";
     } else if (key == "sim_capacity") {
       spec.sim_capacity = gpumem::parse_bytes(value);
       if (spec.sim_capacity == 0)
@@ -231,9 +244,11 @@ std::unique_ptr<pool_body> make_pool(const char* config) {
   } else {
     handle->pool = std::make_unique<gpumem::vmm_page_pool>(p, spec.device, options);
   }
+  if (spec.step_plan) handle->planner = std::make_unique<gpumem::step_planner>(*handle->pool);
   handle->allocator = spec.allocator;
   handle->device = spec.device;
-  handle->config = handle->pool->options().to_string();
+  handle->config = handle->pool->options().to_string() +
+                   (spec.step_plan ? ",step_plan:on" : ",step_plan:off");
   return handle;
 }
 
@@ -371,7 +386,7 @@ gpumem_status gpumem_allocate(gpumem_pool* pool, size_t size, size_t alignment, 
   pool_body* body = live_body(pool, "gpumem_allocate");
   if (body == nullptr) return last_error_status;
   return guarded("gpumem_allocate",
-                 [&] { *out = body->pool->allocate(size, alignment, to_stream(stream)); });
+                 [&] { *out = body->front().allocate(size, alignment, to_stream(stream)); });
 }
 
 void* gpumem_malloc(gpumem_pool* pool, size_t size, void* stream) {
@@ -379,7 +394,7 @@ void* gpumem_malloc(gpumem_pool* pool, size_t size, void* stream) {
   pool_body* body = live_body(pool, "gpumem_malloc");
   if (body == nullptr) return nullptr;
   guarded("gpumem_malloc", [&] {
-    ptr = body->pool->allocate(size, gpumem::default_alignment, to_stream(stream));
+    ptr = body->front().allocate(size, gpumem::default_alignment, to_stream(stream));
   });
   return ptr;
 }
@@ -399,7 +414,7 @@ gpumem_status gpumem_free(gpumem_pool* pool, void* ptr, size_t size, void* strea
         std::vector<std::uintptr_t> streams = std::move(it->second);
         body->recorded.erase(it);
         try {
-          body->pool->deallocate(ptr, size, s);
+          body->front().deallocate(ptr, size, s);
         } catch (...) {
           body->recorded.emplace(addr, std::move(streams));  // refused: nothing changed
           throw;
@@ -407,7 +422,7 @@ gpumem_status gpumem_free(gpumem_pool* pool, void* ptr, size_t size, void* strea
         return;
       }
     }
-    body->pool->deallocate(ptr, size, s);
+    body->front().deallocate(ptr, size, s);
   });
 }
 
@@ -431,7 +446,7 @@ gpumem_status gpumem_pool_stats(gpumem_pool* pool, gpumem_stats* out) {
   if (out == nullptr)
     return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_pool_stats: null output pointer");
   return guarded("gpumem_pool_stats", [&] {
-    const gpumem::resource_stats s = body->pool->stats();
+    const gpumem::resource_stats s = body->front().stats();
     gpumem_stats r{};
     r.live_bytes = s.live_bytes;
     r.peak_live_bytes = s.peak_live_bytes;
@@ -476,9 +491,34 @@ gpumem_status gpumem_pool_counter(gpumem_pool* pool, const char* name, uint64_t*
           return;
         }
     }
+    if (body->planner != nullptr) {
+      const gpumem::step_planner_counts c = body->planner->counts();
+      const std::pair<std::string_view, std::uint64_t> counters[] = {
+          {"plan_marks", c.steps},
+          {"plans_built", c.plans_built},
+          {"planned_steps", c.planned_steps},
+          {"steps_left_plan", c.steps_left_plan},
+          {"planned_allocations", c.planned_allocations},
+          {"plan_region_failures", c.region_failures},
+          {"plan_region_bytes", c.region_bytes},
+          {"plan_lower_bound", c.plan_lower_bound},
+          {"planned_per_step", c.planned_count}};
+      for (const auto& [key, value] : counters)
+        if (key == n) {
+          *out = value;
+          return;
+        }
+    }
     throw gpumem::invalid_argument("unknown counter '" + std::string(n) + "' for the '" +
                                    body->allocator + "' pool");
   });
+}
+
+gpumem_status gpumem_pool_mark_step(gpumem_pool* pool) {
+  pool_body* body = live_body(pool, "gpumem_pool_mark_step");
+  if (body == nullptr) return last_error_status;
+  if (body->planner == nullptr) return GPUMEM_SUCCESS;  // step_plan:off: a hint ignored
+  return guarded("gpumem_pool_mark_step", [&] { body->planner->mark_step(); });
 }
 
 gpumem_status gpumem_pool_trim(gpumem_pool* pool, uint64_t* released) {
@@ -554,7 +594,7 @@ gpumem_status gpumem_stream_destroy(gpumem_pool* pool, void* stream) {
     return fail(GPUMEM_ERROR_INVALID_ARGUMENT,
                 "gpumem_stream_destroy: the default stream cannot be destroyed");
   return guarded("gpumem_stream_destroy", [&] {
-    body->pool->release_stream(to_stream(stream));
+    body->front().release_stream(to_stream(stream));
     if (auto st = body->platform->stream_destroy(to_stream(stream)); !st)
       gpumem::throw_cuda_error(st, "gpumem_stream_destroy");
   });
@@ -577,7 +617,7 @@ gpumem_status gpumem_snapshot(gpumem_pool* pool, const char* path) {
 #ifdef GPUMEM_C_API_HAS_SNAPSHOT
   // No event recorder is attached to C API pools: segments and blocks, no device trace.
   return guarded("gpumem_snapshot",
-                 [&] { gpumem::write_memory_snapshot(*body->pool, nullptr, std::string(path)); });
+                 [&] { gpumem::write_memory_snapshot(*body->pool, nullptr, std::string(path), body->planner.get()); });
 #else
   return fail(GPUMEM_ERROR_NOT_SUPPORTED,
               "gpumem_snapshot: this build has no PyTorch snapshot exporter "

@@ -171,6 +171,19 @@ GPUMEM_API unsigned long long gpumem_torch_empty_cache(void) {
 // calls: gives every pool's cached memory back.
 GPUMEM_API void gpumem_torch_reset(void) { (void)gpumem_torch_empty_cache(); }
 
+// A step boundary of the training or serving loop, for every pool created so far (see
+// gpumem_pool_mark_step). Returns the first failure's status, 0 when all succeeded.
+GPUMEM_API int gpumem_torch_mark_step(void) {
+  int first_failure = GPUMEM_SUCCESS;
+  for (auto& slot : pools_)
+    if (gpumem_pool* pool = slot.load(std::memory_order_acquire))
+      if (const gpumem_status st = gpumem_pool_mark_step(pool); st != GPUMEM_SUCCESS) {
+        report(gpumem_last_error());
+        if (first_failure == GPUMEM_SUCCESS) first_failure = st;
+      }
+  return first_failure;
+}
+
 // Failures reported on stderr so far (allocation, free, record, pool creation).
 GPUMEM_API unsigned long long gpumem_torch_failures(void) {
   return failures_.load(std::memory_order_relaxed);

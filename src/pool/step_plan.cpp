@@ -20,9 +20,9 @@ bool overlap_in_time(const lifetime& a, const lifetime& b) {
 }
 
 // Lifetimes of the allocations freed within the step on the stream they were made on,
-// with no more alignment than step_plan::unit. `streams` receives each one's stream.
+// with no more alignment than max_alignment. `streams` receives each one's stream.
 std::vector<lifetime> candidates(std::span<const step_event> events, std::size_t allocs,
-                                 std::vector<std::uintptr_t>& streams) {
+                                 std::size_t max_alignment, std::vector<std::uintptr_t>& streams) {
   std::vector<std::size_t> birth(allocs, 0);
   std::vector<bool> eligible(allocs, false);
   streams.assign(allocs, 0);
@@ -32,7 +32,7 @@ std::vector<lifetime> candidates(std::span<const step_event> events, std::size_t
     if (e.what == step_event::kind::alloc) {
       birth[e.id] = i;
       streams[e.id] = e.stream;
-      eligible[e.id] = e.alignment <= step_plan::unit;
+      eligible[e.id] = e.alignment <= max_alignment;
     } else if (eligible[e.id] && e.stream == streams[e.id]) {
       out.push_back({e.id, birth[e.id], i, step_plan::block_bytes(e.bytes)});
     }
@@ -42,7 +42,8 @@ std::vector<lifetime> candidates(std::span<const step_event> events, std::size_t
 
 }  // namespace
 
-step_plan build_step_plan(std::span<const step_event> events, std::size_t max_planned) {
+step_plan build_step_plan(std::span<const step_event> events, std::size_t max_planned,
+                          std::size_t max_alignment) {
   step_plan plan;
   std::size_t allocs = 0;
   for (const step_event& e : events)
@@ -50,7 +51,8 @@ step_plan build_step_plan(std::span<const step_event> events, std::size_t max_pl
   plan.offset.assign(allocs, step_plan::unplanned);
 
   std::vector<std::uintptr_t> streams;
-  std::vector<lifetime> items = candidates(events, allocs, streams);
+  std::vector<lifetime> items =
+      candidates(events, allocs, std::min(max_alignment, step_plan::unit), streams);
   // One stream: the one whose candidates hold the most bytes (reuse within the region is
   // then always in that stream's order).
   std::map<std::uintptr_t, std::size_t> bytes_by_stream;

@@ -39,7 +39,8 @@ struct step_plan {
   static constexpr std::size_t unit = 512;
 
   // Per allocation id: its offset in the region, or `unplanned` (it lives past the step,
-  // is used on another stream, or needs more alignment than `unit`: the pool serves it).
+  // is used on another stream, or needs more alignment than the region has: the pool
+  // serves it).
   std::vector<std::size_t> offset;
   // The sequence a planned step follows: every allocation (planned or not, so positions
   // agree) and the frees of planned allocations, in the recorded order.
@@ -55,8 +56,10 @@ struct step_plan {
 
 // REQUIRES: `events` is one step as recorded (ids 0.. in alloc order, each freed at most
 // once, after its alloc). Plans at most `max_planned` allocations (the largest first):
-// placement costs O(n^2) in the planned count.
-step_plan build_step_plan(std::span<const step_event> events, std::size_t max_planned);
+// placement costs O(n^2) in the planned count. Only allocations asking at most
+// `max_alignment` (<= unit; the region's own alignment) are planned.
+step_plan build_step_plan(std::span<const step_event> events, std::size_t max_planned,
+                          std::size_t max_alignment = step_plan::unit);
 
 // "" when no two planned allocations that are live at the same time overlap and every
 // block lies inside the region; else what is wrong (tests and step_planner::validate).

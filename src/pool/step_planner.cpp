@@ -101,11 +101,7 @@ void step_planner::count_free(std::size_t bytes) noexcept {
 }
 
 void* step_planner::do_allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) {
-  if (!recording_.load(std::memory_order_acquire)) {
-    void* p = pool_.allocate(bytes, alignment, stream);
-    count_alloc(bytes);
-    return p;
-  }
+  if (!recording_.load(std::memory_order_acquire)) return pool_.allocate(bytes, alignment, stream);
   std::lock_guard lock(mutex_);
   state& s = *s_;
   const step_event e{step_event::kind::alloc, s.next_id, bytes, alignment, stream.value};
@@ -141,11 +137,7 @@ void* step_planner::do_allocate(std::size_t bytes, std::size_t alignment, stream
 }
 
 void step_planner::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream) {
-  if (!recording_.load(std::memory_order_acquire)) {
-    pool_.deallocate(ptr, bytes, stream);
-    count_free(bytes);
-    return;
-  }
+  if (!recording_.load(std::memory_order_acquire)) return pool_.deallocate(ptr, bytes, stream);
   std::lock_guard lock(mutex_);
   state& s = *s_;
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
@@ -222,6 +214,13 @@ void step_planner::mark_step() {
   state& s = *s_;
   ++s.counts.steps;
   if (!recording_.load(std::memory_order_relaxed)) {
+    // Counting starts from the pool's figures (every earlier call went straight to it).
+    const resource_stats ps = pool_.stats();
+    live_bytes_ = ps.live_bytes;
+    peak_live_bytes_ = ps.peak_live_bytes;
+    live_count_ = ps.live_allocations;
+    allocations_ = ps.allocations;
+    deallocations_ = ps.deallocations;
     s.step = 1;
     recording_.store(true, std::memory_order_release);
     return;
@@ -242,7 +241,7 @@ void step_planner::mark_step() {
     if (s.region_live == 0) give_region_back(s);
   }
   if (!s.plan && repeated && s.region == 0 && s.step >= s.retry_at_step) {
-    step_plan plan = detail::build_step_plan(s.previous, max_planned_);
+    step_plan plan = detail::build_step_plan(s.previous, max_planned_, region_alignment());
     if (plan.planned_count > 0) {
       s.counts.plan_lower_bound = plan.lower_bound;
       s.counts.planned_count = plan.planned_count;
@@ -262,8 +261,12 @@ bool step_planner::take_region(state& s) {
   if (s.step < s.retry_at_step) return false;
   void* region = nullptr;
   try {
-    region = pool_.allocate(s.plan->region_bytes, step_plan::unit, stream_handle{s.plan->stream});
-  } catch (const out_of_memory&) {
+    region = pool_.allocate(s.plan->region_bytes, region_alignment(), stream_handle{s.plan->stream});
+  } catch (const std::exception& e) {
+    // Out of memory, or a region larger than the device: not a failure of the loop.
+    if (dynamic_cast<const out_of_memory*>(&e) == nullptr &&
+        dynamic_cast<const invalid_argument*>(&e) == nullptr)
+      throw;
     // Not now: the loop runs on the pool as before; try again after 2, 4, ... steps.
     ++s.counts.region_failures;
     s.refusals_in_a_row = std::min(s.refusals_in_a_row + 1, 16u);
@@ -285,6 +288,7 @@ step_planner_counts step_planner::counts() const {
 
 resource_stats step_planner::stats() const {
   resource_stats r = pool_.stats();
+  if (!recording_.load(std::memory_order_acquire)) return r;  // the pool's own, so far
   r.live_bytes = live_bytes_.load(std::memory_order_relaxed);
   r.peak_live_bytes = peak_live_bytes_.load(std::memory_order_relaxed);
   r.live_allocations = live_count_.load(std::memory_order_relaxed);
@@ -341,9 +345,14 @@ void step_planner::release_stream(stream_handle stream) {
 
 std::vector<memory_segment> step_planner::memory_segments() const {
   std::vector<memory_segment> segments = pool_.memory_segments();
+  show_plan_in(segments);
+  return segments;
+}
+
+void step_planner::show_plan_in(std::vector<memory_segment>& segments) const {
   std::lock_guard lock(mutex_);
   const state& s = *s_;
-  if (s.region == 0) return segments;
+  if (s.region == 0) return;
   std::vector<memory_block> inside;  // the planned allocations live now, by address
   for (const auto& [addr, rec] : s.live)
     if (rec.planned)
@@ -369,10 +378,9 @@ std::vector<memory_segment> step_planner::memory_segments() const {
                          memory_block::state::free});
       seg.blocks.erase(seg.blocks.begin() + static_cast<std::ptrdiff_t>(i));
       seg.blocks.insert(seg.blocks.begin() + static_cast<std::ptrdiff_t>(i), tiles.begin(), tiles.end());
-      return segments;
+      return;
     }
   }
-  return segments;
 }
 
 }  // namespace gpumem

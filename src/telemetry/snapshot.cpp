@@ -7,6 +7,7 @@
 
 #include "gpumem/errors.hpp"
 #include "gpumem/pool/pool_base.hpp"
+#include "gpumem/pool/step_planner.hpp"
 #include "gpumem/telemetry/event_recorder.hpp"
 #include "gpumem/telemetry/memory_stats.hpp"
 #include "telemetry/pickle_writer.hpp"
@@ -74,7 +75,8 @@ void write_trace_entry(pickle_writer& w, const event_recorder& rec, const record
 
 }  // namespace
 
-std::string memory_snapshot_pickle(const pool_base& pool, const event_recorder* trace) {
+std::string memory_snapshot_pickle(const pool_base& pool, const event_recorder* trace,
+                                   const step_planner* plan) {
   std::vector<memory_segment> segments;
   trace_copy copy;
   // One consistent moment: no pool operation (and so no recorder event) runs in between.
@@ -82,6 +84,7 @@ std::string memory_snapshot_pickle(const pool_base& pool, const event_recorder* 
     segments = s;
     if (trace != nullptr) copy.events = trace->events();
   });
+  if (plan != nullptr) plan->show_plan_in(segments);
   // Symbolize outside the pool's lock (slow: dladdr per frame). Events overwritten since
   // the copy lose their stacks, not their place.
   if (trace != nullptr) {
@@ -224,14 +227,15 @@ std::string memory_snapshot_pickle(const pool_base& pool, const event_recorder* 
   return out;
 }
 
-void write_memory_snapshot(const pool_base& pool, const event_recorder* trace, std::ostream& out) {
-  const std::string bytes = memory_snapshot_pickle(pool, trace);
+void write_memory_snapshot(const pool_base& pool, const event_recorder* trace, std::ostream& out,
+                           const step_planner* plan) {
+  const std::string bytes = memory_snapshot_pickle(pool, trace, plan);
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 
 void write_memory_snapshot(const pool_base& pool, const event_recorder* trace,
-                           const std::string& path) {
-  const std::string bytes = memory_snapshot_pickle(pool, trace);
+                           const std::string& path, const step_planner* plan) {
+  const std::string bytes = memory_snapshot_pickle(pool, trace, plan);
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   if (!f) throw invalid_argument("write_memory_snapshot: cannot open '" + path + "' for writing");
   f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));

@@ -115,6 +115,19 @@ class PoolTest(unittest.TestCase):
             self.pool.counter("no_such_counter")
         self.pool.free(a, 3 * MiB)
 
+    def test_mark_step_serves_equal_steps_from_a_plan(self):
+        for _ in range(5):
+            self.pool.mark_step()
+            a = self.pool.malloc(3 * MiB)
+            b = self.pool.malloc(1000)
+            self.pool.free(b, 1000)
+            self.pool.free(a, 3 * MiB)
+        c = self.pool.counters(["plans_built", "planned_steps", "planned_allocations"])
+        self.assertEqual(c["plans_built"], 1)
+        self.assertEqual(c["planned_steps"], 3)  # marks 3, 4 and 5
+        self.assertEqual(c["planned_allocations"], 3 * 2)
+        self.assertEqual(self.pool.stats()["live_bytes"], 0)
+
     def test_snapshot(self):
         a = self.pool.malloc(3 * MiB)
         with tempfile.TemporaryDirectory() as d:
@@ -178,6 +191,21 @@ class TorchPluginTest(unittest.TestCase):
         # No pool for a device PyTorch never used: creation fails (sim has one device).
         with self.assertRaises(gpumem.GpumemError):
             gpumem.torch.stats(3)
+
+    def test_mark_step_reaches_the_plugin_pools(self):
+        lib = gpumem.load()
+        lib.gpumem_torch_malloc.restype = ctypes.c_void_p
+        lib.gpumem_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.gpumem_torch_free.restype = None
+        lib.gpumem_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int,
+                                          ctypes.c_void_p]
+        before = gpumem.torch.counters(0, ["planned_allocations"])["planned_allocations"]
+        for _ in range(4):
+            gpumem.torch.mark_step()
+            p = lib.gpumem_torch_malloc(2 * MiB, 0, None)
+            lib.gpumem_torch_free(p, 2 * MiB, 0, None)
+        after = gpumem.torch.counters(0, ["planned_allocations"])["planned_allocations"]
+        self.assertEqual(after - before, 2)  # steps 3 and 4, after two alike
 
     def test_enable_needs_torch(self):
         try:

@@ -381,6 +381,47 @@ TEST(c_api, counters_name_driver_calls_and_pages) {
   EXPECT_EQ(gpumem_free(caching.pool, q, MiB, nullptr), GPUMEM_SUCCESS);
 }
 
+// gpumem_pool_mark_step: a loop of equal steps is served from a step plan (counters say
+// so); with step_plan:off the mark is accepted and nothing is planned.
+TEST(c_api, marked_steps_are_served_from_a_plan) {
+  auto run = [](gpumem_pool* pool, int steps) {
+    for (int s = 0; s < steps; ++s) {
+      ASSERT_EQ(gpumem_pool_mark_step(pool), GPUMEM_SUCCESS) << last_error();
+      void* a = gpumem_malloc(pool, 3 * MiB, nullptr);
+      void* b = gpumem_malloc(pool, 5 * MiB, nullptr);
+      ASSERT_NE(a, nullptr);
+      ASSERT_NE(b, nullptr);
+      ASSERT_EQ(gpumem_free(pool, a, 3 * MiB, nullptr), GPUMEM_SUCCESS);
+      ASSERT_EQ(gpumem_free(pool, b, 5 * MiB, nullptr), GPUMEM_SUCCESS);
+    }
+  };
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  EXPECT_NE(std::string(gpumem_pool_config(h.pool)).find("step_plan:on"), std::string::npos);
+  run(h.pool, 6);
+  uint64_t planned = 0, built = 0, region = 0;
+  ASSERT_EQ(gpumem_pool_counter(h.pool, "planned_allocations", &planned), GPUMEM_SUCCESS);
+  ASSERT_EQ(gpumem_pool_counter(h.pool, "plans_built", &built), GPUMEM_SUCCESS);
+  ASSERT_EQ(gpumem_pool_counter(h.pool, "plan_region_bytes", &region), GPUMEM_SUCCESS);
+  EXPECT_EQ(built, 1u);
+  EXPECT_EQ(planned, 2u * 4u);  // marks 3..6 begin planned steps
+  EXPECT_EQ(region, 8 * MiB);
+  const gpumem_stats s = h.stats();
+  EXPECT_EQ(s.live_bytes, 0u);
+  EXPECT_EQ(s.peak_live_bytes, 8 * MiB);
+
+  pool_handle off("platform:sim,sim_capacity:256M,step_plan:off");
+  ASSERT_EQ(off.status, GPUMEM_SUCCESS);
+  run(off.pool, 6);
+  EXPECT_EQ(gpumem_pool_counter(off.pool, "planned_allocations", &planned),
+            GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(gpumem_pool_mark_step(nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+
+  pool_handle bad("platform:sim,sim_capacity:256M,step_plan:maybe");
+  EXPECT_EQ(bad.status, GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("step_plan"), std::string::npos);
+}
+
 TEST(c_api, snapshot_writes_a_pickle_or_says_it_cannot) {
   pool_handle h(small_sim);
   ASSERT_EQ(h.status, GPUMEM_SUCCESS);

@@ -9,7 +9,9 @@
 #include <vector>
 
 #include "gpumem/errors.hpp"
+#include "gpumem/backend.hpp"
 #include "gpumem/platform/sim_platform.hpp"
+#include "gpumem/pool/caching_pool.hpp"
 #include "gpumem/pool/step_planner.hpp"
 #include "gpumem/pool/vmm_page_pool.hpp"
 #include "pool/step_plan.hpp"
@@ -423,6 +425,26 @@ TEST_F(StepPlanner, NoRoomForTheRegionLeavesTheLoopOnThePoolAndIsTriedAgainLater
   step();
   EXPECT_EQ(planner.counts().planned_allocations, 2u);
   planner.deallocate(held, 44 * MiB, s);
+  EXPECT_EQ(planner.validate(), "");
+}
+
+TEST_F(StepPlanner, OverACachingPoolPlannedAddressesKeepTheirAlignment) {
+  runtime_resource upstream(sim, 0);
+  caching_pool pool(upstream);  // aligns to 256 bytes at most
+  step_planner planner(pool);
+  const stream_handle s{};
+  std::vector<void*> got;
+  for (int i = 0; i < 5; ++i) {
+    planner.mark_step();
+    void* a = planner.allocate(1000, 256, s);
+    void* b = planner.allocate(3 * MiB + 7, 128, s);
+    got.push_back(a);
+    got.push_back(b);
+    planner.deallocate(a, 1000, s);
+    planner.deallocate(b, 3 * MiB + 7, s);
+  }
+  EXPECT_EQ(planner.counts().planned_allocations, 3u * 2u);
+  for (void* p : got) EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 256, 0u);
   EXPECT_EQ(planner.validate(), "");
 }
 

@@ -17,6 +17,9 @@
  *   platform:auto|cuda|sim                auto: the GPU when present, else sim (default)
  *   sim_capacity:BYTES                    a private sim device of this capacity, 2 MiB
  *                                         pages (implies platform:sim; for tests)
+ *   step_plan:on|off                      a step planner in front of the pool (default
+ *                                         on; it does nothing until gpumem_pool_mark_step
+ *                                         is called: see that function)
  * NULL or "" means all defaults. Unknown keys and bad values give
  * GPUMEM_ERROR_INVALID_ARGUMENT naming them.
  *
@@ -131,9 +134,19 @@ GPUMEM_API gpumem_status gpumem_pool_stats(gpumem_pool* pool, gpumem_stats* out)
  * pool's platform made it (process-wide when the platform is shared: platform auto, cuda
  * or sim without sim_capacity). For vmm_page_pool also "page_size", "pages_mapped",
  * "pages_spare", "physical_handles", "pages_created", "pages_reclaimed", "pages_released".
+ * With step_plan:on also "plan_marks", "plans_built", "planned_steps", "steps_left_plan",
+ * "planned_allocations", "plan_region_failures", "plan_region_bytes", "plan_lower_bound",
+ * "planned_per_step".
  * An unknown name gives GPUMEM_ERROR_INVALID_ARGUMENT. */
 GPUMEM_API gpumem_status gpumem_pool_counter(gpumem_pool* pool, const char* name,
                                              uint64_t* out);
+/* Marks a step boundary of a loop that repeats its requests (call it once per training or
+ * serving step, at the same point each time). Once two steps in a row made the same
+ * requests in the same order, later steps are served from a precomputed layout in one
+ * region of the pool: no search, no driver call, memory at the plan's peak. A step that
+ * differs goes to the pool from the first difference on (include/gpumem/pool/
+ * step_planner.hpp). With step_plan:off, it does nothing and succeeds. */
+GPUMEM_API gpumem_status gpumem_pool_mark_step(gpumem_pool* pool);
 /* Gives cached memory back to the driver; *released (may be NULL) receives the bytes. */
 GPUMEM_API gpumem_status gpumem_pool_trim(gpumem_pool* pool, uint64_t* released);
 /* "vmm_page_pool" or "caching_pool"; "" for NULL. The accessors below answer "" (or -1)

@@ -27,14 +27,17 @@
 // Allocations made before the first mark, those that outlive their step, and those of
 // other streams are the pool's, as without a plan.
 //
-// Threads: before the first mark every call goes straight to the pool; from it on, calls
-// take the planner's lock (a step's order is one thread's order; a loop that allocates
-// from several threads at once does not repeat and is not planned).
+// Threads: before the first mark every call goes straight to the pool (one atomic load
+// more, no shared write: a planner no one marks costs nothing); from it on, calls take the
+// planner's lock (a step's order is one thread's order; a loop that allocates from several
+// threads at once does not repeat and is not planned).
 //
-// Stats: live and peak live bytes and counts are the planner's own (planned allocations in,
-// the region out); reserved bytes are the pool's.
+// Stats: the pool's until the first mark; from it, live and peak live bytes and counts are
+// the planner's own, continuing the pool's (planned allocations in, the region out);
+// reserved bytes are always the pool's.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -73,7 +76,8 @@ class step_planner final : public memory_resource {
   ~step_planner() override;
 
   // The loop's step boundary. Throws what the pool throws for the region only if it is a
-  // driver failure (out of memory just leaves the step unplanned and is retried later).
+  // driver failure (out of memory, or a region larger than the device, just leaves the
+  // step unplanned; the region is asked for again later).
   void mark_step();
 
   step_planner_counts counts() const;
@@ -87,6 +91,9 @@ class step_planner final : public memory_resource {
   // The pool's segments, with the region's block shown as the planned allocations live in
   // it (allocated) and the rest of the region (free), for snapshots.
   std::vector<memory_segment> memory_segments() const;
+  // The same change to segments read from this planner's pool (snapshots read them under
+  // the pool's lock, then call this without it: the planner's lock comes first).
+  void show_plan_in(std::vector<memory_segment>& segments) const;
 
  protected:
   void* do_allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) override;
@@ -97,6 +104,10 @@ class step_planner final : public memory_resource {
 
   // REQUIRES: mutex_ held.
   bool take_region(state& s);        // from the pool, for s.plan; false: not now
+  // The region's alignment, and so the most a planned request may ask for.
+  std::size_t region_alignment() const noexcept {
+    return std::min<std::size_t>(512, pool_.max_alignment());
+  }
   void give_region_back(state& s);   // REQUIRES: no planned allocation live
   void leave_plan(state& s);         // the rest of this step goes to the pool
   void count_alloc(std::size_t bytes) noexcept;
@@ -109,6 +120,7 @@ class step_planner final : public memory_resource {
   std::atomic<bool> recording_{false};
   mutable std::mutex mutex_;
   std::unique_ptr<state> s_;
+  // From the first mark (written under mutex_, read by stats() without it).
   std::atomic<std::size_t> live_bytes_{0}, peak_live_bytes_{0}, live_count_{0};
   std::atomic<std::uint64_t> allocations_{0}, deallocations_{0};
 };

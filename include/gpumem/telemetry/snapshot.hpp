@@ -31,13 +31,18 @@ namespace gpumem {
 
 class pool_base;
 class event_recorder;
+class step_planner;
 
 // The snapshot as pickle bytes. `trace` may be nullptr (no device trace; the viewer's
 // segment views still work). REQUIRES: `trace`, if given, records `pool` (or nothing).
-std::string memory_snapshot_pickle(const pool_base& pool, const event_recorder* trace);
-void write_memory_snapshot(const pool_base& pool, const event_recorder* trace, std::ostream& out);
+// With `plan` (a step planner in front of `pool`), its region shows as the planned
+// allocations live in it, each a block of its own.
+std::string memory_snapshot_pickle(const pool_base& pool, const event_recorder* trace,
+                                   const step_planner* plan = nullptr);
+void write_memory_snapshot(const pool_base& pool, const event_recorder* trace, std::ostream& out,
+                           const step_planner* plan = nullptr);
 // Writes the file; throws gpumem::invalid_argument naming the path when it cannot.
 void write_memory_snapshot(const pool_base& pool, const event_recorder* trace,
-                           const std::string& path);
+                           const std::string& path, const step_planner* plan = nullptr);
 
 }  // namespace gpumem
