@@ -2,6 +2,7 @@
 // why, when no CUDA device is present (CI has none).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -19,6 +20,7 @@ namespace {
 using namespace gpumem;
 
 using gpumem_test::cuda;
+using gpumem_test::MiB;
 
 // Copies `bytes` of a pattern into device memory and back; true when they round-trip.
 bool round_trip(platform& p, void* device_ptr, std::size_t bytes, unsigned char seed) {
@@ -183,6 +185,54 @@ TEST(gpu_pools, cross_stream_reuse_waits_for_the_free) {
   }
   EXPECT_TRUE(p.stream_destroy(s1.value()));
   EXPECT_TRUE(p.stream_destroy(s2.value()));
+}
+
+// A step planner over the vmm_page_pool on the device: steps of nested tensors, each
+// filled on the stream with its own byte while the others live; after two equal steps the
+// rest come from the plan (no mapping call), and every live tensor still holds its byte
+// when read back; a free on another stream makes the plan's stream wait for it.
+TEST(gpu_pools, step_planner_serves_equal_steps_and_keeps_live_tensors_apart) {
+  REQUIRE_GPU();
+  platform& p = *cuda();
+  auto side = p.stream_create(0);
+  ASSERT_TRUE(side);
+  {
+    vmm_page_pool pool(p, 0);
+    step_planner planner(pool);
+    const std::size_t sizes[] = {6 * MiB, 3 * MiB + 512, 40 * MiB, 1000, 9 * MiB};
+    std::uint64_t maps_after_plan = 0;
+    for (int step = 0; step < 6; ++step) {
+      planner.mark_step();
+      if (step == 3) maps_after_plan = p.calls_made(platform_op::map);
+      std::vector<void*> live;
+      for (std::size_t i = 0; i < std::size(sizes); ++i) {
+        live.push_back(planner.allocate(sizes[i], 256, {}));
+        ASSERT_TRUE(p.memset_async(live.back(), static_cast<int>(0x10 + i), sizes[i], {}));
+      }
+      for (std::size_t i = 0; i < live.size(); ++i) {
+        const auto bytes = read_back(p, live[i], sizes[i]);
+        ASSERT_TRUE(std::all_of(bytes.begin(), bytes.end(),
+                                [&](unsigned char b) { return b == 0x10 + i; }))
+            << "step " << step << " tensor " << i;
+      }
+      for (std::size_t i = live.size(); i-- > 0;) planner.deallocate(live[i], sizes[i], {});
+    }
+    const step_planner_counts c = planner.counts();
+    EXPECT_EQ(c.plans_built, 1u);
+    EXPECT_EQ(c.planned_allocations, 4u * std::size(sizes));  // steps 2..5
+    EXPECT_EQ(p.calls_made(platform_op::map), maps_after_plan);
+    // A planned tensor freed on another stream: the plan's stream waits for that stream.
+    planner.mark_step();
+    void* a = planner.allocate(sizes[0], 256, {});
+    ASSERT_TRUE(p.memset_async(a, 0x77, sizes[0], side.value()));
+    const auto waits = p.calls_made(platform_op::stream_wait_event);
+    planner.deallocate(a, sizes[0], side.value());
+    EXPECT_EQ(p.calls_made(platform_op::stream_wait_event), waits + 1);
+    ASSERT_TRUE(p.stream_synchronize({}));
+    EXPECT_EQ(planner.validate(), "");
+    planner.release_stream(side.value());
+  }
+  EXPECT_TRUE(p.stream_destroy(side.value()));
 }
 
 TEST(gpu_pools, fixed_block_pool_on_vmm_pages) {
