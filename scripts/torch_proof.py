@@ -141,6 +141,7 @@ def worker(args):
 
         mark_step = gpumem.torch.mark_step
     info["mark_steps"] = mark_step is not None
+    info["zero_grad_first"] = bool(args.zero_grad_first)
     start_counters = {}
     from transformers import LlamaForCausalLM
 
@@ -166,10 +167,13 @@ def worker(args):
             t0 = time.perf_counter()
             if mark_step is not None:
                 mark_step()  # timed with the step: its cost is the step's
+            if args.zero_grad_first:
+                opt.zero_grad(set_to_none=True)  # the other common loop: gradients cross the mark
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            if not args.zero_grad_first:
+                opt.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         info["loss"] = float(loss.item())
@@ -244,6 +248,9 @@ def main():
     p.add_argument("--gen-reps", type=int, default=1)
     p.add_argument("--timeout", type=int, default=150, help="seconds per subprocess")
     p.add_argument("--gpumem-conf", default=None, help="GPUMEM_CONF for the gpumem mode")
+    p.add_argument("--zero-grad-first", action="store_true",
+                   help="train: zero the gradients at the top of the step (after the mark) "
+                        "rather than at its end")
     p.add_argument("--mark-steps", action="store_true",
                    help="gpumem mode: call gpumem.torch.mark_step() at the top of each training "
                         "step (steps alike are then served from a step plan)")
@@ -270,6 +277,8 @@ def main():
         worker_args += ["--gpumem-conf", args.gpumem_conf]
     if args.mark_steps:
         worker_args += ["--mark-steps"]
+    if args.zero_grad_first:
+        worker_args += ["--zero-grad-first"]
     for phase in args.phases.split(","):
         for mode in args.modes.split(","):
             env = dict(os.environ)

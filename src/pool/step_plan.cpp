@@ -33,7 +33,7 @@ std::vector<lifetime> candidates(std::span<const step_event> events, std::size_t
       birth[e.id] = i;
       streams[e.id] = e.stream;
       eligible[e.id] = e.alignment <= max_alignment;
-    } else if (eligible[e.id] && e.stream == streams[e.id]) {
+    } else if (e.age == 0 && eligible[e.id] && e.stream == streams[e.id]) {
       out.push_back({e.id, birth[e.id], i, step_plan::block_bytes(e.bytes)});
     }
   }
@@ -41,6 +41,53 @@ std::vector<lifetime> candidates(std::span<const step_event> events, std::size_t
 }
 
 }  // namespace
+
+step_cycle cycle_of(std::span<const step_event> step) {
+  step_cycle c;
+  const std::size_t n = step.size();
+  // Live bytes before each event, relative to the step's start; the cycle starts at the
+  // least (the first such point).
+  std::int64_t live = 0, least = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (live < least) {
+      least = live;
+      c.start = i;
+    }
+    const auto b = static_cast<std::int64_t>(step[i].bytes);
+    live += step[i].what == step_event::kind::alloc ? b : -b;
+  }
+  // Allocation positions by id, to tell allocations made before the cycle began.
+  std::vector<std::size_t> at;
+  for (std::size_t i = 0; i < n; ++i)
+    if (step[i].what == step_event::kind::alloc) at.push_back(i);
+  std::vector<std::uint32_t> in_cycle(at.size(), 0), next_in_cycle(at.size(), 0);
+  std::uint32_t next_id = 0;
+  constexpr std::uint32_t none = static_cast<std::uint32_t>(-1);
+  std::fill(in_cycle.begin(), in_cycle.end(), none);
+  std::fill(next_in_cycle.begin(), next_in_cycle.end(), none);
+  // This step from the start, then the next (the same events) up to the start.
+  for (std::size_t k = 0; k < n; ++k) {
+    const bool second = c.start + k >= n;
+    const step_event& e = step[second ? c.start + k - n : c.start + k];
+    step_event out = e;
+    out.age = 0;
+    if (e.what == step_event::kind::alloc) {
+      out.id = next_id++;
+      (second ? next_in_cycle : in_cycle)[e.id] = out.id;
+    } else {
+      // Whose allocation: this step's (`in_cycle`) or, from the next step, the next's own
+      // (age 0) or this step's (age 1). Anything else was made before the cycle.
+      std::uint32_t id = none;
+      if (!second && e.age == 0) id = in_cycle[e.id];
+      if (second && e.age == 0) id = next_in_cycle[e.id];
+      if (second && e.age == 1 && e.id < in_cycle.size()) id = in_cycle[e.id];
+      if (id == none) continue;
+      out.id = id;
+    }
+    c.events.push_back(out);
+  }
+  return c;
+}
 
 step_plan build_step_plan(std::span<const step_event> events, std::size_t max_planned,
                           std::size_t max_alignment) {
@@ -105,7 +152,7 @@ step_plan build_step_plan(std::span<const step_event> events, std::size_t max_pl
         live += block[e.id];
         plan.lower_bound = std::max(plan.lower_bound, live);
       }
-    } else if (plan.planned(e.id)) {
+    } else if (e.age == 0 && plan.planned(e.id)) {
       plan.sequence.push_back(e);
       live -= block[e.id];
     }

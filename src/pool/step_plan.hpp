@@ -21,17 +21,31 @@
 namespace gpumem::detail {
 
 // One event of a recorded step. Allocations are numbered in the order they were made
-// within the step (id); a free names the allocation it ends. Frees of allocations made
-// before the step are not events of the step.
+// within the step (id); a free names the allocation it ends: one of this step (age 0), of
+// the step before (age 1, id in that step), or older (age 2, id 0).
 struct step_event {
   enum class kind : std::uint8_t { alloc, free };
   kind what = kind::alloc;
+  std::uint8_t age = 0;
   std::uint32_t id = 0;
   std::size_t bytes = 0;      // alloc: requested bytes; free: the bytes passed to free
   std::size_t alignment = 0;  // alloc only
   std::uintptr_t stream = 0;
   friend bool operator==(const step_event&, const step_event&) = default;
 };
+
+// A loop's cycle: the requests of a step (between two marks), begun at the step's point of
+// fewest live bytes instead of at the mark, and ending there in the next step. So what
+// lives across the mark (gradients made in backward and freed by zero_grad at the top of
+// the next step, the loss) is born and freed within the cycle, wherever the loop marks.
+struct step_cycle {
+  std::size_t start = 0;           // the cycle begins before this event of the step
+  std::vector<step_event> events;  // ids numbered from the cycle's start (all age 0); frees
+                                   // of allocations made before the cycle left out
+};
+
+// REQUIRES: `step` is one step as recorded, and the next step repeats it.
+step_cycle cycle_of(std::span<const step_event> step);
 
 struct step_plan {
   static constexpr std::size_t unplanned = static_cast<std::size_t>(-1);
@@ -54,8 +68,8 @@ struct step_plan {
   static std::size_t block_bytes(std::size_t bytes) { return (bytes + unit - 1) / unit * unit; }
 };
 
-// REQUIRES: `events` is one step as recorded (ids 0.. in alloc order, each freed at most
-// once, after its alloc). Plans at most `max_planned` allocations (the largest first):
+// REQUIRES: `events` is one cycle (ids 0.. in alloc order, each freed at most once, after
+// its alloc; every free of age 0). Plans at most `max_planned` allocations (the largest first):
 // placement costs O(n^2) in the planned count. Only allocations asking at most
 // `max_alignment` (<= unit; the region's own alignment) are planned.
 step_plan build_step_plan(std::span<const step_event> events, std::size_t max_planned,

@@ -24,10 +24,12 @@ using detail::step_plan;
 //    step, which the plan laid out apart).
 struct step_planner::state {
   struct live_record {
-    std::uint64_t step = 0;  // the step that made it
-    std::uint32_t id = 0;    // its number within that step
+    std::uint64_t step = 0;      // the step (between two marks) that made it
+    std::uint32_t id = 0;        // its number within that step
+    std::uint64_t cycle = 0;     // the cycle that made it
+    std::uint32_t cycle_id = 0;  // its number within that cycle
     std::size_t bytes = 0;
-    bool planned = false;    // in the region (else the pool's)
+    bool planned = false;        // in the region (else the pool's)
   };
 
   std::uint64_t step = 0;  // 1 from the first mark
@@ -35,10 +37,16 @@ struct step_planner::state {
   std::uint32_t next_id = 0;
   std::unordered_map<std::uintptr_t, live_record> live;  // made since the first mark
 
+  // The plan serves cycles: each begins at event `cycle_start` of a step (its point of
+  // fewest live bytes; src/pool/step_plan.hpp) and runs into the next step up to there.
   std::optional<step_plan> plan;
   std::vector<step_event> plan_source;  // the step the plan was built from
-  bool on_plan = false;                 // this step follows the plan so far
-  std::size_t cursor = 0;               // events of the plan's sequence done this step
+  std::size_t cycle_start = 0;
+  bool cycle_begun = false;             // this step's cycle has begun
+  std::uint64_t cycle = 0;
+  std::uint32_t cycle_next_id = 0;
+  bool on_plan = false;                 // this cycle follows the plan so far
+  std::size_t cursor = 0;               // events of the plan's sequence done this cycle
 
   std::uintptr_t region = 0;  // held from the pool while non-zero (also after the plan
   std::size_t region_bytes = 0;  // is dropped, until its last allocation is freed)
@@ -104,20 +112,23 @@ void* step_planner::do_allocate(std::size_t bytes, std::size_t alignment, stream
   if (!recording_.load(std::memory_order_acquire)) return pool_.allocate(bytes, alignment, stream);
   std::lock_guard lock(mutex_);
   state& s = *s_;
-  const step_event e{step_event::kind::alloc, s.next_id, bytes, alignment, stream.value};
+  begin_cycle_if_due(s);
+  const step_event e{step_event::kind::alloc, 0, s.next_id, bytes, alignment, stream.value};
+  const step_event in_cycle{step_event::kind::alloc, 0, s.cycle_next_id, bytes, alignment,
+                            stream.value};
   bool planned = false;
   if (s.on_plan) {
-    if (s.cursor < s.plan->sequence.size() && s.plan->sequence[s.cursor] == e) {
-      planned = s.plan->planned(e.id);
+    if (s.cursor < s.plan->sequence.size() && s.plan->sequence[s.cursor] == in_cycle) {
+      planned = s.plan->planned(in_cycle.id);
     } else {
-      leave_plan(s);  // the rest of this step goes to the pool
+      leave_plan(s);  // the rest of this cycle goes to the pool
     }
   }
   const std::uintptr_t addr =
-      planned ? s.region + s.plan->offset[e.id]
+      planned ? s.region + s.plan->offset[in_cycle.id]
               : reinterpret_cast<std::uintptr_t>(pool_.allocate(bytes, alignment, stream));
   try {
-    s.live.emplace(addr, state::live_record{s.step, e.id, bytes, planned});
+    s.live.emplace(addr, state::live_record{s.step, e.id, s.cycle, in_cycle.id, bytes, planned});
     s.recording.push_back(e);
   } catch (...) {
     s.live.erase(addr);
@@ -125,6 +136,7 @@ void* step_planner::do_allocate(std::size_t bytes, std::size_t alignment, stream
     throw;
   }
   ++s.next_id;
+  ++s.cycle_next_id;
   if (s.on_plan) ++s.cursor;
   if (planned) {
     ++s.region_live;
@@ -140,6 +152,7 @@ void step_planner::do_deallocate(void* ptr, std::size_t bytes, stream_handle str
   if (!recording_.load(std::memory_order_acquire)) return pool_.deallocate(ptr, bytes, stream);
   std::lock_guard lock(mutex_);
   state& s = *s_;
+  begin_cycle_if_due(s);
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   const auto it = s.live.find(addr);
   if (it == s.live.end()) {
@@ -148,6 +161,7 @@ void step_planner::do_deallocate(void* ptr, std::size_t bytes, stream_handle str
                              ": inside the step plan's region but not a live allocation "
                              "(freed twice, or not an address allocate returned)");
     pool_.deallocate(ptr, bytes, stream);  // made before the first mark, or not ours
+    s.recording.push_back({step_event::kind::free, 2, 0, bytes, 0, stream.value});
     count_free(bytes);
     return;
   }
@@ -173,16 +187,16 @@ void step_planner::do_deallocate(void* ptr, std::size_t bytes, stream_handle str
     }
   }
   s.live.erase(it);
-  if (rec.step == s.step) {
-    const step_event e{step_event::kind::free, rec.id, bytes, 0, stream.value};
-    s.recording.push_back(e);  // may throw bad_alloc: the step then only fails to match
-    if (s.on_plan && rec.planned) {
-      if (s.cursor < s.plan->sequence.size() && s.plan->sequence[s.cursor] == e) {
-        ++s.cursor;
-      } else {
-        leave_plan(s);
-      }
-    }
+  const std::uint8_t age = rec.step == s.step ? 0 : rec.step + 1 == s.step ? 1 : 2;
+  // May throw bad_alloc: the step then only fails to match the next.
+  s.recording.push_back({step_event::kind::free, age, age < 2 ? rec.id : 0, bytes, 0, stream.value});
+  if (s.on_plan && rec.planned) {
+    // While a cycle follows the plan, every live planned allocation is this cycle's.
+    const step_event in_cycle{step_event::kind::free, 0, rec.cycle_id, bytes, 0, stream.value};
+    if (s.cursor < s.plan->sequence.size() && s.plan->sequence[s.cursor] == in_cycle)
+      ++s.cursor;
+    else
+      leave_plan(s);
   }
   if (rec.planned) {
     --s.region_live;
@@ -230,31 +244,40 @@ void step_planner::mark_step() {
   s.recording.clear();
   s.next_id = 0;
   ++s.step;
-  s.on_plan = false;
-  s.cursor = 0;
+  s.cycle_begun = false;  // the cycle under way (if any) runs on to this step's start
 
   // The loop changed (two steps alike, not as planned): drop the plan; its region goes
   // back once its last allocation is freed.
   if (s.plan && repeated && s.previous != s.plan_source) {
     s.plan.reset();
     s.plan_source.clear();
+    s.on_plan = false;
     if (s.region_live == 0) give_region_back(s);
   }
   if (!s.plan && repeated && s.region == 0 && s.step >= s.retry_at_step) {
-    step_plan plan = detail::build_step_plan(s.previous, max_planned_, region_alignment());
+    const detail::step_cycle cycle = detail::cycle_of(s.previous);
+    step_plan plan = detail::build_step_plan(cycle.events, max_planned_, region_alignment());
     if (plan.planned_count > 0) {
       s.counts.plan_lower_bound = plan.lower_bound;
       s.counts.planned_count = plan.planned_count;
       ++s.counts.plans_built;
       s.plan_source = s.previous;
       s.plan = std::move(plan);
+      s.cycle_start = cycle.start;
     }
   }
-  // A step begins on the plan when no planned allocation is live and the region is held.
-  if (s.plan && s.region_live == 0 && (s.region != 0 || take_region(s))) {
-    s.on_plan = true;
-    ++s.counts.planned_steps;
-  }
+  begin_cycle_if_due(s);
+}
+
+void step_planner::begin_cycle_if_due(state& s) {
+  if (!s.plan || s.cycle_begun || s.recording.size() != s.cycle_start) return;
+  s.cycle_begun = true;
+  ++s.cycle;
+  s.cycle_next_id = 0;
+  s.cursor = 0;
+  // A cycle begins on the plan when no planned allocation is live and the region is held.
+  s.on_plan = s.region_live == 0 && (s.region != 0 || take_region(s));
+  if (s.on_plan) ++s.counts.planned_steps;
 }
 
 bool step_planner::take_region(state& s) {

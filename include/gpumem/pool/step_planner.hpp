@@ -1,12 +1,15 @@
 // Step plans in front of a pool: a loop that repeats the same requests every step (a
 // training step, a fixed-shape serving step) is served from a precomputed layout.
 //
-// The loop calls mark_step() once per step (gpumem.torch.mark_step() from Python). From
-// the first mark, the planner records each step's allocations and frees. When two steps
-// in a row are the same (sizes, alignments, streams, and the order of allocations and
-// frees), it plans the step (src/pool/step_plan.hpp): every allocation born and freed
-// within the step, on its main stream, gets an offset in one region, laid out so that
-// allocations live at the same time never overlap. The region is one allocation from the
+// The loop calls mark_step() once per step (gpumem.torch.mark_step() from Python), at any
+// fixed point of it. From the first mark, the planner records each step's allocations and
+// frees. When two steps in a row are the same (sizes, alignments, streams, and the order of
+// allocations and frees), it plans the loop's cycle (src/pool/step_plan.hpp): the step's
+// requests begun at its point of fewest live bytes rather than at the mark, so what lives
+// across the mark (gradients freed by a zero_grad at the top of the loop, the loss) is
+// planned too. Every allocation born and freed within the cycle, on its main stream, gets
+// an offset in one region, laid out so that allocations live at the same time never
+// overlap. The region is one allocation from the
 // pool, taken at a mark; a step that leaves the plan gives it back as soon as nothing
 // planned is live in it (so another phase of the loop, an evaluation say, runs on the
 // pool's memory, not beside an idle region), and the next mark takes it again (out of
@@ -16,7 +19,7 @@
 // placement left free and scattered (the pool's remapping of scattered pages at a step's
 // peak is what made a tight VMM pool cost 1-11% of a training step).
 //
-// Safety: a planned step follows the recorded sequence exactly. The first request or
+// Safety ("step" below: a cycle): a planned step follows the recorded sequence exactly. The first request or
 // planned free that differs (another size or stream, a free out of order) takes the step
 // off the plan: its remaining requests go to the pool, so a planned address is handed out
 // only when the same allocations as in the recorded step have been freed before it, on the
@@ -53,7 +56,7 @@ namespace gpumem {
 struct step_planner_counts {
   std::uint64_t steps = 0;                // mark_step calls
   std::uint64_t plans_built = 0;
-  std::uint64_t planned_steps = 0;        // steps begun on a plan
+  std::uint64_t planned_steps = 0;        // steps (cycles) begun on a plan
   std::uint64_t steps_left_plan = 0;      // of those, steps that left it (a difference)
   std::uint64_t planned_allocations = 0;  // served from a region
   std::uint64_t region_failures = 0;      // marks where the pool could not give the region
@@ -109,7 +112,8 @@ class step_planner final : public memory_resource {
     return std::min<std::size_t>(512, pool_.max_alignment());
   }
   void give_region_back(state& s);   // REQUIRES: no planned allocation live
-  void leave_plan(state& s);         // the rest of this step goes to the pool
+  void leave_plan(state& s);         // the rest of this cycle goes to the pool
+  void begin_cycle_if_due(state& s); // at the plan's cycle start: on the plan if it can
   void count_alloc(std::size_t bytes) noexcept;
   void count_free(std::size_t bytes) noexcept;
 
