@@ -19,16 +19,16 @@
 // placement left free and scattered (the pool's remapping of scattered pages at a step's
 // peak is what made a tight VMM pool cost 1-11% of a training step).
 //
-// Safety ("step" below: a cycle): a planned step follows the recorded sequence exactly. The first request or
-// planned free that differs (another size or stream, a free out of order) takes the step
+// Safety: a planned cycle follows the recorded sequence exactly. The first request or
+// planned free that differs (another size or stream, a free out of order) takes the cycle
 // off the plan: its remaining requests go to the pool, so a planned address is handed out
-// only when the same allocations as in the recorded step have been freed before it, on the
-// plan's stream (reuse in that stream's order, as the pool's own). A planned allocation
-// freed on another stream makes the plan's stream wait for that stream's work. A step
-// begins on the plan only when no planned allocation is live. When the loop changes (two
-// steps in a row the same but not the plan), the plan is rebuilt once the region is idle.
-// Allocations made before the first mark, those that outlive their step, and those of
-// other streams are the pool's, as without a plan.
+// only when the same allocations as in the recorded cycle have been freed before it, on
+// the plan's stream (reuse in that stream's order, as the pool's own). A planned
+// allocation freed on another stream makes the plan's stream wait for that stream's work.
+// A cycle begins on the plan only when no planned allocation is live. When the loop
+// changes (two steps in a row the same but not the plan), the plan is rebuilt once the
+// region is idle. Allocations made before the first mark, those that outlive their cycle,
+// and those of other streams are the pool's, as without a plan.
 //
 // Threads: before the first mark every call goes straight to the pool (one atomic load
 // more, no shared write: a planner no one marks costs nothing); from it on, calls take the
