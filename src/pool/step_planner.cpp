@@ -34,6 +34,10 @@ struct step_planner::state {
 
   std::uint64_t step = 0;  // 1 from the first mark
   std::vector<step_event> recording, previous;  // this step's events, the last step's
+  std::size_t step_events = 0;  // events of this step so far (recorded or not)
+  // A step longer than the planner records (a loop that stopped marking, say): not kept,
+  // and never equal to another.
+  bool recording_overflow = false, previous_overflow = false;
   std::uint32_t next_id = 0;
   std::unordered_map<std::uintptr_t, live_record> live;  // made since the first mark
 
@@ -129,7 +133,7 @@ void* step_planner::do_allocate(std::size_t bytes, std::size_t alignment, stream
               : reinterpret_cast<std::uintptr_t>(pool_.allocate(bytes, alignment, stream));
   try {
     s.live.emplace(addr, state::live_record{s.step, e.id, s.cycle, in_cycle.id, bytes, planned});
-    s.recording.push_back(e);
+    record(s, e);
   } catch (...) {
     s.live.erase(addr);
     if (!planned) pool_.deallocate(reinterpret_cast<void*>(addr), bytes, stream);
@@ -161,7 +165,7 @@ void step_planner::do_deallocate(void* ptr, std::size_t bytes, stream_handle str
                              ": inside the step plan's region but not a live allocation "
                              "(freed twice, or not an address allocate returned)");
     pool_.deallocate(ptr, bytes, stream);  // made before the first mark, or not ours
-    s.recording.push_back({step_event::kind::free, 2, 0, bytes, 0, stream.value});
+    record(s, {step_event::kind::free, 2, 0, bytes, 0, stream.value});
     count_free(bytes);
     return;
   }
@@ -189,7 +193,7 @@ void step_planner::do_deallocate(void* ptr, std::size_t bytes, stream_handle str
   s.live.erase(it);
   const std::uint8_t age = rec.step == s.step ? 0 : rec.step + 1 == s.step ? 1 : 2;
   // May throw bad_alloc: the step then only fails to match the next.
-  s.recording.push_back({step_event::kind::free, age, age < 2 ? rec.id : 0, bytes, 0, stream.value});
+  record(s, {step_event::kind::free, age, age < 2 ? rec.id : 0, bytes, 0, stream.value});
   if (s.on_plan && rec.planned) {
     // While a cycle follows the plan, every live planned allocation is this cycle's.
     const step_event in_cycle{step_event::kind::free, 0, rec.cycle_id, bytes, 0, stream.value};
@@ -205,6 +209,19 @@ void step_planner::do_deallocate(void* ptr, std::size_t bytes, stream_handle str
     if (s.region_live == 0 && !s.on_plan) give_region_back(s);  // idle until a step follows it
   }
   count_free(bytes);
+}
+
+void step_planner::record(state& s, const step_event& e) {
+  ++s.step_events;
+  if (s.recording_overflow) return;
+  if (s.recording.size() >= max_planned_ * events_per_planned) {
+    s.recording.clear();
+    s.recording.shrink_to_fit();
+    s.recording_overflow = true;
+    ++s.counts.steps_too_long;
+    return;
+  }
+  s.recording.push_back(e);
 }
 
 void step_planner::leave_plan(state& s) {
@@ -239,9 +256,13 @@ void step_planner::mark_step() {
     recording_.store(true, std::memory_order_release);
     return;
   }
-  const bool repeated = !s.recording.empty() && s.recording == s.previous;
+  const bool repeated = !s.recording_overflow && !s.previous_overflow &&
+                        !s.recording.empty() && s.recording == s.previous;
   s.previous = std::move(s.recording);
   s.recording.clear();
+  s.previous_overflow = s.recording_overflow;
+  s.recording_overflow = false;
+  s.step_events = 0;
   s.next_id = 0;
   ++s.step;
   s.cycle_begun = false;  // the cycle under way (if any) runs on to this step's start
@@ -270,7 +291,7 @@ void step_planner::mark_step() {
 }
 
 void step_planner::begin_cycle_if_due(state& s) {
-  if (!s.plan || s.cycle_begun || s.recording.size() != s.cycle_start) return;
+  if (!s.plan || s.cycle_begun || s.step_events != s.cycle_start) return;
   s.cycle_begun = true;
   ++s.cycle;
   s.cycle_next_id = 0;

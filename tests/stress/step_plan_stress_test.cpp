@@ -8,10 +8,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <map>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "gpumem/platform/sim_platform.hpp"
@@ -224,6 +226,63 @@ TEST(StepPlanStress, PerturbedLoopsNeverShareALiveByteAndLeakNothing) {
   }
   // The loops repeat often enough that plans serve most seeds: the test exercises them.
   EXPECT_GE(seeds_planned, seeds / 2) << planned << " planned allocations in all";
+}
+
+// Threads allocating and freeing through a planner while another marks steps: the calls
+// serialize on the planner's lock (TSan runs this too), no two live allocations share a
+// byte, and the counts add up.
+TEST(StepPlanStress, ThreadsCallingThroughAMarkingPlannerNeverShareAByte) {
+  sim_options so;
+  so.capacity = 4ull << 30;
+  so.granularity = 2 * MiB;
+  sim_platform sim(so);
+  {
+    vmm_page_pool pool(sim, 0);
+    step_planner planner(pool);
+    // Marked once first: from then on every call is counted by the planner (a baseline taken
+    // while other threads allocate straight from the pool would be only as exact as the
+    // pool's own shared totals).
+    planner.mark_step();
+    std::atomic<bool> stop{false};
+    std::thread marker([&] {
+      while (!stop.load()) {
+        planner.mark_step();
+        std::this_thread::yield();
+      }
+    });
+    std::vector<std::thread> workers;
+    std::atomic<int> bad{0};
+    for (int w = 0; w < 4; ++w) {
+      workers.emplace_back([&, w] {
+        std::mt19937_64 rng(static_cast<std::uint64_t>(w) + 100);
+        std::vector<std::pair<unsigned char*, std::size_t>> mine;
+        for (int i = 0; i < 3000; ++i) {
+          if (mine.size() < 8 && rng() % 2 == 0) {
+            const std::size_t n = 1 + rng() % (256 * KiB);
+            auto* p = static_cast<unsigned char*>(planner.allocate(n, 256, {}));
+            std::memset(p, w + 1, std::min<std::size_t>(n, 512));
+            mine.emplace_back(p, n);
+          } else if (!mine.empty()) {
+            auto [p, n] = mine.back();
+            mine.pop_back();
+            for (std::size_t k = 0; k < std::min<std::size_t>(n, 512); ++k)
+              if (p[k] != w + 1) ++bad;
+            planner.deallocate(p, n, {});
+          }
+        }
+        for (auto [p, n] : mine) planner.deallocate(p, n, {});
+      });
+    }
+    for (auto& t : workers) t.join();
+    stop = true;
+    marker.join();
+    EXPECT_EQ(bad.load(), 0);
+    EXPECT_EQ(planner.stats().live_bytes, 0u);
+    EXPECT_EQ(planner.stats().allocations, planner.stats().deallocations);
+    EXPECT_GT(planner.counts().steps, 1u);
+    EXPECT_EQ(planner.validate(), "");
+  }
+  EXPECT_TRUE(sim.live_objects().none()) << sim.live_objects().describe();
 }
 
 }  // namespace

@@ -484,6 +484,32 @@ TEST_F(StepPlanner, OverACachingPoolPlannedAddressesKeepTheirAlignment) {
   EXPECT_EQ(planner.validate(), "");
 }
 
+TEST_F(StepPlanner, AStepLongerThanRecordedIsNotKeptAndNotPlanned) {
+  vmm_page_pool pool(sim, 0);
+  step_planner planner(pool, /*max_planned=*/2);  // records up to 16 events a step
+  const stream_handle s{};
+  auto step = [&](int n) {
+    for (int i = 0; i < n; ++i) {
+      void* a = planner.allocate(MiB, 256, s);
+      planner.deallocate(a, MiB, s);
+    }
+  };
+  for (int i = 0; i < 4; ++i) {
+    planner.mark_step();
+    step(20);  // 40 events
+  }
+  planner.mark_step();
+  EXPECT_EQ(planner.counts().steps_too_long, 4u);
+  EXPECT_EQ(planner.counts().plans_built, 0u);
+  for (int i = 0; i < 3; ++i) {
+    step(5);  // 10 events: recorded, and planned once two agree
+    planner.mark_step();
+  }
+  EXPECT_EQ(planner.counts().plans_built, 1u);
+  EXPECT_EQ(planner.counts().steps_too_long, 4u);
+  EXPECT_EQ(planner.validate(), "");
+}
+
 TEST_F(StepPlanner, SegmentsShowPlannedAllocationsInsideTheRegion) {
   vmm_page_pool pool(sim, 0);
   step_planner planner(pool);

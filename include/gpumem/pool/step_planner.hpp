@@ -53,6 +53,10 @@
 
 namespace gpumem {
 
+namespace detail {
+struct step_event;
+}
+
 struct step_planner_counts {
   std::uint64_t steps = 0;                // mark_step calls
   std::uint64_t plans_built = 0;
@@ -60,6 +64,7 @@ struct step_planner_counts {
   std::uint64_t steps_left_plan = 0;      // of those, steps that left it (a difference)
   std::uint64_t planned_allocations = 0;  // served from a region
   std::uint64_t region_failures = 0;      // marks where the pool could not give the region
+  std::uint64_t steps_too_long = 0;       // steps of more events than are recorded
   std::size_t region_bytes = 0;           // the region held now (0: none)
   std::size_t plan_lower_bound = 0;       // peak planned bytes live at once, of that plan
   std::size_t planned_count = 0;          // allocations per step the plan serves
@@ -71,6 +76,10 @@ class step_planner final : public memory_resource {
   // Plans at most this many allocations of a step (the largest): building a plan costs
   // O(n^2) in them, once per change of the loop.
   static constexpr std::size_t default_max_planned = 32768;
+  // A step is recorded up to max_planned x this many events (frees, allocations of other
+  // streams, ...); a longer one is dropped and not planned, so host memory stays bounded
+  // (~10 MB a recording by default) however rarely the loop marks.
+  static constexpr std::size_t events_per_planned = 8;
 
   // REQUIRES: `pool` outlives the planner.
   explicit step_planner(pool_base& pool, std::size_t max_planned = default_max_planned);
@@ -113,6 +122,7 @@ class step_planner final : public memory_resource {
   }
   void give_region_back(state& s);   // REQUIRES: no planned allocation live
   void leave_plan(state& s);         // the rest of this cycle goes to the pool
+  void record(state& s, const detail::step_event& e);  // this step's next event
   void begin_cycle_if_due(state& s); // at the plan's cycle start: on the plan if it can
   void count_alloc(std::size_t bytes) noexcept;
   void count_free(std::size_t bytes) noexcept;
