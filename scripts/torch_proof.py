@@ -121,7 +121,8 @@ def worker(args):
         import gpumem
         import gpumem.torch
 
-        gpumem.torch.enable(args.gpumem_conf)
+        gpumem.torch.enable(args.gpumem_conf,
+                            mark_steps="optimizer" if args.mark_steps == "optimizer" else None)
         info["gpumem_conf"] = args.gpumem_conf or ""
         info["gpumem_library"] = gpumem.library_path()
         info["record_stream_mode"] = gpumem.torch.record_stream_mode()
@@ -136,11 +137,11 @@ def worker(args):
         return gpumem.torch.counters(0)
 
     mark_step = None
-    if mode == "gpumem" and args.mark_steps:
+    if mode == "gpumem" and args.mark_steps == "top":
         import gpumem.torch
 
         mark_step = gpumem.torch.mark_step
-    info["mark_steps"] = mark_step is not None
+    info["mark_steps"] = args.mark_steps if mode == "gpumem" else "none"
     info["zero_grad_first"] = bool(args.zero_grad_first)
     start_counters = {}
     from transformers import LlamaForCausalLM
@@ -251,9 +252,11 @@ def main():
     p.add_argument("--zero-grad-first", action="store_true",
                    help="train: zero the gradients at the top of the step (after the mark) "
                         "rather than at its end")
-    p.add_argument("--mark-steps", action="store_true",
-                   help="gpumem mode: call gpumem.torch.mark_step() at the top of each training "
-                        "step (steps alike are then served from a step plan)")
+    p.add_argument("--mark-steps", choices=["none", "top", "optimizer"], default="none",
+                   help="gpumem mode: mark training steps for step plans: 'top' calls "
+                        "gpumem.torch.mark_step() at the top of each step, 'optimizer' lets "
+                        "gpumem.torch.enable(mark_steps='optimizer') mark after each "
+                        "optimizer step (no change to the loop)")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
@@ -275,8 +278,7 @@ def main():
         worker_args += ["--" + key.replace("_", "-"), str(getattr(args, key))]
     if args.gpumem_conf:
         worker_args += ["--gpumem-conf", args.gpumem_conf]
-    if args.mark_steps:
-        worker_args += ["--mark-steps"]
+    worker_args += ["--mark-steps", args.mark_steps]
     if args.zero_grad_first:
         worker_args += ["--zero-grad-first"]
     for phase in args.phases.split(","):

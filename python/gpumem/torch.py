@@ -30,13 +30,18 @@ import os
 
 import gpumem
 
-_state = {"enabled": False, "record_stream": "none", "allocator": None, "empty_cache": "none"}
+_state = {"enabled": False, "record_stream": "none", "allocator": None, "empty_cache": "none",
+          "mark_steps": "none"}
 
 
-def enable(conf=None, allocator=None, path=None, patch_record_stream=True):
+def enable(conf=None, allocator=None, path=None, patch_record_stream=True, mark_steps=None):
     """Makes gpumem PyTorch's CUDA allocator. `conf` (GPUMEM_CONF syntax) and `allocator`
     (vmm_page_pool or caching_pool) are put in the environment the plug-in reads when it
-    creates each device's pool. Must run before PyTorch allocates CUDA memory."""
+    creates each device's pool. Must run before PyTorch allocates CUDA memory.
+
+    mark_steps="optimizer" (or GPUMEM_MARK_STEPS=optimizer) calls mark_step() after every
+    optimizer step (torch.optim's global step hook), so a training loop gets step plans with
+    no change to the loop itself."""
     import torch
 
     if _state["enabled"]:
@@ -67,6 +72,14 @@ def enable(conf=None, allocator=None, path=None, patch_record_stream=True):
             pass  # empty_cache() below still works
     torch.cuda.memory.change_current_allocator(alloc)
     _state.update(enabled=True, allocator=alloc)
+    mark_steps = mark_steps if mark_steps is not None else os.environ.get("GPUMEM_MARK_STEPS")
+    if mark_steps:
+        if mark_steps != "optimizer":
+            raise ValueError("gpumem.torch.enable: mark_steps must be 'optimizer' or None, not %r"
+                             % (mark_steps,))
+        torch.optim.optimizer.register_optimizer_step_post_hook(
+            lambda optimizer, args, kwargs: mark_step())
+        _state["mark_steps"] = "optimizer"
     return alloc
 
 
@@ -89,6 +102,11 @@ def _patch_record_stream(torch, lib):
 
 def enabled():
     return _state["enabled"]
+
+
+def mark_steps_mode():
+    """"optimizer" when enable() marks a step after every optimizer step, else "none"."""
+    return _state["mark_steps"]
 
 
 def record_stream_mode():

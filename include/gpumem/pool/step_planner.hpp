@@ -36,8 +36,9 @@
 // threads at once does not repeat and is not planned).
 //
 // Stats: the pool's until the first mark; from it, live and peak live bytes and counts are
-// the planner's own, continuing the pool's (planned allocations in, the region out);
-// reserved bytes are always the pool's.
+// the planner's own, continuing the pool's figures at the mark (as exact as the pool's
+// shared totals are then, with other threads allocating) with planned allocations in and
+// the region out; reserved bytes are always the pool's.
 #pragma once
 
 #include <algorithm>
