@@ -46,6 +46,10 @@ def enable(conf=None, allocator=None, path=None, patch_record_stream=True, mark_
 
     if _state["enabled"]:
         return _state["allocator"]
+    mark_steps = mark_steps if mark_steps is not None else os.environ.get("GPUMEM_MARK_STEPS")
+    if mark_steps not in (None, "", "optimizer"):
+        raise ValueError("gpumem.torch.enable: mark_steps must be 'optimizer' or None, not %r"
+                         % (mark_steps,))
     if conf is not None:
         os.environ["GPUMEM_CONF"] = conf
     if allocator is not None:
@@ -72,13 +76,10 @@ def enable(conf=None, allocator=None, path=None, patch_record_stream=True, mark_
             pass  # empty_cache() below still works
     torch.cuda.memory.change_current_allocator(alloc)
     _state.update(enabled=True, allocator=alloc)
-    mark_steps = mark_steps if mark_steps is not None else os.environ.get("GPUMEM_MARK_STEPS")
     if mark_steps:
-        if mark_steps != "optimizer":
-            raise ValueError("gpumem.torch.enable: mark_steps must be 'optimizer' or None, not %r"
-                             % (mark_steps,))
-        torch.optim.optimizer.register_optimizer_step_post_hook(
-            lambda optimizer, args, kwargs: mark_step())
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(lambda optimizer, args, kwargs: mark_step())
         _state["mark_steps"] = "optimizer"
     return alloc
 
