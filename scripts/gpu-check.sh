@@ -35,6 +35,11 @@ for t in .gpurun/*.csv.gz; do
     $BUILD/tools/gpumem replay "$t" --device cuda --passes 2 --allocator $a 2>/dev/null | tee -a "$OUT/replay.txt" | tail -1
   done
 done
+# Step plans on a loop of equal steps (the fixed-shape training trace, when carried).
+if [ -f .gpurun/torch_train_fixed.csv.gz ]; then
+  $BUILD/tools/gpumem replay .gpurun/torch_train_fixed.csv.gz --device cuda --passes 3 \
+    --allocator vmm_page_pool --step-plan 2>/dev/null | tee -a "$OUT/replay.txt" | tail -3
+fi
 # The KV layer: block pairs, prefix hashing, pinned host pool vs cudaMallocHost, swap
 # bandwidth against plain copies (bytes checked), then the serving simulation on the GPU.
 $BUILD/bench/kv_bench --device cuda 2>&1 | tee "$OUT/kv_bench.txt"
