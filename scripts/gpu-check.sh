@@ -13,7 +13,7 @@ BUILD=build-gpu
 gtest_arg=()
 [ -d .deps/googletest ] && gtest_arg=(-DGPUMEM_GTEST_SOURCE="$PWD/.deps/googletest")
 { date -u; nvidia-smi -L; } | tee "$OUT/info.txt"
-cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release "${gtest_arg[@]}" >"$BUILD.log" 2>&1 &&
+cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release -DGPUMEM_BUILD_TESTS=ON -DGPUMEM_BUILD_BENCH=ON "${gtest_arg[@]}" >"$BUILD.log" 2>&1 &&
   cmake --build $BUILD -j 16 >>"$BUILD.log" 2>&1 || { tail -40 "$BUILD.log"; exit 1; }
 $BUILD/tools/gpumem info | tee -a "$OUT/info.txt"
 $BUILD/tools/gpumem info --json --bandwidth >"$OUT/info.json"
