@@ -152,16 +152,22 @@ class PoolTest(unittest.TestCase):
         self.assertIn("GPUMEM_LIB", str(e.exception))
 
 
+def _plugin_entry_points():
+    """The library, with the signatures of the entry points PyTorch calls declared."""
+    lib = gpumem.load()
+    lib.gpumem_torch_malloc.restype = ctypes.c_void_p
+    lib.gpumem_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.gpumem_torch_free.restype = None
+    lib.gpumem_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int,
+                                      ctypes.c_void_p]
+    return lib
+
+
 class TorchPluginTest(unittest.TestCase):
     """The entry points PyTorch calls, driven as CUDAPluggableAllocator drives them."""
 
     def test_malloc_free_as_pytorch_calls_them(self):
-        lib = gpumem.load()
-        lib.gpumem_torch_malloc.restype = ctypes.c_void_p
-        lib.gpumem_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-        lib.gpumem_torch_free.restype = None
-        lib.gpumem_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int,
-                                          ctypes.c_void_p]
+        lib = _plugin_entry_points()
         failures = gpumem.torch.failures()
         self.assertIsNone(lib.gpumem_torch_malloc(0, 0, None))  # empty tensor: no memory
         self.assertEqual(gpumem.torch.failures(), failures)
@@ -193,12 +199,7 @@ class TorchPluginTest(unittest.TestCase):
             gpumem.torch.stats(3)
 
     def test_mark_step_reaches_the_plugin_pools(self):
-        lib = gpumem.load()
-        lib.gpumem_torch_malloc.restype = ctypes.c_void_p
-        lib.gpumem_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-        lib.gpumem_torch_free.restype = None
-        lib.gpumem_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int,
-                                          ctypes.c_void_p]
+        lib = _plugin_entry_points()
         before = gpumem.torch.counters(0, ["planned_allocations"])["planned_allocations"]
         for _ in range(4):
             gpumem.torch.mark_step()
