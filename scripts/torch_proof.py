@@ -143,6 +143,7 @@ def worker(args):
         mark_step = gpumem.torch.mark_step
     info["mark_steps"] = args.mark_steps if mode == "gpumem" else "none"
     info["zero_grad_first"] = bool(args.zero_grad_first)
+    info["eval_every"] = args.eval_every
     start_counters = {}
     from transformers import LlamaForCausalLM
 
@@ -160,6 +161,8 @@ def worker(args):
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda")
+        eval_ids = torch.randint(0, cfg.vocab_size, (max(1, args.batch // 2), args.seq),
+                                 device="cuda")
         times = []
         for step in range(args.steps):
             if step == 2:
@@ -175,6 +178,11 @@ def worker(args):
             opt.step()
             if not args.zero_grad_first:
                 opt.zero_grad(set_to_none=True)
+            if args.eval_every and step % args.eval_every == args.eval_every - 1:
+                # An evaluation pass of other shapes inside this step: a step unlike the
+                # others (a step plan is left, and taken again after).
+                with torch.no_grad():
+                    model(input_ids=eval_ids)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         info["loss"] = float(loss.item())
@@ -208,6 +216,7 @@ def worker(args):
                 del past, nxt, ids
         warm = times[8:] if len(times) > 16 else times
     info["steps"] = len(times)
+    info["step_times_ms"] = [round(x * 1e3, 2) for x in times]
     info["median_step_s"] = statistics.median(warm)
     info["mean_step_s"] = statistics.fmean(warm)
     info.update(peaks())
@@ -249,6 +258,9 @@ def main():
     p.add_argument("--gen-reps", type=int, default=1)
     p.add_argument("--timeout", type=int, default=150, help="seconds per subprocess")
     p.add_argument("--gpumem-conf", default=None, help="GPUMEM_CONF for the gpumem mode")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="train: every N steps, also an evaluation forward of half the batch "
+                        "inside the step (0: never)")
     p.add_argument("--zero-grad-first", action="store_true",
                    help="train: zero the gradients at the top of the step (after the mark) "
                         "rather than at its end")
@@ -281,6 +293,8 @@ def main():
     worker_args += ["--mark-steps", args.mark_steps]
     if args.zero_grad_first:
         worker_args += ["--zero-grad-first"]
+    if args.eval_every:
+        worker_args += ["--eval-every", str(args.eval_every)]
     for phase in args.phases.split(","):
         for mode in args.modes.split(","):
             env = dict(os.environ)
