@@ -291,6 +291,84 @@ TEST_F(StepPlanner, ADifferentRequestTakesTheRestOfTheStepToThePoolAndTheNextSte
   EXPECT_EQ(planner.validate(), "");
 }
 
+// An evaluation-like step (other shapes) leaves the plan: the rest of it is served from the
+// region's free ranges (the pool for what does not fit), the region is kept, not given back
+// and gathered again; once the pool holds what the odd step needs beyond the region, those
+// steps and the planned ones between them make no driver call.
+TEST_F(StepPlanner, AStepThatLeavesThePlanKeepsTheRegionAndMakesNoDriverCall) {
+  vmm_page_pool pool(sim, 0);
+  step_planner planner(pool);
+  loop l;
+  run_until_planned(*this, planner, l, 5);
+  planner.mark_step();
+  const auto region = planner.counts().region_bytes;
+  ASSERT_GT(region, 0u);
+  run_step(planner, l, {}, /*variant=*/4096);  // the first odd step: the pool may grow
+  planner.mark_step();
+  run_step(planner, l, {});
+  planner.mark_step();
+  const auto reserved = pool.stats().reserved_bytes;
+  const auto maps = calls(platform_op::map), unmaps = calls(platform_op::unmap),
+             creates = calls(platform_op::create_physical);
+  for (int i = 0; i < 3; ++i) {
+    run_step(planner, l, {}, /*variant=*/4096);  // leaves the plan at its first request
+    planner.mark_step();
+    ASSERT_EQ(planner.validate(), "");
+    const auto before = planner.counts().planned_allocations;
+    run_step(planner, l, {});  // follows it again
+    planner.mark_step();
+    EXPECT_EQ(planner.counts().planned_allocations, before + 9u);
+  }
+  EXPECT_EQ(planner.counts().steps_left_plan, 4u);
+  EXPECT_EQ(planner.counts().region_takes, 1u);  // taken once, never given back
+  EXPECT_EQ(planner.counts().region_bytes, region);
+  EXPECT_EQ(calls(platform_op::map), maps);
+  EXPECT_EQ(calls(platform_op::unmap), unmaps);
+  EXPECT_EQ(calls(platform_op::create_physical), creates);
+  EXPECT_EQ(pool.stats().reserved_bytes, reserved);
+  finish(planner, l, {});
+  EXPECT_EQ(planner.validate(), "");
+}
+
+// An allocation served from the region's free ranges that lives on into planned cycles:
+// planned allocations whose place it holds go to the pool; nothing overlaps.
+TEST_F(StepPlanner, AnAllocationFromTheSpareRangesThatLivesOnKeepsPlannedOnesClear) {
+  vmm_page_pool pool(sim, 0);
+  step_planner planner(pool);
+  const stream_handle s{};
+  auto step = [&](bool extra, void** kept) {
+    void* a = planner.allocate(8 * MiB, 256, s);
+    fill(a, 8 * MiB, 0x51);
+    if (extra) {  // leaves the plan; kept beyond the step
+      *kept = planner.allocate(2 * MiB, 256, s);
+      fill(*kept, 2 * MiB, 0x52);
+    }
+    void* b = planner.allocate(4 * MiB, 256, s);
+    fill(b, 4 * MiB, 0x53);
+    EXPECT_TRUE(holds(a, 8 * MiB, 0x51));
+    planner.deallocate(b, 4 * MiB, s);
+    planner.deallocate(a, 8 * MiB, s);
+  };
+  for (int i = 0; i < 3; ++i) {
+    planner.mark_step();
+    step(false, nullptr);
+  }
+  planner.mark_step();
+  ASSERT_EQ(planner.counts().plans_built, 1u);
+  void* kept = nullptr;
+  step(true, &kept);
+  EXPECT_EQ(planner.counts().steps_left_plan, 1u);
+  for (int i = 0; i < 3; ++i) {
+    planner.mark_step();
+    step(false, nullptr);
+    EXPECT_TRUE(holds(kept, 2 * MiB, 0x52)) << "step " << i;
+    ASSERT_EQ(planner.validate(), "");
+  }
+  EXPECT_EQ(planner.counts().steps_left_plan, 1u);  // the later steps followed the plan
+  planner.deallocate(kept, 2 * MiB, s);
+  EXPECT_EQ(planner.validate(), "");
+}
+
 TEST_F(StepPlanner, AFreeOutOfOrderLeavesThePlanAndNothingOverlaps) {
   vmm_page_pool pool(sim, 0);
   step_planner planner(pool);
