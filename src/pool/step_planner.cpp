@@ -17,20 +17,19 @@ using detail::step_event;
 using detail::step_plan;
 
 // Invariants (validate()):
-//  - region_live == the live records in the region (planned, or served from its spare
-//    ranges while a cycle was off the plan), each inside [region, region + bytes), none
-//    overlapping another; planned_live == those that are planned;
-//  - while spare_active, the spare ranges overlap no live record of the region;
-//  - on_plan implies a plan, a region, and cursor <= plan->sequence.size();
-//  - the first cursor events of the plan's sequence are exactly what this step did so far
-//    (so the planned allocations live now are the ones live at that point of the recorded
-//    step, which the plan laid out apart).
+//  - region_live == the live records in the region (at their planned offset, or placed in
+//    its free ranges), each inside [region, region + bytes), none overlapping another;
+//    planned_live == those at their planned offset;
+//  - while a region is held, `spare` is exactly the region less those records' blocks;
+//  - tracking implies a plan, a region, and cursor <= plan->sequence.size().
+// A planned offset is handed out only when its range is wholly spare: safety rests on that
+// check, not on the request order (the order decides which offset to try).
 struct step_planner::state {
   struct live_record {
     std::uint64_t step = 0;      // the step (between two marks) that made it
     std::uint32_t id = 0;        // its number within that step
     std::uint64_t cycle = 0;     // the cycle that made it
-    std::uint32_t cycle_id = 0;  // its number within that cycle
+    std::uint32_t cycle_id = 0;  // its number in the plan (when in_sequence)
     std::size_t bytes = 0;
     bool planned = false;        // at its planned offset in the region
     bool in_region = false;      // planned, or from the region's spare ranges (else the pool's)
@@ -54,19 +53,19 @@ struct step_planner::state {
   std::size_t cycle_start = 0;
   bool cycle_begun = false;             // this step's cycle has begun
   std::uint64_t cycle = 0;
-  std::uint32_t cycle_next_id = 0;
-  bool on_plan = false;                 // this cycle follows the plan so far
-  std::size_t cursor = 0;               // events of the plan's sequence done this cycle
+  bool tracking = false;                // this cycle is served by the plan (a region held)
+  bool on_plan = false;                 // ... and has followed its sequence so far
+  std::size_t cursor = 0;               // events of the plan's sequence matched this cycle
 
   std::uintptr_t region = 0;  // held from the pool while non-zero (also after the plan
   std::size_t region_bytes = 0;  // is dropped, until its last allocation is freed)
   std::uintptr_t region_stream = 0;
   std::size_t region_live = 0, region_live_blocks = 0, planned_live = 0;
-  // While a cycle is off the plan, the region's free ranges serve its requests (best fit)
-  // instead of the pool: the region is neither idle nor given back and gathered again.
-  bool spare_active = false;
-  std::map<std::size_t, std::size_t> spare;       // offset -> bytes, free, merged
-  std::map<std::size_t, std::size_t> spare_live;  // offset -> block, live, not planned
+  // The region's free ranges (offset -> bytes, merged). A planned request takes its exact
+  // range from them; a request the plan does not place (a cycle off its sequence, an
+  // evaluation pass, say) takes the best fit, else goes to the pool: the region is neither
+  // idle nor given back and gathered again.
+  std::map<std::size_t, std::size_t> spare;
 
   std::uint64_t retry_at_step = 0;  // after the pool refused a region: back off
   unsigned refusals_in_a_row = 0;
@@ -103,30 +102,17 @@ struct step_planner::state {
     }
     spare.emplace(at, block);
   }
-  // The region less every live allocation in it.
-  void reset_spare(const std::unordered_map<std::uintptr_t, live_record>& live_records) {
-    std::vector<std::pair<std::size_t, std::size_t>> busy;
-    for (const auto& [addr, rec] : live_records)
-      if (rec.in_region) busy.emplace_back(addr - region, step_plan::block_bytes(rec.bytes));
-    std::sort(busy.begin(), busy.end());
-    spare.clear();
-    std::size_t at = 0;
-    for (const auto& [off, block] : busy) {
-      if (off > at) spare.emplace(at, off - at);
-      at = std::max(at, off + block);
-    }
-    if (region_bytes > at) spare.emplace(at, region_bytes - at);
-    spare_active = true;
-  }
-  // Does [at, at + block) meet a live allocation served from the spare ranges?
-  bool meets_spare_live(std::size_t at, std::size_t block) const {
-    auto it = spare_live.lower_bound(at);
-    if (it != spare_live.end() && it->first < at + block) return true;
-    if (it != spare_live.begin()) {
-      const auto prev = std::prev(it);
-      if (prev->first + prev->second > at) return true;
-    }
-    return false;
+  // Takes [at, at + block) if it lies wholly in one free range.
+  bool take_exact(std::size_t at, std::size_t block) {
+    auto it = spare.upper_bound(at);
+    if (it == spare.begin()) return false;
+    --it;
+    const std::size_t from = it->first, to = it->first + it->second;
+    if (at + block > to) return false;
+    spare.erase(it);
+    if (at > from) spare.emplace(from, at - from);
+    if (to > at + block) spare.emplace(at + block, to - at - block);
+    return true;
   }
 };
 
@@ -181,43 +167,50 @@ void* step_planner::do_allocate(std::size_t bytes, std::size_t alignment, stream
   state& s = *s_;
   begin_cycle_if_due(s);
   const step_event e{step_event::kind::alloc, 0, s.next_id, bytes, alignment, stream.value};
-  const step_event in_cycle{step_event::kind::alloc, 0, s.cycle_next_id, bytes, alignment,
-                            stream.value};
+  // The plan's number for this request if it is the recorded one: the requests the plan
+  // does not know (an evaluation pass) are not counted, so the cycle's own keep theirs.
+  const step_event in_cycle{step_event::kind::alloc, 0,
+                            s.tracking && s.cursor < s.plan->sequence.size()
+                                ? s.plan->sequence[s.cursor].id
+                                : 0,
+                            bytes, alignment, stream.value};
   const std::size_t block = step_plan::block_bytes(bytes);
   bool planned = false, in_sequence = false;
-  if (s.on_plan) {
+  std::size_t at = step_plan::unplanned;
+  if (s.tracking) {
     if (s.cursor < s.plan->sequence.size() && s.plan->sequence[s.cursor] == in_cycle) {
-      // Planned, unless an allocation served from the spare ranges in an earlier cycle
-      // still lives where the plan puts this one: then the pool serves it.
+      ++s.cursor;
+      // At its planned offset if that range is free (an allocation placed in the free
+      // ranges may still live there: then the pool serves it). A recorded request the plan
+      // leaves to the pool (it outlives the cycle) goes there.
       in_sequence = s.plan->planned(in_cycle.id);
-      planned = in_sequence && !s.meets_spare_live(s.plan->offset[in_cycle.id], block);
+      if (in_sequence && s.take_exact(s.plan->offset[in_cycle.id], block)) {
+        planned = true;
+        at = s.plan->offset[in_cycle.id];
+      }
     } else {
-      leave_plan(s);  // the rest of this cycle: the region's free ranges, else the pool
+      // Not the recorded request (an evaluation pass, say): the best free range of the
+      // region on its stream, else the pool. The cursor waits for the recorded one.
+      if (s.on_plan) leave_plan(s);
+      if (stream.value == s.region_stream && alignment <= region_alignment())
+        at = s.take_spare(block);
     }
   }
-  std::size_t at = planned ? s.plan->offset[in_cycle.id] : step_plan::unplanned;
-  if (!planned && s.spare_active && stream.value == s.region_stream &&
-      alignment <= region_alignment())
-    at = s.take_spare(block);
   const bool in_region = at != step_plan::unplanned;
   const std::uintptr_t addr =
       in_region ? s.region + at
                 : reinterpret_cast<std::uintptr_t>(pool_.allocate(bytes, alignment, stream));
   try {
     s.live.emplace(addr, state::live_record{s.step, e.id, s.cycle, in_cycle.id, bytes, planned,
-                                            in_region, in_sequence});
-    if (in_region && !planned) s.spare_live.emplace(at, block);
+                                            in_region, in_sequence});  // id: of the plan
     record(s, e);
   } catch (...) {
     s.live.erase(addr);
-    s.spare_live.erase(at);
-    if (in_region && !planned) s.give_spare(at, block);
+    if (in_region) s.give_spare(at, block);
     if (!in_region) pool_.deallocate(reinterpret_cast<void*>(addr), bytes, stream);
     throw;
   }
   ++s.next_id;
-  ++s.cycle_next_id;
-  if (s.on_plan) ++s.cursor;
   if (in_region) {
     ++s.region_live;
     s.region_live_blocks += block;
@@ -278,20 +271,18 @@ void step_planner::do_deallocate(void* ptr, std::size_t bytes, stream_handle str
     if (rec.planned) {
       --s.planned_live;
       s.counts.planned_live_bytes -= bytes;
-    } else {
-      s.spare_live.erase(at);
     }
-    if (s.spare_active) s.give_spare(at, block);
+    s.give_spare(at, block);
     if (s.region_live == 0 && !s.plan) give_region_back(s);  // the plan was dropped
   }
   const std::uint8_t age = rec.step == s.step ? 0 : rec.step + 1 == s.step ? 1 : 2;
   // May throw bad_alloc: the step then only fails to match the next.
   record(s, {step_event::kind::free, age, age < 2 ? rec.id : 0, bytes, 0, stream.value});
-  if (s.on_plan && rec.in_sequence && rec.cycle == s.cycle) {
+  if (s.tracking && rec.in_sequence && rec.cycle == s.cycle) {
     const step_event in_cycle{step_event::kind::free, 0, rec.cycle_id, bytes, 0, stream.value};
     if (s.cursor < s.plan->sequence.size() && s.plan->sequence[s.cursor] == in_cycle)
       ++s.cursor;
-    else
+    else if (s.on_plan)
       leave_plan(s);
   }
   count_free(bytes);
@@ -311,12 +302,11 @@ void step_planner::record(state& s, const step_event& e) {
 }
 
 void step_planner::leave_plan(state& s) {
+  // The region stays: its free ranges serve what the plan does not place (given back, it
+  // would be gathered again from the pool's pages, ~0.4 s for 15.6 GB on the H200), and
+  // the recorded requests still get their offsets when those are free.
   s.on_plan = false;
   ++s.counts.steps_left_plan;
-  // The rest of the cycle (a loop's evaluation pass, say) uses the region's free ranges:
-  // given back, the region would have to be gathered again from the pool's pages (~0.4 s
-  // for 15.6 GB on the H200) when the next cycle follows the plan.
-  s.reset_spare(s.live);
 }
 
 void step_planner::give_region_back(state& s) {
@@ -325,7 +315,6 @@ void step_planner::give_region_back(state& s) {
   s.region = 0;
   s.region_bytes = 0;
   s.counts.region_bytes = 0;
-  s.spare_active = false;
   s.spare.clear();
 }
 
@@ -361,9 +350,7 @@ void step_planner::mark_step() {
   if (s.plan && repeated && s.previous != s.plan_source) {
     s.plan.reset();
     s.plan_source.clear();
-    s.on_plan = false;
-    s.spare_active = false;  // the region serves nothing more; it goes back once empty
-    s.spare.clear();
+    s.tracking = s.on_plan = false;  // the region serves nothing more; it goes back once empty
     if (s.region_live == 0) give_region_back(s);
   }
   if (!s.plan && repeated && s.region == 0 && s.step >= s.retry_at_step) {
@@ -385,18 +372,9 @@ void step_planner::begin_cycle_if_due(state& s) {
   if (!s.plan || s.cycle_begun || s.step_events != s.cycle_start) return;
   s.cycle_begun = true;
   ++s.cycle;
-  s.cycle_next_id = 0;
   s.cursor = 0;
-  // A cycle begins on the plan when no planned allocation is live and the region is held
-  // (allocations served from the spare ranges may live on: planned ones avoid them).
-  s.on_plan = s.planned_live == 0 && (s.region != 0 || take_region(s));
-  if (s.on_plan) {
-    ++s.counts.planned_steps;
-    s.spare_active = false;
-    s.spare.clear();
-  } else if (s.region != 0 && !s.spare_active) {
-    s.reset_spare(s.live);  // off the plan from its start: the region's free ranges serve it
-  }
+  s.tracking = s.on_plan = s.region != 0 || take_region(s);
+  if (s.on_plan) ++s.counts.planned_steps;
 }
 
 bool step_planner::take_region(state& s) {
@@ -421,6 +399,8 @@ bool step_planner::take_region(state& s) {
   s.region_bytes = s.plan->region_bytes;
   s.region_stream = s.plan->stream;
   s.counts.region_bytes = s.region_bytes;
+  s.spare.clear();
+  s.spare.emplace(0, s.region_bytes);
   return true;
 }
 
@@ -455,8 +435,7 @@ std::string step_planner::validate() const {
     inside.emplace_back(addr, addr + step_plan::block_bytes(rec.bytes));
     planned += rec.planned ? 1 : 0;
   }
-  if (inside.size() != s.region_live || planned != s.planned_live ||
-      inside.size() - planned != s.spare_live.size())
+  if (inside.size() != s.region_live || planned != s.planned_live)
     return "step_plan: " + std::to_string(inside.size()) + " allocations live in the region (" +
            std::to_string(planned) + " planned), " + std::to_string(s.region_live) + " (" +
            std::to_string(s.planned_live) + ") counted";
@@ -465,20 +444,23 @@ std::string step_planner::validate() const {
     if (inside[i].first < inside[i - 1].second)
       return "step_plan: allocations " + hex(inside[i - 1].first) + " and " +
              hex(inside[i].first) + " overlap in the region";
-  if (s.spare_active) {
-    std::size_t end = 0;
+  if (s.region != 0) {
+    std::size_t end = 0, free = 0;
     for (const auto& [at, bytes] : s.spare) {
-      if (at < end || at + bytes > s.region_bytes) return "step_plan: spare ranges overlap";
+      if (at < end || at + bytes > s.region_bytes) return "step_plan: free ranges overlap";
       end = at + bytes;
+      free += bytes;
       auto it = std::lower_bound(inside.begin(), inside.end(),
                                  std::pair<std::uintptr_t, std::size_t>{s.region + at, 0});
       if (it != inside.end() && it->first < s.region + at + bytes)
-        return "step_plan: a spare range holds a live allocation";
+        return "step_plan: a free range holds a live allocation";
       if (it != inside.begin() && std::prev(it)->second > s.region + at)
-        return "step_plan: a spare range holds a live allocation";
+        return "step_plan: a free range holds a live allocation";
     }
+    if (free + s.region_live_blocks != s.region_bytes)
+      return "step_plan: free ranges and live blocks do not add up to the region";
   }
-  if (s.on_plan && (!s.plan || s.region == 0 || s.cursor > s.plan->sequence.size()))
+  if (s.tracking && (!s.plan || s.region == 0 || s.cursor > s.plan->sequence.size()))
     return "step_plan: on a plan without a plan, a region or a valid position";
   if (s.plan) {
     if (std::string v = detail::check_step_plan(*s.plan); !v.empty()) return "step_plan: " + v;
@@ -496,9 +478,7 @@ void step_planner::release_stream(stream_handle stream) {
       // The region lives in this stream's order: no plan on it from now on.
       s.plan.reset();
       s.plan_source.clear();
-      s.on_plan = false;
-      s.spare_active = false;
-      s.spare.clear();
+      s.tracking = s.on_plan = false;
       if (s.region_live == 0) give_region_back(s);
     }
   }

@@ -330,6 +330,42 @@ TEST_F(StepPlanner, AStepThatLeavesThePlanKeepsTheRegionAndMakesNoDriverCall) {
   EXPECT_EQ(planner.validate(), "");
 }
 
+// An evaluation pass inside a step (requests the plan does not know, freed before the
+// step goes on): served from the region's free ranges; the step's own requests after it
+// still get their planned offsets; no driver call at all. (Its sizes differ from the
+// step's: a request of a planned size is taken for the planned one, which then finds its
+// place taken and is placed like the others: safe, less tight; see the stress test.)
+TEST_F(StepPlanner, AnEvaluationPassInsideAStepIsServedFromTheRegionAndThePlanGoesOn) {
+  vmm_page_pool pool(sim, 0);
+  step_planner planner(pool);
+  loop l;
+  run_until_planned(*this, planner, l, 5);
+  planner.mark_step();
+  const auto maps = calls(platform_op::map), creates = calls(platform_op::create_physical);
+  const auto reserved = pool.stats().reserved_bytes;
+  for (int i = 0; i < 3; ++i) {
+    void* e1 = planner.allocate(5 * MiB, 256, {});
+    void* e2 = planner.allocate(2 * MiB + 512, 256, {});
+    fill(e1, 5 * MiB, 0x61);
+    fill(e2, 2 * MiB + 512, 0x62);
+    EXPECT_TRUE(holds(e1, 5 * MiB, 0x61));
+    planner.deallocate(e2, 2 * MiB + 512, {});
+    planner.deallocate(e1, 5 * MiB, {});
+    const auto before = planner.counts().planned_allocations;
+    run_step(planner, l, {});
+    EXPECT_EQ(planner.counts().planned_allocations, before + 9u) << "step " << i;
+    planner.mark_step();
+    ASSERT_EQ(planner.validate(), "");
+  }
+  EXPECT_EQ(planner.counts().steps_left_plan, 3u);
+  EXPECT_EQ(planner.counts().region_takes, 1u);
+  EXPECT_EQ(calls(platform_op::map), maps);
+  EXPECT_EQ(calls(platform_op::create_physical), creates);
+  EXPECT_EQ(pool.stats().reserved_bytes, reserved);
+  finish(planner, l, {});
+  EXPECT_EQ(planner.validate(), "");
+}
+
 // An allocation served from the region's free ranges that lives on into planned cycles:
 // planned allocations whose place it holds go to the pool; nothing overlaps.
 TEST_F(StepPlanner, AnAllocationFromTheSpareRangesThatLivesOnKeepsPlannedOnesClear) {
