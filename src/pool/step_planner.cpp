@@ -1,7 +1,6 @@
 #include "gpumem/pool/step_planner.hpp"
 
 #include <algorithm>
-#include <map>
 #include <cstdio>
 #include <optional>
 #include <unordered_map>
@@ -17,24 +16,20 @@ using detail::step_event;
 using detail::step_plan;
 
 // Invariants (validate()):
-//  - region_live == the live records in the region (at their planned offset, or placed in
-//    its free ranges), each inside [region, region + bytes), none overlapping another;
-//    planned_live == those at their planned offset;
-//  - while a region is held, `spare` is exactly the region less those records' blocks;
-//  - tracking implies a plan, a region, and cursor <= plan->sequence.size().
-// A planned offset is handed out only when its range is wholly spare: safety rests on that
-// check, not on the request order (the order decides which offset to try).
+//  - region_live == the live records marked planned, each inside [region, region + bytes),
+//    none overlapping another;
+//  - on_plan implies a plan, a region, and cursor <= plan->sequence.size();
+//  - the first cursor events of the plan's sequence are exactly what this step did so far
+//    (so the planned allocations live now are the ones live at that point of the recorded
+//    step, which the plan laid out apart).
 struct step_planner::state {
   struct live_record {
     std::uint64_t step = 0;      // the step (between two marks) that made it
     std::uint32_t id = 0;        // its number within that step
     std::uint64_t cycle = 0;     // the cycle that made it
-    std::uint32_t cycle_id = 0;  // its number in the plan (when in_sequence)
+    std::uint32_t cycle_id = 0;  // its number within that cycle
     std::size_t bytes = 0;
-    bool planned = false;        // at its planned offset in the region
-    bool in_region = false;      // planned, or from the region's spare ranges (else the pool's)
-    bool in_sequence = false;    // a planned request of its cycle (its free is matched too),
-                                 // served at its offset or, its place taken, by the pool
+    bool planned = false;        // in the region (else the pool's)
   };
 
   std::uint64_t step = 0;  // 1 from the first mark
@@ -53,19 +48,14 @@ struct step_planner::state {
   std::size_t cycle_start = 0;
   bool cycle_begun = false;             // this step's cycle has begun
   std::uint64_t cycle = 0;
-  bool tracking = false;                // this cycle is served by the plan (a region held)
-  bool on_plan = false;                 // ... and has followed its sequence so far
-  std::size_t cursor = 0;               // events of the plan's sequence matched this cycle
+  std::uint32_t cycle_next_id = 0;
+  bool on_plan = false;                 // this cycle follows the plan so far
+  std::size_t cursor = 0;               // events of the plan's sequence done this cycle
 
   std::uintptr_t region = 0;  // held from the pool while non-zero (also after the plan
   std::size_t region_bytes = 0;  // is dropped, until its last allocation is freed)
   std::uintptr_t region_stream = 0;
-  std::size_t region_live = 0, region_live_blocks = 0, planned_live = 0;
-  // The region's free ranges (offset -> bytes, merged). A planned request takes its exact
-  // range from them; a request the plan does not place (a cycle off its sequence, an
-  // evaluation pass, say) takes the best fit, else goes to the pool: the region is neither
-  // idle nor given back and gathered again.
-  std::map<std::size_t, std::size_t> spare;
+  std::size_t region_live = 0, region_live_blocks = 0;
 
   std::uint64_t retry_at_step = 0;  // after the pool refused a region: back off
   unsigned refusals_in_a_row = 0;
@@ -74,45 +64,6 @@ struct step_planner::state {
 
   bool in_region(std::uintptr_t addr) const {
     return region != 0 && addr >= region && addr < region + region_bytes;
-  }
-
-  // Best fit among the spare ranges; npos when none fits.
-  std::size_t take_spare(std::size_t block) {
-    auto best = spare.end();
-    for (auto it = spare.begin(); it != spare.end(); ++it)
-      if (it->second >= block && (best == spare.end() || it->second < best->second)) best = it;
-    if (best == spare.end()) return step_plan::unplanned;
-    const std::size_t at = best->first, left = best->second - block;
-    spare.erase(best);
-    if (left > 0) spare.emplace(at + block, left);
-    return at;
-  }
-  void give_spare(std::size_t at, std::size_t block) {
-    auto next = spare.lower_bound(at);
-    if (next != spare.end() && at + block == next->first) {
-      block += next->second;
-      next = spare.erase(next);
-    }
-    if (next != spare.begin()) {
-      auto prev = std::prev(next);
-      if (prev->first + prev->second == at) {
-        prev->second += block;
-        return;
-      }
-    }
-    spare.emplace(at, block);
-  }
-  // Takes [at, at + block) if it lies wholly in one free range.
-  bool take_exact(std::size_t at, std::size_t block) {
-    auto it = spare.upper_bound(at);
-    if (it == spare.begin()) return false;
-    --it;
-    const std::size_t from = it->first, to = it->first + it->second;
-    if (at + block > to) return false;
-    spare.erase(it);
-    if (at > from) spare.emplace(from, at - from);
-    if (to > at + block) spare.emplace(at + block, to - at - block);
-    return true;
   }
 };
 
@@ -167,56 +118,33 @@ void* step_planner::do_allocate(std::size_t bytes, std::size_t alignment, stream
   state& s = *s_;
   begin_cycle_if_due(s);
   const step_event e{step_event::kind::alloc, 0, s.next_id, bytes, alignment, stream.value};
-  // The plan's number for this request if it is the recorded one: the requests the plan
-  // does not know (an evaluation pass) are not counted, so the cycle's own keep theirs.
-  const step_event in_cycle{step_event::kind::alloc, 0,
-                            s.tracking && s.cursor < s.plan->sequence.size()
-                                ? s.plan->sequence[s.cursor].id
-                                : 0,
-                            bytes, alignment, stream.value};
-  const std::size_t block = step_plan::block_bytes(bytes);
-  bool planned = false, in_sequence = false;
-  std::size_t at = step_plan::unplanned;
-  if (s.tracking) {
+  const step_event in_cycle{step_event::kind::alloc, 0, s.cycle_next_id, bytes, alignment,
+                            stream.value};
+  bool planned = false;
+  if (s.on_plan) {
     if (s.cursor < s.plan->sequence.size() && s.plan->sequence[s.cursor] == in_cycle) {
-      ++s.cursor;
-      // At its planned offset if that range is free (an allocation placed in the free
-      // ranges may still live there: then the pool serves it). A recorded request the plan
-      // leaves to the pool (it outlives the cycle) goes there.
-      in_sequence = s.plan->planned(in_cycle.id);
-      if (in_sequence && s.take_exact(s.plan->offset[in_cycle.id], block)) {
-        planned = true;
-        at = s.plan->offset[in_cycle.id];
-      }
+      planned = s.plan->planned(in_cycle.id);
     } else {
-      // Not the recorded request (an evaluation pass, say): the best free range of the
-      // region on its stream, else the pool. The cursor waits for the recorded one.
-      if (s.on_plan) leave_plan(s);
-      if (stream.value == s.region_stream && alignment <= region_alignment())
-        at = s.take_spare(block);
+      leave_plan(s);  // the rest of this cycle goes to the pool
     }
   }
-  const bool in_region = at != step_plan::unplanned;
   const std::uintptr_t addr =
-      in_region ? s.region + at
-                : reinterpret_cast<std::uintptr_t>(pool_.allocate(bytes, alignment, stream));
+      planned ? s.region + s.plan->offset[in_cycle.id]
+              : reinterpret_cast<std::uintptr_t>(pool_.allocate(bytes, alignment, stream));
   try {
-    s.live.emplace(addr, state::live_record{s.step, e.id, s.cycle, in_cycle.id, bytes, planned,
-                                            in_region, in_sequence});  // id: of the plan
+    s.live.emplace(addr, state::live_record{s.step, e.id, s.cycle, in_cycle.id, bytes, planned});
     record(s, e);
   } catch (...) {
     s.live.erase(addr);
-    if (in_region) s.give_spare(at, block);
-    if (!in_region) pool_.deallocate(reinterpret_cast<void*>(addr), bytes, stream);
+    if (!planned) pool_.deallocate(reinterpret_cast<void*>(addr), bytes, stream);
     throw;
   }
   ++s.next_id;
-  if (in_region) {
-    ++s.region_live;
-    s.region_live_blocks += block;
-  }
+  ++s.cycle_next_id;
+  if (s.on_plan) ++s.cursor;
   if (planned) {
-    ++s.planned_live;
+    ++s.region_live;
+    s.region_live_blocks += step_plan::block_bytes(bytes);
     s.counts.planned_live_bytes += bytes;
     ++s.counts.planned_allocations;
   }
@@ -242,7 +170,7 @@ void step_planner::do_deallocate(void* ptr, std::size_t bytes, stream_handle str
     return;
   }
   const state::live_record rec = it->second;
-  if (!rec.in_region) {
+  if (!rec.planned) {
     pool_.deallocate(ptr, bytes, stream);  // the pool checks the size; throws leave it live
   } else {
     if (bytes != rec.bytes)
@@ -263,27 +191,22 @@ void step_planner::do_deallocate(void* ptr, std::size_t bytes, stream_handle str
     }
   }
   s.live.erase(it);
-  // The region's books first: leave_plan() below derives the spare ranges from them.
-  if (rec.in_region) {
-    const std::size_t at = addr - s.region, block = step_plan::block_bytes(bytes);
-    --s.region_live;
-    s.region_live_blocks -= block;
-    if (rec.planned) {
-      --s.planned_live;
-      s.counts.planned_live_bytes -= bytes;
-    }
-    s.give_spare(at, block);
-    if (s.region_live == 0 && !s.plan) give_region_back(s);  // the plan was dropped
-  }
   const std::uint8_t age = rec.step == s.step ? 0 : rec.step + 1 == s.step ? 1 : 2;
   // May throw bad_alloc: the step then only fails to match the next.
   record(s, {step_event::kind::free, age, age < 2 ? rec.id : 0, bytes, 0, stream.value});
-  if (s.tracking && rec.in_sequence && rec.cycle == s.cycle) {
+  if (s.on_plan && rec.planned) {
+    // While a cycle follows the plan, every live planned allocation is this cycle's.
     const step_event in_cycle{step_event::kind::free, 0, rec.cycle_id, bytes, 0, stream.value};
     if (s.cursor < s.plan->sequence.size() && s.plan->sequence[s.cursor] == in_cycle)
       ++s.cursor;
-    else if (s.on_plan)
+    else
       leave_plan(s);
+  }
+  if (rec.planned) {
+    --s.region_live;
+    s.region_live_blocks -= step_plan::block_bytes(bytes);
+    s.counts.planned_live_bytes -= bytes;
+    if (s.region_live == 0 && !s.on_plan) give_region_back(s);  // idle until a step follows it
   }
   count_free(bytes);
 }
@@ -302,11 +225,11 @@ void step_planner::record(state& s, const step_event& e) {
 }
 
 void step_planner::leave_plan(state& s) {
-  // The region stays: its free ranges serve what the plan does not place (given back, it
-  // would be gathered again from the pool's pages, ~0.4 s for 15.6 GB on the H200), and
-  // the recorded requests still get their offsets when those are free.
   s.on_plan = false;
   ++s.counts.steps_left_plan;
+  // An idle region would be memory the pool cannot use for the rest of the step (a loop's
+  // evaluation phase, say): it goes back, and is taken again when a step follows the plan.
+  if (s.region_live == 0) give_region_back(s);
 }
 
 void step_planner::give_region_back(state& s) {
@@ -315,7 +238,6 @@ void step_planner::give_region_back(state& s) {
   s.region = 0;
   s.region_bytes = 0;
   s.counts.region_bytes = 0;
-  s.spare.clear();
 }
 
 void step_planner::mark_step() {
@@ -350,7 +272,7 @@ void step_planner::mark_step() {
   if (s.plan && repeated && s.previous != s.plan_source) {
     s.plan.reset();
     s.plan_source.clear();
-    s.tracking = s.on_plan = false;  // the region serves nothing more; it goes back once empty
+    s.on_plan = false;
     if (s.region_live == 0) give_region_back(s);
   }
   if (!s.plan && repeated && s.region == 0 && s.step >= s.retry_at_step) {
@@ -372,8 +294,10 @@ void step_planner::begin_cycle_if_due(state& s) {
   if (!s.plan || s.cycle_begun || s.step_events != s.cycle_start) return;
   s.cycle_begun = true;
   ++s.cycle;
+  s.cycle_next_id = 0;
   s.cursor = 0;
-  s.tracking = s.on_plan = s.region != 0 || take_region(s);
+  // A cycle begins on the plan when no planned allocation is live and the region is held.
+  s.on_plan = s.region_live == 0 && (s.region != 0 || take_region(s));
   if (s.on_plan) ++s.counts.planned_steps;
 }
 
@@ -399,8 +323,6 @@ bool step_planner::take_region(state& s) {
   s.region_bytes = s.plan->region_bytes;
   s.region_stream = s.plan->stream;
   s.counts.region_bytes = s.region_bytes;
-  s.spare.clear();
-  s.spare.emplace(0, s.region_bytes);
   return true;
 }
 
@@ -426,41 +348,22 @@ std::string step_planner::validate() const {
   if (std::string v = pool_.validate(); !v.empty()) return v;
   std::lock_guard lock(mutex_);
   const state& s = *s_;
-  std::vector<std::pair<std::uintptr_t, std::size_t>> inside;  // [addr, end)
-  std::size_t planned = 0;
+  std::vector<std::pair<std::uintptr_t, std::size_t>> planned;  // [addr, end)
   for (const auto& [addr, rec] : s.live) {
-    if (!rec.in_region) continue;
+    if (!rec.planned) continue;
     if (!s.in_region(addr) || addr + rec.bytes > s.region + s.region_bytes)
-      return "step_plan: allocation " + hex(addr) + " lies outside the region";
-    inside.emplace_back(addr, addr + step_plan::block_bytes(rec.bytes));
-    planned += rec.planned ? 1 : 0;
+      return "step_plan: planned allocation " + hex(addr) + " lies outside the region";
+    planned.emplace_back(addr, addr + step_plan::block_bytes(rec.bytes));
   }
-  if (inside.size() != s.region_live || planned != s.planned_live)
-    return "step_plan: " + std::to_string(inside.size()) + " allocations live in the region (" +
-           std::to_string(planned) + " planned), " + std::to_string(s.region_live) + " (" +
-           std::to_string(s.planned_live) + ") counted";
-  std::sort(inside.begin(), inside.end());
-  for (std::size_t i = 1; i < inside.size(); ++i)
-    if (inside[i].first < inside[i - 1].second)
-      return "step_plan: allocations " + hex(inside[i - 1].first) + " and " +
-             hex(inside[i].first) + " overlap in the region";
-  if (s.region != 0) {
-    std::size_t end = 0, free = 0;
-    for (const auto& [at, bytes] : s.spare) {
-      if (at < end || at + bytes > s.region_bytes) return "step_plan: free ranges overlap";
-      end = at + bytes;
-      free += bytes;
-      auto it = std::lower_bound(inside.begin(), inside.end(),
-                                 std::pair<std::uintptr_t, std::size_t>{s.region + at, 0});
-      if (it != inside.end() && it->first < s.region + at + bytes)
-        return "step_plan: a free range holds a live allocation";
-      if (it != inside.begin() && std::prev(it)->second > s.region + at)
-        return "step_plan: a free range holds a live allocation";
-    }
-    if (free + s.region_live_blocks != s.region_bytes)
-      return "step_plan: free ranges and live blocks do not add up to the region";
-  }
-  if (s.tracking && (!s.plan || s.region == 0 || s.cursor > s.plan->sequence.size()))
+  if (planned.size() != s.region_live)
+    return "step_plan: " + std::to_string(planned.size()) + " planned allocations live, " +
+           std::to_string(s.region_live) + " counted";
+  std::sort(planned.begin(), planned.end());
+  for (std::size_t i = 1; i < planned.size(); ++i)
+    if (planned[i].first < planned[i - 1].second)
+      return "step_plan: planned allocations " + hex(planned[i - 1].first) + " and " +
+             hex(planned[i].first) + " overlap";
+  if (s.on_plan && (!s.plan || s.region == 0 || s.cursor > s.plan->sequence.size()))
     return "step_plan: on a plan without a plan, a region or a valid position";
   if (s.plan) {
     if (std::string v = detail::check_step_plan(*s.plan); !v.empty()) return "step_plan: " + v;
@@ -478,7 +381,7 @@ void step_planner::release_stream(stream_handle stream) {
       // The region lives in this stream's order: no plan on it from now on.
       s.plan.reset();
       s.plan_source.clear();
-      s.tracking = s.on_plan = false;
+      s.on_plan = false;
       if (s.region_live == 0) give_region_back(s);
     }
   }
@@ -495,9 +398,9 @@ void step_planner::show_plan_in(std::vector<memory_segment>& segments) const {
   std::lock_guard lock(mutex_);
   const state& s = *s_;
   if (s.region == 0) return;
-  std::vector<memory_block> inside;  // the allocations live in the region now, by address
+  std::vector<memory_block> inside;  // the planned allocations live now, by address
   for (const auto& [addr, rec] : s.live)
-    if (rec.in_region)
+    if (rec.planned)
       inside.push_back({addr, step_plan::block_bytes(rec.bytes), rec.bytes, s.region_stream,
                         memory_block::state::allocated});
   std::sort(inside.begin(), inside.end(),

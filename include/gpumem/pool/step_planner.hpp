@@ -9,30 +9,26 @@
 // across the mark (gradients freed by a zero_grad at the top of the loop, the loss) is
 // planned too. Every allocation born and freed within the cycle, on its main stream, gets
 // an offset in one region, laid out so that allocations live at the same time never
-// overlap. The region is one allocation from the pool, taken when the first cycle follows
-// the plan (out of memory then: that cycle runs on the pool, and the region is asked for
-// again later). Later cycles are served by position: the n-th request of a cycle, if it is
-// the one recorded, gets its planned address with no search and no driver call, and the
-// memory a step needs is the plan's peak, not what a pool's placement left free and
-// scattered (the pool's remapping of scattered pages at a step's peak is what made a tight
-// VMM pool cost 1-17% of a training step). Requests the plan does not know (an
-// evaluation pass inside a step, say) take the best free range of the region on its stream,
-// else the pool; the recorded requests that follow still get their planned offsets. So the
-// region is neither idle memory nor given back and gathered again (~0.4 s for 15.6 GB on
-// the H200).
+// overlap. The region is one allocation from the
+// pool, taken at a mark; a step that leaves the plan gives it back as soon as nothing
+// planned is live in it (so another phase of the loop, an evaluation say, runs on the
+// pool's memory, not beside an idle region), and the next mark takes it again (out of
+// memory then: that step runs on the pool, and the region is asked for again later). The following steps are served from it by position: the n-th
+// request of a step, if it is the one recorded, gets its planned address with no search
+// and no driver call, and the memory a step needs is the plan's peak, not what a pool's
+// placement left free and scattered (the pool's remapping of scattered pages at a step's
+// peak is what made a tight VMM pool cost 1-11% of a training step).
 //
-// Safety: a planned offset is handed out only when its whole range is free in the region
-// at that moment (planned allocations of the cycle, allocations placed in its free ranges,
-// planned ones of an earlier cycle still live: none is overlapped); otherwise the request
-// is placed like any other. The order of requests only decides which offset to try: the
-// n-th recorded request of a cycle is recognized by its size, alignment and stream in the
-// recorded order, and a request out of that order is not planned (a request of an unknown
-// pass with a planned size may be taken for the planned one: safe, less tight). Reuse
-// within the region follows the plan's stream; a region allocation freed on another stream
-// makes the plan's stream wait for that stream first. When the loop changes (two steps in a row the same but not
-// the plan), the plan is rebuilt once the region is empty. Allocations made before the
-// first mark, those that outlive their cycle, and those of other streams are the pool's,
-// as without a plan.
+// Safety: a planned cycle follows the recorded sequence exactly. The first request or
+// planned free that differs (another size or stream, a free out of order) takes the cycle
+// off the plan: its remaining requests go to the pool, so a planned address is handed out
+// only when the same allocations as in the recorded cycle have been freed before it, on
+// the plan's stream (reuse in that stream's order, as the pool's own). A planned
+// allocation freed on another stream makes the plan's stream wait for that stream's work.
+// A cycle begins on the plan only when no planned allocation is live. When the loop
+// changes (two steps in a row the same but not the plan), the plan is rebuilt once the
+// region is idle. Allocations made before the first mark, those that outlive their cycle,
+// and those of other streams are the pool's, as without a plan.
 //
 // Threads: before the first mark every call goes straight to the pool (one atomic load
 // more, no shared write: a planner no one marks costs nothing); from it on, calls take the
@@ -69,7 +65,8 @@ struct step_planner_counts {
   std::uint64_t steps_left_plan = 0;      // of those, steps that left it (a difference)
   std::uint64_t planned_allocations = 0;  // served from a region
   std::uint64_t region_failures = 0;      // marks where the pool could not give the region
-  std::uint64_t region_takes = 0;         // regions taken from the pool
+  std::uint64_t region_takes = 0;         // regions taken from the pool (one more after each
+                                          // step that left the plan and gave it back)
   std::uint64_t steps_too_long = 0;       // steps of more events than are recorded
   std::size_t region_bytes = 0;           // the region held now (0: none)
   std::size_t plan_lower_bound = 0;       // peak planned bytes live at once, of that plan
