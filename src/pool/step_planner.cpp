@@ -19,9 +19,9 @@ using detail::step_plan;
 //  - region_live == the live records marked planned, each inside [region, region + bytes),
 //    none overlapping another;
 //  - on_plan implies a plan, a region, and cursor <= plan->sequence.size();
-//  - the first cursor events of the plan's sequence are exactly what this step did so far
-//    (so the planned allocations live now are the ones live at that point of the recorded
-//    step, which the plan laid out apart).
+//  - while on_plan, the first cursor events of the plan's sequence are exactly what this
+//    cycle did so far (so the planned allocations live now are the ones live at that point
+//    of the recorded cycle, which the plan laid out apart).
 struct step_planner::state {
   struct live_record {
     std::uint64_t step = 0;      // the step (between two marks) that made it
@@ -306,12 +306,12 @@ bool step_planner::take_region(state& s) {
   void* region = nullptr;
   try {
     region = pool_.allocate(s.plan->region_bytes, region_alignment(), stream_handle{s.plan->stream});
-  } catch (const std::exception& e) {
-    // Out of memory, or a region larger than the device: not a failure of the loop.
-    if (dynamic_cast<const out_of_memory*>(&e) == nullptr &&
-        dynamic_cast<const invalid_argument*>(&e) == nullptr)
-      throw;
+  } catch (const out_of_memory&) {
     // Not now: the loop runs on the pool as before; try again after 2, 4, ... steps.
+  } catch (const invalid_argument&) {
+    // A region larger than the device: the same.
+  }
+  if (region == nullptr) {
     ++s.counts.region_failures;
     s.refusals_in_a_row = std::min(s.refusals_in_a_row + 1, 16u);
     s.retry_at_step = s.step + (std::uint64_t{1} << s.refusals_in_a_row);
