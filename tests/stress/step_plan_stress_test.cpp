@@ -89,7 +89,9 @@ class loop_checker {
     EXPECT_EQ(a % alignment, 0u);
     // No live range may overlap [a, a + bytes).
     auto next = live_.lower_bound(a);
-    if (next != live_.end()) EXPECT_GE(next->first, a + bytes) << "overlaps a later live allocation";
+    if (next != live_.end()) {
+      EXPECT_GE(next->first, a + bytes) << "overlaps a later live allocation";
+    }
     if (next != live_.begin()) {
       auto prev = std::prev(next);
       EXPECT_LE(prev->first + prev->second.bytes, a) << "overlaps an earlier live allocation";
