@@ -6,8 +6,11 @@
 //   mixed_64    64 live blocks of random sizes 512 B - 8 MiB (log-uniform); each step frees
 //               one at random and allocates a new random size (BASELINES.md's cudaMallocAsync
 //               figure uses the same shape)
-//   grow_512    a fresh vmm_page_pool serves one 1 GiB request: 512 pages created, mapped
-//               and given access; reported per page, with one-page handles and big_chunk:32
+//   grow_512    a vmm_page_pool serves one 1 GiB request: 512 pages mapped and given
+//               access, reported per page with the driver time of each call kind: on fresh
+//               pools (handles created: the defaults' 64 MiB handles for a huge growth, and
+//               one-page handles) and on a pool holding 1 GiB of one-page handles reserved
+//               up front
 //   threads     1, 2, 4, 8 threads (up to the cores) sharing one pool, same-size pairs: the
 //               wall time per pair over all threads (lower = better), with the per-thread
 //               caches (the default) and without them (thread_cache:off: the pool's mutex on
@@ -30,6 +33,7 @@
 
 #include "gpumem/backend.hpp"
 #include "gpumem/platform.hpp"
+#include "gpumem/platform/timed_platform.hpp"
 #include "gpumem/pool.hpp"
 
 using namespace gpumem;
@@ -151,35 +155,52 @@ int main(int argc, char** argv) {
   }
   (void)p.stream_synchronize({});
 
-  // Growth by 512 pages on fresh pools (each pool gives its memory back when destroyed),
-  // with one-page handles (the default) and with big_chunk:32 (64 MiB handles).
+  // Growth by 512 pages (one 1 GiB request): on fresh pools with the defaults (a huge
+  // growth: 64 MiB handles) and with huge_growth:0 (one-page handles), where the growth
+  // creates its handles; and on a pool that reserved 1 GiB of one-page handles up front,
+  // where the growth maps kept handles and grants access. Each pool runs over a
+  // timed_platform, so the time inside each driver call is reported by kind.
   struct growth {
-    std::size_t big_chunk;
-    double ns_per_page;
-    std::uint64_t creates, maps, accesses;
+    const char* what;
+    std::size_t huge_growth;
+    bool reserved;
+    double ns_per_page = 0;
+    std::uint64_t creates = 0, maps = 0, accesses = 0;
+    double create_ns = 0, map_ns = 0, access_ns = 0;  // per page, driver time
   };
-  std::vector<growth> growths;
-  for (std::size_t big_chunk : {std::size_t{0}, std::size_t{32}}) {
-    std::vector<double> reps;
-    growth g{big_chunk, 0, 0, 0, 0};
+  std::vector<growth> growths{{"defaults: 64 MiB handles, created", pool_options{}.huge_growth_bytes, false},
+                              {"huge_growth:0: one-page handles, created", 0, false},
+                              {"one-page handles reserved up front", 0, true}};
+  for (growth& g : growths) {
+    std::vector<double> reps, creates, maps, accesses;
     for (int rep = 0; rep < 5; ++rep) {
+      timed_platform timed(p);
       pool_options o;
-      o.big_chunk_pages = big_chunk;
-      vmm_page_pool fresh(p, 0, o);
+      o.huge_growth_bytes = g.huge_growth;
+      if (g.reserved) o.reserve_bytes = std::size_t{1} << 30;
+      vmm_page_pool fresh(timed, 0, o);
       const std::size_t bytes = 512 * fresh.page_size();
-      const auto c0 = p.calls_made(platform_op::create_physical);
-      const auto m0 = p.calls_made(platform_op::map);
-      const auto s0 = p.calls_made(platform_op::set_access);
+      const auto c0 = timed.calls_made(platform_op::create_physical);
+      const auto m0 = timed.calls_made(platform_op::map);
+      const auto s0 = timed.calls_made(platform_op::set_access);
+      const auto cn = timed.measured_ns(platform_op::create_physical);
+      const auto mn = timed.measured_ns(platform_op::map);
+      const auto sn = timed.measured_ns(platform_op::set_access);
       const auto t0 = clock_type::now();
       void* q = fresh.allocate(bytes);
       reps.push_back(std::chrono::duration<double, std::nano>(clock_type::now() - t0).count() / 512);
-      g.creates = p.calls_made(platform_op::create_physical) - c0;
-      g.maps = p.calls_made(platform_op::map) - m0;
-      g.accesses = p.calls_made(platform_op::set_access) - s0;
+      creates.push_back(static_cast<double>(timed.measured_ns(platform_op::create_physical) - cn) / 512);
+      maps.push_back(static_cast<double>(timed.measured_ns(platform_op::map) - mn) / 512);
+      accesses.push_back(static_cast<double>(timed.measured_ns(platform_op::set_access) - sn) / 512);
+      g.creates = timed.calls_made(platform_op::create_physical) - c0;
+      g.maps = timed.calls_made(platform_op::map) - m0;
+      g.accesses = timed.calls_made(platform_op::set_access) - s0;
       fresh.deallocate(q, bytes);
     }
     g.ns_per_page = median(reps);
-    growths.push_back(g);
+    g.create_ns = median(creates);
+    g.map_ns = median(maps);
+    g.access_ns = median(accesses);
   }
 
   // Contention: T threads share one vmm_page_pool, each doing same-size pairs; with thread
@@ -218,10 +239,12 @@ int main(int argc, char** argv) {
     std::printf("%-20s %16.1f %16.1f %13.1fx %13.1fx\n", r.name.c_str(), r.same, r.mixed,
                 async_row.same / r.same, async_row.mixed / r.mixed);
   for (const growth& g : growths)
-    std::printf("\ngrow_512 (big_chunk %zu): %.0f ns per page (median of 5; %llu cuMemCreate, %llu cuMemMap, "
-                "%llu cuMemSetAccess per growth)",
-                g.big_chunk, g.ns_per_page, static_cast<unsigned long long>(g.creates),
-                static_cast<unsigned long long>(g.maps), static_cast<unsigned long long>(g.accesses));
+    std::printf("\ngrow_512 (%s): %.0f ns per page, median of 5; driver time per page: create %.0f, "
+                "map %.0f, set access %.0f ns (%llu cuMemCreate, %llu cuMemMap, %llu cuMemSetAccess "
+                "per growth)",
+                g.what, g.ns_per_page, g.create_ns, g.map_ns, g.access_ns,
+                static_cast<unsigned long long>(g.creates), static_cast<unsigned long long>(g.maps),
+                static_cast<unsigned long long>(g.accesses));
   std::printf("\n");
   for (const threaded_row& r : threaded)
     std::printf("%d thread(s) sharing one pool, %s: %.1f ns of wall time per alloc+free pair, "
@@ -236,8 +259,9 @@ int main(int argc, char** argv) {
       for (std::size_t i = 0; i < rows.size(); ++i)
         std::fprintf(f, "%s{\"allocator\": \"%s\", \"same_size_ns_per_pair\": %.2f, \"mixed_64_ns_per_pair\": %.2f}",
                      i ? ", " : "", rows[i].name.c_str(), rows[i].same, rows[i].mixed);
-      std::fprintf(f, "], \"grow_512_ns_per_page\": %.1f, \"grow_512_big_chunk_32_ns_per_page\": %.1f}\n",
-                   growths[0].ns_per_page, growths[1].ns_per_page);
+      std::fprintf(f, "], \"grow_512_ns_per_page\": %.1f, \"grow_512_one_page_handles_ns_per_page\": %.1f, "
+                   "\"grow_512_reserved_ns_per_page\": %.1f}\n",
+                   growths[0].ns_per_page, growths[1].ns_per_page, growths[2].ns_per_page);
       std::fclose(f);
     }
   }

@@ -113,6 +113,8 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
                                std::string(value) + "'");
     } else if (key == "va_reserve") {
       o.va_reserve_bytes = parse_bytes(value);
+    } else if (key == "huge_growth") {
+      o.huge_growth_bytes = parse_bytes(value);
     } else if (key == "big_chunk") {
       const double n = parse_number(value, key);
       if (n != static_cast<double>(static_cast<std::size_t>(n)) || n > 4096)
@@ -129,7 +131,8 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
     } else {
       throw invalid_argument("config: unknown key '" + std::string(key) +
                              "' (known: reserve, reserve_fraction, limit, release_threshold, "
-                             "small_threshold, cross_stream, va_reserve, big_chunk, scrub, guard, "
+                             "small_threshold, cross_stream, va_reserve, big_chunk, huge_growth, scrub, "
+                             "guard, "
                              "thread_cache, round_large, map_worker, growth_slack)");
     }
   }
@@ -151,6 +154,7 @@ std::string pool_options::to_string() const {
   out << ",small_threshold:" << small_threshold
       << ",cross_stream:" << (cross_stream == cross_stream_policy::wait ? "wait" : "event")
       << ",va_reserve:" << va_reserve_bytes << ",big_chunk:" << big_chunk_pages
+      << ",huge_growth:" << huge_growth_bytes
       << ",scrub:" << (scrub ? "on" : "off") << ",guard:" << (guard ? "on" : "off")
       << ",thread_cache:" << (thread_cache ? "on" : "off") << ",round_large:" << round_large
       << ",map_worker:"

@@ -55,7 +55,7 @@ vmm_page_pool::vmm_page_pool(platform& platform, int device, pool_options option
     std::lock_guard lock(mutex_);
     bool made = false;
     try {
-      made = create_chunks((reserve + page_ - 1) / page_);
+      made = create_chunks((reserve + page_ - 1) / page_, handle_sizes::reservation);
     } catch (...) {
       give_back();  // a driver failure: create_chunks kept only handles it could not release
       throw;
@@ -259,12 +259,12 @@ std::vector<physical_handle> vmm_page_pool::lend_pages(std::size_t pages) {
     }
     have = spare_single_pages();
   }
-  if (have < pages && !create_chunks(pages - have, true)) {
+  if (have < pages && !create_chunks(pages - have, handle_sizes::one_page)) {
     // Memory pressure: what other streams freed may be reclaimed once they finish.
     reclaim(pages - have, true);
     retire_completed(true);
     have = spare_single_pages();
-    if (have < pages && !create_chunks(pages - have, true)) {
+    if (have < pages && !create_chunks(pages - have, handle_sizes::one_page)) {
       lock.unlock();
       throw out_of_memory(memory_report(pages * page_));
     }
@@ -305,7 +305,7 @@ void vmm_page_pool::return_pages(std::span<const physical_handle> handles) {
   counts_.lent_pages -= handles.size();
 }
 
-bool vmm_page_pool::create_chunks(std::size_t pages, bool single_pages) {
+bool vmm_page_pool::create_chunks(std::size_t pages, handle_sizes sizes) {
   const std::size_t bytes = pages * page_;
   if (options_.limit_bytes != 0 && reserved_locked() + bytes > options_.limit_bytes) return false;
   const std::size_t first_new = chunks_.size();
@@ -327,9 +327,16 @@ bool vmm_page_pool::create_chunks(std::size_t pages, bool single_pages) {
     spare_.resize(spare_before);
     for (std::size_t i = first_new; i < kept; ++i) spare_.push_back(static_cast<std::uint32_t>(i));
   };
+  // The multi-page handle size this call may use (1: none; see handle_sizes).
+  std::size_t big = 1;
+  if (sizes != handle_sizes::one_page && options_.big_chunk_pages > 1) {
+    if (pages >= 2 * options_.big_chunk_pages) big = options_.big_chunk_pages;
+  } else if (sizes == handle_sizes::growth && options_.big_chunk_pages == 0 &&
+             options_.huge_growth_bytes != 0 && pages * page_ >= options_.huge_growth_bytes) {
+    big = std::max<std::size_t>(1, options_.huge_growth_bytes / 16 / page_);
+  }
   for (std::size_t left = pages; left > 0;) {
-    const std::size_t big = options_.big_chunk_pages;
-    const std::size_t n = !single_pages && big > 1 && pages >= 2 * big && left >= big ? big : 1;
+    const std::size_t n = left >= big ? big : 1;
     auto h = device_platform().create_physical(device(), n * page_);
     if (!h) {
       undo();
@@ -548,7 +555,7 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
   // Within the growth slack: new pages rather than a gather of scattered free ones (at
   // the limit or on a full device, the gather after all).
   if (have < wanted && split_limit(size) != static_cast<std::size_t>(-1) &&
-      create_chunks(wanted - have))
+      create_chunks(wanted - have, handle_sizes::growth))
     have = spare_pages_for(stream.value);
   if (have < wanted) {
     reclaim(wanted - have, false, &stream);
@@ -559,7 +566,7 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
       wanted = ext.first_page != no_page ? ext.pages : pages;
     }
   }
-  if (have < wanted && !create_chunks(wanted - have)) return false;
+  if (have < wanted && !create_chunks(wanted - have, handle_sizes::growth)) return false;
   // Undoes this call's new chunks (all spare) when the rest fails.
   auto release_new_chunks = [&] {
     for (std::uint32_t id = static_cast<std::uint32_t>(first_new); id < chunks_.size(); ++id) {
@@ -573,23 +580,44 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
     }
   };
 
-  // Choose kept chunks this stream may map, covering `wanted`: largest first, then the
-  // smallest that closes the gap, so little extra is mapped.
+  // Choose kept chunks this stream may map, covering `wanted`: the largest that does not
+  // overshoot what is still missing, so a multi-page chunk is mapped only where a block
+  // needs all of it. Where only larger chunks are left, an idle one is released and the
+  // missing pages made as one-page handles: mapped whole, its extra pages would be free
+  // pages pinned by the block placed beside them, which no gather can move.
   std::sort(spare_.begin(), spare_.end(), [&](std::uint32_t a, std::uint32_t b) {
     return chunks_[a].pages < chunks_[b].pages;
   });
   std::vector<std::uint32_t> chosen;
   std::size_t covered = 0;
+  auto mappable = [&](std::uint32_t id) { return mappable_for(id, stream.value); };
   while (covered < wanted) {
     const std::size_t gap = wanted - covered;
-    auto mappable = [&](std::uint32_t id) { return mappable_for(id, stream.value); };
-    auto fit = std::find_if(spare_.begin(), spare_.end(), [&](std::uint32_t id) {
-      return mappable(id) && chunks_[id].pages >= gap;
+    auto fit = std::find_if(spare_.rbegin(), spare_.rend(), [&](std::uint32_t id) {
+      return mappable(id) && chunks_[id].pages <= gap;
     });
-    if (fit == spare_.end()) fit = std::find_if(spare_.rbegin(), spare_.rend(), mappable).base() - 1;
-    covered += chunks_[*fit].pages;
-    chosen.push_back(*fit);
-    spare_.erase(fit);
+    if (fit != spare_.rend()) {
+      covered += chunks_[*fit].pages;
+      chosen.push_back(*fit);
+      spare_.erase(std::next(fit).base());
+      continue;
+    }
+    auto over = std::find_if(spare_.begin(), spare_.end(), mappable);
+    chunk& big = chunks_[*over];
+    if (!big.lent && big.retiring == 0 && big.waiting == 0 &&
+        device_platform().release_physical(big.handle)) {
+      big.live = false;
+      sub_reserved(big.pages * page_);
+      counts_.pages_released += big.pages;
+      spare_.erase(over);
+      if (create_chunks(gap, handle_sizes::one_page)) continue;  // one-page chunks, at the end of spare_
+      spare_.insert(spare_.end(), chosen.begin(), chosen.end());
+      release_new_chunks();
+      return false;
+    }
+    covered += big.pages;  // not releasable now: mapped whole after all
+    chosen.push_back(*over);
+    spare_.erase(over);
   }
 
   // Virtual pages: right after the packed tail, else first fit, lowest address first, so
@@ -667,10 +695,10 @@ void* vmm_page_pool::allocate_guarded(std::size_t bytes, std::size_t alignment,
   if (run == va_free_.end()) return nullptr;
   auto usable = [&](std::uint32_t id) { return chunks_[id].pages == 1 && mappable_for(id, stream.value); };
   std::size_t have = static_cast<std::size_t>(std::count_if(spare_.begin(), spare_.end(), usable));
-  if (have < pages && !create_chunks(pages - have, true)) {
+  if (have < pages && !create_chunks(pages - have, handle_sizes::one_page)) {
     release_cached();  // memory pressure: give back what is kept, then try once more
     have = static_cast<std::size_t>(std::count_if(spare_.begin(), spare_.end(), usable));
-    if (have < pages && !create_chunks(pages - have, true)) return nullptr;
+    if (have < pages && !create_chunks(pages - have, handle_sizes::one_page)) return nullptr;
     run = std::find_if(va_free_.begin(), va_free_.end(),
                        [&](const auto& r) { return r.second >= pages + 1; });
     if (run == va_free_.end()) return nullptr;

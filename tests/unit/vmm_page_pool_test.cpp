@@ -122,6 +122,73 @@ TEST_F(VmmPagePool, BigChunkOptionUsesFewerBiggerHandlesForBigGrowths) {
   EXPECT_THROW(pool_options::parse("big_chunk:1.5"), invalid_argument);
 }
 
+TEST_F(VmmPagePool, AHugeGrowthTakesBigHandlesSmallerOnesAndReservationsOnePage) {
+  // huge_growth:128M on the 1 GiB sim: growths creating >= 128 MiB take 8 MiB handles.
+  pool_options o = pool_options::parse("huge_growth:128M");
+  ASSERT_EQ(o.huge_growth_bytes, 128 * MiB);
+  {
+    vmm_page_pool pool(sim, 0, o);
+    void* small = pool.allocate(7 * MiB);  // 4 pages: one-page handles
+    EXPECT_EQ(pool.page_counts().handles, 4u);
+    const auto maps = calls(platform_op::map);
+    const auto access = calls(platform_op::set_access);
+    void* huge = pool.allocate(130 * MiB);  // 65 pages: sixteen 4-page handles, one page
+    vmm_page_counts c = pool.page_counts();
+    EXPECT_EQ(c.handles, 4u + 17u);
+    EXPECT_EQ(c.pages_created, 4u + 65u);
+    EXPECT_EQ(calls(platform_op::map), maps + 17) << "one cuMemMap per handle";
+    EXPECT_EQ(calls(platform_op::set_access), access + 1);
+    fill(huge, 130 * MiB, 0x5a);
+    EXPECT_TRUE(holds(huge, 130 * MiB, 0x5a));
+    expect_page_accounting(pool);
+    pool.deallocate(huge, 130 * MiB);
+    pool.deallocate(small, 7 * MiB);
+  }
+  {
+    vmm_page_pool pool(sim, 0, pool_options::parse("huge_growth:0"));
+    void* huge = pool.allocate(130 * MiB);
+    EXPECT_EQ(pool.page_counts().handles, 65u) << "huge_growth:0: one page per handle";
+    pool.deallocate(huge, 130 * MiB);
+  }
+  {
+    pool_options reserved = o;
+    reserved.reserve_bytes = 256 * MiB;
+    vmm_page_pool pool(sim, 0, reserved);
+    EXPECT_EQ(pool.page_counts().handles, 128u) << "a reservation stays in one-page handles";
+  }
+  EXPECT_NE(o.to_string().find("huge_growth:134217728"), std::string::npos) << o.to_string();
+  EXPECT_THROW(pool_options::parse("huge_growth:lots"), invalid_argument);
+}
+
+TEST_F(VmmPagePool, ASpareBigHandleIsNotMappedWhereFewerPagesAreMissing) {
+  vmm_page_pool pool(sim, 0, pool_options::parse("huge_growth:128M"));  // 4-page handles
+  void* a = pool.allocate(128 * MiB);  // sixteen 4-page handles
+  void* b = pool.allocate(2 * MiB);    // one page above them
+  pool.deallocate(a, 128 * MiB);
+  // Lending one page reclaims the top 4-page handle of a's free run into the spare ones
+  // (a lent page is a one-page handle: one is made).
+  std::vector<physical_handle> lent = pool.lend_pages(1);
+  ASSERT_EQ(lent.size(), 1u);
+  vmm_page_counts c = pool.page_counts();
+  EXPECT_EQ(c.spare_pages, 4u);
+  const auto released = c.pages_released;
+  // 63 pages: a's other 15 handles give 60; the spare 4-page handle would overshoot by one
+  // page, pinned beside c's last page, so it is released and 3 one-page handles made.
+  void* cc = pool.allocate(126 * MiB);
+  c = pool.page_counts();
+  EXPECT_EQ(c.pages_released, released + 4);
+  EXPECT_EQ(c.spare_pages, 0u);
+  EXPECT_EQ(c.mapped_pages, 63u + 1u);
+  EXPECT_EQ(c.handles, 15u + 3u + 1u + 1u);  // c's, b's and the lent one
+  EXPECT_EQ(pool.stats().reserved_bytes, (63 + 1 + 1) * 2 * MiB);
+  fill(cc, 126 * MiB, 0x3c);
+  EXPECT_TRUE(holds(cc, 126 * MiB, 0x3c));
+  pool.return_pages(lent);  // (the accounting below knows no lent pages)
+  expect_page_accounting(pool);
+  pool.deallocate(cc, 126 * MiB);
+  pool.deallocate(b, 2 * MiB);
+}
+
 TEST_F(VmmPagePool, ConsecutiveLargeBlocksShareTheirBoundaryPage) {
   vmm_page_pool pool(sim);
   void* a = pool.allocate(3 * MiB);  // 2 pages, a 1 MiB free tail after it

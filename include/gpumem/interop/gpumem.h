@@ -10,7 +10,7 @@
  *
  * The configuration string has the GPUMEM_CONF syntax ("key:value,key:value") with every
  * pool option (reserve, limit, release_threshold, small_threshold, cross_stream,
- * va_reserve, big_chunk) plus these keys of the C API:
+ * va_reserve, big_chunk, huge_growth, ...) plus these keys of the C API:
  *   allocator:vmm_page_pool|caching_pool  which pool (default vmm_page_pool)
  *   backend:runtime|driver|vmm            caching_pool's upstream (default runtime)
  *   device:N                              device ordinal (default 0)

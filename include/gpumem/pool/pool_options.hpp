@@ -11,7 +11,13 @@
 //                            wait on it (wait) or only once its event completed (event)
 //   va_reserve:BYTES         vmm_page_pool's virtual range (default 2x device memory)
 //   big_chunk:N              vmm_page_pool: growths of >= 2N pages use N-page handles (0:
-//                            one page per handle, the least waste; see vmm_page_pool.hpp)
+//                            one page per handle but for huge growths, below; see
+//                            vmm_page_pool.hpp)
+//   huge_growth:BYTES        vmm_page_pool, without big_chunk: a growth that creates at least
+//                            BYTES (default 1G) takes handles of BYTES/16 (64 MiB), the rest
+//                            one page; 0: one page per handle always. The driver's access
+//                            grant costs ~26-29 us per handle on the H200 (2026-12-01), so
+//                            one-page handles cannot grow faster than that per page
 //   scrub:on|off             zero every block (memset on the freeing stream) at free, before
 //                            any other owner can get it (default off)
 //   guard:on|off             vmm_page_pool debug mode: every allocation gets pages of its own
@@ -63,6 +69,7 @@ struct pool_options {
   cross_stream_policy cross_stream = cross_stream_policy::event;
   std::size_t va_reserve_bytes = 0;
   std::size_t big_chunk_pages = 0;
+  std::size_t huge_growth_bytes = std::size_t{1} << 30;
   bool scrub = false;
   bool guard = false;
   bool thread_cache = true;

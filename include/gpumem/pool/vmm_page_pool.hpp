@@ -131,7 +131,14 @@ class vmm_page_pool final : public pool_base {
   // pool_options::big_chunk_pages = N, a growth of at least 2N pages (one big allocation's
   // interior) takes handles of N pages, the rest one page: N times fewer cuMemCreate,
   // cuMemMap and cuMemUnmap calls when huge blocks come and go, at some fragmentation
-  // (train_llama, sim: 1.025 with N = 16).
+  // (train_llama, sim: 1.025 with N = 16). Without it, a growth creating at least
+  // huge_growth_bytes takes handles of a 16th of that (64 MiB by default): the driver's
+  // access grant costs ~26-29 us per handle in the range (H200), so 512 one-page handles
+  // cost ~30 us a page to grow, 64 MiB ones ~1.5 us. Smaller thresholds pinned free pages
+  // in partly used big handles (torch_train_fixed, sim: 1.0139 from 128 MiB, 1.0104 from
+  // 512 MiB, 1.0004 from 1 GiB, as with one-page handles only). A reservation up front stays
+  // in one-page handles, as do lent pages and guarded allocations.
+  enum class handle_sizes { one_page, growth, reservation };
   struct chunk {
     physical_handle handle{};
     std::size_t pages = 0;
@@ -160,7 +167,7 @@ class vmm_page_pool final : public pool_base {
   // Creates chunks for `pages` pages (sized as above) into spare_; false (and
   // nothing kept of this call, but a chunk the undo could not release: it stays spare)
   // when the device or the limit has no room. Throws gpumem::cuda_error likewise.
-  bool create_chunks(std::size_t pages, bool single_pages = false);
+  bool create_chunks(std::size_t pages, handle_sizes sizes);
   std::size_t spare_pages() const;
   std::size_t spare_single_pages() const;
   // Unmaps chunks lying wholly inside cached free blocks into spare_, until `wanted`
