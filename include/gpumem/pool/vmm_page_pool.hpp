@@ -1,6 +1,7 @@
 // vmm_page_pool: device memory on demand from one large virtual range, backed by
-// physical chunks (handles of one page of the VMM granularity, 2 MiB on an H200, or
-// big_chunk pages for huge growths) that are mapped only where blocks need them.
+// physical chunks (handles of one page of the VMM granularity, 2 MiB on an H200; 64 MiB
+// ones for a growth of at least 1 GiB, or big_chunk pages) that are mapped only where
+// blocks need them.
 //
 //  - The virtual range is reserved once (default 2x device memory; address space is free).
 //  - A chunk is the unit of mapping: the driver maps a handle only from its start
