@@ -498,6 +498,7 @@ gpumem_status gpumem_pool_counter(gpumem_pool* pool, const char* name, uint64_t*
           {"plans_built", c.plans_built},
           {"planned_steps", c.planned_steps},
           {"steps_left_plan", c.steps_left_plan},
+          {"steps_rejoined", c.steps_rejoined},
           {"planned_allocations", c.planned_allocations},
           {"plan_region_failures", c.region_failures},
           {"plan_region_takes", c.region_takes},

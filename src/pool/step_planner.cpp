@@ -47,6 +47,9 @@ struct step_planner::state {
   std::vector<step_event> plan_source;  // the step the plan was built from
   std::size_t cycle_start = 0;
   bool cycle_begun = false;             // this step's cycle has begun
+  // A cycle left at its first request (a detour: an evaluation pass, say) may rejoin the
+  // plan once the detour's allocations are all freed: the live bytes then (none: no detour).
+  std::optional<std::size_t> detour_from_live;
   std::uint64_t cycle = 0;
   std::uint32_t cycle_next_id = 0;
   bool on_plan = false;                 // this cycle follows the plan so far
@@ -118,6 +121,7 @@ void* step_planner::do_allocate(std::size_t bytes, std::size_t alignment, stream
   state& s = *s_;
   begin_cycle_if_due(s);
   const step_event e{step_event::kind::alloc, 0, s.next_id, bytes, alignment, stream.value};
+  rejoin_if_due(s, step_event{step_event::kind::alloc, 0, 0, bytes, alignment, stream.value});
   const step_event in_cycle{step_event::kind::alloc, 0, s.cycle_next_id, bytes, alignment,
                             stream.value};
   bool planned = false;
@@ -225,6 +229,8 @@ void step_planner::record(state& s, const step_event& e) {
 }
 
 void step_planner::leave_plan(state& s) {
+  if (s.cursor == 0 && s.region_live == 0)
+    s.detour_from_live = live_bytes_.load(std::memory_order_relaxed);
   s.on_plan = false;
   ++s.counts.steps_left_plan;
   // An idle region would be memory the pool cannot use for the rest of the step (a loop's
@@ -266,6 +272,7 @@ void step_planner::mark_step() {
   s.next_id = 0;
   ++s.step;
   s.cycle_begun = false;  // the cycle under way (if any) runs on to this step's start
+  s.detour_from_live.reset();
 
   // The loop changed (two steps alike, not as planned): drop the plan; its region goes
   // back once its last allocation is freed.
@@ -293,12 +300,33 @@ void step_planner::mark_step() {
 void step_planner::begin_cycle_if_due(state& s) {
   if (!s.plan || s.cycle_begun || s.step_events != s.cycle_start) return;
   s.cycle_begun = true;
+  begin_cycle(s);
+}
+
+void step_planner::begin_cycle(state& s) {
   ++s.cycle;
   s.cycle_next_id = 0;
   s.cursor = 0;
   // A cycle begins on the plan when no planned allocation is live and the region is held.
   s.on_plan = s.region_live == 0 && (s.region != 0 || take_region(s));
   if (s.on_plan) ++s.counts.planned_steps;
+}
+
+void step_planner::rejoin_if_due(state& s, const step_event& request) {
+  // A cycle left at its first request (an evaluation pass run where the training step
+  // begins, say) rejoins the plan when the detour's allocations are all freed (the live
+  // bytes are back where it left) and the request a cycle begins with comes: the rest of
+  // the step is the cycle, and it ends where the next one begins. Once a step: a request
+  // that only looks like the beginning leaves again at the next difference and gives the
+  // region back. (A looser sign, live bytes near the last cycle's start, let the warm-up
+  // steps of a replay pass rejoin and hold the region while the pool served them: sim,
+  // torch_train_fixed 1.41.)
+  if (s.on_plan || !s.plan || !s.detour_from_live || s.region_live != 0) return;
+  if (s.plan->sequence.empty() || !(s.plan->sequence.front() == request)) return;
+  if (live_bytes_.load(std::memory_order_relaxed) != *s.detour_from_live) return;
+  s.detour_from_live.reset();
+  begin_cycle(s);
+  if (s.on_plan) ++s.counts.steps_rejoined;
 }
 
 bool step_planner::take_region(state& s) {

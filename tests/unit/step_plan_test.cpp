@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -26,6 +27,7 @@ using detail::step_event;
 using detail::step_plan;
 using gpumem_test::fill;
 using gpumem_test::holds;
+using gpumem_test::KiB;
 using gpumem_test::MiB;
 
 step_event alloc(std::uint32_t id, std::size_t bytes, std::uintptr_t stream = 0,
@@ -158,7 +160,9 @@ class StepPlanner : public gpumem_test::sim_pool_test {
   struct loop {
     std::vector<std::pair<void*, std::size_t>> carried;  // freed by the next step
   };
-  void run_step(memory_resource& r, loop& l, stream_handle s, std::size_t variant = 0) {
+  // before_loss: more requests (an evaluation pass, say) just before the step's last one.
+  void run_step(memory_resource& r, loop& l, stream_handle s, std::size_t variant = 0,
+                const std::function<void()>& before_loss = {}) {
     std::vector<std::pair<void*, std::size_t>> acts;
     for (std::size_t i = 0; i < 6; ++i) {
       const std::size_t n = (3 + i) * MiB + 4096 * i + variant;
@@ -181,6 +185,7 @@ class StepPlanner : public gpumem_test::sim_pool_test {
       r.deallocate(acts.back().first, acts.back().second, s);
       acts.pop_back();
     }
+    if (before_loss) before_loss();
     void* loss = r.allocate(512, 256, s);
     l.carried.emplace_back(loss, 512);
   }
@@ -291,6 +296,79 @@ TEST_F(StepPlanner, ADifferentRequestTakesTheRestOfTheStepToThePoolAndTheNextSte
   planner.mark_step();
   finish(planner, l, {});
   EXPECT_EQ(planner.validate(), "");
+}
+
+TEST_F(StepPlanner, AStepThatLeavesAtItsCycleStartRejoinsWhereTheNextCycleBegins) {
+  vmm_page_pool pool(sim, 0);
+  step_planner planner(pool);
+  loop l;
+  run_until_planned(*this, planner, l, 5);
+  planner.mark_step();
+  ASSERT_EQ(planner.counts().region_takes, 1u);
+  // An evaluation pass where the cycle begins (before the loss): other sizes, large and
+  // small, all freed before the loss comes. The plan is left there, the pass runs on the
+  // pool, and the loss (the request a cycle begins with) rejoins it.
+  auto evaluation = [&] {
+    std::vector<std::pair<void*, std::size_t>> held;
+    for (std::size_t i = 0; i < 4; ++i) held.emplace_back(planner.allocate((5 + i) * MiB + 1024, 256, {}), (5 + i) * MiB + 1024);
+    for (int i = 0; i < 16; ++i) held.emplace_back(planner.allocate(64 * KiB, 256, {}), 64 * KiB);
+    for (auto [p, n] : held) fill(p, n, 0x5e);
+    for (auto [p, n] : held) planner.deallocate(p, n, {});
+  };
+  const auto served = planner.counts().planned_allocations;
+  const auto maps = calls(platform_op::map);
+  run_step(planner, l, {}, 0, evaluation);
+  // The pass ran in the region's memory, given back to the pool, and left it whole: taking
+  // it again mapped nothing.
+  EXPECT_EQ(calls(platform_op::map), maps);
+  auto c = planner.counts();
+  EXPECT_EQ(c.steps_left_plan, 1u);
+  EXPECT_EQ(c.steps_rejoined, 1u);
+  EXPECT_EQ(c.planned_allocations, served + 9u) << "the step's own 8 and the loss, planned";
+  EXPECT_EQ(planner.validate(), "");
+  planner.mark_step();
+  run_step(planner, l, {});  // the cycle the loss began runs on, and the next begins
+  planner.mark_step();
+  c = planner.counts();
+  EXPECT_EQ(c.planned_allocations, served + 18u);
+  EXPECT_EQ(c.steps_left_plan, 1u);
+  EXPECT_EQ(c.region_takes, 2u);  // given back for the pass, taken again by the loss
+  // A detour, then a request that only looks like a cycle's beginning: the step rejoins,
+  // leaves at the next difference, and does not rejoin again (the loss goes to the pool).
+  auto odd = [&] {
+    void* x = planner.allocate(MiB, 256, {});  // unlike the plan: leaves
+    planner.deallocate(x, MiB, {});
+    void* p = planner.allocate(512, 256, {});                // as the loss: rejoins
+    void* q = planner.allocate(3 * MiB + 7 * 512, 256, {});  // unlike the plan: leaves
+    planner.deallocate(q, 3 * MiB + 7 * 512, {});
+    planner.deallocate(p, 512, {});
+  };
+  const auto before_odd = planner.counts();
+  run_step(planner, l, {}, 0, odd);
+  c = planner.counts();
+  EXPECT_EQ(c.steps_rejoined, before_odd.steps_rejoined + 1);
+  EXPECT_EQ(c.steps_left_plan, before_odd.steps_left_plan + 2);
+  EXPECT_EQ(c.planned_allocations, before_odd.planned_allocations + 8u + 1u)
+      << "the step's 8 (its cycle began a step earlier) and p; not the loss";
+  EXPECT_EQ(planner.validate(), "");
+  planner.mark_step();
+  run_step(planner, l, {});  // the loss of the odd step was not planned: this step is not
+  planner.mark_step();
+  run_step(planner, l, {});  // on the plan again
+  EXPECT_GT(planner.counts().planned_allocations, c.planned_allocations);
+  planner.mark_step();
+  // A detour whose allocation still lives when the loss comes: not the same point of the
+  // loop (the live bytes differ), so no rejoining.
+  void* kept = nullptr;
+  c = planner.counts();
+  run_step(planner, l, {}, 0, [&] { kept = planner.allocate(MiB, 256, {}); });
+  EXPECT_EQ(planner.counts().steps_rejoined, c.steps_rejoined);
+  EXPECT_EQ(planner.counts().steps_left_plan, c.steps_left_plan + 1);
+  planner.deallocate(kept, MiB, {});
+  planner.mark_step();
+  finish(planner, l, {});
+  EXPECT_EQ(planner.validate(), "");
+  EXPECT_EQ(planner.stats().live_bytes, 0u);
 }
 
 TEST_F(StepPlanner, AFreeOutOfOrderLeavesThePlanAndNothingOverlaps) {

@@ -64,6 +64,8 @@ struct step_planner_counts {
   std::uint64_t plans_built = 0;
   std::uint64_t planned_steps = 0;        // steps (cycles) begun on a plan
   std::uint64_t steps_left_plan = 0;      // of those, steps that left it (a difference)
+  std::uint64_t steps_rejoined = 0;       // steps that left it and rejoined it where a
+                                          // cycle begins (after an evaluation pass, say)
   std::uint64_t planned_allocations = 0;  // served from a region
   std::uint64_t region_failures = 0;      // marks where the pool could not give the region
   std::uint64_t region_takes = 0;         // regions taken from the pool (one more after each
@@ -128,6 +130,10 @@ class step_planner final : public memory_resource {
   void leave_plan(state& s);         // the rest of this cycle goes to the pool
   void record(state& s, const detail::step_event& e);  // this step's next event
   void begin_cycle_if_due(state& s); // at the plan's cycle start: on the plan if it can
+  void begin_cycle(state& s);        // a cycle begins here, on the plan if it can
+  // Before an allocation: a step that left the plan rejoins it where `request` begins a
+  // cycle (once a step).
+  void rejoin_if_due(state& s, const detail::step_event& request);
   void count_alloc(std::size_t bytes) noexcept;
   void count_free(std::size_t bytes) noexcept;
 
