@@ -368,7 +368,8 @@ void vmm_page_pool::va_insert(std::size_t first, std::size_t count) {
   va_free_.emplace(first, count);
 }
 
-std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait, const stream_handle* same_stream) {
+std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait, const stream_handle* same_stream,
+                                   std::uintptr_t keep_end) {
   struct candidate {
     std::uint32_t arena_id;
     detail::block* b;
@@ -380,6 +381,7 @@ std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait, const stream_h
   for (std::uint32_t id : {small_arena, large_arena}) {
     arena(id).flush();
     for (detail::block* b : arena(id).free_blocks()) {
+      if (keep_end != 0 && b->addr + b->size == keep_end) continue;
       bool deferred = false;
       if (!wait && !free_known_complete(*b)) {
         if (same_stream == nullptr || b->stream != same_stream->value) continue;
@@ -519,21 +521,33 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
     collect_worker();
   }
   if (!va_fits()) return false;
-  // Packing: the free tail left in the last page of a live block, at the end of its run
-  // with unmapped address space after it, is extended by only the pages the request lacks,
-  // so consecutive large blocks share pages instead of each rounding up on its own.
+  // Growing in place: a free block at the top of its mapped run, with unmapped address
+  // space after it, is extended by only the pages the request lacks. Two cases:
+  //  - packing: the free tail left in the last page of a live block, so consecutive large
+  //    blocks share pages instead of each rounding up on its own;
+  //  - a huge request (huge_growth bytes or more) and a free run holding half of it: a
+  //    step plan's region given back for an evaluation pass and taken again once a few of
+  //    its pages went to the small arena. Gathering the whole request into a fresh run
+  //    would remap every page (~26 us of access grant each on the H200: ~0.45 s for a
+  //    15.6 GB region); in place, only the missing ones.
+  // Extending other free blocks made fragmentation worse on both shared traces (sim,
+  // 1.043-1.062 on infer; any run holding half the request: 1.0139 on infer).
   struct extension {
     std::size_t first_page = no_page;
     std::size_t pages = 0;
+    std::uintptr_t block_end = 0;  // the extended block's end (reclaim leaves it whole)
   };
+  const bool huge = options_.huge_growth_bytes != 0 && size >= options_.huge_growth_bytes;
+  bool retiring_after_run = false;  // a huge run's next page still retiring (map worker)
   auto find_extension = [&]() {
     extension best;
-    // Only a tail under one page, the leftover of a live block: extending larger free
-    // blocks made fragmentation worse on both shared traces (sim, 1.043-1.062 on infer).
     if (pad != 0) return best;
     for (detail::block* b : arena.free_blocks()) {
-      if (b->next != nullptr || b->size >= size || b->size >= page_) continue;
-      if (b->prev == nullptr || b->prev->st != detail::block::state::allocated) continue;
+      if (b->next != nullptr || b->size >= size) continue;
+      const bool tail = b->size < page_ && b->prev != nullptr &&
+                        b->prev->st == detail::block::state::allocated;
+      const bool huge_run = huge && 2 * b->size >= size;
+      if (!tail && !huge_run) continue;
       // The tail must be this stream's: the arena hands a block only to its own stream
       // (another stream's, even if known complete, would leave the grown run unusable:
       // allocation fails, cached memory is released and the request is refused anyway).
@@ -543,12 +557,22 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
       if (need >= pages) continue;  // saves nothing
       if (best.first_page != no_page && need >= best.pages) continue;
       auto run = va_free_.find(end_page);
-      if (run == va_free_.end() || run->second < need) continue;
-      best = {end_page, need};
+      if (run == va_free_.end() || run->second < need) {
+        retiring_after_run = retiring_after_run ||
+                             (huge_run && end_page < va_pages_ && page_table_[end_page] == retiring_page);
+        continue;
+      }
+      best = {end_page, need, b->addr + b->size};
     }
     return best;
   };
   extension ext = find_extension();
+  if (ext.first_page == no_page && retiring_after_run && worker_ != nullptr) {
+    // The address space after the run comes back once the worker has unmapped it.
+    worker_->drain();
+    collect_worker();
+    ext = find_extension();
+  }
   std::size_t wanted = ext.first_page != no_page ? ext.pages : pages;
   std::size_t have = spare_pages_for(stream.value);
   const std::size_t first_new = chunks_.size();
@@ -558,7 +582,7 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
       create_chunks(wanted - have, handle_sizes::growth))
     have = spare_pages_for(stream.value);
   if (have < wanted) {
-    reclaim(wanted - have, false, &stream);
+    reclaim(wanted - have, false, &stream, ext.block_end);
     // Counted again: a reclaimed chunk may still be retiring for another stream.
     have = spare_pages_for(stream.value);
     if (ext.first_page != no_page) {  // reclaim may have cut the tail: look again
@@ -628,9 +652,23 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
     run = va_free_.find(ext.first_page);
     if (run != va_free_.end() && run->second < covered) run = va_free_.end();
   }
-  if (run == va_free_.end() && covered >= pages)
-    run = std::find_if(va_free_.begin(), va_free_.end(),
-                       [&](const auto& r) { return r.second >= covered; });
+  if (run == va_free_.end() && covered >= pages) {
+    // Not right above a free run of half a huge request or more, where possible: that
+    // address space is how the run grows in place (above) when it is asked for again.
+    std::vector<std::size_t> kept_for_runs;
+    if (options_.huge_growth_bytes != 0)
+      for (std::uint32_t id : {small_arena, large_arena})
+        for (detail::block* b : this->arena(id).free_blocks())
+          if (b->next == nullptr && 2 * b->size >= options_.huge_growth_bytes)
+            kept_for_runs.push_back((b->addr + b->size - va_base_) / page_);
+    auto fits = [&](const auto& r) { return r.second >= covered; };
+    auto fits_elsewhere = [&](const auto& r) {
+      return fits(r) && std::find(kept_for_runs.begin(), kept_for_runs.end(), r.first) ==
+                            kept_for_runs.end();
+    };
+    run = std::find_if(va_free_.begin(), va_free_.end(), fits_elsewhere);
+    if (run == va_free_.end()) run = std::find_if(va_free_.begin(), va_free_.end(), fits);
+  }
   if (run == va_free_.end()) {
     spare_.insert(spare_.end(), chosen.begin(), chosen.end());
     release_new_chunks();

@@ -371,6 +371,41 @@ TEST_F(StepPlanner, AStepThatLeavesAtItsCycleStartRejoinsWhereTheNextCycleBegins
   EXPECT_EQ(planner.stats().live_bytes, 0u);
 }
 
+TEST_F(StepPlanner, ARegionTakenAgainAfterADetourMapsOnlyThePagesItLost) {
+  // The region (~74 MiB) counts as a huge request here, as a training step's does with
+  // the default huge_growth (1 GiB).
+  vmm_page_pool pool(sim, 0, pool_options::parse("huge_growth:64M"));
+  step_planner planner(pool);
+  loop l;
+  run_until_planned(*this, planner, l, 5);
+  planner.mark_step();
+  ASSERT_EQ(planner.counts().region_takes, 1u);
+  const std::size_t region_pages = planner.counts().region_bytes / (2 * MiB);
+  // The detour's small requests need pages: the small arena takes them from the top of
+  // the region given back. The loss rejoins the plan and takes the region again.
+  auto evaluation = [&] {
+    std::vector<std::pair<void*, std::size_t>> held;
+    for (int i = 0; i < 80; ++i) held.emplace_back(planner.allocate(64 * KiB, 256, {}), 64 * KiB);
+    held.emplace_back(planner.allocate(9 * MiB, 256, {}), 9 * MiB);
+    for (auto [p, n] : held) fill(p, n, 0x3d);
+    for (auto [p, n] : held) planner.deallocate(p, n, {});
+  };
+  const auto maps = calls(platform_op::map);
+  run_step(planner, l, {}, 0, evaluation);
+  EXPECT_EQ(planner.counts().steps_rejoined, 1u);
+  EXPECT_EQ(planner.counts().region_takes, 2u);
+  const auto remapped = calls(platform_op::map) - maps;
+  // The small arena's pages, and as many mapped again beside the rest of the region.
+  EXPECT_GT(remapped, 0u);
+  EXPECT_LE(remapped, 6u) << "of a region of " << region_pages << " pages";
+  planner.mark_step();
+  run_step(planner, l, {});
+  planner.mark_step();
+  EXPECT_EQ(planner.counts().steps_left_plan, 1u);
+  finish(planner, l, {});
+  EXPECT_EQ(planner.validate(), "");
+}
+
 TEST_F(StepPlanner, AFreeOutOfOrderLeavesThePlanAndNothingOverlaps) {
   vmm_page_pool pool(sim, 0);
   step_planner planner(pool);

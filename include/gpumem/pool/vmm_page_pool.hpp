@@ -176,8 +176,10 @@ class vmm_page_pool final : public pool_base {
   // once its last use is complete: without `wait`, blocks whose free is not yet known
   // complete (event query) are skipped; with `wait`, every stream is synchronized first.
   // With `same_stream`, blocks freed on that stream whose last use is not yet known
-  // complete are taken too, their old mapping left to retire (see above).
-  std::size_t reclaim(std::size_t wanted, bool wait, const stream_handle* same_stream = nullptr);
+  // complete are taken too, their old mapping left to retire (see above). The free block
+  // ending at `keep_end` (the run a growth extends in place) is left whole.
+  std::size_t reclaim(std::size_t wanted, bool wait, const stream_handle* same_stream = nullptr,
+                      std::uintptr_t keep_end = 0);
   // Unmaps the retiring runs whose work is complete (with `wait`: after synchronizing their
   // streams, all of them). Throws gpumem::cuda_error when an unmap fails (the run is kept).
   // only_stream: just that stream's runs.
