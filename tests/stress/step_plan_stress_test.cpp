@@ -1,8 +1,8 @@
 // Step plans under a randomized loop (sim, vmm_page_pool, seeded): a step template of
 // nested and crossing lifetimes, allocations carried into the next step, a second stream,
-// larger alignments; and, at random, steps that differ (a size, an extra request, a free
-// skipped or moved, a free on the other stream), loops that change shape, marks skipped
-// or doubled. An oracle of live [address, end) ranges checks that no two live allocations
+// larger alignments; and, at random, steps that differ (a size, an extra request, a
+// detour of requests freed at once, a free skipped or moved, a free on the other stream),
+// loops that change shape, marks skipped or doubled. An oracle of live [address, end) ranges checks that no two live allocations
 // ever overlap, each allocation's first and last bytes keep its pattern until it is freed,
 // validate() holds after every step, and nothing leaks.
 #include <gtest/gtest.h>
@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <random>
@@ -139,14 +140,19 @@ class loop_checker {
   std::uint64_t serial_ = 0;
 };
 
-// One seed: 40 steps of a randomly perturbed loop. Returns allocations served by plans.
-std::uint64_t run_seed(std::uint64_t seed) {
+struct seed_result {
+  std::uint64_t planned = 0;   // allocations served by plans
+  std::uint64_t rejoined = 0;  // steps that rejoined the plan after a detour
+};
+
+// One seed: 40 steps of a randomly perturbed loop.
+seed_result run_seed(std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   sim_options so;
   so.capacity = 8ull << 30;
   so.granularity = 2 * MiB;
   sim_platform sim(so);
-  std::uint64_t planned = 0;
+  seed_result result;
   {
     auto side = sim.stream_create(0);
     EXPECT_TRUE(side.ok());
@@ -161,13 +167,16 @@ std::uint64_t run_seed(std::uint64_t seed) {
       if (rng() % 25 == 0) planner.mark_step();   // ...or doubled
       if (rng() % 30 == 0) t = make_template(rng);  // the loop changes shape
       std::vector<op> ops = t.ops;
-      const auto perturb = rng() % 8;  // 0..3: this step differs somewhere
+      const auto perturb = rng() % 8;  // 0..4: this step differs somewhere
       const std::size_t at = rng() % ops.size();
       if (perturb == 0 && ops[at].alloc) ops[at].bytes += 512 * (1 + rng() % 4);
       if (perturb == 1) ops.insert(ops.begin() + static_cast<std::ptrdiff_t>(at), op{true, -1, 1 + rng() % MiB, 256, 0});
       if (perturb == 2 && !ops[at].alloc) ops[at].stream = 1 - ops[at].stream;  // freed elsewhere
       if (perturb == 3 && at + 1 < ops.size() && !ops[at].alloc && !ops[at + 1].alloc)
         std::swap(ops[at], ops[at + 1]);
+      if (perturb == 4)  // a detour: a few requests, freed at once (slot -2)
+        for (int d = 0; d < 3; ++d)
+          ops.insert(ops.begin() + static_cast<std::ptrdiff_t>(at), op{true, -2, 1 + rng() % (4 * MiB), 256, 0});
       const bool skip_a_free = rng() % 10 == 0;
 
       for (auto& [p, o] : carried) check.deallocate(p, o.bytes, o.stream);
@@ -176,7 +185,14 @@ std::uint64_t run_seed(std::uint64_t seed) {
       void* extra = nullptr;
       std::size_t extra_bytes = 0;
       bool skipped = false;
+      std::vector<std::pair<void*, std::size_t>> detour;
       for (const op& o : ops) {
+        if (o.alloc && o.slot == -2) {
+          detour.emplace_back(check.allocate(o.bytes, 256, 0), o.bytes);
+          continue;
+        }
+        for (auto [p, n] : detour) check.deallocate(p, n, 0);  // the detour ends
+        detour.clear();
         if (o.alloc && o.slot < 0) {
           extra = check.allocate(o.bytes, 256, 0);
           extra_bytes = o.bytes;
@@ -193,6 +209,7 @@ std::uint64_t run_seed(std::uint64_t seed) {
           made.erase(o.slot);
         }
       }
+      for (auto [p, n] : detour) check.deallocate(p, n, 0);
       if (extra != nullptr) check.deallocate(extra, extra_bytes, 0);
       for (int s : t.carried) {
         auto it = made.find(s);
@@ -207,27 +224,33 @@ std::uint64_t run_seed(std::uint64_t seed) {
     for (auto& [p, o] : carried) check.deallocate(p, o.bytes, o.stream);
     for (auto& [p, o] : lingering) check.deallocate(p, o.bytes, o.stream);
     EXPECT_TRUE(check.empty());
-    planned = planner.counts().planned_allocations;
+    result.planned = planner.counts().planned_allocations;
+    result.rejoined = planner.counts().steps_rejoined;
     EXPECT_EQ(planner.stats().live_bytes, 0u);
     EXPECT_EQ(planner.validate(), "");
     planner.release_stream(side.value());
     EXPECT_TRUE(sim.stream_destroy(side.value()).ok());
   }
   EXPECT_TRUE(sim.live_objects().none()) << "seed " << seed << ": " << sim.live_objects().describe();
-  return planned;
+  return result;
 }
 
 TEST(StepPlanStress, PerturbedLoopsNeverShareALiveByteAndLeakNothing) {
-  std::uint64_t planned = 0;
+  std::uint64_t planned = 0, rejoined = 0;
   int seeds_planned = 0;
   constexpr int seeds = 60;
   for (int seed = 1; seed <= seeds && !::testing::Test::HasFailure(); ++seed) {
-    const std::uint64_t n = run_seed(static_cast<std::uint64_t>(seed));
-    planned += n;
-    seeds_planned += n > 0 ? 1 : 0;
+    const seed_result r = run_seed(static_cast<std::uint64_t>(seed));
+    planned += r.planned;
+    rejoined += r.rejoined;
+    seeds_planned += r.planned > 0 ? 1 : 0;
   }
-  // The loops repeat often enough that plans serve most seeds: the test exercises them.
+  // The loops repeat often enough that plans serve most seeds, and some detours land where
+  // a cycle begins: the test exercises both.
   EXPECT_GE(seeds_planned, seeds / 2) << planned << " planned allocations in all";
+  EXPECT_GT(rejoined, 0u) << "no step rejoined a plan";
+  std::printf("%llu planned allocations, %llu steps rejoined\n",
+              static_cast<unsigned long long>(planned), static_cast<unsigned long long>(rejoined));
 }
 
 // Threads allocating and freeing through a planner while another marks steps: the calls
