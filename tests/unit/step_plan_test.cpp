@@ -216,6 +216,12 @@ void run_until_planned(StepPlanner& f, step_planner& planner, StepPlanner::loop&
   }
 }
 
+// Runs the loop until its plan serves it: the first cycle on the plan has begun.
+void start_on_plan(StepPlanner& f, step_planner& planner, StepPlanner::loop& l) {
+  run_until_planned(f, planner, l, 5);
+  planner.mark_step();
+}
+
 TEST_F(StepPlanner, TwoEqualStepsMakeAPlanThatServesLaterStepsWithoutTheDriver) {
   vmm_page_pool pool(sim, 0);
   step_planner planner(pool);
@@ -275,8 +281,7 @@ TEST_F(StepPlanner, ADifferentRequestTakesTheRestOfTheStepToThePoolAndTheNextSte
   vmm_page_pool pool(sim, 0);
   step_planner planner(pool);
   loop l;
-  run_until_planned(*this, planner, l, 5);
-  planner.mark_step();
+  start_on_plan(*this, planner, l);
   ASSERT_EQ(planner.counts().plans_built, 1u);
   ASSERT_GT(planner.counts().planned_allocations, 0u);
   const auto served = planner.counts().planned_allocations;
@@ -302,8 +307,7 @@ TEST_F(StepPlanner, AStepThatLeavesAtItsCycleStartRejoinsWhereTheNextCycleBegins
   vmm_page_pool pool(sim, 0);
   step_planner planner(pool);
   loop l;
-  run_until_planned(*this, planner, l, 5);
-  planner.mark_step();
+  start_on_plan(*this, planner, l);
   ASSERT_EQ(planner.counts().region_takes, 1u);
   // An evaluation pass where the cycle begins (before the loss): other sizes, large and
   // small, all freed before the loss comes. The plan is left there, the pass runs on the
@@ -377,8 +381,7 @@ TEST_F(StepPlanner, ARegionTakenAgainAfterADetourMapsOnlyThePagesItLost) {
   vmm_page_pool pool(sim, 0, pool_options::parse("huge_growth:64M"));
   step_planner planner(pool);
   loop l;
-  run_until_planned(*this, planner, l, 5);
-  planner.mark_step();
+  start_on_plan(*this, planner, l);
   ASSERT_EQ(planner.counts().region_takes, 1u);
   const std::size_t region_pages = planner.counts().region_bytes / (2 * MiB);
   // The detour's small requests need pages: the small arena takes them from the top of
@@ -629,8 +632,7 @@ TEST_F(StepPlanner, SegmentsShowPlannedAllocationsInsideTheRegion) {
   vmm_page_pool pool(sim, 0);
   step_planner planner(pool);
   loop l;
-  run_until_planned(*this, planner, l, 5);
-  planner.mark_step();
+  start_on_plan(*this, planner, l);
   void* a = planner.allocate(3 * MiB, 256, {});  // the step's first activation, planned
   ASSERT_EQ(planner.counts().planned_live_bytes, 3 * MiB + 512);  // with the loss
   bool found = false;
