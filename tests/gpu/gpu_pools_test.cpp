@@ -113,6 +113,29 @@ TEST(gpu_pools, vmm_page_pool_blocks_hold_data) {
   EXPECT_EQ(pool.stats().reserved_bytes, 0u);
 }
 
+TEST(gpu_pools, vmm_page_pool_reservation_is_mapped_up_front_and_holds_data) {
+  REQUIRE_GPU();
+  platform& p = *cuda();
+  pool_options options;
+  options.reserve_bytes = 64ul << 20;
+  const auto access_before = p.calls_made(platform_op::set_access);
+  vmm_page_pool pool(p, 0, options);
+  const std::size_t page = pool.page_size();
+  EXPECT_EQ(pool.page_counts().mapped_pages, (64ul << 20) / page);
+  EXPECT_EQ(p.calls_made(platform_op::set_access), access_before + 1) << "one access grant";
+  const auto maps = p.calls_made(platform_op::map);
+  const auto creates = p.calls_made(platform_op::create_physical);
+  void* a = pool.allocate(40ul << 20);
+  void* b = pool.allocate(8ul << 20);
+  EXPECT_EQ(p.calls_made(platform_op::map), maps) << "served from the mapped reservation";
+  EXPECT_EQ(p.calls_made(platform_op::create_physical), creates);
+  ASSERT_TRUE(round_trip(p, a, 40ul << 20, 0x2a));
+  ASSERT_TRUE(round_trip(p, b, 8ul << 20, 0x2b));
+  pool.deallocate(a, 40ul << 20);
+  pool.deallocate(b, 8ul << 20);
+  EXPECT_EQ(pool.validate(), "");
+}
+
 TEST(gpu_pools, remap_reuses_free_pages_and_keeps_live_bytes) {
   REQUIRE_GPU();
   platform& p = *cuda();

@@ -580,14 +580,24 @@ TEST_F(VmmPagePool, VirtualRangeExhaustionIsOutOfMemoryAndLeaksNothing) {
 TEST_F(VmmPagePool, ReserveUpFrontMakesTheFirstAllocationsCreateNothing) {
   pool_options o;
   o.reserve_bytes = 32 * MiB;
+  const auto access_before = calls(platform_op::set_access);
   vmm_page_pool pool(sim, 0, o);
   EXPECT_GE(pool.stats().reserved_bytes, 32 * MiB);
-  EXPECT_EQ(pool.page_counts().spare_pages, 16u);
+  // Mapped up front as one run, with one access grant.
+  EXPECT_EQ(pool.page_counts().mapped_pages, 16u);
+  EXPECT_EQ(pool.page_counts().spare_pages, 0u);
+  EXPECT_EQ(calls(platform_op::set_access), access_before + 1);
   const auto creates = calls(platform_op::create_physical);
+  const auto maps = calls(platform_op::map);
   const stream_handle s1 = make_stream();
   std::vector<std::pair<void*, std::size_t>> blocks;
-  for (std::size_t n : {64 * KiB, 8 * MiB, 100 * KiB, 6 * MiB}) blocks.push_back({pool.allocate(n), n});
+  // Large requests, on any stream: served from the mapped reservation, no driver call.
+  for (std::size_t n : {8 * MiB, 6 * MiB}) blocks.push_back({pool.allocate(n), n});
   blocks.push_back({pool.allocate(4 * MiB, default_alignment, s1), 4 * MiB});
+  EXPECT_EQ(calls(platform_op::map), maps);
+  // Small ones: the small arena takes one page from the reservation's free run.
+  for (std::size_t n : {64 * KiB, 100 * KiB}) blocks.push_back({pool.allocate(n), n});
+  EXPECT_LE(calls(platform_op::map), maps + 1);
   EXPECT_EQ(calls(platform_op::create_physical), creates);
   EXPECT_EQ(calls(platform_op::runtime_malloc), 0u);
   EXPECT_EQ(pool.stats().reserved_bytes, 32 * MiB);
@@ -692,6 +702,14 @@ TEST_F(VmmPagePool, AFailedUpFrontReservationLeaksNoRangeAndNoPage) {
   EXPECT_THROW(vmm_page_pool(sim, 0, o), cuda_error);
   sim.clear_faults();
   EXPECT_TRUE(sim.live_objects().none()) << sim.live_objects().describe();
+  // Mapping the reservation fails (a page's map, or the access grant): nothing stays
+  // mapped, created or reserved.
+  for (platform_op op : {platform_op::map, platform_op::set_access}) {
+    sim.inject_fault(op, sim_fault{op == platform_op::map ? 3u : 1u, false, 0.0, failure_kind::driver_error});
+    EXPECT_THROW(vmm_page_pool(sim, 0, o), cuda_error);
+    sim.clear_faults();
+    EXPECT_TRUE(sim.live_objects().none()) << sim.live_objects().describe();
+  }
   vmm_page_pool pool(sim, 0, o);  // the same reservation works once the driver does
   EXPECT_EQ(pool.stats().reserved_bytes, 8 * MiB);
 }

@@ -2,7 +2,8 @@
 // style of PYTORCH_CUDA_ALLOC_CONF: "key:value,key:value" (GPUMEM_CONF in the environment).
 //
 //   reserve:BYTES            physical memory taken up front (suffixes K, M, G, T; or a
-//   reserve_fraction:F       fraction of device memory, 0 < F <= 1)
+//   reserve_fraction:F       fraction of device memory, 0 < F <= 1); vmm_page_pool also maps
+//                            it up front, so requests within it make no driver call
 //   limit:BYTES              hard cap on reserved bytes (0: none)
 //   release_threshold:BYTES  cached bytes kept before the pool gives memory back
 //                            (default: keep all, like cudaMemPool's threshold "never")

@@ -4,6 +4,9 @@
 // blocks need them.
 //
 //  - The virtual range is reserved once (default 2x device memory; address space is free).
+//  - A reservation up front (pool_options::reserve) is created in one-page chunks and mapped
+//    at construction as one free run with one access grant, so requests within it make no
+//    driver call (mapped on demand, each page would cost its ~26 us access grant then).
 //  - A chunk is the unit of mapping: the driver maps a handle only from its start
 //    (cuMemMap offset 0), so a chunk is the unit that moves; one-page chunks let any free
 //    page move alone.
