@@ -786,6 +786,9 @@ inline std::string run_pool_fuzz(pool_target target, const std::uint8_t* data, s
         break;
       case pool_target::vmm_page_big_chunk:
         o.big_chunk_pages = 4;
+        // Requests of 8 MiB and more count as huge: a free run holding half of one is grown
+        // in place, and new runs keep off the address space above such runs.
+        o.huge_growth_bytes = 8 * MiB;
         pages = std::make_unique<gpumem::vmm_page_pool>(sim, 0, o);
         break;
       case pool_target::vmm_page_map_worker:
