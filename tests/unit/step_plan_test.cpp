@@ -216,6 +216,13 @@ void run_until_planned(StepPlanner& f, step_planner& planner, StepPlanner::loop&
   }
 }
 
+// Ends the loop: a last mark, the carried loss freed, and the planner consistent.
+void end_loop(StepPlanner& f, step_planner& planner, StepPlanner::loop& l) {
+  planner.mark_step();
+  f.finish(planner, l, {});
+  EXPECT_EQ(planner.validate(), "");
+}
+
 // Runs the loop until its plan serves it: the first cycle on the plan has begun.
 void start_on_plan(StepPlanner& f, step_planner& planner, StepPlanner::loop& l) {
   run_until_planned(f, planner, l, 5);
@@ -298,9 +305,7 @@ TEST_F(StepPlanner, ADifferentRequestTakesTheRestOfTheStepToThePoolAndTheNextSte
   EXPECT_EQ(planner.counts().steps_left_plan, 1u);
   // The odd step gave the region back (the pool used its memory); this one took it again.
   EXPECT_EQ(planner.counts().region_takes, 2u);
-  planner.mark_step();
-  finish(planner, l, {});
-  EXPECT_EQ(planner.validate(), "");
+  end_loop(*this, planner, l);
 }
 
 TEST_F(StepPlanner, AStepThatLeavesAtItsCycleStartRejoinsWhereTheNextCycleBegins) {
@@ -489,9 +494,7 @@ TEST_F(StepPlanner, ALoopThatChangesIsPlannedAgain) {
   const auto served = planner.counts().planned_allocations;
   run_step(planner, l, {}, 1024);
   EXPECT_EQ(planner.counts().planned_allocations, served + 9u);
-  planner.mark_step();
-  finish(planner, l, {});
-  EXPECT_EQ(planner.validate(), "");
+  end_loop(*this, planner, l);
 }
 
 TEST_F(StepPlanner, BadFreesAreRefusedAndChangeNothing) {

@@ -138,7 +138,7 @@ class vmm_page_pool final : public pool_base {
   // (train_llama, sim: 1.025 with N = 16). Without it, a growth creating at least
   // huge_growth_bytes takes handles of a 16th of that (64 MiB by default): the driver's
   // access grant costs ~26-29 us per handle in the range (H200), so 512 one-page handles
-  // cost ~30 us a page to grow, 64 MiB ones ~1.5 us. Smaller thresholds pinned free pages
+  // cost 36-44 us a page to grow, 64 MiB ones 1.4-1.9 us (pool_bench, 2026-12-01). Smaller thresholds pinned free pages
   // in partly used big handles (torch_train_fixed, sim: 1.0139 from 128 MiB, 1.0104 from
   // 512 MiB, 1.0004 from 1 GiB, as with one-page handles only). A reservation up front stays
   // in one-page handles, as do lent pages and guarded allocations.
