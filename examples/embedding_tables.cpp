@@ -74,7 +74,8 @@ outcome run(const std::string& name, int steps, std::uint64_t seed, std::size_t 
   for (auto& s : size) s = (static_cast<std::size_t>(std::exp2(log_size(rng))) + 4095) / 4096 * 4096;
   std::vector<void*> loaded(size.size(), nullptr);
   std::size_t live = 0;
-  outcome o{name};
+  outcome o;
+  o.allocator = name;
   std::uniform_int_distribution<std::size_t> pick(0, size.size() - 1);
   using clock = std::chrono::steady_clock;
   clock::duration in_calls{};

@@ -136,6 +136,40 @@ TEST(gpu_pools, vmm_page_pool_reservation_is_mapped_up_front_and_holds_data) {
   EXPECT_EQ(pool.validate(), "");
 }
 
+// The driver side of vmm_page_pool's rule that a spare multi-page handle is not mapped
+// where fewer pages are missing (it would pin a page beside the block): released, and
+// one-page handles made instead; the block then holds data.
+TEST(gpu_pools, vmm_page_pool_releases_a_spare_big_handle_that_would_overshoot) {
+  REQUIRE_GPU();
+  platform& p = *cuda();
+  const std::size_t page = p.granularity(0).value().recommended;
+  pool_options options;
+  options.huge_growth_bytes = 64 * page;  // growths of 64 pages take 4-page handles
+  vmm_page_pool pool(p, 0, options);
+  ASSERT_EQ(pool.page_size(), page);
+  void* a = pool.allocate(64 * page);     // sixteen 4-page handles
+  void* b = pool.allocate(page);          // one page above them
+  pool.deallocate(a, 64 * page);
+  // Lending a page reclaims a 4-page handle of a's free run into the spare ones.
+  std::vector<physical_handle> lent = pool.lend_pages(1);
+  ASSERT_EQ(lent.size(), 1u);
+  ASSERT_EQ(pool.page_counts().spare_pages, 4u);
+  const auto released = pool.page_counts().pages_released;
+  const auto releases = p.calls_made(platform_op::release_physical);
+  void* c = pool.allocate(63 * page);     // 60 pages from a's handles, 3 missing
+  const vmm_page_counts after = pool.page_counts();
+  EXPECT_EQ(after.pages_released, released + 4) << "the spare 4-page handle was mapped";
+  EXPECT_EQ(p.calls_made(platform_op::release_physical), releases + 1);
+  EXPECT_EQ(after.spare_pages, 0u);
+  EXPECT_EQ(after.mapped_pages, 63u + 1u);
+  ASSERT_TRUE(round_trip(p, c, 63 * page, 0x3c));
+  ASSERT_TRUE(round_trip(p, b, page, 0x3d));
+  pool.return_pages(lent);
+  EXPECT_EQ(pool.validate(), "");
+  pool.deallocate(c, 63 * page);
+  pool.deallocate(b, page);
+}
+
 TEST(gpu_pools, remap_reuses_free_pages_and_keeps_live_bytes) {
   REQUIRE_GPU();
   platform& p = *cuda();

@@ -47,7 +47,9 @@ TEST(FlatMap, AgreesWithAReferenceMapUnderRandomOperations) {
         const int* got = m.find(k);
         auto want = ref.find(k);
         ASSERT_EQ(got != nullptr, want != ref.end()) << "step " << step;
-        if (got != nullptr) ASSERT_EQ(*got, want->second);
+        if (got != nullptr) {
+          ASSERT_EQ(*got, want->second);
+        }
       }
     }
     ASSERT_EQ(m.size(), ref.size());

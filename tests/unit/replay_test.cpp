@@ -23,6 +23,14 @@ constexpr std::size_t KiB = 1024;
 constexpr std::size_t MiB = 1024 * KiB;
 constexpr std::size_t GiB = 1024 * MiB;
 
+// `passes` passes, writing each block's first bytes (sim: proves it is mapped).
+replay_options touching_passes(int passes) {
+  replay_options o;
+  o.passes = passes;
+  o.touch = true;
+  return o;
+}
+
 // --- parsing -------------------------------------------------------------------------------
 
 const char* const pytorch_text =
@@ -213,7 +221,7 @@ TEST_F(Replay, SyntheticTraceOnTheRuntimeBackend) {
   const trace t = parse_trace(synthetic_trace_text(), "synthetic");
   ASSERT_GT(t.allocs, 50u);
   runtime_resource res(sim);
-  const replay_result r = replay_trace(t, res, replay_options{1, true});
+  const replay_result r = replay_trace(t, res, touching_passes(1));
   expect_common(r, t, 1);
   EXPECT_EQ(r.allocator, "runtime");
   // Every allocation is a cudaMalloc, and every one is freed (the live ones after the pass).
@@ -260,7 +268,7 @@ TEST_F(Replay, SyntheticTraceOnTheCachingPool) {
   const trace t = parse_trace(synthetic_trace_text(), "synthetic");
   runtime_resource upstream(sim);
   caching_pool pool(upstream);
-  const replay_result r = replay_trace(t, pool, replay_options{2, true});
+  const replay_result r = replay_trace(t, pool, touching_passes(2));
   expect_common(r, t, 2);
   EXPECT_EQ(r.allocator, "caching_pool");
   ASSERT_TRUE(r.driver_calls.contains("cudaMalloc"));
@@ -275,25 +283,25 @@ TEST_F(Replay, SyntheticTraceOnTheCachingPool) {
 TEST_F(Replay, TheLastPassCountsItsOwnDriverCalls) {
   const trace t = parse_trace(synthetic_trace_text(), "synthetic");
   runtime_resource res(sim);
-  const replay_result raw = replay_trace(t, res, replay_options{3, true});
+  const replay_result raw = replay_trace(t, res, touching_passes(3));
   EXPECT_EQ(raw.driver_calls.at("cudaMalloc"), 3 * t.allocs);
   EXPECT_EQ(raw.last_pass_driver_calls.at("cudaMalloc"), t.allocs);
   EXPECT_EQ(raw.last_pass_driver_calls.at("cudaFree"), t.allocs);
 
   runtime_resource upstream(sim);
   caching_pool pool(upstream);
-  const replay_result cached = replay_trace(t, pool, replay_options{3, true});
+  const replay_result cached = replay_trace(t, pool, touching_passes(3));
   ASSERT_GT(cached.driver_calls.at("cudaMalloc"), 0u);
   EXPECT_EQ(cached.last_pass_driver_calls.at("cudaMalloc"), 0u) << "the pool did not settle";
 
-  const replay_result once = replay_trace(t, pool, replay_options{1, true});
+  const replay_result once = replay_trace(t, pool, touching_passes(1));
   EXPECT_TRUE(once.last_pass_driver_calls.empty()) << "one pass has no separate last pass";
 }
 
 TEST_F(Replay, SyntheticTraceOnTheVmmPagePool) {
   const trace t = parse_trace(synthetic_trace_text(), "synthetic");
   vmm_page_pool pool(sim);
-  const replay_result r = replay_trace(t, pool, replay_options{2, true});
+  const replay_result r = replay_trace(t, pool, touching_passes(2));
   expect_common(r, t, 2);
   EXPECT_EQ(r.allocator, "vmm_page_pool");
   ASSERT_TRUE(r.driver_calls.contains("cuMemCreate"));

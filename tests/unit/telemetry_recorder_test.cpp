@@ -28,12 +28,6 @@ class TelemetryRecorder : public gpumem_test::sim_pool_test {};
 std::atomic<std::uint64_t> fake_now{1000};
 std::uint64_t fake_clock() noexcept { return fake_now.fetch_add(10); }
 
-std::vector<pool_event_kind> kinds(const event_recorder& r) {
-  std::vector<pool_event_kind> out;
-  for (const auto& e : r.events()) out.push_back(e.kind);
-  return out;
-}
-
 struct runtime_caching_pool {
   runtime_resource upstream;
   caching_pool pool;
@@ -83,7 +77,9 @@ TEST_F(TelemetryRecorder, VmmPoolRecordsPageMapsAllocsFreesAndReclaimUnmaps) {
   EXPECT_EQ(ev[3].size, 6 * MiB);
   for (std::size_t i = 0; i < ev.size(); ++i) {
     EXPECT_EQ(ev[i].sequence, i);
-    if (i > 0) EXPECT_GT(ev[i].time_ns, ev[i - 1].time_ns);  // the injected clock
+    if (i > 0) {
+      EXPECT_GT(ev[i].time_ns, ev[i - 1].time_ns);  // the injected clock
+    }
     EXPECT_EQ(ev[i].tag, nullptr);
     EXPECT_EQ(ev[i].frame_count, 0u);
   }
@@ -313,7 +309,9 @@ TEST_F(TelemetryRecorder, ManyThreadsRecordEveryEventExactlyOnce) {
     EXPECT_EQ(ev[i].sequence, i);
     if (ev[i].kind == pool_event_kind::alloc) ++allocs;
     if (ev[i].kind == pool_event_kind::free) ++frees;
-    if (ev[i].kind == pool_event_kind::alloc) EXPECT_STREQ(ev[i].tag, "worker");
+    if (ev[i].kind == pool_event_kind::alloc) {
+      EXPECT_STREQ(ev[i].tag, "worker");
+    }
   }
   EXPECT_EQ(allocs, static_cast<std::size_t>(threads * rounds));
   EXPECT_EQ(frees, allocs);
