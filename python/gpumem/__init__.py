@@ -101,8 +101,8 @@ COUNTERS = ("cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAc
             "cudaMalloc", "cudaFree", "cudaEventRecord", "cudaEventQuery",
             "cudaStreamSynchronize", "pages_mapped", "pages_spare", "pages_created",
             "pages_reclaimed", "pages_released", "plan_marks", "plans_built", "planned_steps",
-            "steps_left_plan", "steps_rejoined", "planned_allocations", "plan_region_takes", "plan_region_bytes",
-            "plan_lower_bound")
+            "steps_left_plan", "steps_rejoined", "planned_allocations", "plan_region_takes",
+            "plan_regions_handed_over", "plan_region_bytes", "plan_lower_bound")
 
 _lock = threading.Lock()
 _lib = None

@@ -502,6 +502,7 @@ gpumem_status gpumem_pool_counter(gpumem_pool* pool, const char* name, uint64_t*
           {"planned_allocations", c.planned_allocations},
           {"plan_region_failures", c.region_failures},
           {"plan_region_takes", c.region_takes},
+          {"plan_regions_handed_over", c.regions_handed_over},
           {"plan_region_bytes", c.region_bytes},
           {"plan_lower_bound", c.plan_lower_bound},
           {"planned_per_step", c.planned_count}};

@@ -243,6 +243,31 @@ block* block_arena::allocate_from_other_streams(std::size_t size, std::size_t al
   return take(best, size, alignment, stream, requested);
 }
 
+block* block_arena::split_allocated(block* b, std::uintptr_t at) {
+  block* rest = new_block();
+  rest->addr = at;
+  rest->size = b->addr + b->size - at;
+  rest->segment = b->segment;
+  rest->stream = b->stream;
+  rest->st = block::state::allocated;
+  rest->prev = b;
+  rest->next = b->next;
+  if (rest->next != nullptr)
+    rest->next->prev = rest;
+  else
+    region_end_[rest->addr + rest->size] = rest;
+  b->next = rest;
+  b->size = at - b->addr;
+  ++allocated_blocks_;
+  return rest;
+}
+
+void block_arena::set_requested(block* b, std::size_t requested) noexcept {
+  requested_bytes_ += requested;
+  requested_bytes_ -= b->requested;
+  b->requested = requested;
+}
+
 void block_arena::release(block* b, std::uintptr_t stream, std::uint64_t free_epoch) {
   --allocated_blocks_;
   allocated_bytes_ -= b->size;

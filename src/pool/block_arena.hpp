@@ -161,6 +161,12 @@ class block_arena {
 
   // Returns an allocated block; it is reusable in `stream`'s order.
   void release(block* b, std::uintptr_t stream, std::uint64_t free_epoch);
+  // Splits allocated block b at `at` (inside it, a multiple of the unit past its start):
+  // b keeps [b->addr, at) and its requested bytes; the block returned, allocated too, holds
+  // the rest, with none requested (set_requested gives it some).
+  block* split_allocated(block* b, std::uintptr_t at);
+  // Sets the bytes an allocated block's user asked for.
+  void set_requested(block* b, std::size_t requested) noexcept;
 
   // Moves every quick-list block into the merged free index (merging neighbours).
   void flush();

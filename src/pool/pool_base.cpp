@@ -358,6 +358,41 @@ void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream
   deallocate_locked(addr, bytes, stream);
 }
 
+detail::block* pool_base::take_live_locked(std::uintptr_t addr, std::size_t bytes,
+                                           stream_handle stream, bool scrub) {
+  if (addr == 0) return nullptr;  // the live maps' empty key
+  // The cache holding the record: this thread's first, then the others' (a free on another
+  // thread than the allocation's).
+  detail::thread_cache* mine = this_thread_cache();
+  for (std::size_t i = 0; i <= caches_.size(); ++i) {
+    detail::thread_cache* c = i == 0 ? mine : caches_[i - 1].get();
+    if (c == nullptr || (i > 0 && c == mine)) continue;
+    std::lock_guard cache_lock(c->mutex);
+    const detail::live_record* r = c->live.find(addr);
+    if (r == nullptr) continue;
+    if (r->requested != bytes)
+      throw invalid_argument("deallocate: size mismatch for pointer " + hex_address(addr) +
+                             " of the '" + std::string(name()) + "' pool: allocated " +
+                             std::to_string(r->requested) + " bytes, freed as " +
+                             std::to_string(bytes));
+    if (scrub) {
+      // Zeroed in stream order before the block is free: a later owner on this stream runs
+      // after the memset, one on another stream only after an event recorded later still.
+      // A failure leaves the allocation live (the caller may retry the free).
+      if (auto st = device_platform().memset_async(reinterpret_cast<void*>(addr), 0,
+                                                   r->b->size, stream);
+          !st)
+        throw_cuda_error(st, "pool: scrub a freed block");
+    }
+    detail::block* b = r->b;
+    c->live.erase(addr);
+    c->note_free(addr);
+    count(*c, -static_cast<std::int64_t>(bytes), -static_cast<std::int64_t>(b->size));
+    return b;
+  }
+  return nullptr;
+}
+
 void pool_base::deallocate_locked(std::uintptr_t addr, std::size_t bytes, stream_handle stream) {
   std::lock_guard lock(mutex_);
   if (options_.guard && free_guarded(addr, bytes, stream)) {
@@ -370,35 +405,7 @@ void pool_base::deallocate_locked(std::uintptr_t addr, std::size_t bytes, stream
     publish(-static_cast<std::int64_t>(bytes), 0);
     return;
   }
-  // The cache holding the record: this thread's first, then the others' (a free on another
-  // thread than the allocation's).
-  detail::thread_cache* mine = this_thread_cache();
-  detail::block* b = nullptr;
-  for (std::size_t i = 0; i <= caches_.size() && b == nullptr && addr != 0; ++i) {
-    detail::thread_cache* c = i == 0 ? mine : caches_[i - 1].get();
-    if (c == nullptr || (i > 0 && c == mine)) continue;
-    std::lock_guard cache_lock(c->mutex);
-    const detail::live_record* r = c->live.find(addr);
-    if (r == nullptr) continue;
-    if (r->requested != bytes)
-      throw invalid_argument("deallocate: size mismatch for pointer " + hex_address(addr) +
-                             " of the '" + std::string(name()) + "' pool: allocated " +
-                             std::to_string(r->requested) + " bytes, freed as " +
-                             std::to_string(bytes));
-    if (options_.scrub) {
-      // Zeroed in stream order before the block is free: a later owner on this stream runs
-      // after the memset, one on another stream only after an event recorded later still.
-      // A failure leaves the allocation live (the caller may retry the free).
-      if (auto st = device_platform().memset_async(reinterpret_cast<void*>(addr), 0,
-                                                   r->b->size, stream);
-          !st)
-        throw_cuda_error(st, "pool: scrub a freed block");
-    }
-    b = r->b;
-    c->live.erase(addr);
-    c->note_free(addr);
-    count(*c, -static_cast<std::int64_t>(bytes), -static_cast<std::int64_t>(b->size));
-  }
+  detail::block* b = take_live_locked(addr, bytes, stream, options_.scrub);
   if (b == nullptr) throw invalid_argument("deallocate: " + diagnose_locked(addr));
   bool kept = false;
   if (fast_path_.load(std::memory_order_relaxed)) {
@@ -419,6 +426,51 @@ void pool_base::deallocate_locked(std::uintptr_t addr, std::size_t bytes, stream
     } catch (const cuda_error&) {
     }
   }
+}
+
+bool pool_base::free_except(void* ptr, std::size_t bytes, stream_handle stream,
+                            const std::vector<kept_range>& keep) {
+  constexpr std::size_t unit = 512;
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  // The ranges are checked before anything changes.
+  std::uintptr_t free_from = addr;
+  for (const kept_range& k : keep) {
+    if (k.bytes == 0 || k.address < free_from || (k.address - addr) % unit != 0 ||
+        k.address - addr > bytes || k.bytes > addr + bytes - k.address)
+      throw invalid_argument("free_except: kept range " + hex_address(k.address) + " + " +
+                             std::to_string(k.bytes) + " bytes is not inside " +
+                             hex_address(addr) + " + " + std::to_string(bytes) +
+                             " bytes, at a multiple of 512 bytes and apart from the others");
+    free_from = k.address + (k.bytes + unit - 1) / unit * unit;
+  }
+  std::lock_guard lock(mutex_);
+  if (options_.guard || options_.scrub) return false;
+  detail::block* rest = take_live_locked(addr, bytes, stream, false);
+  if (rest == nullptr) throw invalid_argument("free_except: " + diagnose_locked(addr));
+  notify(pool_event_kind::free, addr, bytes, stream.value);
+  detail::block_arena& arena = *arenas_[rest->arena_id];
+  arena.set_requested(rest, 0);
+  detail::thread_cache& mine = cache_for_this_thread_locked();
+  // `rest` is the part not yet kept or freed: each kept range is cut from its front, and
+  // what lies before the range is freed. The owner holding the pool mutex needs no lock on
+  // its own cache (thread_cache.hpp).
+  for (const kept_range& k : keep) {
+    detail::block* kept = rest;
+    if (k.address > rest->addr) {
+      kept = arena.split_allocated(rest, k.address);
+      release_to_arena_locked(rest, stream.value);
+    }
+    const std::size_t size = (k.bytes + unit - 1) / unit * unit;
+    rest = kept->size > size ? arena.split_allocated(kept, kept->addr + size) : nullptr;
+    arena.set_requested(kept, k.bytes);
+    mine.live[kept->addr] = {kept, k.bytes};
+    mine.allocations += 1;
+    count(mine, static_cast<std::int64_t>(k.bytes), static_cast<std::int64_t>(kept->size));
+    notify(pool_event_kind::alloc, kept->addr, k.bytes, stream.value);
+    if (rest == nullptr) break;  // the last range ends the block (the checks above)
+  }
+  if (rest != nullptr) release_to_arena_locked(rest, stream.value);
+  return true;
 }
 
 std::string pool_base::diagnose_locked(std::uintptr_t addr) const {

@@ -198,20 +198,21 @@ void step_planner::do_deallocate(void* ptr, std::size_t bytes, stream_handle str
   const std::uint8_t age = rec.step == s.step ? 0 : rec.step + 1 == s.step ? 1 : 2;
   // May throw bad_alloc: the step then only fails to match the next.
   record(s, {step_event::kind::free, age, age < 2 ? rec.id : 0, bytes, 0, stream.value});
+  if (rec.planned) {
+    --s.region_live;
+    s.region_live_blocks -= step_plan::block_bytes(bytes);
+    s.counts.planned_live_bytes -= bytes;
+  }
   if (s.on_plan && rec.planned) {
     // While a cycle follows the plan, every live planned allocation is this cycle's.
     const step_event in_cycle{step_event::kind::free, 0, rec.cycle_id, bytes, 0, stream.value};
     if (s.cursor < s.plan->sequence.size() && s.plan->sequence[s.cursor] == in_cycle)
       ++s.cursor;
     else
-      leave_plan(s);
+      leave_plan(s);  // (this allocation is no longer counted as the region's)
   }
-  if (rec.planned) {
-    --s.region_live;
-    s.region_live_blocks -= step_plan::block_bytes(bytes);
-    s.counts.planned_live_bytes -= bytes;
-    if (s.region_live == 0 && !s.on_plan) give_region_back(s);  // idle until a step follows it
-  }
+  if (rec.planned && s.region_live == 0 && !s.on_plan)
+    give_region_back(s);  // idle until a step follows it
   count_free(bytes);
 }
 
@@ -235,7 +236,34 @@ void step_planner::leave_plan(state& s) {
   ++s.counts.steps_left_plan;
   // An idle region would be memory the pool cannot use for the rest of the step (a loop's
   // evaluation phase, say): it goes back, and is taken again when a step follows the plan.
-  if (s.region_live == 0) give_region_back(s);
+  if (s.region_live == 0)
+    give_region_back(s);
+  else
+    hand_region_over(s);
+}
+
+void step_planner::hand_region_over(state& s) {
+  // The planned allocations still live (gradients a zero_grad at the top of the loop frees,
+  // while an evaluation pass runs after the optimizer step, say) become the pool's own, and
+  // the rest of the region goes back: the pass runs in the region's free memory, not beside
+  // the region. Their frees go to the pool; the next cycle takes a region again.
+  std::vector<pool_base::kept_range> keep;
+  keep.reserve(s.region_live);
+  for (const auto& [addr, rec] : s.live)
+    if (rec.planned) keep.push_back({addr, rec.bytes});
+  std::sort(keep.begin(), keep.end(),
+            [](const auto& a, const auto& b) { return a.address < b.address; });
+  if (!pool_.free_except(reinterpret_cast<void*>(s.region), s.region_bytes,
+                         stream_handle{s.region_stream}, keep))
+    return;  // the pool cannot (guard or scrub mode): the region goes back when they die
+  for (auto& [addr, rec] : s.live) rec.planned = false;
+  s.region_live = 0;
+  s.region_live_blocks = 0;
+  s.counts.planned_live_bytes = 0;
+  s.region = 0;
+  s.region_bytes = 0;
+  s.counts.region_bytes = 0;
+  ++s.counts.regions_handed_over;
 }
 
 void step_planner::give_region_back(state& s) {

@@ -414,6 +414,86 @@ TEST_F(StepPlanner, ARegionTakenAgainAfterADetourMapsOnlyThePagesItLost) {
   EXPECT_EQ(planner.validate(), "");
 }
 
+// The other common loop: zero_grad at the top, so the gradients live across the mark, and
+// an evaluation pass after the optimizer step, while they still live. The plan is left with
+// planned allocations live: they become the pool's, the rest of the region goes back, and
+// the pass runs in it instead of beside it.
+TEST_F(StepPlanner, AnEvaluationWhileGradientsLiveRunsInTheRegionsFreeMemory) {
+  vmm_page_pool pool(sim, 0);
+  step_planner planner(pool);
+  std::vector<std::pair<void*, std::size_t>> grads;
+  auto train_step = [&](const std::function<void()>& after_optimizer) {
+    for (std::size_t i = 0; i < grads.size(); ++i) {  // zero_grad(set_to_none=True)
+      ASSERT_TRUE(holds(grads[i].first, grads[i].second, static_cast<unsigned char>(0x40 + i)));
+      planner.deallocate(grads[i].first, grads[i].second, {});
+    }
+    grads.clear();
+    std::vector<std::pair<void*, std::size_t>> acts;
+    for (std::size_t i = 0; i < 6; ++i) {  // forward
+      const std::size_t n = (4 + i) * MiB + 4096 * i;
+      acts.emplace_back(planner.allocate(n, 256, {}), n);
+      fill(acts.back().first, n, static_cast<unsigned char>(i + 1));
+    }
+    for (std::size_t i = 0; i < 4; ++i) {  // backward: a gradient made, an activation freed
+      const std::size_t n = 6 * MiB + 512 * i;
+      grads.emplace_back(planner.allocate(n, 256, {}), n);
+      fill(grads.back().first, n, static_cast<unsigned char>(0x40 + i));
+      planner.deallocate(acts.back().first, acts.back().second, {});
+      acts.pop_back();
+    }
+    for (auto [p, n] : acts) planner.deallocate(p, n, {});
+    void* state = planner.allocate(20 * MiB, 256, {});  // the optimizer's scratch
+    planner.deallocate(state, 20 * MiB, {});
+    if (after_optimizer) after_optimizer();
+  };
+  for (int i = 0; i < 6; ++i) {
+    planner.mark_step();
+    train_step({});
+  }
+  planner.mark_step();
+  ASSERT_EQ(planner.counts().plans_built, 1u);
+  ASSERT_GT(planner.counts().planned_steps, 0u);
+  const std::size_t region = planner.counts().region_bytes;
+  ASSERT_GT(region, 0u);
+  const std::size_t reserved = pool.stats().reserved_bytes;
+  // Other sizes than the plan's, 30 MiB at once: less than the region holds free while the
+  // gradients (~24 MiB) live, more than the pool holds outside it.
+  auto evaluation = [&] {
+    std::vector<std::pair<void*, std::size_t>> held;
+    for (std::size_t i = 0; i < 3; ++i) held.emplace_back(planner.allocate(10 * MiB - 512 * i, 256, {}), 10 * MiB - 512 * i);
+    held.emplace_back(planner.allocate(64 * KiB, 256, {}), 64 * KiB);
+    for (auto [p, n] : held) fill(p, n, 0x5e);
+    for (auto [p, n] : held) ASSERT_TRUE(holds(p, n, 0x5e));
+    for (auto [p, n] : held) planner.deallocate(p, n, {});
+  };
+  const auto served = planner.counts().planned_allocations;
+  train_step(evaluation);
+  auto c = planner.counts();
+  EXPECT_EQ(c.steps_left_plan, 1u);
+  EXPECT_EQ(c.regions_handed_over, 1u);
+  EXPECT_EQ(c.region_bytes, 0u);
+  EXPECT_EQ(c.planned_live_bytes, 0u) << "the gradients are the pool's now";
+  EXPECT_EQ(pool.stats().reserved_bytes, reserved) << "the pass ran beside the region";
+  EXPECT_EQ(planner.validate(), "");
+  EXPECT_EQ(pool.validate(), "");
+  // The gradients are freed by the next step's zero_grad (through the pool), which takes
+  // the region again and runs on the plan.
+  planner.mark_step();
+  train_step({});
+  planner.mark_step();
+  train_step({});
+  c = planner.counts();
+  EXPECT_GT(c.planned_allocations, served + 10u);
+  EXPECT_EQ(c.steps_left_plan, 1u);
+  EXPECT_EQ(c.region_takes, 2u);
+  EXPECT_EQ(c.region_bytes, region);
+  EXPECT_EQ(pool.stats().reserved_bytes, reserved);
+  planner.mark_step();
+  for (auto [p, n] : grads) planner.deallocate(p, n, {});
+  EXPECT_EQ(planner.validate(), "");
+  EXPECT_EQ(planner.stats().live_bytes, 0u);
+}
+
 TEST_F(StepPlanner, AFreeOutOfOrderLeavesThePlanAndNothingOverlaps) {
   vmm_page_pool pool(sim, 0);
   step_planner planner(pool);

@@ -135,9 +135,8 @@ GPUMEM_API gpumem_status gpumem_pool_stats(gpumem_pool* pool, gpumem_stats* out)
  * or sim without sim_capacity). For vmm_page_pool also "page_size", "pages_mapped",
  * "pages_spare", "physical_handles", "pages_created", "pages_reclaimed", "pages_released".
  * With step_plan:on also "plan_marks", "plans_built", "planned_steps", "steps_left_plan",
- * "steps_rejoined", "planned_allocations", "plan_region_failures", "plan_region_takes", "plan_region_bytes",
- * "plan_lower_bound",
- * "planned_per_step".
+ * "steps_rejoined", "planned_allocations", "plan_region_failures", "plan_region_takes",
+ * "plan_regions_handed_over", "plan_region_bytes", "plan_lower_bound", "planned_per_step".
  * An unknown name gives GPUMEM_ERROR_INVALID_ARGUMENT. */
 GPUMEM_API gpumem_status gpumem_pool_counter(gpumem_pool* pool, const char* name,
                                              uint64_t* out);

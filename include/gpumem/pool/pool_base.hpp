@@ -121,6 +121,20 @@ class pool_base : public memory_resource {
   // Peak of the rounded bytes handed out (block sizes, as PyTorch's allocated_bytes).
   std::size_t peak_allocated_block_bytes() const;
 
+  // Frees live allocation `ptr` (allocated with `bytes`) except the ranges in `keep`, which
+  // become live allocations of their own (each freed later with its own size): the rest
+  // is reusable in `stream`'s order at once. A step planner's region, left while a few
+  // planned tensors live in it, goes back this way. keep: by address, apart, inside the
+  // allocation, each starting at a multiple of 512 bytes. Returns false, changing nothing,
+  // where the pool cannot (guard or scrub mode); throws gpumem::invalid_argument, changing
+  // nothing, for an unknown pointer, a wrong size or bad ranges.
+  struct kept_range {
+    std::uintptr_t address = 0;
+    std::size_t bytes = 0;
+  };
+  bool free_except(void* ptr, std::size_t bytes, stream_handle stream,
+                   const std::vector<kept_range>& keep);
+
   // Attaches `observer` (nullptr detaches). REQUIRES: it outlives the pool or is
   // detached first. Throws gpumem::invalid_argument when another observer is attached.
   void set_observer(pool_observer* observer);
@@ -219,6 +233,12 @@ class pool_base : public memory_resource {
 
   void* allocate_locked(std::size_t bytes, std::size_t alignment, stream_handle stream);
   void deallocate_locked(std::uintptr_t addr, std::size_t bytes, stream_handle stream);
+  // Removes live allocation `addr` from the cache recording it (this thread's, then the
+  // others') and counts it freed: its block, or nullptr when none records it. Throws
+  // gpumem::invalid_argument on a size mismatch, or cuda_error when `scrub` (zero the block
+  // on `stream` first) fails; either leaves it live. REQUIRES: mutex_ held.
+  detail::block* take_live_locked(std::uintptr_t addr, std::size_t bytes, stream_handle stream,
+                                  bool scrub);
   detail::block* allocate_slow(std::uint32_t arena_id, std::size_t size, std::size_t alignment,
                       stream_handle stream, std::size_t requested);
   // wanted_by: the stream that would reuse the memory (policy wait makes it wait);

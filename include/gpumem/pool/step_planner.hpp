@@ -75,6 +75,8 @@ struct step_planner_counts {
   std::uint64_t region_failures = 0;      // marks where the pool could not give the region
   std::uint64_t region_takes = 0;         // regions taken from the pool (one more after each
                                           // step that left the plan and gave it back)
+  std::uint64_t regions_handed_over = 0;  // regions given back while planned allocations
+                                          // lived in them (those became the pool's)
   std::uint64_t steps_too_long = 0;       // steps of more events than are recorded
   std::size_t region_bytes = 0;           // the region held now (0: none)
   std::size_t plan_lower_bound = 0;       // peak planned bytes live at once, of that plan
@@ -132,6 +134,7 @@ class step_planner final : public memory_resource {
     return std::min<std::size_t>(512, pool_.max_alignment());
   }
   void give_region_back(state& s);   // REQUIRES: no planned allocation live
+  void hand_region_over(state& s);   // the planned allocations live become the pool's
   void leave_plan(state& s);         // the rest of this cycle goes to the pool
   void record(state& s, const detail::step_event& e);  // this step's next event
   void begin_cycle_if_due(state& s); // at the plan's cycle start: on the plan if it can
