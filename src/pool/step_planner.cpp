@@ -49,7 +49,11 @@ struct step_planner::state {
   bool cycle_begun = false;             // this step's cycle has begun
   // A cycle left at its first request (a detour: an evaluation pass, say) may rejoin the
   // plan once the detour's allocations are all freed: the live bytes then (none: no detour).
+  // Also set where a step reaches the event its cycle begins at with other live bytes than
+  // cycles begin with (the step began with a detour): the cycle begins where it can rejoin.
   std::optional<std::size_t> detour_from_live;
+  std::optional<std::size_t> cycle_begin_live;  // live bytes when the last cycle on the plan
+                                                // began (none before the first)
   std::uint64_t cycle = 0;
   std::uint32_t cycle_next_id = 0;
   bool on_plan = false;                 // this cycle follows the plan so far
@@ -319,6 +323,7 @@ void step_planner::mark_step() {
       ++s.counts.plans_built;
       s.plan_source = s.previous;
       s.plan = std::move(plan);
+      s.cycle_begin_live.reset();
       s.cycle_start = cycle.start;
     }
   }
@@ -328,6 +333,16 @@ void step_planner::mark_step() {
 void step_planner::begin_cycle_if_due(state& s) {
   if (!s.plan || s.cycle_begun || s.step_events != s.cycle_start) return;
   s.cycle_begun = true;
+  const std::size_t live = live_bytes_.load(std::memory_order_relaxed);
+  if (!s.on_plan && s.cycle_begin_live && live != *s.cycle_begin_live) {
+    // Not the point where cycles begin, though at its event: the cycle before left the plan
+    // and this step began with other requests (an evaluation pass run after the optimizer
+    // step's mark, with gradients a zero_grad frees later, say). Taking the region here
+    // would take a second one beside the memory still live. The cycle begins where its
+    // first request comes with the live bytes cycles begin with (rejoin_if_due).
+    s.detour_from_live = *s.cycle_begin_live;
+    return;
+  }
   begin_cycle(s);
 }
 
@@ -337,14 +352,19 @@ void step_planner::begin_cycle(state& s) {
   s.cursor = 0;
   // A cycle begins on the plan when no planned allocation is live and the region is held.
   s.on_plan = s.region_live == 0 && (s.region != 0 || take_region(s));
-  if (s.on_plan) ++s.counts.planned_steps;
+  if (s.on_plan) {
+    ++s.counts.planned_steps;
+    s.cycle_begin_live = live_bytes_.load(std::memory_order_relaxed);
+  }
 }
 
 void step_planner::rejoin_if_due(state& s, const step_event& request) {
   // A cycle left at its first request (an evaluation pass run where the training step
   // begins, say) rejoins the plan when the detour's allocations are all freed (the live
   // bytes are back where it left) and the request a cycle begins with comes: the rest of
-  // the step is the cycle, and it ends where the next one begins. Once a step: a request
+  // the step is the cycle, and it ends where the next one begins. So does a cycle whose
+  // event came with other live bytes than cycles begin with (begin_cycle_if_due). Once a
+  // step: a request
   // that only looks like the beginning leaves again at the next difference and gives the
   // region back. (A looser sign, live bytes near the last cycle's start, let the warm-up
   // steps of a replay pass rejoin and hold the region while the pool served them: sim,
