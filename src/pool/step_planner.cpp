@@ -53,7 +53,9 @@ struct step_planner::state {
   // cycles begin with (the step began with a detour): the cycle begins where it can rejoin.
   std::optional<std::size_t> detour_from_live;
   std::optional<std::size_t> cycle_begin_live;  // live bytes when the last cycle on the plan
-                                                // began (none before the first)
+                                                // began at its event (none before the first)
+  bool start_deferred = false;  // this step's cycle waits to rejoin (begin_cycle_if_due)
+  std::optional<std::size_t> began_live;  // live bytes when this cycle began at its event
   std::uint64_t cycle = 0;
   std::uint32_t cycle_next_id = 0;
   bool on_plan = false;                 // this cycle follows the plan so far
@@ -305,6 +307,8 @@ void step_planner::mark_step() {
   ++s.step;
   s.cycle_begun = false;  // the cycle under way (if any) runs on to this step's start
   s.detour_from_live.reset();
+  if (s.start_deferred) s.cycle_begin_live.reset();  // it never came: trust the event again
+  s.start_deferred = false;
 
   // The loop changed (two steps alike, not as planned): drop the plan; its region goes
   // back once its last allocation is freed.
@@ -324,6 +328,7 @@ void step_planner::mark_step() {
       s.plan_source = s.previous;
       s.plan = std::move(plan);
       s.cycle_begin_live.reset();
+      s.began_live.reset();
       s.cycle_start = cycle.start;
     }
   }
@@ -334,16 +339,27 @@ void step_planner::begin_cycle_if_due(state& s) {
   if (!s.plan || s.cycle_begun || s.step_events != s.cycle_start) return;
   s.cycle_begun = true;
   const std::size_t live = live_bytes_.load(std::memory_order_relaxed);
+  // The cycle before ran whole on the plan: it began where cycles begin. (One that began
+  // at its event may not have: an evaluation pass may hold that event when the first plan
+  // is built.)
+  if (s.on_plan && s.began_live) s.cycle_begin_live = s.began_live;
   if (!s.on_plan && s.cycle_begin_live && live != *s.cycle_begin_live) {
     // Not the point where cycles begin, though at its event: the cycle before left the plan
     // and this step began with other requests (an evaluation pass run after the optimizer
     // step's mark, with gradients a zero_grad frees later, say). Taking the region here
     // would take a second one beside the memory still live. The cycle begins where its
-    // first request comes with the live bytes cycles begin with (rejoin_if_due).
+    // first request comes with the live bytes cycles begin with (rejoin_if_due); if that
+    // never comes this step, the next one begins where its event says (mark_step).
     s.detour_from_live = *s.cycle_begin_live;
+    s.start_deferred = true;
+    s.began_live.reset();
     return;
   }
   begin_cycle(s);
+  // Only a cycle begun at its event tells where cycles begin (a rejoin may be a request
+  // that merely looks like a cycle's first), once it has run whole on the plan.
+  s.began_live.reset();
+  if (s.on_plan) s.began_live = live;
 }
 
 void step_planner::begin_cycle(state& s) {
@@ -352,10 +368,7 @@ void step_planner::begin_cycle(state& s) {
   s.cursor = 0;
   // A cycle begins on the plan when no planned allocation is live and the region is held.
   s.on_plan = s.region_live == 0 && (s.region != 0 || take_region(s));
-  if (s.on_plan) {
-    ++s.counts.planned_steps;
-    s.cycle_begin_live = live_bytes_.load(std::memory_order_relaxed);
-  }
+  if (s.on_plan) ++s.counts.planned_steps;
 }
 
 void step_planner::rejoin_if_due(state& s, const step_event& request) {
@@ -373,6 +386,8 @@ void step_planner::rejoin_if_due(state& s, const step_event& request) {
   if (s.plan->sequence.empty() || !(s.plan->sequence.front() == request)) return;
   if (live_bytes_.load(std::memory_order_relaxed) != *s.detour_from_live) return;
   s.detour_from_live.reset();
+  s.start_deferred = false;
+  s.began_live.reset();
   begin_cycle(s);
   if (s.on_plan) ++s.counts.steps_rejoined;
 }

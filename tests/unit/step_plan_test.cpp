@@ -193,6 +193,36 @@ class StepPlanner : public gpumem_test::sim_pool_test {
     for (auto [p, n] : l.carried) r.deallocate(p, n, s);
     l.carried.clear();
   }
+  // A step of the other common loop: zero_grad at the top (so the gradients live across
+  // the mark), forward, backward, the optimizer's scratch, the mark (by the optimizer's
+  // hook, as gpumem.torch marks), then `after_optimizer` (an evaluation pass, say).
+  using tensors = std::vector<std::pair<void*, std::size_t>>;
+  void zero_grad_first_step(step_planner& planner, tensors& grads,
+                            const std::function<void()>& after_optimizer = {}) {
+    for (std::size_t i = 0; i < grads.size(); ++i) {  // zero_grad(set_to_none=True)
+      ASSERT_TRUE(holds(grads[i].first, grads[i].second, static_cast<unsigned char>(0x40 + i)));
+      planner.deallocate(grads[i].first, grads[i].second, {});
+    }
+    grads.clear();
+    tensors acts;
+    for (std::size_t i = 0; i < 6; ++i) {  // forward
+      const std::size_t n = (4 + i) * MiB + 4096 * i;
+      acts.emplace_back(planner.allocate(n, 256, {}), n);
+      fill(acts.back().first, n, static_cast<unsigned char>(i + 1));
+    }
+    for (std::size_t i = 0; i < 4; ++i) {  // backward: a gradient made, an activation freed
+      const std::size_t n = 6 * MiB + 512 * i;
+      grads.emplace_back(planner.allocate(n, 256, {}), n);
+      fill(grads.back().first, n, static_cast<unsigned char>(0x40 + i));
+      planner.deallocate(acts.back().first, acts.back().second, {});
+      acts.pop_back();
+    }
+    for (auto [p, n] : acts) planner.deallocate(p, n, {});
+    void* state = planner.allocate(20 * MiB, 256, {});  // the optimizer's scratch
+    planner.deallocate(state, 20 * MiB, {});
+    planner.mark_step();
+    if (after_optimizer) after_optimizer();
+  }
 };
 
 TEST_F(StepPlanner, BeforeTheFirstMarkEverythingGoesToThePool) {
@@ -423,31 +453,9 @@ TEST_F(StepPlanner, AnEvaluationWhileGradientsLiveRunsInTheRegionsFreeMemory) {
   // default huge_growth (1 GiB): taken again, it grows its old free run in place.
   vmm_page_pool pool(sim, 0, pool_options::parse("huge_growth:32M"));
   step_planner planner(pool);
-  std::vector<std::pair<void*, std::size_t>> grads;
+  tensors grads;
   auto train_step = [&](const std::function<void()>& after_optimizer) {
-    for (std::size_t i = 0; i < grads.size(); ++i) {  // zero_grad(set_to_none=True)
-      ASSERT_TRUE(holds(grads[i].first, grads[i].second, static_cast<unsigned char>(0x40 + i)));
-      planner.deallocate(grads[i].first, grads[i].second, {});
-    }
-    grads.clear();
-    std::vector<std::pair<void*, std::size_t>> acts;
-    for (std::size_t i = 0; i < 6; ++i) {  // forward
-      const std::size_t n = (4 + i) * MiB + 4096 * i;
-      acts.emplace_back(planner.allocate(n, 256, {}), n);
-      fill(acts.back().first, n, static_cast<unsigned char>(i + 1));
-    }
-    for (std::size_t i = 0; i < 4; ++i) {  // backward: a gradient made, an activation freed
-      const std::size_t n = 6 * MiB + 512 * i;
-      grads.emplace_back(planner.allocate(n, 256, {}), n);
-      fill(grads.back().first, n, static_cast<unsigned char>(0x40 + i));
-      planner.deallocate(acts.back().first, acts.back().second, {});
-      acts.pop_back();
-    }
-    for (auto [p, n] : acts) planner.deallocate(p, n, {});
-    void* state = planner.allocate(20 * MiB, 256, {});  // the optimizer's scratch
-    planner.deallocate(state, 20 * MiB, {});
-    planner.mark_step();  // by the optimizer's hook, as gpumem.torch marks
-    if (after_optimizer) after_optimizer();
+    zero_grad_first_step(planner, grads, after_optimizer);
   };
   for (int i = 0; i < 7; ++i) train_step({});
   ASSERT_EQ(planner.counts().plans_built, 1u);
@@ -493,6 +501,59 @@ TEST_F(StepPlanner, AnEvaluationWhileGradientsLiveRunsInTheRegionsFreeMemory) {
   // the region again maps only what it lacks, where it was.
   EXPECT_LE(calls(platform_op::map) - maps, 2u);
   EXPECT_EQ(pool.stats().reserved_bytes, reserved);
+  for (auto [p, n] : grads) planner.deallocate(p, n, {});
+  EXPECT_EQ(planner.validate(), "");
+  EXPECT_EQ(planner.stats().live_bytes, 0u);
+}
+
+// The same loop with an evaluation pass right after the mark that builds the first plan:
+// the first cycle's event falls inside the pass, and a request of the pass looks like a
+// cycle's first. That cycle is lost, but it must not mislead later ones: they begin on
+// the plan from the next step on, and a later pass costs no step.
+TEST_F(StepPlanner, APassWhereTheFirstCycleBeginsDoesNotMisleadLaterCycles) {
+  vmm_page_pool pool(sim, 0);
+  step_planner planner(pool);
+  tensors grads;
+  auto evaluation = [&] {
+    void* a = planner.allocate(10 * MiB, 256, {});
+    void* b = planner.allocate(10 * MiB, 256, {});
+    planner.deallocate(a, 10 * MiB, {});
+    planner.deallocate(b, 10 * MiB, {});
+    void* like_first = planner.allocate(4 * MiB, 256, {});  // as the forward's first request
+    void* c = planner.allocate(20 * MiB + 512, 256, {});
+    fill(like_first, 4 * MiB, 0x61);
+    fill(c, 20 * MiB + 512, 0x62);
+    ASSERT_TRUE(holds(like_first, 4 * MiB, 0x61));
+    planner.deallocate(c, 20 * MiB + 512, {});
+    planner.deallocate(like_first, 4 * MiB, {});
+  };
+  planner.mark_step();
+  for (int i = 0; i < 3; ++i) zero_grad_first_step(planner, grads);
+  ASSERT_EQ(planner.counts().plans_built, 1u) << "built at the last mark";
+  ASSERT_EQ(planner.counts().planned_steps, 0u);
+  zero_grad_first_step(planner, grads, evaluation);
+  std::vector<std::uint64_t> planned;  // cycles begun on the plan, after each later step
+  for (int i = 0; i < 4; ++i) {
+    zero_grad_first_step(planner, grads);
+    planned.push_back(planner.counts().planned_steps);
+  }
+  const auto c = planner.counts();
+  // Two cycles began with the pass and left it: the one under way (the pass is not what it
+  // expects) and the one begun at its event inside the pass (the pass's next request is
+  // not the cycle's second). The step after the pass ran on the pool: its event went by
+  // inside the pass. The three after it began on the plan: the cycle begun inside the pass
+  // did not set the live bytes cycles begin with (only a cycle run whole does).
+  EXPECT_EQ(planned, (std::vector<std::uint64_t>{2, 3, 4, 5}));
+  EXPECT_EQ(c.steps_left_plan, 2u);
+  EXPECT_EQ(c.regions_handed_over, 2u);
+  const auto rejoined = c.steps_rejoined;
+  // A later pass, gradients live: handed over, and the next cycle rejoins where it begins.
+  zero_grad_first_step(planner, grads, evaluation);
+  zero_grad_first_step(planner, grads);
+  zero_grad_first_step(planner, grads);
+  EXPECT_EQ(planner.counts().steps_rejoined, rejoined + 1);
+  EXPECT_EQ(planner.counts().planned_steps, c.planned_steps + 3u);
+  planner.mark_step();
   for (auto [p, n] : grads) planner.deallocate(p, n, {});
   EXPECT_EQ(planner.validate(), "");
   EXPECT_EQ(planner.stats().live_bytes, 0u);
