@@ -52,8 +52,10 @@ struct step_planner::state {
   // Also set where a step reaches the event its cycle begins at with other live bytes than
   // cycles begin with (the step began with a detour): the cycle begins where it can rejoin.
   std::optional<std::size_t> detour_from_live;
-  std::optional<std::size_t> cycle_begin_live;  // live bytes when the last cycle on the plan
-                                                // began at its event (none before the first)
+  // The live bytes cycles begin with: computed when the plan is built, then those of the
+  // last cycle begun at its event that ran whole on the plan; none after a step whose
+  // deferred start never came.
+  std::optional<std::size_t> cycle_begin_live;
   bool start_deferred = false;  // this step's cycle waits to rejoin (begin_cycle_if_due)
   std::optional<std::size_t> began_live;  // live bytes when this cycle began at its event
   std::uint64_t cycle = 0;
@@ -327,9 +329,17 @@ void step_planner::mark_step() {
       ++s.counts.plans_built;
       s.plan_source = s.previous;
       s.plan = std::move(plan);
-      s.cycle_begin_live.reset();
       s.began_live.reset();
       s.cycle_start = cycle.start;
+      // The live bytes where that step's cycle began: those now, less what the step did
+      // after that point. Steps repeat, so cycles begin with them (begin_cycle_if_due).
+      std::int64_t after_start = 0;
+      for (std::size_t i = cycle.start; i < s.previous.size(); ++i) {
+        const auto b = static_cast<std::int64_t>(s.previous[i].bytes);
+        after_start += s.previous[i].what == step_event::kind::alloc ? b : -b;
+      }
+      s.cycle_begin_live = static_cast<std::size_t>(
+          static_cast<std::int64_t>(live_bytes_.load(std::memory_order_relaxed)) - after_start);
     }
   }
   begin_cycle_if_due(s);
