@@ -85,12 +85,13 @@ step_cycle cycle_of(std::span<const step_event> step) {
       out.id = id;
     }
     c.events.push_back(out);
+    if (!second) c.mark = c.events.size();
   }
   return c;
 }
 
 step_plan build_step_plan(std::span<const step_event> events, std::size_t max_planned,
-                          std::size_t max_alignment) {
+                          std::size_t max_alignment, std::size_t mark) {
   step_plan plan;
   std::size_t allocs = 0;
   for (const step_event& e : events)
@@ -116,6 +117,12 @@ step_plan build_step_plan(std::span<const step_event> events, std::size_t max_pl
     return a.block != b.block ? a.block > b.block : a.birth < b.birth;
   });
   if (items.size() > max_planned) items.resize(max_planned);
+  // Those live at the mark first: side by side at the bottom, so a pass run at the mark
+  // while they live (an evaluation with gradients a zero_grad at the top of the loop frees)
+  // finds the rest of the region in one piece when it is handed over (step_planner).
+  std::stable_sort(items.begin(), items.end(), [mark](const lifetime& a, const lifetime& b) {
+    return (a.birth < mark && mark <= a.death) > (b.birth < mark && mark <= b.death);
+  });
 
   std::vector<std::pair<lifetime, std::size_t>> placed;  // with its offset
   placed.reserve(items.size());

@@ -42,6 +42,7 @@ struct step_cycle {
   std::size_t start = 0;           // the cycle begins before this event of the step
   std::vector<step_event> events;  // ids numbered from the cycle's start (all age 0); frees
                                    // of allocations made before the cycle left out
+  std::size_t mark = 0;            // events of the cycle before the step's mark (its end)
 };
 
 // REQUIRES: `step` is one step as recorded, and the next step repeats it.
@@ -71,9 +72,11 @@ struct step_plan {
 // REQUIRES: `events` is one cycle (ids 0.. in alloc order, each freed at most once, after
 // its alloc; every free of age 0). Plans at most `max_planned` allocations (the largest first):
 // placement costs O(n^2) in the planned count. Only allocations asking at most
-// `max_alignment` (<= unit; the region's own alignment) are planned.
+// `max_alignment` (<= unit; the region's own alignment) are planned. Those live across
+// event `mark` (the loop's mark; step_cycle::mark) are placed first, together at the bottom.
 step_plan build_step_plan(std::span<const step_event> events, std::size_t max_planned,
-                          std::size_t max_alignment = step_plan::unit);
+                          std::size_t max_alignment = step_plan::unit,
+                          std::size_t mark = 0);
 
 // "" when no two planned allocations that are live at the same time overlap and every
 // block lies inside the region; else what is wrong (tests and step_planner::validate).

@@ -322,7 +322,8 @@ void step_planner::mark_step() {
   }
   if (!s.plan && repeated && s.region == 0 && s.step >= s.retry_at_step) {
     const detail::step_cycle cycle = detail::cycle_of(s.previous);
-    step_plan plan = detail::build_step_plan(cycle.events, max_planned_, region_alignment());
+    step_plan plan =
+        detail::build_step_plan(cycle.events, max_planned_, region_alignment(), cycle.mark);
     if (plan.planned_count > 0) {
       s.counts.plan_lower_bound = plan.lower_bound;
       s.counts.planned_count = plan.planned_count;

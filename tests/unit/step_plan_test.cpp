@@ -54,6 +54,23 @@ TEST(StepPlan, AllocationsLiveTogetherGetApartAndSuccessiveOnesShare) {
   EXPECT_EQ(plan.sequence.size(), step.size());
 }
 
+TEST(StepPlan, WhatLivesAcrossTheMarkLiesTogetherAtTheBottom) {
+  // Two small tensors live across the mark (gradients a zero_grad at the top frees); a
+  // large one dies before it. Largest first would put the large one at the bottom and the
+  // small ones above it; placed first, they leave the rest of the region in one piece.
+  const std::vector<step_event> cycle = {alloc(0, 4096), alloc(1, 1 << 20), alloc(2, 4096),
+                                         free_of(1, 1 << 20), /* mark */ free_of(0, 4096),
+                                         free_of(2, 4096)};
+  const step_plan plain = build_step_plan(cycle, 100);
+  EXPECT_EQ(plain.offset[1], 0u);
+  const step_plan plan = build_step_plan(cycle, 100, step_plan::unit, /*mark=*/4);
+  EXPECT_EQ(check_step_plan(plan), "");
+  EXPECT_EQ(std::max(plan.offset[0], plan.offset[2]), 4096u);
+  EXPECT_EQ(std::min(plan.offset[0], plan.offset[2]), 0u);
+  EXPECT_EQ(plan.offset[1], 8192u);
+  EXPECT_EQ(plan.region_bytes, plain.region_bytes) << "no larger";
+}
+
 TEST(StepPlan, LeavesToThePoolWhatOutlivesTheStepOrUsesAnotherStreamOrAlignment) {
   const std::vector<step_event> step = {
       alloc(0, 4096),                   // never freed in the step: lives past it
@@ -133,6 +150,7 @@ TEST(StepPlan, TheCycleBeginsAtTheLeastLivePointSoWhatCrossesTheMarkIsPlanned) {
   EXPECT_EQ(c.start, 1u);
   ASSERT_EQ(c.events.size(), 6u);
   EXPECT_EQ(c.events.back(), free_of(2, 50));  // the next step's free, of this cycle's id 2
+  EXPECT_EQ(c.mark, 5u) << "the step's own 5 events come before its mark";
   const step_plan plan = build_step_plan(c.events, 100);
   EXPECT_EQ(plan.planned_count, 3u);
   EXPECT_EQ(check_step_plan(plan), "");
@@ -463,11 +481,11 @@ TEST_F(StepPlanner, AnEvaluationWhileGradientsLiveRunsInTheRegionsFreeMemory) {
   const std::size_t region = planner.counts().region_bytes;
   ASSERT_GT(region, 0u);
   const std::size_t reserved = pool.stats().reserved_bytes;
-  // Other sizes than the plan's, 30 MiB at once: less than the region holds free while the
+  // Other sizes than the plan's, 24 MiB at once: less than the region holds free while the
   // gradients (~24 MiB) live, more than the pool holds outside it.
   auto evaluation = [&] {
     std::vector<std::pair<void*, std::size_t>> held;
-    for (std::size_t i = 0; i < 3; ++i) held.emplace_back(planner.allocate(10 * MiB - 512 * i, 256, {}), 10 * MiB - 512 * i);
+    for (std::size_t i = 0; i < 3; ++i) held.emplace_back(planner.allocate(8 * MiB - 512 * i, 256, {}), 8 * MiB - 512 * i);
     held.emplace_back(planner.allocate(64 * KiB, 256, {}), 64 * KiB);
     for (auto [p, n] : held) fill(p, n, 0x5e);
     for (auto [p, n] : held) ASSERT_TRUE(holds(p, n, 0x5e));
