@@ -398,6 +398,16 @@ class pool_driver {
     sim_.complete_events();
     sim_.hold_events(false);
     if (auto why = check_model(true); !why.empty()) return "before teardown: " + why;
+    // A map worker's unmap that failed while faults were armed is reported by the next call
+    // that collects the worker's results (kept mapped, retried later): trim collects them
+    // (waiting for the worker), so what follows sees only failures of its own.
+    if (fault_mode_) {
+      try {
+        pool_.trim();
+      } catch (const gpumem::cuda_error&) {
+        ++counts_.typed_failures;
+      }
+    }
     // Usable after everything: one round trip. When the pool refuses it with the device's
     // memory free (counted as oom_with_device_memory_free, which the corpus test requires
     // to be 0), it must at least work once everything is freed.
