@@ -16,14 +16,17 @@
 // memory a step needs is the plan's peak, not what a pool's placement left free and
 // scattered (the pool's remapping of scattered pages at a step's peak is what made a tight
 // VMM pool cost 1-17% of a training step). A cycle that leaves the plan gives the region
-// back as soon as nothing planned is live in it (so another phase of the loop, an
-// evaluation say, runs on the pool's memory, not beside an idle region); the next cycle
-// takes it again. A cycle left at its first request (an evaluation pass where the next
-// training step begins) rejoins the plan when the pass's allocations are all freed and the
-// request a cycle begins with comes (once a step). Taking the region again maps only the
-// pages the pool moved out of it meanwhile (vmm_page_pool grows a huge request's free run
-// in place): 18 maps for four evaluations on the H200, where a gather of its pages costs
-// ~0.45 s for 15.6 GB.
+// back at once (so another phase of the loop, an evaluation say, runs on the pool's memory,
+// not beside the region): the planned allocations still live in it become the pool's own
+// (pool_base::free_except), which is why the layout puts those that live across the mark
+// (gradients a zero_grad at the top of the loop frees) together at the bottom. The next
+// cycle takes the region again. A cycle left at its first request (an evaluation pass
+// where the next training step begins) rejoins the plan when the pass's allocations are all
+// freed and the request a cycle begins with comes (once a step); so does a step that
+// reaches its cycle's first event with other live bytes than cycles begin with (a pass
+// after the optimizer's mark). Taking the region again maps only the pages the pool moved
+// out of it meanwhile (vmm_page_pool grows a huge request's free run in place): 14-18 maps
+// for four evaluations on the H200, where a gather of its pages costs ~0.45 s for 15.6 GB.
 //
 // Safety: a planned cycle follows the recorded sequence exactly. The first request or
 // planned free that differs (another size or stream, a free out of order) takes the cycle
