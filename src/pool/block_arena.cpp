@@ -161,23 +161,7 @@ block* block_arena::take(block* b, std::size_t size, std::size_t alignment,
     b->size -= front->size;
     insert_free(front);
   }
-  if (b->size - size >= unit_) {
-    block* tail = new_block();
-    tail->addr = b->addr + size;
-    tail->size = b->size - size;
-    tail->segment = b->segment;
-    tail->stream = b->stream;
-    tail->free_epoch = b->free_epoch;
-    tail->prev = b;
-    tail->next = b->next;
-    if (tail->next != nullptr)
-      tail->next->prev = tail;
-    else
-      region_end_[tail->addr + tail->size] = tail;
-    b->next = tail;
-    b->size = size;
-    insert_free(tail);
-  }
+  if (b->size - size >= unit_) insert_free(cut_after(b, b->addr + size));
   b->st = block::state::allocated;
   b->stream = stream;
   b->requested = requested;
@@ -243,13 +227,13 @@ block* block_arena::allocate_from_other_streams(std::size_t size, std::size_t al
   return take(best, size, alignment, stream, requested);
 }
 
-block* block_arena::split_allocated(block* b, std::uintptr_t at) {
+block* block_arena::cut_after(block* b, std::uintptr_t at) {
   block* rest = new_block();
   rest->addr = at;
   rest->size = b->addr + b->size - at;
   rest->segment = b->segment;
   rest->stream = b->stream;
-  rest->st = block::state::allocated;
+  rest->free_epoch = b->free_epoch;  // as unsafe for other streams as b
   rest->prev = b;
   rest->next = b->next;
   if (rest->next != nullptr)
@@ -258,6 +242,12 @@ block* block_arena::split_allocated(block* b, std::uintptr_t at) {
     region_end_[rest->addr + rest->size] = rest;
   b->next = rest;
   b->size = at - b->addr;
+  return rest;
+}
+
+block* block_arena::split_allocated(block* b, std::uintptr_t at) {
+  block* rest = cut_after(b, at);
+  rest->st = block::state::allocated;
   ++allocated_blocks_;
   return rest;
 }

@@ -198,6 +198,9 @@ class block_arena {
   void delete_block(block* b);
   void insert_free(block* b);
   void erase_free(block* b);
+  // A new record for [at, end of b), linked after b, which now ends at `at`; the caller
+  // sets its state.
+  block* cut_after(block* b, std::uintptr_t at);
   // Splits b so it starts at `at` (front part returned to the free index).
   block* take(block* b, std::size_t size, std::size_t alignment, std::uintptr_t stream,
               std::size_t requested);
