@@ -337,6 +337,9 @@ int run_replay(int argc, char** argv) {
         w.member("steps_marked", r.steps_marked);
         w.member("plans_built", r.plans_built);
         w.member("planned_allocations", r.planned_allocations);
+        w.member("steps_left_plan", r.steps_left_plan);
+        w.member("steps_rejoined", r.steps_rejoined);
+        w.member("regions_handed_over", r.regions_handed_over);
       }
       w.member("oom", r.oom);
       if (r.oom) {
@@ -373,9 +376,13 @@ int run_replay(int argc, char** argv) {
       std::printf("%-14s %s\n", "  last pass:", describe_calls(r, true).c_str());
     if (r.steps_marked > 0)
       std::printf("%-14s %llu steps marked, %llu plan(s) built, %llu allocations served from "
-                  "a plan\n", "  step plan:", static_cast<unsigned long long>(r.steps_marked),
+                  "a plan; %llu steps left it, %llu rejoined, %llu handed the region over\n",
+                  "  step plan:", static_cast<unsigned long long>(r.steps_marked),
                   static_cast<unsigned long long>(r.plans_built),
-                  static_cast<unsigned long long>(r.planned_allocations));
+                  static_cast<unsigned long long>(r.planned_allocations),
+                  static_cast<unsigned long long>(r.steps_left_plan),
+                  static_cast<unsigned long long>(r.steps_rejoined),
+                  static_cast<unsigned long long>(r.regions_handed_over));
     if (r.oom) {
       std::printf("  %s: OUT OF MEMORY at event %llu:\n%s\n", r.allocator.c_str(),
                   static_cast<unsigned long long>(r.oom_event), r.oom_message.c_str());

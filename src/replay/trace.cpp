@@ -314,8 +314,12 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
     }
   }
   if (planner != nullptr) {
-    r.plans_built = planner->counts().plans_built;
-    r.planned_allocations = planner->counts().planned_allocations;
+    const step_planner_counts c = planner->counts();
+    r.plans_built = c.plans_built;
+    r.planned_allocations = c.planned_allocations;
+    r.steps_left_plan = c.steps_left_plan;
+    r.steps_rejoined = c.steps_rejoined;
+    r.regions_handed_over = c.regions_handed_over;
   }
   const resource_stats s = resource.stats();
   r.peak_reserved_bytes = s.peak_reserved_bytes;

@@ -150,6 +150,13 @@ TEST(StepPlanReplay, ReplayMarksStepsAndReportsWhatThePlanServed) {
     // Each planned step serves its 4 activations and the scratch buffer (the loss lives on).
     EXPECT_GE(r.planned_allocations, 5u * (o.step_starts.size() - 2));
     EXPECT_EQ(r.allocator, "step_plan+vmm_page_pool");
+    // The planner's own counts, as it reports them.
+    const step_planner_counts c = planner.counts();
+    EXPECT_EQ(r.steps_left_plan, c.steps_left_plan);
+    EXPECT_EQ(r.steps_rejoined, c.steps_rejoined);
+    EXPECT_EQ(r.regions_handed_over, c.regions_handed_over);
+    // The second pass restarts the trace's first steps, unlike the plan: it leaves at least once.
+    EXPECT_GE(r.steps_left_plan, 1u);
   }
   EXPECT_TRUE(sim.live_objects().none()) << sim.live_objects().describe();
 }

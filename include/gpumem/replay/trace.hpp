@@ -80,10 +80,14 @@ struct replay_result {
   bool oom = false;
   std::uint64_t oom_event = 0;         // event index where it happened
   std::string oom_message;
-  // With a step_planner: steps marked (all passes), plans built, allocations it served.
+  // With a step_planner: steps marked (all passes), plans built, allocations it served;
+  // steps that left the plan, rejoined it, handed the region over (step_planner_counts).
   std::uint64_t steps_marked = 0;
   std::uint64_t plans_built = 0;
   std::uint64_t planned_allocations = 0;
+  std::uint64_t steps_left_plan = 0;
+  std::uint64_t steps_rejoined = 0;
+  std::uint64_t regions_handed_over = 0;
   // Live and reserved bytes sampled over the (first) pass, for plots.
   std::vector<std::pair<std::uint64_t, std::size_t>> live_samples;
   std::vector<std::pair<std::uint64_t, std::size_t>> reserved_samples;
