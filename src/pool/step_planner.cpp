@@ -388,9 +388,8 @@ void step_planner::rejoin_if_due(state& s, const step_event& request) {
   // bytes are back where it left) and the request a cycle begins with comes: the rest of
   // the step is the cycle, and it ends where the next one begins. So does a cycle whose
   // event came with other live bytes than cycles begin with (begin_cycle_if_due). Once a
-  // step: a request
-  // that only looks like the beginning leaves again at the next difference and gives the
-  // region back. (A looser sign, live bytes near the last cycle's start, let the warm-up
+  // step: a request that only looks like the beginning leaves again at the next difference
+  // and gives the region back. (A looser sign, live bytes near the last cycle's start, let the warm-up
   // steps of a replay pass rejoin and hold the region while the pool served them: sim,
   // torch_train_fixed 1.41.)
   if (s.on_plan || !s.plan || !s.detour_from_live || s.region_live != 0) return;
