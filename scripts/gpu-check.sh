@@ -29,7 +29,7 @@ fi
 $BUILD/bench/pool_bench --device cuda 2>&1 | tee "$OUT/bench.txt"
 $BUILD/examples/embedding_tables --device cuda --steps 2000 2>&1 | tee "$OUT/embedding.txt"
 $BUILD/tools/gpumem replay data/train_llama.csv.gz --device cuda --passes 2 2>/dev/null | tee "$OUT/replay.txt"
-for t in .gpurun/*.csv.gz; do
+for t in .gpurun/*.csv.gz data/workloads/*.csv.gz; do
   [ -f "$t" ] || continue
   for a in vmm_page_pool caching_pool; do
     $BUILD/tools/gpumem replay "$t" --device cuda --passes 2 --allocator $a 2>/dev/null | tee -a "$OUT/replay.txt" | tail -1
@@ -54,7 +54,7 @@ rm -f "$OUT/train_peak.pickle"
 # The trace through PyTorch's own C++ caching allocator beside gpumem's pools (built when
 # libtorch is found).
 if [ -x $BUILD/bench/torch_replay_bench ]; then
-  for t in data/train_llama.csv.gz .gpurun/*.csv.gz; do
+  for t in data/train_llama.csv.gz .gpurun/*.csv.gz data/workloads/*.csv.gz; do
     [ -f "$t" ] && $BUILD/bench/torch_replay_bench "$t" --passes 2 2>&1 | tee -a "$OUT/torch_replay.txt"
   done
 fi

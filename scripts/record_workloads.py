@@ -1,0 +1,244 @@
+#!/usr/bin/env python3
+"""Record allocation traces of PyTorch workloads unlike the shared ones, to check that
+gpumem's pools generalize (the shared traces are examples, not the exam).
+
+Each workload runs under PyTorch's native allocator with memory history on; its trace is
+written as a gpumem trace CSV (OUT_DIR/NAME.csv.gz) with the native allocator's own peaks
+(OUT_DIR/NAME.json: peak reserved, peak allocated and peak requested bytes), so a replay
+can be set beside what PyTorch itself reserved.
+
+Workloads (small models, a few seconds each on an H200):
+  ckpt_train     Llama training with gradient checkpointing, batch and sequence varying
+                 per step (activations recomputed in backward: other lifetimes)
+  conv_multiscale  a convolutional net trained under bf16 autocast on images whose size
+                 changes every step (multi-scale training: many distinct sizes)
+  encode_varlen  inference only: an encoder over batches of random sequence lengths
+                 (an embedding/reranking server: every batch a new shape)
+  generate_sampled  Llama generate() with sampling, batch 1-48, prompts 16-768 tokens
+  side_stream    training where each batch is copied from pinned host memory on a side
+                 stream and handed over with record_stream (two streams in the trace)
+
+With --time MODE it records nothing: each workload runs twice in this process (the first
+run warms caches, cuDNN and the pool; the second is timed, with the same random shapes) under
+PyTorch's allocator (MODE native) or gpumem's plug-in (MODE gpumem, or gpumem:CONF with a
+GPUMEM_CONF string), and OUT_DIR/time_NAME_MODE.json gets the timed run's seconds and the
+peak reserved and peak requested bytes over both runs. One workload and mode per process
+(--only NAME): a plug-in must be installed before PyTorch allocates, and peaks are the
+process's.
+
+Usage (GPU machine, torch and transformers installed):
+  record_workloads.py OUT_DIR [--only NAME,NAME] [--seed 0] [--time native|gpumem[:CONF]]
+"""
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from snapshot_to_csv import convert, write_csv  # noqa: E402
+
+
+def small_llama(hidden=1024, layers=8):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                      num_hidden_layers=layers, num_attention_heads=hidden // 128,
+                      num_key_value_heads=hidden // 128, max_position_embeddings=4096)
+    return LlamaForCausalLM(cfg)
+
+
+def ckpt_train(torch, rng):
+    import torch.nn.functional  # noqa: F401
+
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = small_llama(1536, 12)
+    torch.set_default_dtype(torch.float32)
+    model.gradient_checkpointing_enable()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    for _ in range(10):
+        batch, seq = rng.choice([2, 4, 8]), rng.choice([256, 512, 768, 1024, 1536])
+        ids = torch.randint(0, 32000, (batch, seq), device="cuda")
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def conv_multiscale(torch, rng):
+    nn = torch.nn
+
+    def stage(cin, cout, stride):
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout),
+                             nn.ReLU(inplace=True), nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
+                             nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+
+    model = nn.Sequential(stage(3, 64, 2), stage(64, 128, 2), stage(128, 256, 2),
+                          stage(256, 512, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(512, 1000)).cuda().to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(24):
+        side = rng.choice([160, 192, 224, 256, 288, 320, 384])
+        batch = rng.choice([32, 48, 64])
+        x = torch.randn(batch, 3, side, side, device="cuda").to(memory_format=torch.channels_last)
+        y = torch.randint(0, 1000, (batch,), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def encode_varlen(torch, rng):
+    nn = torch.nn
+    layer = nn.TransformerEncoderLayer(d_model=1024, nhead=16, dim_feedforward=4096,
+                                       batch_first=True, norm_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=12, enable_nested_tensor=False)
+    model = model.cuda().to(torch.bfloat16).eval()
+    emb = nn.Embedding(32000, 1024).cuda().to(torch.bfloat16)
+    with torch.inference_mode():
+        for _ in range(200):
+            batch, seq = rng.randint(1, 64), rng.randint(8, 512)
+            ids = torch.randint(0, 32000, (batch, seq), device="cuda")
+            out = model(emb(ids))
+            pooled = torch.nn.functional.normalize(out.mean(dim=1), dim=-1)
+            pooled.cpu()
+
+
+def generate_sampled(torch, rng):
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = small_llama(1536, 12)
+    torch.set_default_dtype(torch.float32)
+    model.eval()
+    model.generation_config.pad_token_id = 0
+    with torch.inference_mode():
+        for _ in range(10):
+            batch, prompt = rng.randint(1, 48), rng.randint(16, 768)
+            ids = torch.randint(1, 32000, (batch, prompt), device="cuda")
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                           max_new_tokens=rng.randint(16, 96), do_sample=True, top_k=50)
+
+
+def side_stream(torch, rng):
+    nn = torch.nn
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(2048, 8192), nn.GELU(), nn.Linear(8192, 2048))
+                            for _ in range(6)]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    copy_stream = torch.cuda.Stream()
+    host = [torch.randn(b, 2048).pin_memory() for b in (1024, 2048, 3072, 4096)]
+    for _ in range(30):
+        src = host[rng.randrange(len(host))]
+        with torch.cuda.stream(copy_stream):
+            x = src.to("cuda", non_blocking=True)
+        torch.cuda.current_stream().wait_stream(copy_stream)
+        x.record_stream(torch.cuda.current_stream())
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del x
+
+
+WORKLOADS = {f.__name__: f for f in (ckpt_train, conv_multiscale, encode_varlen,
+                                     generate_sampled, side_stream)}
+
+
+def record(name, out_dir, seed):
+    import torch
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, max_entries=3_000_000)
+    t0 = time.time()
+    WORKLOADS[name](torch, rng)
+    torch.cuda.synchronize()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    rows = convert(snapshot, 0)
+    path = os.path.join(out_dir, name + ".csv.gz")
+    write_csv(rows, path)
+    s = torch.cuda.memory_stats()
+    peaks = {"workload": name, "events": len(rows), "seconds": round(time.time() - t0, 1),
+             "native_peak_reserved": s["reserved_bytes.all.peak"],
+             "native_peak_allocated": s["allocated_bytes.all.peak"],
+             "native_peak_requested": s["requested_bytes.all.peak"]}
+    with open(os.path.join(out_dir, name + ".json"), "w") as f:
+        json.dump(peaks, f)
+    print(f"{name}: {len(rows)} events in {peaks['seconds']} s; native reserved / allocated "
+          f"{peaks['native_peak_reserved'] / peaks['native_peak_allocated']:.4f}", flush=True)
+
+
+def timed(name, seed, mode):
+    import torch
+
+    def run():
+        torch.manual_seed(seed)
+        WORKLOADS[name](torch, random.Random(seed))
+        torch.cuda.synchronize()
+
+    run()
+    t0 = time.perf_counter()
+    run()
+    seconds = time.perf_counter() - t0
+    if mode == "native":
+        s = torch.cuda.memory_stats()
+        reserved, live = s["reserved_bytes.all.peak"], s["requested_bytes.all.peak"]
+    else:
+        import gpumem.torch
+
+        s = gpumem.torch.stats(0)
+        reserved, live = s["peak_reserved_bytes"], s["peak_live_bytes"]
+    r = {"workload": name, "mode": mode, "seconds": round(seconds, 3), "peak_reserved": reserved,
+         "peak_requested": live, "reserved_over_requested": round(reserved / live, 4)}
+    print(json.dumps(r), flush=True)
+    return r
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("out_dir")
+    p.add_argument("--only", default="")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time", default="")
+    args = p.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    names = [n for n in args.only.split(",") if n] or list(WORKLOADS)
+    for name in names:
+        if name not in WORKLOADS:
+            sys.exit(f"record_workloads.py: unknown workload {name!r} (known: {', '.join(WORKLOADS)})")
+    if args.time:
+        if len(names) != 1:
+            sys.exit("record_workloads.py: --time runs one workload (--only NAME): the peaks "
+                     "are the process's")
+        if args.time != "native":
+            if not args.time.startswith("gpumem"):
+                sys.exit("record_workloads.py: --time takes native, gpumem or gpumem:CONF")
+            import gpumem.torch
+
+            gpumem.torch.enable(args.time.partition(":")[2] or None)
+        r = timed(names[0], args.seed, args.time)
+        path = os.path.join(args.out_dir, "time_%s_%s.json" % (names[0], args.time.replace(":", "_")))
+        with open(path, "w") as f:
+            json.dump(r, f)
+        return 0
+    failed = 0
+    for name in names:
+        try:
+            record(name, args.out_dir, args.seed)
+        except Exception as e:  # one failing workload must not cost the others
+            failed += 1
+            print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
+            import torch
+            torch.cuda.memory._record_memory_history(enabled=None)
+            torch.cuda.empty_cache()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
