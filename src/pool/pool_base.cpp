@@ -359,7 +359,8 @@ void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream
 }
 
 detail::block* pool_base::take_live_locked(std::uintptr_t addr, std::size_t bytes,
-                                           stream_handle stream, bool scrub) {
+                                           stream_handle stream, bool scrub,
+                                           std::string_view caller) {
   if (addr == 0) return nullptr;  // the live maps' empty key
   // The cache holding the record: this thread's first, then the others' (a free on another
   // thread than the allocation's).
@@ -371,7 +372,7 @@ detail::block* pool_base::take_live_locked(std::uintptr_t addr, std::size_t byte
     const detail::live_record* r = c->live.find(addr);
     if (r == nullptr) continue;
     if (r->requested != bytes)
-      throw invalid_argument("deallocate: size mismatch for pointer " + hex_address(addr) +
+      throw invalid_argument(std::string(caller) + ": size mismatch for pointer " + hex_address(addr) +
                              " of the '" + std::string(name()) + "' pool: allocated " +
                              std::to_string(r->requested) + " bytes, freed as " +
                              std::to_string(bytes));
@@ -405,7 +406,7 @@ void pool_base::deallocate_locked(std::uintptr_t addr, std::size_t bytes, stream
     publish(-static_cast<std::int64_t>(bytes), 0);
     return;
   }
-  detail::block* b = take_live_locked(addr, bytes, stream, options_.scrub);
+  detail::block* b = take_live_locked(addr, bytes, stream, options_.scrub, "deallocate");
   if (b == nullptr) throw invalid_argument("deallocate: " + diagnose_locked(addr));
   bool kept = false;
   if (fast_path_.load(std::memory_order_relaxed)) {
@@ -445,7 +446,7 @@ bool pool_base::free_except(void* ptr, std::size_t bytes, stream_handle stream,
   }
   std::lock_guard lock(mutex_);
   if (options_.guard || options_.scrub) return false;
-  detail::block* rest = take_live_locked(addr, bytes, stream, false);
+  detail::block* rest = take_live_locked(addr, bytes, stream, false, "free_except");
   if (rest == nullptr) throw invalid_argument("free_except: " + diagnose_locked(addr));
   notify(pool_event_kind::free, addr, bytes, stream.value);
   detail::block_arena& arena = *arenas_[rest->arena_id];

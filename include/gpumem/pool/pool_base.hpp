@@ -43,6 +43,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -235,10 +236,11 @@ class pool_base : public memory_resource {
   void deallocate_locked(std::uintptr_t addr, std::size_t bytes, stream_handle stream);
   // Removes live allocation `addr` from the cache recording it (this thread's, then the
   // others') and counts it freed: its block, or nullptr when none records it. Throws
-  // gpumem::invalid_argument on a size mismatch, or cuda_error when `scrub` (zero the block
-  // on `stream` first) fails; either leaves it live. REQUIRES: mutex_ held.
+  // gpumem::invalid_argument on a size mismatch (the message begins with `caller`), or
+  // cuda_error when `scrub` (zero the block on `stream` first) fails; either leaves it
+  // live. REQUIRES: mutex_ held.
   detail::block* take_live_locked(std::uintptr_t addr, std::size_t bytes, stream_handle stream,
-                                  bool scrub);
+                                  bool scrub, std::string_view caller);
   detail::block* allocate_slow(std::uint32_t arena_id, std::size_t size, std::size_t alignment,
                       stream_handle stream, std::size_t requested);
   // wanted_by: the stream that would reuse the memory (policy wait makes it wait);
