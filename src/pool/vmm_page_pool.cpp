@@ -198,7 +198,14 @@ void vmm_page_pool::retire_completed(bool wait, const std::uintptr_t* only_strea
       r.chunks.pop_back();
       r.pages -= pages;
     }
-    if (!failed.ok()) throw_cuda_error(failed, "vmm_page_pool: unmap the old mapping of remapped pages");
+    if (!failed.ok()) {
+      // The run stays mapped (what was unmapped is recorded above) and out of use. A caller
+      // that needs it gone hears of it; an opportunistic pass leaves it for the next one.
+      counts_.unmap_failures += 1;
+      if (wait) throw_cuda_error(failed, "vmm_page_pool: unmap the old mapping of remapped pages");
+      ++it;
+      continue;
+    }
     if (done) {
       for (std::size_t q = r.first_page; q < r.first_page + r.pages; ++q) page_table_[q] = no_chunk;
       va_insert(r.first_page, r.pages);
@@ -209,11 +216,17 @@ void vmm_page_pool::retire_completed(bool wait, const std::uintptr_t* only_strea
   if (wait && worker_ != nullptr) {
     worker_->drain();
     collect_worker();
+    // What the worker failed is the caller's now: one more pass unmaps it here.
+    if (std::any_of(retiring_.begin(), retiring_.end(), [&](const retiring_run& r) {
+          return r.worker_failed && (only_stream == nullptr || r.stream == *only_stream);
+        }))
+      retire_completed(true, only_stream);
   }
 }
 
 bool vmm_page_pool::queue_unmap(retiring_run& r) {
-  if (worker_ == nullptr || (r.chunks.size() > 1 && !batched_unmap_)) return false;
+  if (worker_ == nullptr || r.worker_failed || (r.chunks.size() > 1 && !batched_unmap_))
+    return false;
   r.token = ++next_token_;
   r.queued = true;
   worker_->unmap(page_address(r.first_page), r.pages * page_, r.token);
@@ -223,7 +236,6 @@ bool vmm_page_pool::queue_unmap(retiring_run& r) {
 void vmm_page_pool::collect_worker() {
   if (worker_ == nullptr) return;
   std::vector<detail::vmm_worker::finished_unmap> finished;
-  status failed;
   worker_->collect(finished);
   for (auto& f : finished) {
     auto it = std::find_if(retiring_.begin(), retiring_.end(),
@@ -231,13 +243,16 @@ void vmm_page_pool::collect_worker() {
     if (it == retiring_.end()) continue;
     retiring_run& r = *it;
     if (!f.result) {
-      r.queued = false;  // still mapped: unmapped again later
+      // Still mapped: retire_completed unmaps it again, on the caller's thread. Not thrown
+      // here: this call (an allocation, say) may well succeed without that address space.
+      r.queued = false;
+      r.worker_failed = true;
       const bool refused = f.result.kind == failure_kind::invalid_value ||
                            f.result.kind == failure_kind::not_supported;
       if (r.chunks.size() > 1 && refused && batched_unmap_)
         batched_unmap_ = false;  // this driver wants one call per mapping: done by the caller
-      else if (failed.ok())
-        failed = f.result;
+      else
+        counts_.unmap_failures += 1;
       continue;
     }
     for (std::size_t q = r.first_page; q < r.first_page + r.pages; ++q) page_table_[q] = no_chunk;
@@ -245,9 +260,6 @@ void vmm_page_pool::collect_worker() {
     for (auto& [id, pages] : r.chunks) chunks_[id].retiring -= 1;
     retiring_.erase(it);
   }
-  if (!failed.ok())
-    throw_cuda_error(failed, "vmm_page_pool: unmap the old mapping of remapped pages "
-                             "(on the map worker; kept mapped, retried later)");
 }
 
 void vmm_page_pool::stop_worker() noexcept {
@@ -878,6 +890,10 @@ std::string vmm_page_pool::describe_holdings() const {
       << counts_.pages_reclaimed << " pages remapped so far; " << counts_.lent_pages
       << " lent (KV cache); " << retiring_.size()
       << " old mappings of remapped pages waiting for their stream\n";
+  if (counts_.unmap_failures > 0)
+    out << "  " << counts_.unmap_failures
+        << " unmaps of old mappings failed so far; those runs stay mapped until a retry "
+           "succeeds\n";
   return out.str();
 }
 

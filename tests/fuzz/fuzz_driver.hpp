@@ -398,9 +398,9 @@ class pool_driver {
     sim_.complete_events();
     sim_.hold_events(false);
     if (auto why = check_model(true); !why.empty()) return "before teardown: " + why;
-    // A map worker's unmap that failed while faults were armed is reported by the next call
-    // that collects the worker's results (kept mapped, retried later): trim collects them
-    // (waiting for the worker), so what follows sees only failures of its own.
+    // A map worker's unmap that failed while faults were armed is kept mapped and retried by
+    // the pool's next call; trim retries it at once (waiting for the worker) and throws if
+    // the retry fails, so what follows sees only failures of its own.
     if (fault_mode_) {
       try {
         pool_.trim();

@@ -223,25 +223,62 @@ TEST_F(MapWorker, ARemapReturnsBeforeTheOldMappingIsUnmapped) {
 
 // An unmap that fails on the worker is reported at the pool's next call; the old mapping is
 // kept and unmapped again later.
-TEST_F(MapWorker, AFailedUnmapOnTheWorkerIsReportedAndRetried) {
-  vmm_page_pool pool(sim, 0, with_worker());
+// An unmap that fails on the worker fails no call: the old mapping stays (its address space
+// out of use), is counted, and the pool's next call unmaps it on its own thread.
+TEST_F(MapWorker, AFailedUnmapOnTheWorkerFailsNoCallAndIsRetriedByTheCaller) {
+  gated_platform gated(sim);
+  gated.open();
+  vmm_page_pool pool(gated, 0, with_worker());
   sim.inject_fault(platform_op::unmap, sim_fault{.nth = 1, .kind = failure_kind::driver_error});
   std::vector<void*> blocks;
   void* big = remap_once(pool, blocks);  // the worker's first unmap fails
-  bool reported = false;
-  for (int i = 0; i < 100 && !reported; ++i) {
-    try {
-      pool.trim();  // collects what the worker finished
-    } catch (const cuda_error& e) {
-      reported = true;
-      EXPECT_NE(std::string(e.what()).find("map worker"), std::string::npos) << e.what();
-    }
-  }
-  EXPECT_TRUE(reported) << "the failed unmap was never reported";
+  fill(big, 16 * MiB, 0xB1);
+  void* more = nullptr;
+  ASSERT_NO_THROW(more = pool.allocate(6 * MiB)) << "an allocation paid for the worker's failure";
+  ASSERT_NO_THROW(pool.trim());  // collects the failure, and retries it here
+  EXPECT_EQ(pool.page_counts().unmap_failures, 1u);
+  // One-page chunks: each mapped once, unless an old mapping were still there.
+  EXPECT_EQ(sim.live_objects().mappings, pool.page_counts().mapped_pages)
+      << "the failed unmap was not retried";
+  ASSERT_FALSE(gated.unmap_threads().empty());
+  EXPECT_EQ(gated.unmap_threads().back(), std::this_thread::get_id())
+      << "the retry went back to the worker";
+  EXPECT_TRUE(holds(big, 16 * MiB, 0xB1));
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.deallocate(more, 6 * MiB);
   pool.deallocate(big, 16 * MiB);
   for (int i = 1; i < 8; i += 2) pool.deallocate(blocks[static_cast<std::size_t>(i)], 4 * MiB);
-  pool.trim();  // unmaps the kept old mapping too
+  pool.trim();
+  EXPECT_EQ(sim.live_objects().mappings, 0u);
+  EXPECT_EQ(pool.stats().reserved_bytes, 0u);
+}
+
+// When the caller's retry fails too, allocations still go on; the calls that need old
+// mappings gone (trim) throw, and succeed once the driver does.
+TEST_F(MapWorker, AnUnmapThatKeepsFailingIsThrownOnlyByTrim) {
+  vmm_page_pool pool(sim, 0, with_worker());
+  sim.inject_fault(platform_op::unmap,
+                   sim_fault{.nth = 1, .every_after = true, .kind = failure_kind::driver_error});
+  std::vector<void*> blocks;
+  void* big = remap_once(pool, blocks);
+  fill(big, 16 * MiB, 0xB2);
+  std::vector<void*> more;
+  for (int i = 0; i < 4; ++i) ASSERT_NO_THROW(more.push_back(pool.allocate(2 * MiB)));
+  try {
+    pool.trim();
+    ADD_FAILURE() << "trim left an old mapping it could not unmap and said nothing";
+  } catch (const cuda_error& e) {
+    EXPECT_NE(std::string(e.what()).find("unmap"), std::string::npos) << e.what();
+  }
+  EXPECT_GE(pool.page_counts().unmap_failures, 2u);  // the worker's and trim's retry
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  EXPECT_TRUE(holds(big, 16 * MiB, 0xB2));
+  sim.clear_faults();
+  EXPECT_NO_THROW(pool.trim());
+  for (void* p : more) pool.deallocate(p, 2 * MiB);
+  pool.deallocate(big, 16 * MiB);
+  for (int i = 1; i < 8; i += 2) pool.deallocate(blocks[static_cast<std::size_t>(i)], 4 * MiB);
+  pool.trim();
   EXPECT_EQ(sim.live_objects().mappings, 0u);
   EXPECT_EQ(pool.stats().reserved_bytes, 0u);
 }

@@ -93,6 +93,9 @@ struct vmm_page_counts {
   std::uint64_t pages_released = 0;   // given back to the driver
   std::size_t lent_pages = 0;         // one-page handles lent out (lend_pages)
   std::size_t pages_stranded = 0;     // left mapped by an undo whose unmap failed too
+  // Unmaps of remapped pages' old mappings that failed (on the map worker or the caller's
+  // thread): each run stays mapped, out of use, and is retried by the pool's next call.
+  std::uint64_t unmap_failures = 0;
 };
 
 class vmm_page_pool final : public pool_base {
@@ -163,6 +166,7 @@ class vmm_page_pool final : public pool_base {
     std::uint64_t epoch = 0;
     bool work_pending = true;  // its chunks count it in `waiting`
     bool queued = false;       // with the map worker, as `token`
+    bool worker_failed = false;  // its unmap failed on the worker: retried by the caller
     std::uint64_t token = 0;
   };
   static constexpr std::uint32_t retiring_page = 0xfffffffeu;  // page_table_: a retiring page
@@ -184,8 +188,9 @@ class vmm_page_pool final : public pool_base {
   std::size_t reclaim(std::size_t wanted, bool wait, const stream_handle* same_stream = nullptr,
                       std::uintptr_t keep_end = 0);
   // Unmaps the retiring runs whose work is complete (with `wait`: after synchronizing their
-  // streams, all of them). Throws gpumem::cuda_error when an unmap fails (the run is kept).
-  // only_stream: just that stream's runs.
+  // streams, all of them, the worker's failures retried here). A failed unmap keeps its run
+  // mapped and is counted (unmap_failures); with `wait` it also throws gpumem::cuda_error,
+  // without, the next call retries it. only_stream: just that stream's runs.
   void retire_completed(bool wait, const std::uintptr_t* only_stream = nullptr);
   // Spare chunks a growth for `stream` may map (chunks whose old mapping's work may still
   // run are excluded for other streams; an old mapping merely not yet unmapped is no bar:
@@ -194,9 +199,10 @@ class vmm_page_pool final : public pool_base {
     return chunks_[chunk].waiting == 0 || chunks_[chunk].only_stream == stream;
   }
   // Map worker: queues the unmap of a run whose work is complete (false: the driver wants one
-  // call per mapping, so the caller unmaps it itself); collects finished unmaps (their
-  // address space comes back) and throws a failure the worker met; stops using the worker
-  // (after it finished its queue).
+  // call per mapping, or the worker failed it before, so the caller unmaps it itself);
+  // collects finished unmaps (their address space comes back; a failed one is counted and
+  // left to the caller's thread, never thrown: the call collecting it may not need it);
+  // stops using the worker (after it finished its queue).
   bool queue_unmap(retiring_run& r);
   void collect_worker();
   void stop_worker() noexcept;
