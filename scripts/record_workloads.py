@@ -49,13 +49,17 @@ def small_llama(hidden=1024, layers=8):
     return LlamaForCausalLM(cfg)
 
 
-def ckpt_train(torch, rng):
-    import torch.nn.functional  # noqa: F401
-
+def bf16_llama_on_gpu(torch, hidden, layers):
+    """small_llama's weights made in bf16 on the GPU (one allocation each, no fp32 copy)."""
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
-        model = small_llama(1536, 12)
+        model = small_llama(hidden, layers)
     torch.set_default_dtype(torch.float32)
+    return model
+
+
+def ckpt_train(torch, rng):
+    model = bf16_llama_on_gpu(torch, 1536, 12)
     model.gradient_checkpointing_enable()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -108,10 +112,7 @@ def encode_varlen(torch, rng):
 
 
 def generate_sampled(torch, rng):
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = small_llama(1536, 12)
-    torch.set_default_dtype(torch.float32)
+    model = bf16_llama_on_gpu(torch, 1536, 12)
     model.eval()
     model.generation_config.pad_token_id = 0
     with torch.inference_mode():
