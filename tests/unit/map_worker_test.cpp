@@ -30,7 +30,19 @@ pool_options with_worker() {
   return o;
 }
 
-class MapWorker : public gpumem_test::sim_pool_test {};
+class MapWorker : public gpumem_test::sim_pool_test {
+ protected:
+  // Frees remap_once's blocks (below), gives everything back, and checks nothing is left:
+  // no mapping, old or new, and no reserved byte.
+  void free_remap_and_expect_nothing_held(vmm_page_pool& pool, void* big,
+                                          const std::vector<void*>& blocks) {
+    pool.deallocate(big, 16 * MiB);
+    for (int i = 1; i < 8; i += 2) pool.deallocate(blocks[static_cast<std::size_t>(i)], 4 * MiB);
+    pool.trim();
+    EXPECT_EQ(sim.live_objects().mappings, 0u);
+    EXPECT_EQ(pool.stats().reserved_bytes, 0u);
+  }
+};
 
 TEST(MapWorkerOption, ParsesAutoOnOffAndRefusesOthers) {
   EXPECT_EQ(pool_options{}.map_worker, map_worker_mode::automatic);
@@ -212,11 +224,7 @@ TEST_F(MapWorker, ARemapReturnsBeforeTheOldMappingIsUnmapped) {
     EXPECT_GT(sim.live_objects().mappings, pool.page_counts().mapped_pages)
         << "old mappings should still exist beside the new ones";
     gated.open();
-    pool.deallocate(big, 16 * MiB);
-    for (int i = 1; i < 8; i += 2) pool.deallocate(blocks[static_cast<std::size_t>(i)], 4 * MiB);
-    pool.trim();
-    EXPECT_EQ(sim.live_objects().mappings, 0u);
-    EXPECT_EQ(pool.stats().reserved_bytes, 0u);
+    free_remap_and_expect_nothing_held(pool, big, blocks);
     EXPECT_TRUE(pool.is_valid()) << pool.validate();
   }
 }
@@ -246,11 +254,7 @@ TEST_F(MapWorker, AFailedUnmapOnTheWorkerFailsNoCallAndIsRetriedByTheCaller) {
   EXPECT_TRUE(holds(big, 16 * MiB, 0xB1));
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
   pool.deallocate(more, 6 * MiB);
-  pool.deallocate(big, 16 * MiB);
-  for (int i = 1; i < 8; i += 2) pool.deallocate(blocks[static_cast<std::size_t>(i)], 4 * MiB);
-  pool.trim();
-  EXPECT_EQ(sim.live_objects().mappings, 0u);
-  EXPECT_EQ(pool.stats().reserved_bytes, 0u);
+  free_remap_and_expect_nothing_held(pool, big, blocks);
 }
 
 // When the caller's retry fails too, allocations still go on; the calls that need old
@@ -276,11 +280,7 @@ TEST_F(MapWorker, AnUnmapThatKeepsFailingIsThrownOnlyByTrim) {
   sim.clear_faults();
   EXPECT_NO_THROW(pool.trim());
   for (void* p : more) pool.deallocate(p, 2 * MiB);
-  pool.deallocate(big, 16 * MiB);
-  for (int i = 1; i < 8; i += 2) pool.deallocate(blocks[static_cast<std::size_t>(i)], 4 * MiB);
-  pool.trim();
-  EXPECT_EQ(sim.live_objects().mappings, 0u);
-  EXPECT_EQ(pool.stats().reserved_bytes, 0u);
+  free_remap_and_expect_nothing_held(pool, big, blocks);
 }
 
 // Threads and streams hammer a small pool with the worker on: every block's bytes are its
