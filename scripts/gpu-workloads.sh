@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# On a GPU machine with torch and transformers: time the workloads of record_workloads.py
+# under PyTorch's allocator and under gpumem's plug-in (one process per workload and mode),
+# and print one table: seconds of the timed run and peak reserved over peak requested.
+#
+#   WORKLOADS  which (default: all five of record_workloads.py)
+#   MODES      native, gpumem, or gpumem:CONF with a GPUMEM_CONF string
+#              (default: "native gpumem gpumem:growth_slack:0.03")
+#   REPEATS    runs of each (default 1); OUT: where the JSON and logs go (default
+#              ./gpu-workloads-out)
+#
+# Example, an A/B of a pool setting on the shape-varying encoder:
+#   WORKLOADS=encode_varlen MODES="gpumem gpumem:growth_slack:0.02" REPEATS=3 scripts/gpu-workloads.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-workloads-out}
+WORKLOADS=${WORKLOADS:-ckpt_train conv_multiscale encode_varlen generate_sampled side_stream}
+MODES=${MODES:-native gpumem gpumem:growth_slack:0.03}
+REPEATS=${REPEATS:-1}
+BUILD=build-gpu
+mkdir -p "$OUT"
+if [ ! -f $BUILD/src/interop/libgpumem_torch.so ]; then
+  cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release -DGPUMEM_BUILD_TESTS=OFF \
+    -DGPUMEM_BUILD_BENCH=ON >"$OUT/build.log" 2>&1 &&
+    cmake --build $BUILD -j "$(nproc)" >>"$OUT/build.log" 2>&1 ||
+    { tail -30 "$OUT/build.log"; exit 1; }
+fi
+export PYTHONPATH=python GPUMEM_LIB=$BUILD/src/interop/libgpumem_torch.so
+printf "%-17s %-32s %3s %10s %10s\n" workload mode run seconds reserved/req
+status=0
+for w in $WORKLOADS; do
+  for m in $MODES; do
+    for r in $(seq "$REPEATS"); do
+      log="$OUT/${w}_${m//[:,]/_}_$r.log"
+      if python3 scripts/record_workloads.py "$OUT" --only "$w" --time "$m" >"$log" 2>&1; then
+        python3 - "$log" "$r" <<'PY'
+import json, sys
+line = [l for l in open(sys.argv[1]) if l.startswith("{")][-1]
+x = json.loads(line)
+print("%-17s %-32s %3s %10.3f %10.4f" % (x["workload"], x["mode"], sys.argv[2], x["seconds"],
+                                         x["reserved_over_requested"]))
+PY
+      else
+        status=1
+        printf "%-17s %-32s %3s FAILED (%s)\n" "$w" "$m" "$r" "$log"
+      fi
+    done
+  done
+done
+exit $status
