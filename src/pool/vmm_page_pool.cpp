@@ -434,10 +434,13 @@ std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait, const stream_h
     }
   }
   if (found.empty()) return 0;
-  // Completed frees first (their address space comes back at once), then biggest first:
-  // fewest blocks cut.
+  // Completed frees first (their address space comes back at once), then the least
+  // recently freed: the lowest free_epoch, the stream's counter when the block reached its
+  // arena (a thread cache's blocks reach it when drained; a merged block has its newest
+  // part's). Memory unused the longest is the least likely to be asked for again where it
+  // is. Biggest first (fewest blocks cut) remapped up to 2.5x the pages on sim.
   std::sort(found.begin(), found.end(), [](const candidate& x, const candidate& y) {
-    return x.deferred != y.deferred ? !x.deferred : x.pages > y.pages;
+    return x.deferred != y.deferred ? !x.deferred : x.b->free_epoch < y.b->free_epoch;
   });
   // Work queued on any stream may still touch these pages: let it finish before unmapping.
   if (wait) synchronize_streams_with_free_blocks();
@@ -536,7 +539,7 @@ std::size_t vmm_page_pool::split_limit(std::size_t size) const {
   return std::max(2 * size, reserved_locked() / large_run_share);
 }
 
-bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t size,
+bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
                          std::size_t alignment, stream_handle stream) {
   const std::size_t pad = alignment > arena.unit() ? alignment - arena.unit() : 0;
   const std::size_t pages = (size + pad + page_ - 1) / page_;
@@ -556,13 +559,19 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
   // space after it, is extended by only the pages the request lacks. Two cases:
   //  - packing: the free tail left in the last page of a live block, so consecutive large
   //    blocks share pages instead of each rounding up on its own;
-  //  - a huge request (huge_growth bytes or more) and a free run holding half of it: a
-  //    step plan's region given back for an evaluation pass and taken again once a few of
-  //    its pages went to the small arena. Gathering the whole request into a fresh run
-  //    would remap every page (~26 us of access grant each on the H200: ~0.45 s for a
-  //    15.6 GB region); in place, only the missing ones.
-  // Extending other free blocks made fragmentation worse on both shared traces (sim,
-  // 1.043-1.062 on infer; any run holding half the request: 1.0139 on infer).
+  //  - a free run holding half of the request, where the pool is tight (no growth slack
+  //    left: the request would otherwise gather scattered pages, every one remapped at
+  //    ~26 us of access grant on the H200) or the request is huge (huge_growth bytes or
+  //    more: a step plan's region given back for an evaluation pass and taken again once
+  //    a few of its pages went to the small arena; ~0.45 s for a 15.6 GB region gathered
+  //    whole). Within the slack new pages are made instead, and a large free run is kept
+  //    whole for its own size (split_limit): extending it there undid what the slack
+  //    bought (sim, train_llama: 375 -> 1,313 maps a pass).
+  // Extending any free block made fragmentation worse on both shared traces (sim,
+  // 1.043-1.062 on infer). With half the request in the run, least recently freed pages
+  // gathered first and small runs kept at the top of the address space (below), tight
+  // pools remapped 14-71% fewer pages on sim, fragmentation within 0.001 (docs/RESULTS.md).
+  const bool tight = split_limit(size) == static_cast<std::size_t>(-1);
   struct extension {
     std::size_t first_page = no_page;
     std::size_t pages = 0;
@@ -577,7 +586,7 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
       if (b->next != nullptr || b->size >= size) continue;
       const bool tail = b->size < page_ && b->prev != nullptr &&
                         b->prev->st == detail::block::state::allocated;
-      const bool huge_run = huge && 2 * b->size >= size;
+      const bool huge_run = (huge || tight) && 2 * b->size >= size;
       if (!tail && !huge_run) continue;
       // The tail must be this stream's: the arena hands a block only to its own stream
       // (another stream's, even if known complete, would leave the grown run unusable:
@@ -705,10 +714,19 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t, std::size_t 
     release_new_chunks();
     return false;  // virtual range exhausted
   }
-  const std::size_t first = run->first;
+  // A fresh run of the small arena, in a tight pool: at the top of the highest address
+  // space that fits, away from the large runs (which grow in place upwards). At the
+  // lowest address it took the page right above a large free run (often the page just
+  // reclaimed from that run's top) and left the run nowhere to grow.
+  const bool at_top = tight && arena_id == small_arena && ext.first_page == no_page;
+  if (at_top)
+    for (auto it = std::next(run); it != va_free_.end(); ++it)
+      if (it->second >= covered) run = it;
   const std::size_t remaining = run->second - covered;
+  const std::size_t first = at_top ? run->first + remaining : run->first;
+  const std::size_t low_end = run->first;
   va_free_.erase(run);
-  if (remaining > 0) va_free_.emplace(first + covered, remaining);
+  if (remaining > 0) va_free_.emplace(at_top ? low_end : first + covered, remaining);
 
   // Map the chunks side by side; one access grant over the whole run. Undo on failure.
   std::size_t at = first, mapped = 0;
