@@ -225,11 +225,13 @@ void vmm_page_pool::retire_completed(bool wait, const std::uintptr_t* only_strea
 }
 
 bool vmm_page_pool::queue_unmap(retiring_run& r) {
-  if (worker_ == nullptr || r.worker_failed || (r.chunks.size() > 1 && !batched_unmap_))
-    return false;
+  if (worker_ == nullptr || r.worker_failed) return false;
   r.token = ++next_token_;
   r.queued = true;
-  worker_->unmap(page_address(r.first_page), r.pages * page_, r.token);
+  std::vector<std::size_t> pieces;  // one unmap per mapping (vmm_worker.hpp)
+  pieces.reserve(r.chunks.size());
+  for (const auto& [id, pages] : r.chunks) pieces.push_back(pages * page_);
+  worker_->unmap(page_address(r.first_page), std::move(pieces), r.token);
   return true;
 }
 
@@ -243,16 +245,21 @@ void vmm_page_pool::collect_worker() {
     if (it == retiring_.end()) continue;
     retiring_run& r = *it;
     if (!f.result) {
-      // Still mapped: retire_completed unmaps it again, on the caller's thread. Not thrown
+      // The top mappings the worker did unmap give their address space back; the rest is
+      // still mapped: retire_completed unmaps it again, on the caller's thread. Not thrown
       // here: this call (an allocation, say) may well succeed without that address space.
+      while (!r.chunks.empty() && (r.pages * page_) > f.mapped_bytes) {
+        auto [id, pages] = r.chunks.back();
+        const std::size_t at = r.first_page + r.pages - pages;
+        for (std::size_t q = at; q < at + pages; ++q) page_table_[q] = no_chunk;
+        va_insert(at, pages);
+        chunks_[id].retiring -= 1;
+        r.chunks.pop_back();
+        r.pages -= pages;
+      }
       r.queued = false;
       r.worker_failed = true;
-      const bool refused = f.result.kind == failure_kind::invalid_value ||
-                           f.result.kind == failure_kind::not_supported;
-      if (r.chunks.size() > 1 && refused && batched_unmap_)
-        batched_unmap_ = false;  // this driver wants one call per mapping: done by the caller
-      else
-        counts_.unmap_failures += 1;
+      counts_.unmap_failures += 1;
       continue;
     }
     for (std::size_t q = r.first_page; q < r.first_page + r.pages; ++q) page_table_[q] = no_chunk;

@@ -15,10 +15,10 @@ vmm_worker::~vmm_worker() {
   thread_.join();  // the thread runs every queued job before it stops
 }
 
-void vmm_worker::unmap(std::uintptr_t va, std::size_t bytes, std::uint64_t token) {
+void vmm_worker::unmap(std::uintptr_t va, std::vector<std::size_t> pieces, std::uint64_t token) {
   {
     std::lock_guard lock(mutex_);
-    queue_.push_back(job{va, bytes, token});
+    queue_.push_back(job{va, std::move(pieces), token});
   }
   wake_.notify_one();
 }
@@ -44,13 +44,20 @@ void vmm_worker::run() {
   for (;;) {
     wake_.wait(lock, [&] { return stop_ || !queue_.empty(); });
     if (queue_.empty()) return;  // stop_, and nothing left to do
-    const job j = queue_.front();
+    const job j = std::move(queue_.front());
     queue_.pop_front();
     running_job_ = true;
-    lock.unlock();
-    status st = platform_.unmap(j.va, j.bytes);  // without the lock: more may be queued
+    lock.unlock();  // more may be queued meanwhile
+    std::size_t mapped = 0;
+    for (std::size_t piece : j.pieces) mapped += piece;
+    status st;
+    for (auto piece = j.pieces.rbegin(); piece != j.pieces.rend(); ++piece) {
+      st = platform_.unmap(j.va + mapped - *piece, *piece);
+      if (!st) break;
+      mapped -= *piece;
+    }
     lock.lock();
-    finished_.push_back(finished_unmap{j.token, std::move(st)});
+    finished_.push_back(finished_unmap{j.token, std::move(st), mapped});
     running_job_ = false;
     if (queue_.empty()) idle_.notify_all();
   }

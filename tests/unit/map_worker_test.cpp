@@ -229,8 +229,6 @@ TEST_F(MapWorker, ARemapReturnsBeforeTheOldMappingIsUnmapped) {
   }
 }
 
-// An unmap that fails on the worker is reported at the pool's next call; the old mapping is
-// kept and unmapped again later.
 // An unmap that fails on the worker fails no call: the old mapping stays (its address space
 // out of use), is counted, and the pool's next call unmaps it on its own thread.
 TEST_F(MapWorker, AFailedUnmapOnTheWorkerFailsNoCallAndIsRetriedByTheCaller) {
@@ -254,6 +252,29 @@ TEST_F(MapWorker, AFailedUnmapOnTheWorkerFailsNoCallAndIsRetriedByTheCaller) {
   EXPECT_TRUE(holds(big, 16 * MiB, 0xB1));
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
   pool.deallocate(more, 6 * MiB);
+  free_remap_and_expect_nothing_held(pool, big, blocks);
+}
+
+// The worker unmaps one mapping per call (a concurrent map waits for one at most), from the
+// top of each old run down; where one fails, the mappings above it are gone and give their
+// address space back, and the caller retries only those below.
+TEST_F(MapWorker, TheWorkerUnmapsOneMappingPerCallAndKeepsWhatAFailureLeft) {
+  gated_platform gated(sim);
+  gated.open();
+  vmm_page_pool pool(gated, 0, with_worker());
+  // The first old run (a freed 4 MiB block: two one-page mappings): its top page unmaps,
+  // the one below fails.
+  sim.inject_fault(platform_op::unmap, sim_fault{.nth = 2, .kind = failure_kind::driver_error});
+  std::vector<void*> blocks;
+  void* big = remap_once(pool, blocks);  // four old runs of two mappings each
+  ASSERT_NO_THROW(pool.trim());          // waits for the worker, retries the failure here
+  const auto threads = gated.unmap_threads();
+  ASSERT_EQ(threads.size(), 9u) << "8 mappings one call each, and the one retry";
+  EXPECT_NE(threads.front(), std::this_thread::get_id());
+  EXPECT_EQ(threads.back(), std::this_thread::get_id()) << "the retry went back to the worker";
+  EXPECT_EQ(pool.page_counts().unmap_failures, 1u) << "the retry unmapped a page twice";
+  EXPECT_EQ(sim.live_objects().mappings, pool.page_counts().mapped_pages);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
   free_remap_and_expect_nothing_held(pool, big, blocks);
 }
 
