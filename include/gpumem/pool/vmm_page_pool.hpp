@@ -11,11 +11,17 @@
 //    (cuMemMap offset 0), so a chunk is the unit that moves; one-page chunks let any free
 //    page move alone.
 //  - Growing by N pages takes, in order: unmapped chunks kept for reuse; chunks reclaimed
-//    from cached free blocks whose last use is known complete, anywhere in the range
-//    (unmapped there, in one call per run, and mapped here: a request does not grow reserved
-//    memory while such chunks exist — the GMLake "stitching" idea); and only then new
-//    chunks for the missing pages. The chosen chunks
+//    from cached free blocks whose last use is known complete, anywhere in the range, the
+//    least recently freed first (unmapped there, in one call per run, and mapped here: a
+//    request does not grow reserved memory while such chunks exist — the GMLake
+//    "stitching" idea); and only then new chunks for the missing pages. The chosen chunks
 //    are mapped side by side into one fresh virtual run, with ONE cuMemSetAccess over it.
+//  - Gathering few pages: every page moved costs an unmap, a map and an access grant
+//    (~40 us on an idle H200, ~80 us on a busy one), so where the pool has no growth slack
+//    left a request whose size a free run holds half of grows that run in place (when the
+//    address space above it is unmapped), mapping only the pages it lacks; and the small
+//    arena's fresh runs go to the top of the address space, away from the large runs that
+//    grow upwards.
 //  - Same-stream remap without waiting: a free block whose last use is not yet known
 //    complete may still give its chunks to a request on the SAME stream (stream order puts
 //    the new work after the old). Its chunks are mapped at the new address while the old
@@ -41,8 +47,10 @@
 //    carved out at once, its chunks mapped at their new place while the old mapping (a
 //    handle may be mapped twice) is unmapped on a helper thread; its address space comes
 //    back when the worker reports it done. So the allocating thread pays for cuMemMap and
-//    cuMemSetAccess only. Paths that need every old mapping gone (release, lending, the
-//    pool's end, address space running out) wait for the worker first.
+//    cuMemSetAccess only, though these wait in the driver while the worker unmaps (H200:
+//    ~21-25 us a map beside it, ~1 us without). Paths that need every old mapping gone
+//    (release, lending, the pool's end, address space running out) wait for the worker
+//    first.
 //  - Growth slack (pool_options::growth_slack = F, default 0): memory tight to the byte
 //    makes a training step gather its largest tensor from scattered free pages every step
 //    (at the step's peak the free memory is exactly that tensor, in dozens of pieces), and
