@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine with torch and transformers: time the workloads of record_workloads.py
 # under PyTorch's allocator and under gpumem's plug-in (one process per workload and mode),
-# and print one table: seconds of the timed run and peak reserved over peak requested.
+# and print one table: seconds of the timed run, peak reserved over peak requested, and
+# (gpumem) the milliseconds its pool spent in driver calls over both runs.
 #
 #   WORKLOADS  which (default: all five of record_workloads.py)
 #   MODES      native, gpumem, or gpumem:CONF with a GPUMEM_CONF string
@@ -26,7 +27,7 @@ if [ ! -f $BUILD/src/interop/libgpumem_torch.so ]; then
     { tail -30 "$OUT/build.log"; exit 1; }
 fi
 export PYTHONPATH=python GPUMEM_LIB=$BUILD/src/interop/libgpumem_torch.so
-printf "%-17s %-32s %3s %10s %10s\n" workload mode run seconds reserved/req
+printf "%-17s %-32s %3s %10s %10s %10s\n" workload mode run seconds reserved/req driver_ms
 status=0
 for w in $WORKLOADS; do
   for m in $MODES; do
@@ -37,8 +38,8 @@ for w in $WORKLOADS; do
 import json, sys
 line = [l for l in open(sys.argv[1]) if l.startswith("{")][-1]
 x = json.loads(line)
-print("%-17s %-32s %3s %10.3f %10.4f" % (x["workload"], x["mode"], sys.argv[2], x["seconds"],
-                                         x["reserved_over_requested"]))
+print("%-17s %-32s %3s %10.3f %10.4f %10s" % (x["workload"], x["mode"], sys.argv[2], x["seconds"],
+                                              x["reserved_over_requested"], x.get("driver_ms", "-")))
 PY
       else
         status=1

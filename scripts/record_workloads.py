@@ -195,8 +195,15 @@ def timed(name, seed, mode):
 
         s = gpumem.torch.stats(0)
         reserved, live = s["peak_reserved_bytes"], s["peak_live_bytes"]
+        # Where the pool's driver time went, both runs together (the timed one included).
+        c = gpumem.torch.counters(0, ["cuMemMap", "cuMemUnmap", "cuMemSetAccess", "cuMemCreate",
+                                      "pages_reclaimed", "cuMemMap.ns", "cuMemUnmap.ns",
+                                      "cuMemSetAccess.ns", "cuMemCreate.ns", "driver_ns"])
     r = {"workload": name, "mode": mode, "seconds": round(seconds, 3), "peak_reserved": reserved,
          "peak_requested": live, "reserved_over_requested": round(reserved / live, 4)}
+    if mode != "native":
+        r["driver_ms"] = round(c.pop("driver_ns") / 1e6, 1)
+        r["driver"] = c
     print(json.dumps(r), flush=True)
     return r
 

@@ -96,10 +96,12 @@ class Stats(ctypes.Structure):
 
 
 # What counters() reads by default: the driver calls that move physical memory, the event
-# calls of stream-ordered reuse, and vmm_page_pool's page counts.
+# calls of stream-ordered reuse, the time in the mapping calls (ns), and vmm_page_pool's
+# page counts.
 COUNTERS = ("cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
             "cudaMalloc", "cudaFree", "cudaEventRecord", "cudaEventQuery",
-            "cudaStreamSynchronize", "pages_mapped", "pages_spare", "pages_created",
+            "cudaStreamSynchronize", "cuMemCreate.ns", "cuMemMap.ns", "cuMemUnmap.ns",
+            "cuMemSetAccess.ns", "cudaMalloc.ns", "driver_ns", "pages_mapped", "pages_spare", "pages_created",
             "pages_reclaimed", "pages_released", "plan_marks", "plans_built", "planned_steps",
             "steps_left_plan", "steps_rejoined", "planned_allocations", "plan_region_takes",
             "plan_regions_handed_over", "plan_region_bytes", "plan_lower_bound")
@@ -292,7 +294,8 @@ class Pool:
         return s.as_dict()
 
     def counter(self, name):
-        """A diagnostic counter: CUDA calls by name ("cuMemMap", ...) or vmm_page_pool's
+        """A diagnostic counter: this pool's CUDA calls by name ("cuMemMap", ...), the
+        nanoseconds spent in them ("cuMemMap.ns", "driver_ns" for all), or vmm_page_pool's
         page counts ("pages_created", ...); see gpumem_pool_counter in gpumem.h."""
         out = ctypes.c_uint64()
         _check(self._lib, self._lib.gpumem_pool_counter(self.handle, name.encode(),

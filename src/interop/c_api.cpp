@@ -35,6 +35,7 @@
 #include "gpumem/errors.hpp"
 #include "gpumem/platform.hpp"
 #include "gpumem/platform/status_error.hpp"
+#include "gpumem/platform/timed_platform.hpp"
 #include "gpumem/pool.hpp"
 // The telemetry layer's PyTorch snapshot writer, where this tree has it (it is built in
 // the same library, so the header's presence means the function's).
@@ -48,7 +49,10 @@ namespace {
 // What a handle serves while it is live.
 struct pool_body {
   std::unique_ptr<gpumem::sim_platform> own_sim;  // only for sim_capacity
-  gpumem::platform* platform = nullptr;
+  // Every call of this pool goes through it: the pool's own call counts and the time spent
+  // in each kind (a steady-clock read around a driver call of a microsecond or more).
+  std::unique_ptr<gpumem::timed_platform> timed;
+  gpumem::platform* platform = nullptr;  // timed
   std::unique_ptr<gpumem::memory_resource> upstream;  // caching_pool's
   std::unique_ptr<gpumem::pool_base> pool;
   std::unique_ptr<gpumem::step_planner> planner;  // in front of pool (step_plan:on)
@@ -232,6 +236,8 @@ std::unique_ptr<pool_body> make_pool(const char* config) {
     handle->platform = spec.platform.empty() ? &gpumem::default_platform()
                                              : &gpumem::platform_by_name(spec.platform);
   }
+  handle->timed = std::make_unique<gpumem::timed_platform>(*handle->platform);
+  handle->platform = handle->timed.get();
   gpumem::platform& p = *handle->platform;
   if (spec.allocator == "caching_pool") {
     if (spec.backend == "driver")
@@ -471,13 +477,21 @@ gpumem_status gpumem_pool_counter(gpumem_pool* pool, const char* name, uint64_t*
     return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_pool_counter: null name or output");
   return guarded("gpumem_pool_counter", [&] {
     const std::string_view n(name);
+    if (n == "driver_ns") {
+      *out = body->timed->measured_ns();
+      return;
+    }
+    // "<call>" counts the calls, "<call>.ns" sums their time.
+    const bool ns = n.size() > 3 && n.substr(n.size() - 3) == ".ns";
+    const std::string_view call = ns ? n.substr(0, n.size() - 3) : n;
     for (std::size_t i = 0; i < gpumem::platform_op_count; ++i) {
       const auto op = static_cast<gpumem::platform_op>(i);
-      if (gpumem::platform_op_name(op) == n) {
-        *out = body->platform->calls_made(op);
+      if (gpumem::platform_op_name(op) == call) {
+        *out = ns ? body->timed->measured_ns(op) : body->platform->calls_made(op);
         return;
       }
     }
+    if (ns) throw gpumem::invalid_argument("gpumem_pool_counter: unknown CUDA call '" + std::string(call) + "'");
     if (auto* vmm = dynamic_cast<const gpumem::vmm_page_pool*>(body->pool.get())) {
       const gpumem::vmm_page_counts c = vmm->page_counts();
       const std::pair<std::string_view, std::uint64_t> counters[] = {

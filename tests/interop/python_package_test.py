@@ -111,6 +111,8 @@ class PoolTest(unittest.TestCase):
         c = self.pool.counters()
         self.assertGreaterEqual(c["pages_mapped"], 2)
         self.assertGreaterEqual(c["cuMemMap"], 1)
+        self.assertGreater(c["cuMemMap.ns"], 0)
+        self.assertGreaterEqual(c["driver_ns"], c["cuMemMap.ns"] + c["cuMemSetAccess.ns"])
         with self.assertRaises(gpumem.InvalidArgumentError):
             self.pool.counter("no_such_counter")
         self.pool.free(a, 3 * MiB)

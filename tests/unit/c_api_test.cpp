@@ -381,6 +381,31 @@ TEST(c_api, counters_name_driver_calls_and_pages) {
   EXPECT_EQ(gpumem_free(caching.pool, q, MiB, nullptr), GPUMEM_SUCCESS);
 }
 
+// Counts are the pool's own, even on a shared platform; ".ns" gives the time in those calls.
+TEST(c_api, counters_count_and_time_this_pools_calls) {
+  pool_handle quiet("platform:sim");  // the process-wide sim platform, shared
+  pool_handle busy("platform:sim");
+  ASSERT_EQ(quiet.status, GPUMEM_SUCCESS);
+  ASSERT_EQ(busy.status, GPUMEM_SUCCESS);
+  void* p = gpumem_malloc(busy.pool, 5 * MiB, nullptr);
+  ASSERT_NE(p, nullptr);
+  uint64_t maps = 0, quiet_maps = 7, map_ns = 0, access_ns = 0, all_ns = 0, unused_ns = 7;
+  ASSERT_EQ(gpumem_pool_counter(busy.pool, "cuMemMap", &maps), GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(gpumem_pool_counter(quiet.pool, "cuMemMap", &quiet_maps), GPUMEM_SUCCESS);
+  EXPECT_EQ(maps, 3u);  // one-page handles for 5 MiB
+  EXPECT_EQ(quiet_maps, 0u) << "another pool's calls were counted";
+  ASSERT_EQ(gpumem_pool_counter(busy.pool, "cuMemMap.ns", &map_ns), GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(gpumem_pool_counter(busy.pool, "cuMemSetAccess.ns", &access_ns), GPUMEM_SUCCESS);
+  ASSERT_EQ(gpumem_pool_counter(busy.pool, "driver_ns", &all_ns), GPUMEM_SUCCESS);
+  ASSERT_EQ(gpumem_pool_counter(busy.pool, "cudaMalloc.ns", &unused_ns), GPUMEM_SUCCESS);
+  EXPECT_GT(map_ns, 0u);
+  EXPECT_GE(all_ns, map_ns + access_ns);
+  EXPECT_EQ(unused_ns, 0u);
+  EXPECT_EQ(gpumem_pool_counter(busy.pool, "cuNoSuchCall.ns", &all_ns), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("cuNoSuchCall"), std::string::npos);
+  EXPECT_EQ(gpumem_free(busy.pool, p, 5 * MiB, nullptr), GPUMEM_SUCCESS);
+}
+
 // gpumem_pool_mark_step: a loop of equal steps is served from a step plan (counters say
 // so); with step_plan:off the mark is accepted and nothing is planned.
 TEST(c_api, marked_steps_are_served_from_a_plan) {

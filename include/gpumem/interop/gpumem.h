@@ -130,9 +130,10 @@ GPUMEM_API gpumem_status gpumem_record_stream(gpumem_pool* pool, void* ptr, void
 
 GPUMEM_API gpumem_status gpumem_pool_stats(gpumem_pool* pool, gpumem_stats* out);
 /* A named counter, for diagnosis. A CUDA call's name ("cuMemCreate", "cuMemMap",
- * "cuMemUnmap", "cuMemSetAccess", "cudaMalloc", "cudaEventQuery", ...): how many times the
- * pool's platform made it (process-wide when the platform is shared: platform auto, cuda
- * or sim without sim_capacity). For vmm_page_pool also "page_size", "pages_mapped",
+ * "cuMemUnmap", "cuMemSetAccess", "cudaMalloc", "cudaEventQuery", ...): how many times this
+ * pool made it; the name followed by ".ns" ("cuMemMap.ns"): the nanoseconds spent in those
+ * calls (steady clock around each, on any thread of the pool); "driver_ns": in all of
+ * them. For vmm_page_pool also "page_size", "pages_mapped",
  * "pages_spare", "physical_handles", "pages_created", "pages_reclaimed", "pages_released".
  * With step_plan:on also "plan_marks", "plans_built", "planned_steps", "steps_left_plan",
  * "steps_rejoined", "planned_allocations", "plan_region_failures", "plan_region_takes",
