@@ -255,9 +255,9 @@ TEST_F(MapWorker, AFailedUnmapOnTheWorkerFailsNoCallAndIsRetriedByTheCaller) {
   free_remap_and_expect_nothing_held(pool, big, blocks);
 }
 
-// The worker unmaps one mapping per call (a concurrent map waits for one at most), from the
-// top of each old run down; where one fails, the mappings above it are gone and give their
-// address space back, and the caller retries only those below.
+// The worker unmaps one mapping per call, from the top of each old run down; where one
+// fails, the mappings above it are gone and give their address space back, and the caller
+// retries only those below.
 TEST_F(MapWorker, TheWorkerUnmapsOneMappingPerCallAndKeepsWhatAFailureLeft) {
   gated_platform gated(sim);
   gated.open();
