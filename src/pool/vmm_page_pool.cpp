@@ -585,7 +585,7 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std
     std::uintptr_t block_end = 0;  // the extended block's end (reclaim leaves it whole)
   };
   const bool huge = options_.huge_growth_bytes != 0 && size >= options_.huge_growth_bytes;
-  bool retiring_after_run = false;  // a huge run's next page still retiring (map worker)
+  bool retiring_after_run = false;  // a half run's next page still retiring (map worker)
   auto find_extension = [&]() {
     extension best;
     if (pad != 0) return best;
@@ -593,8 +593,8 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std
       if (b->next != nullptr || b->size >= size) continue;
       const bool tail = b->size < page_ && b->prev != nullptr &&
                         b->prev->st == detail::block::state::allocated;
-      const bool huge_run = (huge || tight) && 2 * b->size >= size;
-      if (!tail && !huge_run) continue;
+      const bool half_run = (huge || tight) && 2 * b->size >= size;
+      if (!tail && !half_run) continue;
       // The tail must be this stream's: the arena hands a block only to its own stream
       // (another stream's, even if known complete, would leave the grown run unusable:
       // allocation fails, cached memory is released and the request is refused anyway).
@@ -605,8 +605,11 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std
       if (best.first_page != no_page && need >= best.pages) continue;
       auto run = va_free_.find(end_page);
       if (run == va_free_.end() || run->second < need) {
+        // Then the worker is waited for (below): it drains every queued unmap. Whether a
+        // smaller request should rather gather is not measured (not waiting: sim maps
+        // encode_varlen 3,597-4,162 against 1,987-3,233 pages a pass; no GPU run).
         retiring_after_run = retiring_after_run ||
-                             (huge_run && end_page < va_pages_ && page_table_[end_page] == retiring_page);
+                             (half_run && end_page < va_pages_ && page_table_[end_page] == retiring_page);
         continue;
       }
       best = {end_page, need, b->addr + b->size};
