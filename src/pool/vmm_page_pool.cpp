@@ -186,17 +186,12 @@ void vmm_page_pool::retire_completed(bool wait, const std::uintptr_t* only_strea
         failed = st;
     }
     while (!done && failed.ok() && !r.chunks.empty()) {
-      auto [id, pages] = r.chunks.back();
-      const std::size_t at = r.first_page + r.pages - pages;
-      if (auto st = p.unmap(page_address(at), pages * page_); !st) {
+      const std::size_t pages = r.chunks.back().second;
+      if (auto st = p.unmap(page_address(r.first_page + r.pages - pages), pages * page_); !st) {
         failed = st;
         break;
       }
-      for (std::size_t q = at; q < at + pages; ++q) page_table_[q] = no_chunk;
-      va_insert(at, pages);
-      chunks_[id].retiring -= 1;
-      r.chunks.pop_back();
-      r.pages -= pages;
+      drop_top_chunk(r);
     }
     if (!failed.ok()) {
       // The run stays mapped (what was unmapped is recorded above) and out of use. A caller
@@ -224,6 +219,16 @@ void vmm_page_pool::retire_completed(bool wait, const std::uintptr_t* only_strea
   }
 }
 
+void vmm_page_pool::drop_top_chunk(retiring_run& r) {
+  const auto [id, pages] = r.chunks.back();
+  const std::size_t at = r.first_page + r.pages - pages;
+  for (std::size_t q = at; q < at + pages; ++q) page_table_[q] = no_chunk;
+  va_insert(at, pages);
+  chunks_[id].retiring -= 1;
+  r.chunks.pop_back();
+  r.pages -= pages;
+}
+
 bool vmm_page_pool::queue_unmap(retiring_run& r) {
   if (worker_ == nullptr || r.worker_failed) return false;
   r.token = ++next_token_;
@@ -248,15 +253,7 @@ void vmm_page_pool::collect_worker() {
       // The top mappings the worker did unmap give their address space back; the rest is
       // still mapped: retire_completed unmaps it again, on the caller's thread. Not thrown
       // here: this call (an allocation, say) may well succeed without that address space.
-      while (!r.chunks.empty() && (r.pages * page_) > f.mapped_bytes) {
-        auto [id, pages] = r.chunks.back();
-        const std::size_t at = r.first_page + r.pages - pages;
-        for (std::size_t q = at; q < at + pages; ++q) page_table_[q] = no_chunk;
-        va_insert(at, pages);
-        chunks_[id].retiring -= 1;
-        r.chunks.pop_back();
-        r.pages -= pages;
-      }
+      while (!r.chunks.empty() && r.pages * page_ > f.mapped_bytes) drop_top_chunk(r);
       r.queued = false;
       r.worker_failed = true;
       counts_.unmap_failures += 1;
@@ -445,7 +442,8 @@ std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait, const stream_h
   // recently freed: the lowest free_epoch, the stream's counter when the block reached its
   // arena (a thread cache's blocks reach it when drained; a merged block has its newest
   // part's). Memory unused the longest is the least likely to be asked for again where it
-  // is. Biggest first (fewest blocks cut) remapped up to 2.5x the pages on sim.
+  // is. Biggest first (fewest blocks cut), with grow()'s other rules: up to 1.8x the pages
+  // a pass on sim (generate_sampled), though 12% fewer on torch_train_fixed.
   std::sort(found.begin(), found.end(), [](const candidate& x, const candidate& y) {
     return x.deferred != y.deferred ? !x.deferred : x.b->free_epoch < y.b->free_epoch;
   });
@@ -577,7 +575,7 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std
   // Extending any free block made fragmentation worse on both shared traces (sim,
   // 1.043-1.062 on infer). With half the request in the run, least recently freed pages
   // gathered first and small runs kept at the top of the address space (below), tight
-  // pools remapped 14-71% fewer pages on sim, fragmentation within 0.001 (docs/RESULTS.md).
+  // pools remapped 11-71% fewer pages on sim, fragmentation within 0.001 (docs/RESULTS.md).
   const bool tight = split_limit(size) == static_cast<std::size_t>(-1);
   struct extension {
     std::size_t first_page = no_page;

@@ -206,12 +206,14 @@ class vmm_page_pool final : public pool_base {
   bool mappable_for(std::uint32_t chunk, std::uintptr_t stream) const {
     return chunks_[chunk].waiting == 0 || chunks_[chunk].only_stream == stream;
   }
-  // Map worker: queues the unmap of a run whose work is complete (false: the driver wants one
-  // call per mapping, or the worker failed it before, so the caller unmaps it itself);
+  // Map worker: queues the unmap of a run whose work is complete, one call per mapping
+  // (false: no worker, or the worker failed it before, so the caller unmaps it itself);
   // collects finished unmaps (their address space comes back; a failed one is counted and
   // left to the caller's thread, never thrown: the call collecting it may not need it);
   // stops using the worker (after it finished its queue).
   bool queue_unmap(retiring_run& r);
+  // A retiring run's top chunk, now unmapped: its address space comes back.
+  void drop_top_chunk(retiring_run& r);
   void collect_worker();
   void stop_worker() noexcept;
   std::size_t spare_pages_for(std::uintptr_t stream) const;
