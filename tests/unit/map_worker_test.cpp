@@ -2,6 +2,7 @@
 // pages are unmapped on a helper thread, and their address space is reused only after that.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <chrono>
@@ -246,8 +247,9 @@ TEST_F(MapWorker, AFailedUnmapOnTheWorkerFailsNoCallAndIsRetriedByTheCaller) {
   // One-page chunks: each mapped once, unless an old mapping were still there.
   EXPECT_EQ(sim.live_objects().mappings, pool.page_counts().mapped_pages)
       << "the failed unmap was not retried";
-  ASSERT_FALSE(gated.unmap_threads().empty());
-  EXPECT_EQ(gated.unmap_threads().back(), std::this_thread::get_id())
+  // The retry may run while the worker still unmaps the other runs: count, not order.
+  const auto threads = gated.unmap_threads();
+  EXPECT_EQ(std::count(threads.begin(), threads.end(), std::this_thread::get_id()), 1)
       << "the retry went back to the worker";
   EXPECT_TRUE(holds(big, 16 * MiB, 0xB1));
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
@@ -270,8 +272,9 @@ TEST_F(MapWorker, TheWorkerUnmapsOneMappingPerCallAndKeepsWhatAFailureLeft) {
   ASSERT_NO_THROW(pool.trim());          // waits for the worker, retries the failure here
   const auto threads = gated.unmap_threads();
   ASSERT_EQ(threads.size(), 9u) << "8 mappings one call each, and the one retry";
-  EXPECT_NE(threads.front(), std::this_thread::get_id());
-  EXPECT_EQ(threads.back(), std::this_thread::get_id()) << "the retry went back to the worker";
+  // The retry may run while the worker still unmaps the other runs: count, not order.
+  EXPECT_EQ(std::count(threads.begin(), threads.end(), std::this_thread::get_id()), 1)
+      << "the worker's 8 calls and one retry on this thread";
   EXPECT_EQ(pool.page_counts().unmap_failures, 1u) << "the retry unmapped a page twice";
   EXPECT_EQ(sim.live_objects().mappings, pool.page_counts().mapped_pages);
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
