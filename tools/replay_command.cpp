@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <functional>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "gpumem/replay/trace.hpp"
 #include "gpumem/telemetry/event_recorder.hpp"
 #include "gpumem/pool/step_planner.hpp"
+#include "gpumem/telemetry/overhead.hpp"
 #include "gpumem/telemetry/snapshot.hpp"
 #include "json_writer.hpp"
 
@@ -161,6 +163,9 @@ int run_replay(int argc, char** argv) {
               "trace up to then; of --allocator's pool (vmm_page_pool with all)")
       .option("snapshot-events", "N", "trace events kept in the snapshot, the most recent",
               "100000")
+      .flag("explain", "also say where each pool's reserved bytes went at its peak (first "
+                       "pass): requested, rounding (and the request sizes it costs most), "
+                       "cached, free in shared pages, free whole pages, kept pages")
       .flag("step-plan", "put a step planner in front of each pool and mark the steps of the "
                          "loop the trace ends with (its period; see find_steps), as a loop "
                          "calling gpumem.torch.mark_step() would")
@@ -197,14 +202,25 @@ int run_replay(int argc, char** argv) {
   if (gpu_lag > 0 && !on_sim)
     throw invalid_argument("gpumem replay: --gpu-lag models a GPU on sim; on the GPU the lag is real");
 
-  // Checked before the replays, so a bad snapshot request fails at once.
+  // Checked before the replays, so a bad snapshot or explain request fails at once.
+  auto is_pool = [](const std::string& name) {
+    return name == "vmm_page_pool" || name == "caching_pool";
+  };
+  const std::string chosen = args.value_or("allocator", "all");
   std::string snapshot_allocator;
   if (args.has("snapshot")) {
-    const std::string chosen = args.value_or("allocator", "all");
     snapshot_allocator = chosen == "all" ? "vmm_page_pool" : chosen;
-    if (snapshot_allocator != "vmm_page_pool" && snapshot_allocator != "caching_pool")
+    if (!is_pool(snapshot_allocator))
       throw invalid_argument("gpumem replay: --snapshot needs a pool (caching_pool or "
                              "vmm_page_pool), not '" + snapshot_allocator + "'");
+  }
+  std::vector<std::string> explained;  // the pools --explain looks at
+  if (args.has("explain")) {
+    if (chosen != "all" && !is_pool(chosen))
+      throw invalid_argument("gpumem replay: --explain needs a pool (caching_pool or "
+                             "vmm_page_pool), not '" + chosen + "'");
+    explained = chosen == "all" ? std::vector<std::string>{"caching_pool", "vmm_page_pool"}
+                                : std::vector<std::string>{chosen};
   }
   const std::size_t snapshot_events =
       args.has("snapshot") ? static_cast<std::size_t>(*args.integer("snapshot-events", 1, 100000000))
@@ -256,10 +272,15 @@ int run_replay(int argc, char** argv) {
     if (!args.has("json")) std::fprintf(stderr, "plot written to %s\n", plot_path.c_str());
   }
 
-  if (args.has("snapshot")) {
-    const std::string snap_path = *args.value("snapshot");
-    // Two runs on fresh devices, deterministic: the first finds the event after which
-    // reserved memory peaks, the second stops there with a recorder attached.
+  // Replays the trace once on a fresh device to find the event after which `allocator`'s
+  // reserved bytes peak (or where it ran out of memory), then on another fresh device up
+  // to there: `before` sees the pool first, `at_stop` at that point, and `after` last,
+  // even when the replay throws (REQUIRES: `after` does not throw). Deterministic on sim;
+  // on a GPU the two runs may differ where the map worker's timing does.
+  auto replay_to_peak = [&](const std::string& allocator,
+                            const std::function<void(pool_base&)>& before,
+                            const std::function<void(pool_base&)>& at_stop,
+                            const std::function<void(pool_base&)>& after) {
     auto fresh_platform = [&]() -> std::pair<std::unique_ptr<platform>, platform*> {
       if (on_sim) {
         sim_options so;
@@ -273,24 +294,38 @@ int run_replay(int argc, char** argv) {
     std::size_t stop_after = 0;
     {
       auto [owned, p] = fresh_platform();
-      allocator_under_test a = make_allocator(snapshot_allocator, *p, 0, options);
+      allocator_under_test a = make_allocator(allocator, *p, 0, options);
       auto& pool = dynamic_cast<pool_base&>(*a.resource);
       const prefix_result first = replay_prefix(t, pool, t.events.size(), true, {});
       stop_after = first.oom ? first.stopped_at + 1 : first.peak_at + 1;
     }
     auto [owned, p] = fresh_platform();
-    allocator_under_test a = make_allocator(snapshot_allocator, *p, 0, options);
+    allocator_under_test a = make_allocator(allocator, *p, 0, options);
     auto& pool = dynamic_cast<pool_base&>(*a.resource);
+    struct run_after {
+      const std::function<void(pool_base&)>& after;
+      pool_base& pool;
+      ~run_after() {
+        if (after) after(pool);
+      }
+    } at_exit{after, pool};
+    if (before) before(pool);
+    return replay_prefix(t, pool, stop_after, false, [&] { at_stop(pool); });
+  };
+
+  if (args.has("snapshot")) {
+    const std::string snap_path = *args.value("snapshot");
     recorder_options ro;
     ro.capacity = snapshot_events;
     event_recorder recorder(ro);
-    recorder.attach(pool);
     std::size_t reserved_at_snapshot = 0;
-    const prefix_result second = replay_prefix(t, pool, stop_after, false, [&] {
-      write_memory_snapshot(pool, &recorder, snap_path);
-      reserved_at_snapshot = pool.stats().reserved_bytes;
-    });
-    recorder.detach();
+    const prefix_result second = replay_to_peak(
+        snapshot_allocator, [&](pool_base& pool) { recorder.attach(pool); },
+        [&](pool_base& pool) {
+          write_memory_snapshot(pool, &recorder, snap_path);
+          reserved_at_snapshot = pool.stats().reserved_bytes;
+        },
+        [&](pool_base&) { recorder.detach(); });  // before the pool goes
     if (!args.has("json"))
       std::fprintf(stderr,
                    "snapshot of %s written to %s: after event %zu of %zu (%s), %s reserved, "
@@ -300,6 +335,24 @@ int run_replay(int argc, char** argv) {
                    format_bytes(reserved_at_snapshot).c_str(),
                    static_cast<std::size_t>(std::min<std::uint64_t>(recorder.recorded(), snapshot_events)),
                    static_cast<unsigned long long>(recorder.recorded()));
+  }
+
+  // --explain: each pool's overhead at its first pass's peak (or out-of-memory).
+  struct explanation {
+    overhead_breakdown breakdown;
+    std::size_t after_event = 0;
+    bool oom = false;
+  };
+  std::map<std::string, explanation> explanations;
+  for (const std::string& name : explained) {
+    if (!args.has("json"))
+      std::fprintf(stderr, "explaining %s's peak...\n", name.c_str());
+    explanation& e = explanations[name];
+    const prefix_result r = replay_to_peak(name, {}, [&](pool_base& pool) {
+      e.breakdown = explain_overhead(pool);
+    }, {});
+    e.after_event = r.stopped_at;
+    e.oom = r.oom;
   }
 
   if (args.has("json")) {
@@ -342,6 +395,33 @@ int run_replay(int argc, char** argv) {
         w.member("regions_handed_over", r.regions_handed_over);
       }
       w.member("oom", r.oom);
+      if (auto e = explanations.find(r.allocator); e != explanations.end()) {
+        const overhead_breakdown& b = e->second.breakdown;
+        w.key("peak_breakdown").begin_object();
+        w.member("after_event", e->second.after_event);
+        w.member("at", e->second.oom ? "out_of_memory" : "peak_reserved");
+        w.member("reserved_bytes", b.reserved);
+        w.member("requested_bytes", b.requested);
+        w.member("unit_rounding_bytes", b.unit_rounding);
+        w.member("block_rounding_bytes", b.block_rounding);
+        w.member("cached_bytes", b.cached);
+        w.member("free_pinned_bytes", b.free_pinned);
+        w.member("free_releasable_bytes", b.free_releasable);
+        w.member("free_in_small_arena_bytes", b.free_in_small_arena);
+        w.member("kept_unmapped_bytes", b.kept_unmapped);
+        w.member("other_bytes", b.other);
+        w.key("largest_rounding_losses").begin_array();
+        for (const rounding_loss& l : b.largest_losses) {
+          w.begin_object();
+          w.member("requested_bytes", l.requested);
+          w.member("block_bytes", l.block);
+          w.member("count", l.count);
+          w.member("lost_bytes", l.bytes());
+          w.end_object();
+        }
+        w.end_array();
+        w.end_object();
+      }
       if (r.oom) {
         w.member("oom_event", r.oom_event);
         w.member("oom_report", r.oom_message);
@@ -387,6 +467,12 @@ int run_replay(int argc, char** argv) {
       std::printf("  %s: OUT OF MEMORY at event %llu:\n%s\n", r.allocator.c_str(),
                   static_cast<unsigned long long>(r.oom_event), r.oom_message.c_str());
     }
+  }
+  for (const auto& [name, e] : explanations) {
+    std::printf("\nwhere the reserved bytes went, first pass, %s (after event %zu of %zu):\n",
+                e.oom ? "at the out-of-memory" : "at peak reserved", e.after_event,
+                t.events.size());
+    std::printf("%s", e.breakdown.to_string("  ").c_str());
   }
   return 0;
 }

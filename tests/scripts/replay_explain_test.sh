@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# `gpumem replay --explain` on sim: for each pool, the parts of its peak's reserved bytes sum
+# to them, the peak is the one the replay reports (one pass), the text names the parts and
+# the largest rounding loss; a raw backend is refused.
+set -euo pipefail
+src=$1 gpumem=$2
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+trace="$src/data/train_llama.csv.gz"
+
+"$gpumem" replay "$trace" --device sim --passes 1 --explain --json > "$tmp/r.json"
+python3 - "$tmp/r.json" <<'PY'
+import json, sys
+top = json.load(open(sys.argv[1]))
+results = top["results"]
+explained = {r["allocator"]: r for r in results if "peak_breakdown" in r}
+assert sorted(explained) == ["caching_pool", "vmm_page_pool"], sorted(explained)
+for name, r in explained.items():
+    b = r["peak_breakdown"]
+    parts = sum(b[k] for k in ("requested_bytes", "unit_rounding_bytes", "block_rounding_bytes",
+                               "cached_bytes", "free_pinned_bytes", "free_releasable_bytes",
+                               "kept_unmapped_bytes", "other_bytes"))
+    assert parts == b["reserved_bytes"], (name, parts, b)
+    assert b["reserved_bytes"] == r["peak_reserved_bytes"], (name, b["reserved_bytes"], r["peak_reserved_bytes"])
+    assert b["at"] == "peak_reserved" and 0 < b["after_event"] <= top["events"], b
+    assert b["requested_bytes"] <= r["peak_live_bytes"], (name, b)
+    losses = [l["lost_bytes"] for l in b["largest_rounding_losses"]]
+    assert losses == sorted(losses, reverse=True), losses
+    for l in b["largest_rounding_losses"]:
+        assert l["lost_bytes"] == l["count"] * (l["block_bytes"] - l["requested_bytes"]), l
+v = explained["vmm_page_pool"]["peak_breakdown"]
+assert v["block_rounding_bytes"] > 0 and v["largest_rounding_losses"], v
+PY
+
+"$gpumem" replay "$trace" --device sim --passes 1 --allocator vmm_page_pool --explain > "$tmp/r.txt" 2> "$tmp/r.err"
+grep -q "where the reserved bytes went, first pass, at peak reserved" "$tmp/r.txt"
+grep -q "rounding beyond it (whole pages, near fits)" "$tmp/r.txt"
+grep -Eq "^ +[0-9]+ x .* in .* blocks" "$tmp/r.txt"
+grep -q "free whole pages (trim could unmap them)" "$tmp/r.txt"
+if grep -q "caching_pool:" "$tmp/r.txt"; then echo "explained a pool not asked for"; exit 1; fi
+
+# Out of memory: the explanation is of the moment it ran out.
+"$gpumem" replay "$trace" --device sim --passes 1 --allocator vmm_page_pool --capacity 8G \
+  --explain > "$tmp/oom.txt" 2> /dev/null
+grep -q "first pass, at the out-of-memory" "$tmp/oom.txt"
+
+if "$gpumem" replay "$trace" --device sim --allocator runtime --explain > /dev/null 2> "$tmp/rt.err"; then
+  echo "--explain of a non-pool allocator was accepted"; exit 1
+fi
+grep -q "needs a pool" "$tmp/rt.err"
+echo "replay explain: ok"
