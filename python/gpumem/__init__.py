@@ -158,6 +158,7 @@ def _declare(lib):
         "gpumem_pool_device": (c.c_int, [pool_p]),
         "gpumem_pool_config": (c.c_char_p, [pool_p]),
         "gpumem_pool_report": (c.c_size_t, [pool_p, c.c_size_t, c.c_char_p, c.c_size_t]),
+        "gpumem_pool_explain": (c.c_size_t, [pool_p, c.c_char_p, c.c_size_t]),
         "gpumem_stream_create": (c.c_int, [pool_p, c.POINTER(c.c_void_p)]),
         "gpumem_stream_destroy": (c.c_int, [pool_p, c.c_void_p]),
         "gpumem_stream_synchronize": (c.c_int, [pool_p, c.c_void_p]),
@@ -328,6 +329,17 @@ class Pool:
         n = self._lib.gpumem_pool_report(self.handle, size, None, 0)
         buf = ctypes.create_string_buffer(n + 1)
         self._lib.gpumem_pool_report(self.handle, size, buf, n + 1)
+        return buf.value.decode(errors="replace")
+
+    def explain(self):
+        """Where the pool's reserved bytes go now, one part a line: requested, rounding (and
+        the request sizes whose rounding costs most), freed blocks held unmerged, free bytes
+        sharing a page with live blocks, free whole pages, pages kept unmapped."""
+        n = self._lib.gpumem_pool_explain(self.handle, None, 0)
+        if n == 0:
+            _raise(self._lib, self._lib.gpumem_last_status())
+        buf = ctypes.create_string_buffer(n + 1)
+        self._lib.gpumem_pool_explain(self.handle, buf, n + 1)
         return buf.value.decode(errors="replace")
 
     def snapshot(self, path):

@@ -155,6 +155,12 @@ def counters(device=0, names=None):
     return pool(device).counters(names)
 
 
+def explain(device=0):
+    """Where the device's pool's reserved bytes go now (gpumem.Pool.explain): call it at
+    the peak of a step, or after an out-of-memory, to see what the overhead is made of."""
+    return pool(device).explain()
+
+
 def snapshot(path, device=0):
     """Writes a PyTorch memory snapshot of the device's pool to `path` (raises
     gpumem.NotSupportedError where the library has no snapshot exporter)."""

@@ -40,6 +40,7 @@
 // The telemetry layer's PyTorch snapshot writer, where this tree has it (it is built in
 // the same library, so the header's presence means the function's).
 #if __has_include("gpumem/telemetry/snapshot.hpp")
+#include "gpumem/telemetry/overhead.hpp"
 #include "gpumem/telemetry/snapshot.hpp"
 #define GPUMEM_C_API_HAS_SNAPSHOT 1
 #endif
@@ -575,6 +576,16 @@ const char* gpumem_pool_config(gpumem_pool* pool) {
   return body == nullptr ? "" : body->config.c_str();
 }
 
+// Writes text to buf (truncated, NUL-terminated when capacity > 0); returns its full length.
+static size_t copy_text(const std::string& text, char* buf, size_t capacity) {
+  if (buf != nullptr && capacity > 0) {
+    const std::size_t n = std::min(text.size(), capacity - 1);
+    std::memcpy(buf, text.data(), n);
+    buf[n] = '\0';
+  }
+  return text.size();
+}
+
 size_t gpumem_pool_report(gpumem_pool* pool, size_t size, char* buf, size_t capacity) {
   std::string report;
   pool_body* body = live_body(pool, "gpumem_pool_report");
@@ -582,12 +593,17 @@ size_t gpumem_pool_report(gpumem_pool* pool, size_t size, char* buf, size_t capa
   if (guarded("gpumem_pool_report", [&] { report = body->pool->memory_report(size); }) !=
       GPUMEM_SUCCESS)
     return 0;
-  if (buf != nullptr && capacity > 0) {
-    const std::size_t n = std::min(report.size(), capacity - 1);
-    std::memcpy(buf, report.data(), n);
-    buf[n] = '\0';
-  }
-  return report.size();
+  return copy_text(report, buf, capacity);
+}
+
+size_t gpumem_pool_explain(gpumem_pool* pool, char* buf, size_t capacity) {
+  std::string text;
+  pool_body* body = live_body(pool, "gpumem_pool_explain");
+  if (body == nullptr) return 0;
+  if (guarded("gpumem_pool_explain", [&] { text = gpumem::explain_overhead(*body->pool).to_string(); }) !=
+      GPUMEM_SUCCESS)
+    return 0;
+  return copy_text(text, buf, capacity);
 }
 
 gpumem_status gpumem_stream_create(gpumem_pool* pool, void** out) {

@@ -82,6 +82,9 @@ class PoolTest(unittest.TestCase):
         s = self.pool.stats()
         self.assertEqual((s["oom_count"], s["live_allocations"]), (1, 1))
         self.assertIn("could not allocate", self.pool.report(100 * MiB))
+        text = self.pool.explain()
+        self.assertIn("reserved for 1.00 MiB requested", text)
+        self.assertIn("free, in pages shared with live blocks", text)
         self.pool.free(keep, MiB)
 
     def test_bad_config_and_closed_pool(self):

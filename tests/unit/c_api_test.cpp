@@ -346,11 +346,33 @@ TEST(c_api, null_pool_handles_are_refused_everywhere) {
   EXPECT_EQ(gpumem_stream_synchronize(nullptr, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
   EXPECT_EQ(gpumem_snapshot(nullptr, "x"), GPUMEM_ERROR_INVALID_ARGUMENT);
   EXPECT_EQ(gpumem_pool_report(nullptr, 1, nullptr, 0), 0u);
+  EXPECT_EQ(gpumem_pool_explain(nullptr, nullptr, 0), 0u);
   EXPECT_STREQ(gpumem_pool_allocator(nullptr), "");
   EXPECT_STREQ(gpumem_pool_platform(nullptr), "");
   EXPECT_STREQ(gpumem_pool_config(nullptr), "");
   EXPECT_EQ(gpumem_pool_device(nullptr), -1);
   gpumem_pool_destroy(nullptr);
+}
+
+TEST(c_api, explain_says_where_the_reserved_bytes_go) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  void* base = gpumem_malloc(h.pool, 64 * MiB, nullptr);
+  void* p = gpumem_malloc(h.pool, 5 * MiB + 1000, nullptr);  // a 6 MiB block: whole pages
+  ASSERT_NE(p, nullptr) << last_error();
+  const std::size_t full = gpumem_pool_explain(h.pool, nullptr, 0);
+  ASSERT_GT(full, 0u) << last_error();
+  std::string text(full + 1, '\0');
+  EXPECT_EQ(gpumem_pool_explain(h.pool, text.data(), text.size()), full);
+  text.resize(full);
+  EXPECT_NE(text.find("vmm_page_pool: "), std::string::npos) << text;
+  EXPECT_NE(text.find("1 x 5.00 MiB in 6.00 MiB blocks"), std::string::npos) << text;
+  EXPECT_NE(text.find("free whole pages"), std::string::npos) << text;
+  char small[16];
+  EXPECT_EQ(gpumem_pool_explain(h.pool, small, sizeof small), full);
+  EXPECT_EQ(std::strlen(small), sizeof small - 1);
+  EXPECT_EQ(gpumem_free(h.pool, p, 5 * MiB + 1000, nullptr), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_free(h.pool, base, 64 * MiB, nullptr), GPUMEM_SUCCESS);
 }
 
 TEST(c_api, counters_name_driver_calls_and_pages) {
@@ -525,6 +547,9 @@ void expect_every_call_refused_after_destroy(const char* config) {
   EXPECT_EQ(gpumem_pool_report(pool, 1, buf, sizeof buf), 0u);
   EXPECT_STREQ(buf, "untouched");
   refused("gpumem_pool_report");
+  EXPECT_EQ(gpumem_pool_explain(pool, buf, sizeof buf), 0u);
+  EXPECT_STREQ(buf, "untouched");
+  refused("gpumem_pool_explain");
   out = reinterpret_cast<void*>(0x1);
   EXPECT_EQ(gpumem_stream_create(pool, &out), GPUMEM_ERROR_INVALID_ARGUMENT);
   EXPECT_EQ(out, nullptr);

@@ -163,6 +163,12 @@ GPUMEM_API const char* gpumem_pool_config(gpumem_pool* pool);
  * buf (truncated, always NUL-terminated when capacity > 0). Returns the full length. */
 GPUMEM_API size_t gpumem_pool_report(gpumem_pool* pool, size_t size, char* buf,
                                      size_t capacity);
+/* Where the pool's reserved bytes go now, one part a line (include/gpumem/telemetry/
+ * overhead.hpp): requested, rounding (and the request sizes whose rounding costs most),
+ * freed blocks held unmerged, free bytes sharing a page with live blocks, free whole
+ * pages, pages kept unmapped. Written to buf as gpumem_pool_report does; returns the full
+ * length (0 with the error set for a bad pool). */
+GPUMEM_API size_t gpumem_pool_explain(gpumem_pool* pool, char* buf, size_t capacity);
 
 /* A stream on the pool's device and platform (cudaStreamCreate on cuda; a sim stream on
  * sim, where no other stream values exist). Destroying one releases it from the pool
