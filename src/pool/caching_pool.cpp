@@ -74,6 +74,19 @@ bool caching_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std:
   const std::size_t need = arena_id == small_arena && size <= small_segment
                                ? small_segment
                                : (size + large_rounding - 1) / large_rounding * large_rounding;
+  // release_idle: a new peak is not set while whole segments sit idle (pool_options.hpp).
+  if (options().release_idle && reserved_locked() + need > peak_reserved_locked()) {
+    arena.flush();  // the caller flushed `arena` only: idle segments may sit in the other
+    this->arena(arena_id == small_arena ? large_arena : small_arena).flush();
+    bool any_idle = false;
+    for (std::uint32_t id : {small_arena, large_arena})
+      for (detail::block* b : this->arena(id).free_blocks())
+        any_idle = any_idle || (b->prev == nullptr && b->next == nullptr);
+    if (any_idle) {
+      synchronize_streams_with_free_blocks();
+      release_idle_segments(reserved_locked() + need - peak_reserved_locked());
+    }
+  }
   return add_segment(arena, arena_id, need, stream, alignment);
 }
 
@@ -98,30 +111,47 @@ std::size_t caching_pool::release_cached() {
     released += seg->second.size;
     seg = segments_.erase(seg);
   }
-  for (std::uint32_t id : {small_arena, large_arena}) {
-    for (detail::block* b : arena(id).free_blocks()) {
-      if (b->prev != nullptr || b->next != nullptr) continue;
-      auto seg = segments_.find(b->addr);
-      if (seg == segments_.end() || seg->second.size != b->size) continue;
-      const std::size_t size = b->size;
-      bool failed = false;
-      try {
-        upstream_.deallocate(reinterpret_cast<void*>(b->addr), size);
-      } catch (const cuda_error&) {
-        // Upstream may have torn it down partway (vmm: unmapped, not yet released), so its
-        // memory must not be handed out again: retire it, still reserved, and retry later.
-        failed = true;
-      }
-      arena(id).carve(b, seg->first, size);
-      if (failed) {
-        seg->second.retiring = true;
-        continue;
-      }
-      notify(pool_event_kind::segment_free, seg->first, size);
-      segments_.erase(seg);
-      sub_reserved(size);
-      released += size;
+  return released + release_idle_segments(static_cast<std::size_t>(-1));
+}
+
+std::size_t caching_pool::release_idle_segments(std::size_t bytes) {
+  struct idle {
+    detail::block* b;
+    std::uint32_t arena_id;
+  };
+  std::vector<idle> all;
+  for (std::uint32_t id : {small_arena, large_arena})
+    for (detail::block* b : arena(id).free_blocks())
+      if (b->prev == nullptr && b->next == nullptr) all.push_back({b, id});
+  std::stable_sort(all.begin(), all.end(),
+                   [](const idle& x, const idle& y) { return x.b->size > y.b->size; });
+  // One segment if one is enough: the smallest such (fewest bytes to make again later).
+  auto enough = std::find_if(all.rbegin(), all.rend(), [&](const idle& i) { return i.b->size >= bytes; });
+  if (enough != all.rend()) all = {*enough};
+  std::size_t released = 0;
+  for (const idle& i : all) {
+    if (released >= bytes) break;
+    detail::block* b = i.b;
+    auto seg = segments_.find(b->addr);
+    if (seg == segments_.end() || seg->second.size != b->size) continue;
+    const std::size_t size = b->size;
+    bool failed = false;
+    try {
+      upstream_.deallocate(reinterpret_cast<void*>(b->addr), size);
+    } catch (const cuda_error&) {
+      // Upstream may have torn it down partway (vmm: unmapped, not yet released), so its
+      // memory must not be handed out again: retire it, still reserved, and retry later.
+      failed = true;
     }
+    arena(i.arena_id).carve(b, seg->first, size);
+    if (failed) {
+      seg->second.retiring = true;
+      continue;
+    }
+    notify(pool_event_kind::segment_free, seg->first, size);
+    segments_.erase(seg);
+    sub_reserved(size);
+    released += size;
   }
   return released;
 }

@@ -120,20 +120,23 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
       if (n != static_cast<double>(static_cast<std::size_t>(n)) || n > 4096)
         throw invalid_argument("config: big_chunk must be a whole number of pages up to 4096");
       o.big_chunk_pages = static_cast<std::size_t>(n);
-    } else if (key == "scrub" || key == "guard" || key == "thread_cache") {
+    } else if (key == "scrub" || key == "guard" || key == "thread_cache" || key == "release_idle") {
       bool on = false;
       if (value == "on" || value == "true" || value == "1")
         on = true;
       else if (!(value == "off" || value == "false" || value == "0"))
         throw invalid_argument("config: " + std::string(key) + " must be on or off, not '" +
                                std::string(value) + "'");
-      (key == "scrub" ? o.scrub : key == "guard" ? o.guard : o.thread_cache) = on;
+      (key == "scrub"          ? o.scrub
+       : key == "guard"        ? o.guard
+       : key == "thread_cache" ? o.thread_cache
+                               : o.release_idle) = on;
     } else {
       throw invalid_argument("config: unknown key '" + std::string(key) +
                              "' (known: reserve, reserve_fraction, limit, release_threshold, "
                              "small_threshold, cross_stream, va_reserve, big_chunk, huge_growth, scrub, "
                              "guard, "
-                             "thread_cache, round_large, map_worker, growth_slack)");
+                             "thread_cache, round_large, map_worker, growth_slack, release_idle)");
     }
   }
 }
@@ -161,7 +164,7 @@ std::string pool_options::to_string() const {
       << (map_worker == map_worker_mode::on    ? "on"
           : map_worker == map_worker_mode::off ? "off"
                                                : "auto")
-      << ",growth_slack:" << growth_slack;
+      << ",growth_slack:" << growth_slack << ",release_idle:" << (release_idle ? "on" : "off");
   return out.str();
 }
 

@@ -670,4 +670,83 @@ TEST(PoolOptions, ReadsGpumemConfFromTheEnvironment) {
   if (old != nullptr) ::setenv("GPUMEM_CONF", saved.c_str(), 1);
 }
 
+
+// release_idle:on: a segment that would raise the reserved peak is made only after wholly
+// idle segments are freed: the smallest that is enough, else the largest until enough.
+TEST_F(CachingPool, ReleaseIdleFreesIdleSegmentsBeforeANewPeak) {
+  EXPECT_TRUE(pool_options::parse("release_idle:on").release_idle);
+  EXPECT_FALSE(pool_options{}.release_idle);
+  EXPECT_NE(pool_options::parse("release_idle:on").to_string().find("release_idle:on"),
+            std::string::npos);
+  EXPECT_THROW(pool_options::parse("release_idle:sometimes"), invalid_argument);
+  pool_options o;
+  o.release_idle = true;
+  runtime_caching_pool env(sim, o);
+  caching_pool& pool = env.pool;
+  void* a40 = pool.allocate(40 * MiB);
+  void* a30 = pool.allocate(30 * MiB);
+  void* a10 = pool.allocate(10 * MiB);
+  void* a60 = pool.allocate(60 * MiB);
+  EXPECT_EQ(pool.stats().peak_reserved_bytes, 140 * MiB);
+  pool.deallocate(a40, 40 * MiB);
+  pool.deallocate(a30, 30 * MiB);
+  pool.deallocate(a10, 10 * MiB);
+  // 46 MiB fits no idle segment; no single one covers the 46 MiB over the peak, so the
+  // largest go until enough: 40 and 30; the 10 MiB one stays.
+  auto frees = calls(platform_op::runtime_free);
+  void* a46 = pool.allocate(46 * MiB);
+  EXPECT_EQ(calls(platform_op::runtime_free), frees + 2);
+  EXPECT_EQ(pool.stats().reserved_bytes, (10 + 60 + 46) * MiB);
+  EXPECT_EQ(pool.stats().peak_reserved_bytes, 140 * MiB) << "no new peak";
+  EXPECT_EQ(pool.segment_count(), 3u);
+  // 62 MiB over 116 reserved is 38 over the peak: the 60 MiB segment alone is enough (the
+  // smallest that is), so the 10 MiB one stays again.
+  pool.deallocate(a60, 60 * MiB);
+  frees = calls(platform_op::runtime_free);
+  void* a62 = pool.allocate(62 * MiB);
+  EXPECT_EQ(calls(platform_op::runtime_free), frees + 1);
+  EXPECT_EQ(pool.stats().reserved_bytes, (10 + 46 + 62) * MiB);
+  EXPECT_EQ(pool.stats().peak_reserved_bytes, 140 * MiB);
+  // Under the peak, idle segments are kept: 2 MiB more is not over it.
+  frees = calls(platform_op::runtime_free);
+  void* a12 = pool.allocate(12 * MiB);
+  EXPECT_EQ(calls(platform_op::runtime_free), frees);
+  EXPECT_EQ(pool.segment_count(), 4u);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  for (auto [p, n] : {std::pair{a46, 46 * MiB}, {a62, 62 * MiB}, {a12, 12 * MiB}}) pool.deallocate(p, n);
+}
+
+TEST_F(CachingPool, ReleaseIdleFreesTheSmallestIdleSegmentThatIsEnough) {
+  pool_options o;
+  o.release_idle = true;
+  runtime_caching_pool env(sim, o);
+  caching_pool& pool = env.pool;
+  pool.deallocate(pool.allocate(120 * MiB), 120 * MiB);
+  pool.trim();  // peak 120 MiB, nothing reserved
+  void* a30 = pool.allocate(30 * MiB);
+  void* a50 = pool.allocate(50 * MiB);
+  pool.deallocate(a30, 30 * MiB);
+  pool.deallocate(a50, 50 * MiB);
+  // 52 MiB fits neither idle segment and goes 12 MiB over the peak: the 30 MiB one is
+  // enough, so the 50 MiB one (which a largest-first release would take) stays.
+  const auto frees = calls(platform_op::runtime_free);
+  void* a52 = pool.allocate(52 * MiB);
+  EXPECT_EQ(calls(platform_op::runtime_free), frees + 1);
+  EXPECT_EQ(pool.stats().reserved_bytes, (50 + 52) * MiB);
+  EXPECT_EQ(pool.stats().peak_reserved_bytes, 120 * MiB);
+  pool.deallocate(a52, 52 * MiB);
+}
+
+TEST_F(CachingPool, WithoutReleaseIdleIdleSegmentsStayAndThePeakRises) {
+  runtime_caching_pool env(sim);
+  caching_pool& pool = env.pool;
+  void* a = pool.allocate(40 * MiB);
+  pool.deallocate(a, 40 * MiB);
+  const auto frees = calls(platform_op::runtime_free);
+  void* b = pool.allocate(46 * MiB);
+  EXPECT_EQ(calls(platform_op::runtime_free), frees);
+  EXPECT_EQ(pool.stats().peak_reserved_bytes, 86 * MiB);
+  pool.deallocate(b, 46 * MiB);
+}
+
 }  // namespace

@@ -45,6 +45,10 @@ class caching_pool final : public pool_base {
   };
   bool add_segment(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
                    stream_handle stream, std::size_t alignment);
+  // Frees wholly free segments upstream, largest first, until at least `bytes` went back
+  // (every one for SIZE_MAX). Returns the bytes freed. REQUIRES: mutex_ held, both arenas
+  // flushed, their free blocks' streams synchronized.
+  std::size_t release_idle_segments(std::size_t bytes);
 
   memory_resource& upstream_;
   std::map<std::uintptr_t, segment> segments_;

@@ -174,6 +174,7 @@ class pool_base : public memory_resource {
   void add_reserved(std::size_t bytes);
   void sub_reserved(std::size_t bytes);
   std::size_t reserved_locked() const noexcept { return stats_.reserved_bytes; }
+  std::size_t peak_reserved_locked() const noexcept { return stats_.peak_reserved_bytes; }
   // Waits for outstanding work on every stream that has freed blocks (before memory
   // that such blocks occupy is unmapped or freed). REQUIRES: mutex_ held.
   void synchronize_streams_with_free_blocks();

@@ -47,6 +47,16 @@
 //                            costs ~80 us of driver time on a busy H200. From 0.03 a Llama
 //                            training step ran at native speed (fragmentation 1.03; the
 //                            default 1.0004 at 1-11% slower; see docs/INTEROP.md)
+//   release_idle:on|off      caching_pool: before a new segment would raise the reserved
+//                            peak, free wholly idle segments upstream first (the smallest
+//                            that is enough, else the largest until enough). Segments are
+//                            sized for the requests that made them, so later peaks' requests
+//                            often fit none of them: on sim, train_llama 1.19 -> 1.08 and
+//                            encode_varlen 2.51 -> 1.69 (docs/RESULTS.md). Costs a cudaFree
+//                            (it waits for the device) each time; default off, as PyTorch's
+//                            allocator, which frees segments only when out of memory.
+//                            vmm_page_pool accepts it and always does the like: it remaps
+//                            free pages rather than grow past the peak
 //
 // Unknown keys and malformed values throw gpumem::invalid_argument naming them.
 #pragma once
@@ -77,6 +87,7 @@ struct pool_options {
   std::size_t round_large = 0;
   map_worker_mode map_worker = map_worker_mode::automatic;
   double growth_slack = 0.0;
+  bool release_idle = false;
 
   static pool_options parse(std::string_view config);
   // GPUMEM_CONF, or defaults when unset.
