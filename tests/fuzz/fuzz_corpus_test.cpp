@@ -112,7 +112,8 @@ INSTANTIATE_TEST_SUITE_P(
                       pool_target::caching_release_threshold, pool_target::vmm_page,
                       pool_target::vmm_page_big_chunk, pool_target::pinned_host,
                       pool_target::fixed_block_over_vmm_page, pool_target::fixed_block_over_caching,
-                      pool_target::vmm_page_map_worker, pool_target::vmm_page_growth_slack),
+                      pool_target::vmm_page_map_worker, pool_target::vmm_page_growth_slack,
+                      pool_target::caching_release_idle),
     [](const ::testing::TestParamInfo<pool_target>& info) { return std::string(target_name(info.param)); });
 
 TEST(fuzz_corpus_kv_cache, every_seed_keeps_the_model) {

@@ -97,6 +97,8 @@ enum class pool_target : std::uint8_t {
   fixed_block_over_caching,
   vmm_page_map_worker,  // vmm_page_pool with map_worker:on (grants and unmaps on a thread)
   vmm_page_growth_slack,  // vmm_page_pool with growth_slack:0.25 (large runs kept whole)
+  caching_release_idle,   // caching_pool over runtime, release_idle:on (idle segments freed
+                          // before a new peak)
   count_
 };
 inline constexpr std::size_t pool_target_count = static_cast<std::size_t>(pool_target::count_);
@@ -113,6 +115,7 @@ inline const char* target_name(pool_target t) {
     case pool_target::fixed_block_over_caching: return "fixed_block_pool_over_caching_pool";
     case pool_target::vmm_page_map_worker: return "vmm_page_pool_map_worker";
     case pool_target::vmm_page_growth_slack: return "vmm_page_pool_growth_slack";
+    case pool_target::caching_release_idle: return "caching_pool_release_idle";
     default: return "?";
   }
 }
@@ -808,6 +811,11 @@ inline std::string run_pool_fuzz(pool_target target, const std::uint8_t* data, s
       case pool_target::vmm_page_growth_slack:
         o.growth_slack = 0.25;
         pages = std::make_unique<gpumem::vmm_page_pool>(sim, 0, o);
+        break;
+      case pool_target::caching_release_idle:
+        o.release_idle = true;
+        upstream = std::make_unique<gpumem::runtime_resource>(sim);
+        caching = std::make_unique<gpumem::caching_pool>(*upstream, o);
         break;
       default:
         pinned = std::make_unique<gpumem::pinned_host_pool>(sim, 0, o);
