@@ -164,8 +164,9 @@ int run_replay(int argc, char** argv) {
       .option("snapshot-events", "N", "trace events kept in the snapshot, the most recent",
               "100000")
       .flag("explain", "also say where each pool's reserved bytes went at its peak (first "
-                       "pass): requested, rounding (and the request sizes it costs most), "
-                       "cached, free in shared pages, free whole pages, kept pages")
+                       "pass, the pool alone, without a step plan): requested, rounding (and "
+                       "the request sizes it costs most), cached, free in shared pages, free "
+                       "whole pages, kept pages")
       .flag("step-plan", "put a step planner in front of each pool and mark the steps of the "
                          "loop the trace ends with (its period; see find_steps), as a loop "
                          "calling gpumem.torch.mark_step() would")
@@ -469,9 +470,9 @@ int run_replay(int argc, char** argv) {
     }
   }
   for (const auto& [name, e] : explanations) {
-    std::printf("\nwhere the reserved bytes went, first pass, %s (after event %zu of %zu):\n",
+    std::printf("\nwhere the reserved bytes went, first pass, %s (after event %zu of %zu)%s:\n",
                 e.oom ? "at the out-of-memory" : "at peak reserved", e.after_event,
-                t.events.size());
+                t.events.size(), args.has("step-plan") ? ", the pool alone (no step plan)" : "");
     std::printf("%s", e.breakdown.to_string("  ").c_str());
   }
   return 0;
