@@ -186,6 +186,10 @@ TEST(c_api, out_of_memory_gives_its_code_the_report_and_keeps_state) {
   const std::string report = last_error();
   EXPECT_EQ(report.rfind("gpumem: out of memory", 0), 0u) << report;
   EXPECT_NE(report.find("41943040 bytes"), std::string::npos) << report;
+  // It ends with where the reserved bytes go (docs/TELEMETRY.md): here the 40 MiB live.
+  const std::size_t where = report.find("where the reserved bytes go now:");
+  ASSERT_NE(where, std::string::npos) << report;
+  EXPECT_NE(report.find("reserved for 40.00 MiB requested", where), std::string::npos) << report;
   const gpumem_stats s = h.stats();
   EXPECT_EQ(s.oom_count, 1u);
   EXPECT_EQ(s.live_allocations, 1u);
@@ -197,6 +201,10 @@ TEST(c_api, out_of_memory_gives_its_code_the_report_and_keeps_state) {
   EXPECT_GT(full, sizeof small);
   EXPECT_EQ(std::strlen(small), sizeof small - 1);
   EXPECT_EQ(gpumem_pool_report(h.pool, 40 * MiB, nullptr, 0), full);
+  // gpumem_allocate's out-of-memory says the same.
+  void* out = reinterpret_cast<void*>(0x1);
+  EXPECT_EQ(gpumem_allocate(h.pool, 40 * MiB, 256, nullptr, &out), GPUMEM_ERROR_OUT_OF_MEMORY);
+  EXPECT_NE(last_error().find("where the reserved bytes go now:"), std::string::npos) << last_error();
   EXPECT_EQ(gpumem_free(h.pool, keep, 40 * MiB, nullptr), GPUMEM_SUCCESS);
   void* again = gpumem_malloc(h.pool, 40 * MiB, nullptr);  // room again once freed
   EXPECT_NE(again, nullptr) << last_error();
