@@ -79,17 +79,20 @@ std::string describe_calls(const replay_result& r, bool last_pass = false) {
   return out.empty() ? "-" : out;
 }
 
-// Runs events [0, end) of `t` once on `pool`, on streams of its platform. Returns where
-// it stopped: `end`, or the index of the allocation that ran out of memory. With
-// `peak_at`, also the first event after which reserved bytes reached their peak.
+// Runs `passes` passes of `t` on `pool`, on streams of its platform, as replay_trace does
+// (allocations still live at the end of a pass are freed before the next; with `gpu_lag`
+// on sim, queued work completes only every gpu_lag events), stopping after global event
+// `end` (pass * events + index). Returns where it stopped: `end`, or the global index of
+// the allocation that ran out of memory; with `find_peak`, also the first global event
+// after which reserved bytes reached their peak.
 struct prefix_result {
   std::size_t stopped_at = 0;
   bool oom = false;
   std::size_t peak_at = 0;
 };
 
-prefix_result replay_prefix(const trace& t, pool_base& pool, std::size_t end, bool find_peak,
-                            const std::function<void()>& at_stop) {
+prefix_result replay_prefix(const trace& t, pool_base& pool, int passes, std::size_t gpu_lag,
+                            std::size_t end, bool find_peak, const std::function<void()>& at_stop) {
   platform& p = pool.device_platform();
   std::vector<stream_handle> streams(t.streams.size());
   for (std::size_t i = 1; i < streams.size(); ++i) {
@@ -98,43 +101,74 @@ prefix_result replay_prefix(const trace& t, pool_base& pool, std::size_t end, bo
                              s.error().name, s.error().message, "gpumem replay --snapshot");
     streams[i] = s.value();
   }
+  auto* lag_sim = gpu_lag > 0 ? dynamic_cast<sim_platform*>(&p) : nullptr;
+  if (lag_sim != nullptr) lag_sim->hold_events(true);
   std::vector<void*> ptrs(t.allocs, nullptr);
+  auto free_live = [&] {
+    for (const trace_event& e : t.events)
+      if (e.op == trace_event::kind::alloc && ptrs[e.id] != nullptr) {
+        pool.deallocate(ptrs[e.id], e.size, streams[e.stream]);
+        ptrs[e.id] = nullptr;
+      }
+  };
   prefix_result r;
-  r.stopped_at = std::min(end, t.events.size());
+  const std::size_t n = t.events.size();
+  r.stopped_at = std::min(end, n * static_cast<std::size_t>(passes));
   std::size_t peak = 0;
-  for (std::size_t i = 0; i < r.stopped_at; ++i) {
+  for (std::size_t g = 0; g < r.stopped_at; ++g) {
+    const std::size_t i = g % n;
+    if (i == 0 && g > 0) free_live();
     const trace_event& e = t.events[i];
     if (e.op == trace_event::kind::alloc) {
       try {
         ptrs[e.id] = pool.allocate(e.size, default_alignment, streams[e.stream]);
       } catch (const out_of_memory&) {
         r.oom = true;
-        r.stopped_at = i;
+        r.stopped_at = g;
         break;
       }
     } else {
       pool.deallocate(ptrs[e.id], e.size, streams[e.stream]);
       ptrs[e.id] = nullptr;
     }
+    if (lag_sim != nullptr && (i + 1) % gpu_lag == 0) lag_sim->complete_events();
     if (find_peak) {
       const std::size_t reserved = pool.stats().reserved_bytes;
       if (reserved > peak) {
         peak = reserved;
-        r.peak_at = i;
+        r.peak_at = g;
       }
     }
   }
   if (at_stop) at_stop();
-  for (const trace_event& e : t.events)
-    if (e.op == trace_event::kind::alloc && ptrs[e.id] != nullptr) {
-      pool.deallocate(ptrs[e.id], e.size, streams[e.stream]);
-      ptrs[e.id] = nullptr;
-    }
+  free_live();
+  if (lag_sim != nullptr) {
+    lag_sim->complete_events();
+    lag_sim->hold_events(false);
+  }
   for (std::size_t i = 1; i < streams.size(); ++i) {
     pool.release_stream(streams[i]);
     (void)p.stream_destroy(streams[i]);
   }
   return r;
+}
+
+// Where replay_prefix stopped, within its pass: {pass (from 1), event}. After a peak
+// (`stopped_at` events ran) the event is the last one run, counted from 1; at an
+// out-of-memory, the index of the allocation that failed (from 0, as the table says it).
+std::pair<std::size_t, std::size_t> pass_and_event(const trace& t, std::size_t stopped_at, bool oom) {
+  const std::size_t n = t.events.size();
+  if (oom) return {stopped_at / n + 1, stopped_at % n};
+  const std::size_t last = stopped_at - 1;  // a peak comes after at least one event
+  return {last / n + 1, last % n + 1};
+}
+
+// "pass P, after event E of N" (or "at event E" for an out-of-memory).
+std::string where_in_trace(const trace& t, std::size_t stopped_at, bool oom, int passes) {
+  const auto [pass, event] = pass_and_event(t, stopped_at, oom);
+  std::string out = passes > 1 ? "pass " + std::to_string(pass) + ", " : "";
+  out += (oom ? "at event " : "after event ") + std::to_string(event);
+  return out + " of " + std::to_string(t.events.size());
 }
 
 }  // namespace
@@ -163,8 +197,8 @@ int run_replay(int argc, char** argv) {
               "trace up to then; of --allocator's pool (vmm_page_pool with all)")
       .option("snapshot-events", "N", "trace events kept in the snapshot, the most recent",
               "100000")
-      .flag("explain", "also say where each pool's reserved bytes went at its peak (first "
-                       "pass, the pool alone, without a step plan): requested, rounding (and "
+      .flag("explain", "also say where each pool's reserved bytes went at its peak over the "
+                       "passes (the pool alone, without a step plan): requested, rounding (and "
                        "the request sizes it costs most), cached, free in shared pages, free "
                        "whole pages, kept pages")
       .flag("step-plan", "put a step planner in front of each pool and mark the steps of the "
@@ -273,9 +307,9 @@ int run_replay(int argc, char** argv) {
     if (!args.has("json")) std::fprintf(stderr, "plot written to %s\n", plot_path.c_str());
   }
 
-  // Replays the trace once on a fresh device to find the event after which `allocator`'s
-  // reserved bytes peak (or where it ran out of memory), then on another fresh device up
-  // to there: `before` sees the pool first, `at_stop` at that point, and `after` last,
+  // Replays the trace's passes on a fresh device to find the event after which
+  // `allocator`'s reserved bytes peak (or where it ran out of memory), then on another fresh
+  // device up to there: `before` sees the pool first, `at_stop` at that point, and `after` last,
   // even when the replay throws (REQUIRES: `after` does not throw). Deterministic on sim;
   // on a GPU the two runs may differ where the map worker's timing does.
   auto replay_to_peak = [&](const std::string& allocator,
@@ -286,6 +320,7 @@ int run_replay(int argc, char** argv) {
       if (on_sim) {
         sim_options so;
         so.capacity = capacity;
+        so.latency = sim_latency::model;  // as the replays above
         auto sim = std::make_unique<sim_platform>(so);
         platform* raw = sim.get();
         return {std::move(sim), raw};
@@ -297,7 +332,7 @@ int run_replay(int argc, char** argv) {
       auto [owned, p] = fresh_platform();
       allocator_under_test a = make_allocator(allocator, *p, 0, options);
       auto& pool = dynamic_cast<pool_base&>(*a.resource);
-      const prefix_result first = replay_prefix(t, pool, t.events.size(), true, {});
+      const prefix_result first = replay_prefix(t, pool, passes, gpu_lag, static_cast<std::size_t>(-1), true, {});
       stop_after = first.oom ? first.stopped_at + 1 : first.peak_at + 1;
     }
     auto [owned, p] = fresh_platform();
@@ -311,7 +346,7 @@ int run_replay(int argc, char** argv) {
       }
     } at_exit{after, pool};
     if (before) before(pool);
-    return replay_prefix(t, pool, stop_after, false, [&] { at_stop(pool); });
+    return replay_prefix(t, pool, passes, gpu_lag, stop_after, false, [&] { at_stop(pool); });
   };
 
   if (args.has("snapshot")) {
@@ -329,19 +364,20 @@ int run_replay(int argc, char** argv) {
         [&](pool_base&) { recorder.detach(); });  // before the pool goes
     if (!args.has("json"))
       std::fprintf(stderr,
-                   "snapshot of %s written to %s: after event %zu of %zu (%s), %s reserved, "
+                   "snapshot of %s written to %s: %s (%s), %s reserved, "
                    "%zu trace events kept of %llu\n",
-                   snapshot_allocator.c_str(), snap_path.c_str(), second.stopped_at,
-                   t.events.size(), second.oom ? "out of memory" : "peak reserved",
+                   snapshot_allocator.c_str(), snap_path.c_str(),
+                   where_in_trace(t, second.stopped_at, second.oom, passes).c_str(),
+                   second.oom ? "out of memory" : "peak reserved",
                    format_bytes(reserved_at_snapshot).c_str(),
                    static_cast<std::size_t>(std::min<std::uint64_t>(recorder.recorded(), snapshot_events)),
                    static_cast<unsigned long long>(recorder.recorded()));
   }
 
-  // --explain: each pool's overhead at its first pass's peak (or out-of-memory).
+  // --explain: each pool's overhead at its peak over the passes (or out-of-memory).
   struct explanation {
     overhead_breakdown breakdown;
-    std::size_t after_event = 0;
+    std::size_t stopped_at = 0;  // global event index (pass * events + index)
     bool oom = false;
   };
   std::map<std::string, explanation> explanations;
@@ -352,7 +388,7 @@ int run_replay(int argc, char** argv) {
     const prefix_result r = replay_to_peak(name, {}, [&](pool_base& pool) {
       e.breakdown = explain_overhead(pool);
     }, {});
-    e.after_event = r.stopped_at;
+    e.stopped_at = r.stopped_at;
     e.oom = r.oom;
   }
 
@@ -399,7 +435,9 @@ int run_replay(int argc, char** argv) {
       if (auto e = explanations.find(r.allocator); e != explanations.end()) {
         const overhead_breakdown& b = e->second.breakdown;
         w.key("peak_breakdown").begin_object();
-        w.member("after_event", e->second.after_event);
+        const auto [pass, event] = pass_and_event(t, e->second.stopped_at, e->second.oom);
+        w.member("pass", pass);
+        w.member(e->second.oom ? "event" : "after_event", event);
         w.member("at", e->second.oom ? "out_of_memory" : "peak_reserved");
         w.member("reserved_bytes", b.reserved);
         w.member("requested_bytes", b.requested);
@@ -470,9 +508,10 @@ int run_replay(int argc, char** argv) {
     }
   }
   for (const auto& [name, e] : explanations) {
-    std::printf("\nwhere the reserved bytes went, first pass, %s (after event %zu of %zu)%s:\n",
-                e.oom ? "at the out-of-memory" : "at peak reserved", e.after_event,
-                t.events.size(), args.has("step-plan") ? ", the pool alone (no step plan)" : "");
+    std::printf("\nwhere the reserved bytes went, %s (%s)%s:\n",
+                e.oom ? "at the out-of-memory" : "at peak reserved",
+                where_in_trace(t, e.stopped_at, e.oom, passes).c_str(),
+                args.has("step-plan") ? ", the pool alone (no step plan)" : "");
     std::printf("%s", e.breakdown.to_string("  ").c_str());
   }
   return 0;
