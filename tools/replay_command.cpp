@@ -156,10 +156,12 @@ prefix_result replay_prefix(const trace& t, pool_base& pool, int passes, std::si
 // Where replay_prefix stopped, within its pass: {pass (from 1), event}. After a peak
 // (`stopped_at` events ran) the event is the last one run, counted from 1; at an
 // out-of-memory, the index of the allocation that failed (from 0, as the table says it).
+// A trace with no events stops before any: {1, 0}.
 std::pair<std::size_t, std::size_t> pass_and_event(const trace& t, std::size_t stopped_at, bool oom) {
   const std::size_t n = t.events.size();
+  if (n == 0) return {1, 0};
   if (oom) return {stopped_at / n + 1, stopped_at % n};
-  const std::size_t last = stopped_at - 1;  // a peak comes after at least one event
+  const std::size_t last = stopped_at - 1;  // with events, a peak comes after at least one
   return {last / n + 1, last % n + 1};
 }
 

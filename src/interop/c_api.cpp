@@ -37,10 +37,10 @@
 #include "gpumem/platform/status_error.hpp"
 #include "gpumem/platform/timed_platform.hpp"
 #include "gpumem/pool.hpp"
+#include "gpumem/telemetry/overhead.hpp"
 // The telemetry layer's PyTorch snapshot writer, where this tree has it (it is built in
 // the same library, so the header's presence means the function's).
 #if __has_include("gpumem/telemetry/snapshot.hpp")
-#include "gpumem/telemetry/overhead.hpp"
 #include "gpumem/telemetry/snapshot.hpp"
 #define GPUMEM_C_API_HAS_SNAPSHOT 1
 #endif

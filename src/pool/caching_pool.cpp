@@ -76,16 +76,10 @@ bool caching_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std:
                                : (size + large_rounding - 1) / large_rounding * large_rounding;
   // release_idle: a new peak is not set while whole segments sit idle (pool_options.hpp).
   if (options().release_idle && reserved_locked() + need > peak_reserved_locked()) {
-    arena.flush();  // the caller flushed `arena` only: idle segments may sit in the other
+    // Idle segments may sit in either arena's quick lists (cheap when they are empty).
+    arena.flush();
     this->arena(arena_id == small_arena ? large_arena : small_arena).flush();
-    bool any_idle = false;
-    for (std::uint32_t id : {small_arena, large_arena})
-      for (detail::block* b : this->arena(id).free_blocks())
-        any_idle = any_idle || (b->prev == nullptr && b->next == nullptr);
-    if (any_idle) {
-      synchronize_streams_with_free_blocks();
-      release_idle_segments(reserved_locked() + need - peak_reserved_locked());
-    }
+    release_idle_segments(reserved_locked() + need - peak_reserved_locked());
   }
   return add_segment(arena, arena_id, need, stream, alignment);
 }
@@ -93,7 +87,6 @@ bool caching_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std:
 std::size_t caching_pool::release_cached() {
   arena(small_arena).flush();
   arena(large_arena).flush();
-  synchronize_streams_with_free_blocks();
   std::size_t released = 0;
   for (auto seg = segments_.begin(); seg != segments_.end();) {
     if (!seg->second.retiring) {
@@ -123,6 +116,9 @@ std::size_t caching_pool::release_idle_segments(std::size_t bytes) {
   for (std::uint32_t id : {small_arena, large_arena})
     for (detail::block* b : arena(id).free_blocks())
       if (b->prev == nullptr && b->next == nullptr) all.push_back({b, id});
+  if (all.empty()) return 0;
+  // Work queued on a stream may still use a block of these segments: let it finish.
+  synchronize_streams_with_free_blocks();
   std::stable_sort(all.begin(), all.end(),
                    [](const idle& x, const idle& y) { return x.b->size > y.b->size; });
   // One segment if one is enough: the smallest such (fewest bytes to make again later).

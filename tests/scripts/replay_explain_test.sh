@@ -55,6 +55,13 @@ assert b["reserved_bytes"] == r["peak_reserved_bytes"], (b, r["peak_reserved_byt
 assert b["pass"] > 1, b  # release_idle's peak rises in later passes on this trace
 PY
 
+# A trace with no events: an empty breakdown, not a crash.
+printf 'action,addr,size,stream,time_us\n' > "$tmp/empty.csv"
+"$gpumem" replay "$tmp/empty.csv" --device sim --allocator vmm_page_pool --explain \
+  --snapshot "$tmp/empty.pickle" > "$tmp/empty.txt" 2> /dev/null
+grep -q "after event 0 of 0" "$tmp/empty.txt"
+grep -q "0 B reserved for 0 B requested" "$tmp/empty.txt"
+
 if "$gpumem" replay "$trace" --device sim --allocator runtime --explain > /dev/null 2> "$tmp/rt.err"; then
   echo "--explain of a non-pool allocator was accepted"; exit 1
 fi

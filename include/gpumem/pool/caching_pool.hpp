@@ -45,9 +45,10 @@ class caching_pool final : public pool_base {
   };
   bool add_segment(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
                    stream_handle stream, std::size_t alignment);
-  // Frees wholly free segments upstream, largest first, until at least `bytes` went back
-  // (every one for SIZE_MAX). Returns the bytes freed. REQUIRES: mutex_ held, both arenas
-  // flushed, their free blocks' streams synchronized.
+  // Frees wholly free segments upstream until at least `bytes` went back: the smallest one
+  // that is enough, else the largest first (every one for SIZE_MAX). Waits for the streams
+  // of free blocks first when there is one to free. Returns the bytes freed.
+  // REQUIRES: mutex_ held, both arenas flushed.
   std::size_t release_idle_segments(std::size_t bytes);
 
   memory_resource& upstream_;
