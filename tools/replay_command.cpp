@@ -19,7 +19,7 @@
 #include "gpumem/replay/trace.hpp"
 #include "gpumem/telemetry/event_recorder.hpp"
 #include "gpumem/pool/step_planner.hpp"
-#include "gpumem/telemetry/overhead.hpp"
+#include "gpumem/pool/overhead.hpp"
 #include "gpumem/telemetry/snapshot.hpp"
 #include "json_writer.hpp"
 

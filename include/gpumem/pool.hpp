@@ -2,6 +2,7 @@
 #pragma once
 #include "gpumem/pool/caching_pool.hpp"
 #include "gpumem/pool/fixed_block_pool.hpp"
+#include "gpumem/pool/overhead.hpp"
 #include "gpumem/pool/pinned_host_pool.hpp"
 #include "gpumem/pool/pool_base.hpp"
 #include "gpumem/pool/pool_options.hpp"

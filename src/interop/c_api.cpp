@@ -37,7 +37,7 @@
 #include "gpumem/platform/status_error.hpp"
 #include "gpumem/platform/timed_platform.hpp"
 #include "gpumem/pool.hpp"
-#include "gpumem/telemetry/overhead.hpp"
+#include "gpumem/pool/overhead.hpp"
 // The telemetry layer's PyTorch snapshot writer, where this tree has it (it is built in
 // the same library, so the header's presence means the function's).
 #if __has_include("gpumem/telemetry/snapshot.hpp")
@@ -322,18 +322,6 @@ void wait_for_recorded_streams(pool_body& pool, std::vector<std::uintptr_t>& str
   }
 }
 
-// An out-of-memory's text ends with where the pool's reserved bytes go at that moment
-// (telemetry's explain_overhead): what "reserved but not allocated" is made of. The
-// allocation has failed already; a failure here leaves the report as it was.
-gpumem_status explain_if_out_of_memory(pool_body& body, gpumem_status status) noexcept {
-  if (status != GPUMEM_ERROR_OUT_OF_MEMORY) return status;
-  try {
-    last_error_text += "\n  where the reserved bytes go now:\n" +
-                       gpumem::explain_overhead(*body.pool).to_string("    ");
-  } catch (...) {
-  }
-  return status;
-}
 }  // namespace
 
 extern "C" {
@@ -404,18 +392,17 @@ gpumem_status gpumem_allocate(gpumem_pool* pool, size_t size, size_t alignment, 
   *out = nullptr;
   pool_body* body = live_body(pool, "gpumem_allocate");
   if (body == nullptr) return last_error_status;
-  return explain_if_out_of_memory(
-      *body, guarded("gpumem_allocate",
-                     [&] { *out = body->front().allocate(size, alignment, to_stream(stream)); }));
+  return guarded("gpumem_allocate",
+                 [&] { *out = body->front().allocate(size, alignment, to_stream(stream)); });
 }
 
 void* gpumem_malloc(gpumem_pool* pool, size_t size, void* stream) {
   void* ptr = nullptr;
   pool_body* body = live_body(pool, "gpumem_malloc");
   if (body == nullptr) return nullptr;
-  explain_if_out_of_memory(*body, guarded("gpumem_malloc", [&] {
+  guarded("gpumem_malloc", [&] {
     ptr = body->front().allocate(size, gpumem::default_alignment, to_stream(stream));
-  }));
+  });
   return ptr;
 }
 

@@ -651,6 +651,8 @@ std::string pool_base::report_locked(std::size_t bytes) const {
       if (!from.empty()) r << "      allocated at: " << from << "\n";
     }
   }
+  // What "reserved but not allocated" is made of (pool/overhead.hpp).
+  r << "  where the reserved bytes go now:\n" << overhead_locked().to_string("    ");
   return r.str();
 }
 
@@ -727,6 +729,17 @@ std::vector<memory_segment> pool_base::segments_locked() const {
 std::vector<memory_segment> pool_base::memory_segments() const {
   std::lock_guard lock(mutex_);
   return segments_locked();
+}
+
+overhead_breakdown pool_base::overhead() const {
+  std::lock_guard lock(mutex_);
+  return overhead_locked();
+}
+
+overhead_breakdown pool_base::overhead_locked() const {
+  const page_holdings pages = page_holdings_locked();
+  return detail::breakdown_of(std::string(name()), stats_.reserved_bytes, live_bytes_locked(),
+                              pages.page_size, pages.kept_unmapped, segments_locked());
 }
 
 void pool_base::inspect(

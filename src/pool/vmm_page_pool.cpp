@@ -123,6 +123,10 @@ vmm_page_counts vmm_page_pool::page_counts() const {
   return c;
 }
 
+pool_base::page_holdings vmm_page_pool::page_holdings_locked() const {
+  return {page_, spare_pages() * page_};
+}
+
 std::size_t vmm_page_pool::spare_pages() const {
   std::size_t n = 0;
   for (std::uint32_t id : spare_) n += chunks_[id].pages;

@@ -163,7 +163,7 @@ GPUMEM_API const char* gpumem_pool_config(gpumem_pool* pool);
  * buf (truncated, always NUL-terminated when capacity > 0). Returns the full length. */
 GPUMEM_API size_t gpumem_pool_report(gpumem_pool* pool, size_t size, char* buf,
                                      size_t capacity);
-/* Where the pool's reserved bytes go now, one part a line (include/gpumem/telemetry/
+/* Where the pool's reserved bytes go now, one part a line (include/gpumem/pool/
  * overhead.hpp): requested, rounding (and the request sizes whose rounding costs most),
  * freed blocks held unmerged, free bytes sharing a page with live blocks, free whole
  * pages, pages kept unmapped. Written to buf as gpumem_pool_report does; returns the full

@@ -50,6 +50,7 @@
 
 #include "gpumem/backend/memory_resource.hpp"
 #include "gpumem/errors.hpp"
+#include "gpumem/pool/overhead.hpp"
 #include "gpumem/pool/pool_observer.hpp"
 #include "gpumem/pool/pool_options.hpp"
 
@@ -115,6 +116,8 @@ class pool_base : public memory_resource {
   std::string memory_report(std::size_t bytes) const;
   // Every segment with all its blocks (allocated, cached and free), by address.
   std::vector<memory_segment> memory_segments() const;
+  // Where the reserved bytes go now, part by part (pool/overhead.hpp), read under the lock.
+  overhead_breakdown overhead() const;
   // Calls fn(segments) with the pool's mutex held, so what fn reads from the pool's
   // observer matches the segments exactly (no operation runs in between).
   // REQUIRES: fn does not call into this pool.
@@ -156,6 +159,13 @@ class pool_base : public memory_resource {
   virtual std::size_t release_cached() = 0;
   // Subclass-specific lines for the report (segments, pages...). REQUIRES: mutex_ held.
   virtual std::string describe_holdings() const = 0;
+  // The page by which free bytes can be given back (0: by whole segment) and the bytes of
+  // physical memory held unmapped, for the overhead breakdown. REQUIRES: mutex_ held.
+  struct page_holdings {
+    std::size_t page_size = 0;
+    std::size_t kept_unmapped = 0;
+  };
+  virtual page_holdings page_holdings_locked() const { return {}; }
   virtual std::string validate_holdings() const { return {}; }
   // Guard mode (pool_options::guard; vmm_page_pool only): an allocation of its own pages
   // with an unmapped page after it. nullptr: out of memory. REQUIRES: mutex_ held.
@@ -249,6 +259,7 @@ class pool_base : public memory_resource {
   bool free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch, const stream_handle* wanted_by);
   std::string report_locked(std::size_t bytes) const;
   std::vector<memory_segment> segments_locked() const;
+  overhead_breakdown overhead_locked() const;
   // Why addr is not a live allocation of this pool (interior, double free, another
   // owner's, unknown). REQUIRES: mutex_ held.
   std::string diagnose_locked(std::uintptr_t addr) const;

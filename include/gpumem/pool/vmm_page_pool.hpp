@@ -130,6 +130,7 @@ class vmm_page_pool final : public pool_base {
             std::size_t alignment, stream_handle stream) override;
   std::size_t release_cached() override;
   std::string describe_holdings() const override;
+  page_holdings page_holdings_locked() const override;
   // growth_slack: while reserved + the request stays within (1 + F) x peak live, free runs
   // over max(2 x the block, reserved / large_run_share) are not split (see pool_options).
   std::size_t split_limit(std::size_t size) const override;

@@ -1,5 +1,5 @@
 // overhead: where a pool's reserved bytes go beyond the bytes its users asked for, at one
-// moment (a replay's peak, before an out-of-memory, or any time). Fragmentation is peak
+// moment (a replay's peak, an out-of-memory's report, or any time). Fragmentation is peak
 // reserved over peak requested; this says what the difference is made of.
 //
 // The parts sum to reserved exactly (REQUIRES: the pool is quiet while it is read):
@@ -33,6 +33,7 @@
 namespace gpumem {
 
 class pool_base;
+struct memory_segment;
 
 struct rounding_loss {
   std::size_t requested = 0;  // bytes each allocation asked for
@@ -65,7 +66,18 @@ struct overhead_breakdown {
   std::string to_string(const std::string& indent = "") const;
 };
 
-// Reads the pool's segments and statistics. Exact when no call is in flight on the pool.
+// Reads the pool's segments and statistics under its lock (pool_base::overhead()). Exact
+// when no call is in flight on the pool.
 overhead_breakdown explain_overhead(const pool_base& pool);
+
+namespace detail {
+// The breakdown of `segments`, which hold all of a pool's memory but `kept_unmapped` bytes
+// (physical pages not mapped) and guard-mode allocations (live bytes outside them).
+// page_size: the page by which free bytes are releasable (0: by whole segment).
+overhead_breakdown breakdown_of(std::string allocator, std::size_t reserved,
+                                std::size_t live_bytes, std::size_t page_size,
+                                std::size_t kept_unmapped,
+                                const std::vector<memory_segment>& segments);
+}  // namespace detail
 
 }  // namespace gpumem

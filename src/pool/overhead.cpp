@@ -1,4 +1,4 @@
-#include "gpumem/telemetry/overhead.hpp"
+#include "gpumem/pool/overhead.hpp"
 
 #include <algorithm>
 #include <cstdio>
@@ -6,7 +6,6 @@
 #include <utility>
 
 #include "gpumem/pool/pool_base.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
 
 namespace gpumem {
 
@@ -97,20 +96,22 @@ std::string overhead_breakdown::to_string(const std::string& indent) const {
   return out;
 }
 
-overhead_breakdown explain_overhead(const pool_base& pool) {
+overhead_breakdown explain_overhead(const pool_base& pool) { return pool.overhead(); }
+
+namespace detail {
+
+overhead_breakdown breakdown_of(std::string allocator, std::size_t reserved,
+                                std::size_t live_bytes, std::size_t page_size,
+                                std::size_t kept_unmapped,
+                                const std::vector<memory_segment>& segments) {
   overhead_breakdown o;
-  o.allocator = std::string(pool.name());
-  const resource_stats s = pool.stats();
-  o.reserved = s.reserved_bytes;
-  const auto* vmm = dynamic_cast<const vmm_page_pool*>(&pool);
-  if (vmm != nullptr) {
-    const vmm_page_counts c = vmm->page_counts();
-    o.page_size = c.page_size;
-    o.kept_unmapped = c.spare_pages * c.page_size;
-  }
+  o.allocator = std::move(allocator);
+  o.reserved = reserved;
+  o.page_size = page_size;
+  o.kept_unmapped = kept_unmapped;
   std::size_t in_segments = 0;
   std::map<std::pair<std::size_t, std::size_t>, std::size_t> shapes;  // (requested, block) -> count
-  for (const memory_segment& seg : pool.memory_segments()) {
+  for (const memory_segment& seg : segments) {
     in_segments += seg.size;
     for (const memory_block& b : seg.blocks) {
       if (b.st == memory_block::state::cached) o.cached += b.size;
@@ -128,7 +129,7 @@ overhead_breakdown explain_overhead(const pool_base& pool) {
   }
   // Guard-mode allocations are outside the segments: their requested bytes count as
   // requested, the rest of their pages as other.
-  const std::size_t outside = s.live_bytes > o.requested ? s.live_bytes - o.requested : 0;
+  const std::size_t outside = live_bytes > o.requested ? live_bytes - o.requested : 0;
   o.requested += outside;
   const std::size_t accounted = in_segments + o.kept_unmapped + outside;
   o.other = o.reserved > accounted ? o.reserved - accounted : 0;
@@ -140,4 +141,5 @@ overhead_breakdown explain_overhead(const pool_base& pool) {
   return o;
 }
 
+}  // namespace detail
 }  // namespace gpumem

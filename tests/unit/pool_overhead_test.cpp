@@ -1,12 +1,13 @@
 // explain_overhead: a pool's reserved bytes split into requested, rounding, cached, free
 // (sharing a page or segment with live blocks, or not) and kept pages, the parts summing
 // to reserved; the request shapes whose rounding costs most, biggest first.
-#include "gpumem/telemetry/overhead.hpp"
+#include "gpumem/pool/overhead.hpp"
 
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -21,7 +22,7 @@ using namespace gpumem;
 using gpumem_test::KiB;
 using gpumem_test::MiB;
 
-class TelemetryOverhead : public gpumem_test::sim_pool_test {};
+class PoolOverhead : public gpumem_test::sim_pool_test {};
 
 std::size_t parts(const overhead_breakdown& o) {
   return o.requested + o.unit_rounding + o.block_rounding + o.cached + o.free_pinned +
@@ -34,7 +35,7 @@ pool_options no_thread_cache() {
   return o;
 }
 
-TEST_F(TelemetryOverhead, PageRoundingAndItsRequestShapeAreNamed) {
+TEST_F(PoolOverhead, PageRoundingAndItsRequestShapeAreNamed) {
   vmm_page_pool pool(sim, 0, no_thread_cache());
   void* base = pool.allocate(64 * MiB);         // live bytes that can absorb a rounding loss
   void* a = pool.allocate(5 * MiB + 1000);      // rounded to 6 MiB: whole pages
@@ -68,7 +69,34 @@ TEST_F(TelemetryOverhead, PageRoundingAndItsRequestShapeAreNamed) {
   pool.deallocate(small, 1000);
 }
 
-TEST_F(TelemetryOverhead, FreeWholePagesAreReleasableAndPagesSharedWithALiveBlockAreNot) {
+// The pool's own out-of-memory report (the C++ exception, so also the C API, the PyTorch
+// plug-in and Python) ends with the same breakdown, read under the pool's lock.
+TEST_F(PoolOverhead, AnOutOfMemoryReportEndsWithWhereTheReservedBytesGo) {
+  pool_options options = no_thread_cache();
+  options.limit_bytes = 80 * MiB;
+  vmm_page_pool pool(sim, 0, options);
+  void* base = pool.allocate(64 * MiB);
+  void* a = pool.allocate(5 * MiB + 1000);  // rounded to 6 MiB: whole pages
+  void* b = pool.allocate(5 * MiB + 1000);
+  std::string what;
+  try {
+    (void)pool.allocate(8 * MiB);  // 76 MiB reserved + 8 MiB is over the limit
+    ADD_FAILURE() << "an allocation over the limit did not throw";
+  } catch (const out_of_memory& e) {
+    what = e.what();
+  }
+  const std::size_t at = what.find("  where the reserved bytes go now:\n");
+  ASSERT_NE(at, std::string::npos) << what;
+  const std::string breakdown = explain_overhead(pool).to_string("    ");
+  EXPECT_EQ(what.substr(at + std::string("  where the reserved bytes go now:\n").size()), breakdown);
+  EXPECT_NE(breakdown.find("2 x 5.00 MiB in 6.00 MiB blocks"), std::string::npos) << breakdown;
+  EXPECT_EQ(pool.validate(), "");
+  pool.deallocate(b, 5 * MiB + 1000);
+  pool.deallocate(a, 5 * MiB + 1000);
+  pool.deallocate(base, 64 * MiB);
+}
+
+TEST_F(PoolOverhead, FreeWholePagesAreReleasableAndPagesSharedWithALiveBlockAreNot) {
   vmm_page_pool pool(sim, 0, no_thread_cache());
   void* first = pool.allocate(8 * MiB);   // pages 0-3
   void* second = pool.allocate(3 * MiB);  // pages 4-5, not rounded (over a 32nd of 11 MiB)
@@ -99,7 +127,7 @@ TEST_F(TelemetryOverhead, FreeWholePagesAreReleasableAndPagesSharedWithALiveBloc
   pool.deallocate(third, MiB + 512);
 }
 
-TEST_F(TelemetryOverhead, AThreadCachesFreedBlocksAreCachedNotFree) {
+TEST_F(PoolOverhead, AThreadCachesFreedBlocksAreCachedNotFree) {
   vmm_page_pool pool(sim, 0);  // thread caches on (the default)
   void* keep = pool.allocate(4 * MiB);
   void* p = pool.allocate(256 * KiB);
@@ -111,7 +139,7 @@ TEST_F(TelemetryOverhead, AThreadCachesFreedBlocksAreCachedNotFree) {
   pool.deallocate(keep, 4 * MiB);
 }
 
-TEST_F(TelemetryOverhead, CachingPoolFreeBytesGoBySegment) {
+TEST_F(PoolOverhead, CachingPoolFreeBytesGoBySegment) {
   runtime_resource upstream(sim, 0);
   caching_pool pool(upstream, no_thread_cache());
   void* a = pool.allocate(3 * MiB);
@@ -137,7 +165,7 @@ TEST_F(TelemetryOverhead, CachingPoolFreeBytesGoBySegment) {
   pool.deallocate(b, 100 * KiB);
 }
 
-TEST_F(TelemetryOverhead, GuardedAllocationsCountAsRequestedAndTheirGuardPagesAsOther) {
+TEST_F(PoolOverhead, GuardedAllocationsCountAsRequestedAndTheirGuardPagesAsOther) {
   pool_options g;
   g.guard = true;
   vmm_page_pool pool(sim, 0, g);
@@ -157,7 +185,7 @@ TEST_F(TelemetryOverhead, GuardedAllocationsCountAsRequestedAndTheirGuardPagesAs
 
 // Random work on both pools: after every step the parts sum to reserved, and the vmm pool's
 // kept pages are its spare pages. The parts the work reaches are each seen non-zero.
-TEST_F(TelemetryOverhead, PartsSumToReservedThroughRandomWork) {
+TEST_F(PoolOverhead, PartsSumToReservedThroughRandomWork) {
   vmm_page_pool vmm(sim, 0);
   runtime_resource upstream(sim, 0);
   caching_pool cp(upstream);
