@@ -187,5 +187,7 @@ def empty_cache():
 
 
 def failures():
-    """Failures the plug-in reported on stderr (PyTorch has no error channel for them)."""
+    """Failures of the plug-in so far: allocations that raised (RuntimeError, with gpumem's
+    text) and frees or stream records that failed (printed on stderr: PyTorch frees from
+    destructors, which cannot raise)."""
     return int(gpumem.load().gpumem_torch_failures())

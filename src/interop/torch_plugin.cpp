@@ -16,8 +16,14 @@
 // object) or, where it cannot, routes Tensor.record_stream to gpumem_torch_record_stream_on. At free, the
 // freeing stream then waits for the recorded streams' work (gpumem_record_stream).
 //
-// Invariants: pools_[d] is null or a pool of device d, set once; no exception leaves an
-// entry point (failures are printed to stderr, since PyTorch has no error channel here).
+// Failures: PyTorch does not check the pointer a pluggable allocator returns (a null one
+// becomes a tensor on address 0), so gpumem_torch_malloc throws std::runtime_error with
+// gpumem's full text instead; PyTorch raises it in Python as a RuntimeError (measured with
+// torch 2.11 on the H200). An out-of-memory's text starts "CUDA out of memory.", as
+// PyTorch's own does, for code that looks for it. No other entry point throws: PyTorch
+// frees from destructors, so a failed free or record is printed on stderr and counted.
+//
+// Invariants: pools_[d] is null or a pool of device d, set once.
 #include <sys/types.h>
 
 #include <array>
@@ -26,7 +32,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 
 #include "gpumem/interop/gpumem.h"
 
@@ -39,9 +47,13 @@ std::mutex init_mutex_;
 std::array<bool, max_devices> init_failed_{};  // guarded by init_mutex_: report once
 std::atomic<std::uint64_t> failures_{0};
 
+// On stderr, the one place a failure PyTorch cannot see is said.
+void print(const char* what) noexcept { std::fprintf(stderr, "gpumem_torch: %s\n", what); }
+
+// A failed free or record: printed and counted (gpumem_torch_failures).
 void report(const char* what) noexcept {
   failures_.fetch_add(1, std::memory_order_relaxed);
-  std::fprintf(stderr, "gpumem_torch: %s\n", what);
+  print(what);
 }
 
 // The configuration of device `device`'s pool: GPUMEM_CONF, the allocator from
@@ -59,9 +71,15 @@ std::string pool_config(int device) {
   return config;
 }
 
+// Why pool_for last returned null on this thread (set on every such return), for
+// gpumem_torch_malloc's exception.
+thread_local std::string pool_failure_;
+
 gpumem_pool* pool_for(int device) noexcept {
   if (device < 0 || device >= max_devices) {
-    report("device ordinal out of range");
+    pool_failure_ = "gpumem_torch: device " + std::to_string(device) + " is out of range (0.." +
+                    std::to_string(max_devices - 1) + ")";
+    print(pool_failure_.c_str() + std::string_view("gpumem_torch: ").size());
     return nullptr;
   }
   gpumem_pool* pool = pools_[device].load(std::memory_order_acquire);
@@ -69,19 +87,25 @@ gpumem_pool* pool_for(int device) noexcept {
   try {
     std::lock_guard lock(init_mutex_);
     pool = pools_[device].load(std::memory_order_relaxed);
-    if (pool != nullptr || init_failed_[device]) return pool;
+    if (pool != nullptr) return pool;
     const std::string config = pool_config(device);
+    if (init_failed_[device]) {  // every later call fails the same way: said once
+      pool_failure_ = "gpumem_torch: no pool for device " + std::to_string(device) +
+                      ": it could not be created from '" + config + "' (see the first error)";
+      return nullptr;
+    }
     if (gpumem_pool_create(config.c_str(), &pool) != GPUMEM_SUCCESS) {
-      init_failed_[device] = true;  // every later malloc would fail the same way
-      const std::string why = "cannot create the pool for device " + std::to_string(device) +
-                              " from '" + config + "': " + gpumem_last_error();
-      report(why.c_str());
+      init_failed_[device] = true;
+      pool_failure_ = "gpumem_torch: cannot create the pool for device " +
+                      std::to_string(device) + " from '" + config + "': " + gpumem_last_error();
+      print(pool_failure_.c_str() + std::string_view("gpumem_torch: ").size());
       return nullptr;
     }
     pools_[device].store(pool, std::memory_order_release);
     return pool;
   } catch (...) {
-    report("pool creation failed (host memory or locking)");
+    pool_failure_ = "gpumem_torch: pool creation failed (host memory or locking)";
+    print(pool_failure_.c_str() + std::string_view("gpumem_torch: ").size());
     return nullptr;
   }
 }
@@ -90,19 +114,24 @@ gpumem_pool* pool_for(int device) noexcept {
 
 extern "C" {
 
+// Throws std::runtime_error on failure (see the top of this file); null only for size 0.
 GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
   if (size == 0) return nullptr;  // PyTorch's own allocator returns null for empty tensors
   if (size < 0) {
-    report("gpumem_torch_malloc: negative size");
-    return nullptr;
+    failures_.fetch_add(1, std::memory_order_relaxed);
+    throw std::runtime_error("gpumem_torch_malloc: negative size " + std::to_string(size));
   }
   gpumem_pool* pool = pool_for(device);
-  if (pool == nullptr) return nullptr;
-  void* ptr = gpumem_malloc(pool, static_cast<size_t>(size), stream);
-  // PyTorch does not check the pointer a pluggable allocator returns: say why here, as its
-  // own out-of-memory error would.
-  if (ptr == nullptr) report(gpumem_last_error());
-  return ptr;
+  if (pool == nullptr) {
+    failures_.fetch_add(1, std::memory_order_relaxed);
+    throw std::runtime_error(pool_failure_);
+  }
+  if (void* ptr = gpumem_malloc(pool, static_cast<size_t>(size), stream)) return ptr;
+  failures_.fetch_add(1, std::memory_order_relaxed);
+  const std::string why = gpumem_last_error();
+  if (gpumem_last_status() == GPUMEM_ERROR_OUT_OF_MEMORY)
+    throw std::runtime_error("CUDA out of memory. " + why);
+  throw std::runtime_error(why);
 }
 
 GPUMEM_API void gpumem_torch_free(void* ptr, ssize_t size, int device, void* stream) {

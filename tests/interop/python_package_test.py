@@ -193,12 +193,11 @@ class TorchPluginTest(unittest.TestCase):
         self.assertGreater(gpumem.torch.stats(0)["reserved_bytes"], 0)
         lib.gpumem_torch_reset()
         self.assertEqual(gpumem.torch.stats(0)["reserved_bytes"], 0)
-        # Failures cannot raise into PyTorch: they are counted and printed on stderr.
-        self.assertIsNone(lib.gpumem_torch_malloc(-1, 0, None))
-        self.assertIsNone(lib.gpumem_torch_malloc(600 * MiB, 0, None))  # over limit:512M
+        # A failed free is counted and printed on stderr (PyTorch frees from destructors).
+        # A failed malloc throws a C++ exception, which ctypes cannot carry: it is tested in
+        # C++ (tests/interop/torch_plugin_test.cpp).
         lib.gpumem_torch_free(p, 5 * MiB, 0, None)  # double free
-        self.assertEqual(gpumem.torch.failures(), failures + 3)
-        self.assertEqual(gpumem.torch.stats(0)["oom_count"], 1)
+        self.assertEqual(gpumem.torch.failures(), failures + 1)
         # No pool for a device PyTorch never used: creation fails (sim has one device).
         with self.assertRaises(gpumem.GpumemError):
             gpumem.torch.stats(3)

@@ -1,0 +1,98 @@
+// libgpumem_torch.so's entry points as PyTorch's CUDAPluggableAllocator calls them, on the
+// sim device (GPUMEM_DEVICE=sim, GPUMEM_CONF=limit:64M, set before main). The failure path is
+// tested here, in C++, because gpumem_torch_malloc reports failure by throwing: a C++
+// exception cannot cross ctypes (python_package_test.py covers the rest).
+#include <gtest/gtest.h>
+#include <sys/types.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+#include "gpumem/interop/gpumem.h"
+
+extern "C" {
+void* gpumem_torch_malloc(ssize_t size, int device, void* stream);
+void gpumem_torch_free(void* ptr, ssize_t size, int device, void* stream);
+unsigned long long gpumem_torch_failures(void);
+int gpumem_torch_stats(int device, gpumem_stats* out);
+}
+
+namespace {
+
+constexpr ssize_t MiB = ssize_t{1} << 20;
+
+// Read by the plug-in when it creates a device's pool (the first call for that device).
+const bool environment_set = [] {
+  ::setenv("GPUMEM_DEVICE", "sim", 1);
+  ::setenv("GPUMEM_CONF", "limit:64M", 1);
+  ::setenv("GPUMEM_ALLOCATOR", "vmm_page_pool", 1);
+  return true;
+}();
+
+gpumem_stats stats_of(int device) {
+  gpumem_stats s{};
+  EXPECT_EQ(gpumem_torch_stats(device, &s), GPUMEM_SUCCESS) << gpumem_last_error();
+  return s;
+}
+
+// What PyTorch turns into a Python RuntimeError: the message of the exception thrown.
+std::string failure_of(ssize_t size, int device) {
+  try {
+    void* p = gpumem_torch_malloc(size, device, nullptr);
+    ADD_FAILURE() << "gpumem_torch_malloc(" << size << ") returned " << p << " instead of throwing";
+    gpumem_torch_free(p, size, device, nullptr);
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  return {};
+}
+
+TEST(TorchPlugin, AnOutOfMemoryThrowsPyTorchsPhraseAndTheFullReportAndKeepsThePool) {
+  void* held = gpumem_torch_malloc(40 * MiB, 0, nullptr);
+  ASSERT_NE(held, nullptr);
+  const unsigned long long failures = gpumem_torch_failures();
+  const std::string what = failure_of(40 * MiB, 0);  // 80 MiB > limit:64M
+  // "CUDA out of memory." first, as PyTorch's own error (code looks for it), then gpumem's
+  // report, which ends with where the reserved bytes go.
+  EXPECT_EQ(what.rfind("CUDA out of memory. gpumem: out of memory on device 0", 0), 0u) << what;
+  EXPECT_NE(what.find("limit: 64.00 MiB"), std::string::npos) << what;
+  EXPECT_NE(what.find("where the reserved bytes go now:"), std::string::npos) << what;
+  EXPECT_EQ(gpumem_torch_failures(), failures + 1);
+  const gpumem_stats s = stats_of(0);
+  EXPECT_EQ(s.oom_count, 1u);
+  EXPECT_EQ(s.live_bytes, static_cast<std::uint64_t>(40 * MiB));  // the live tensor intact
+  // The pool goes on serving what fits.
+  void* more = gpumem_torch_malloc(8 * MiB, 0, nullptr);
+  EXPECT_NE(more, nullptr);
+  gpumem_torch_free(more, 8 * MiB, 0, nullptr);
+  gpumem_torch_free(held, 40 * MiB, 0, nullptr);
+  EXPECT_EQ(stats_of(0).live_bytes, 0u);
+  EXPECT_EQ(gpumem_torch_failures(), failures + 1);
+}
+
+TEST(TorchPlugin, ANegativeSizeOrADeviceWithoutAPoolThrowsWithTheReason) {
+  const unsigned long long failures = gpumem_torch_failures();
+  EXPECT_NE(failure_of(-1, 0).find("negative size -1"), std::string::npos);
+  // Sim has one device: device 3's pool cannot be created; every call says why.
+  const std::string first = failure_of(MiB, 3);
+  EXPECT_NE(first.find("cannot create the pool for device 3"), std::string::npos) << first;
+  const std::string again = failure_of(MiB, 3);
+  EXPECT_NE(again.find("no pool for device 3"), std::string::npos) << again;
+  EXPECT_NE(failure_of(MiB, 64).find("device 64 is out of range (0..63)"), std::string::npos);
+  EXPECT_EQ(gpumem_torch_failures(), failures + 4);
+}
+
+TEST(TorchPlugin, SizeZeroIsNullAndABadFreeNeverThrows) {
+  const unsigned long long failures = gpumem_torch_failures();
+  EXPECT_EQ(gpumem_torch_malloc(0, 0, nullptr), nullptr);  // as PyTorch's own allocator
+  void* p = gpumem_torch_malloc(MiB, 0, nullptr);
+  ASSERT_NE(p, nullptr);
+  gpumem_torch_free(p, MiB, 0, nullptr);
+  // PyTorch frees from destructors: a double free is printed and counted, never thrown.
+  EXPECT_NO_THROW(gpumem_torch_free(p, MiB, 0, nullptr));
+  EXPECT_EQ(gpumem_torch_failures(), failures + 1);
+}
+
+}  // namespace
