@@ -34,7 +34,6 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <string_view>
 
 #include "gpumem/interop/gpumem.h"
 
@@ -44,7 +43,9 @@ constexpr int max_devices = 64;
 
 std::array<std::atomic<gpumem_pool*>, max_devices> pools_{};
 std::mutex init_mutex_;
-std::array<bool, max_devices> init_failed_{};  // guarded by init_mutex_: report once
+// Why device d's pool could not be created ("" if it was not tried or succeeded); guarded
+// by init_mutex_. Printed once, thrown by every malloc for d.
+std::array<std::string, max_devices> init_error_{};
 std::atomic<std::uint64_t> failures_{0};
 
 // On stderr, the one place a failure PyTorch cannot see is said.
@@ -76,36 +77,35 @@ std::string pool_config(int device) {
 thread_local std::string pool_failure_;
 
 gpumem_pool* pool_for(int device) noexcept {
-  if (device < 0 || device >= max_devices) {
-    pool_failure_ = "gpumem_torch: device " + std::to_string(device) + " is out of range (0.." +
-                    std::to_string(max_devices - 1) + ")";
-    print(pool_failure_.c_str() + std::string_view("gpumem_torch: ").size());
-    return nullptr;
-  }
-  gpumem_pool* pool = pools_[device].load(std::memory_order_acquire);
-  if (pool != nullptr) return pool;
   try {
+    if (device < 0 || device >= max_devices) {
+      pool_failure_ = "device " + std::to_string(device) + " is out of range (0.." +
+                      std::to_string(max_devices - 1) + ")";
+      print(pool_failure_.c_str());
+      return nullptr;
+    }
+    gpumem_pool* pool = pools_[device].load(std::memory_order_acquire);
+    if (pool != nullptr) return pool;
     std::lock_guard lock(init_mutex_);
     pool = pools_[device].load(std::memory_order_relaxed);
     if (pool != nullptr) return pool;
-    const std::string config = pool_config(device);
-    if (init_failed_[device]) {  // every later call fails the same way: said once
-      pool_failure_ = "gpumem_torch: no pool for device " + std::to_string(device) +
-                      ": it could not be created from '" + config + "' (see the first error)";
+    if (!init_error_[device].empty()) {  // every later call fails the same way: printed once
+      pool_failure_ = init_error_[device];
       return nullptr;
     }
+    const std::string config = pool_config(device);
     if (gpumem_pool_create(config.c_str(), &pool) != GPUMEM_SUCCESS) {
-      init_failed_[device] = true;
-      pool_failure_ = "gpumem_torch: cannot create the pool for device " +
-                      std::to_string(device) + " from '" + config + "': " + gpumem_last_error();
-      print(pool_failure_.c_str() + std::string_view("gpumem_torch: ").size());
+      init_error_[device] = "cannot create the pool for device " + std::to_string(device) +
+                            " from '" + config + "': " + gpumem_last_error();
+      pool_failure_ = init_error_[device];
+      print(pool_failure_.c_str());
       return nullptr;
     }
     pools_[device].store(pool, std::memory_order_release);
     return pool;
   } catch (...) {
-    pool_failure_ = "gpumem_torch: pool creation failed (host memory or locking)";
-    print(pool_failure_.c_str() + std::string_view("gpumem_torch: ").size());
+    pool_failure_.clear();  // may throw no more: clear() does not allocate
+    print("pool creation failed (host memory or locking)");
     return nullptr;
   }
 }
@@ -124,7 +124,9 @@ GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
   gpumem_pool* pool = pool_for(device);
   if (pool == nullptr) {
     failures_.fetch_add(1, std::memory_order_relaxed);
-    throw std::runtime_error(pool_failure_);
+    throw std::runtime_error("gpumem_torch: " + (pool_failure_.empty()
+                                                     ? std::string("pool creation failed")
+                                                     : pool_failure_));
   }
   if (void* ptr = gpumem_malloc(pool, static_cast<size_t>(size), stream)) return ptr;
   failures_.fetch_add(1, std::memory_order_relaxed);
