@@ -6,6 +6,10 @@
 //   mixed_64    64 live blocks of random sizes 512 B - 8 MiB (log-uniform); each step frees
 //               one at random and allocates a new random size (BASELINES.md's cudaMallocAsync
 //               figure uses the same shape)
+//   block_arena the pools' shared best-fit arena alone, over a 1 TiB address range it only
+//               bookkeeps (no memory, no lock, no pointer map, no stats): the floor under
+//               both pools' locked paths, since best fit with splitting and merging on every
+//               call is what their fragmentation rests on
 //   grow_512    a vmm_page_pool serves one 1 GiB request: 512 pages mapped and given
 //               access, reported per page with the driver time of each call kind: on fresh
 //               pools (handles created: the defaults' 64 MiB handles for a huge growth, and
@@ -35,6 +39,7 @@
 #include "gpumem/platform.hpp"
 #include "gpumem/platform/timed_platform.hpp"
 #include "gpumem/pool.hpp"
+#include "pool/block_arena.hpp"
 
 using namespace gpumem;
 using clock_type = std::chrono::steady_clock;
@@ -119,6 +124,11 @@ int main(int argc, char** argv) {
   caching_pool caching_locked(locked_upstream, locked_options);
   vmm_page_pool vmm_locked(p, 0, locked_options);
 
+  // The arena alone (see the top): a block's record stands in for its pointer.
+  detail::block_arena bare_arena(0, 512, 0);
+  bare_arena.add_region(std::uintptr_t{1} << 44, std::size_t{1} << 40, 1, 0);
+  std::uint64_t arena_frees = 0;
+
   std::vector<allocator_fns> allocators;
   allocators.push_back({"vmm_page_pool", [&](std::size_t n) { return vmm_pool.allocate(n); },
                         [&](void* q, std::size_t n) { vmm_pool.deallocate(q, n); }});
@@ -130,6 +140,15 @@ int main(int argc, char** argv) {
   allocators.push_back({"caching_pool/locked",
                         [&](std::size_t n) { return caching_locked.allocate(n); },
                         [&](void* q, std::size_t n) { caching_locked.deallocate(q, n); }});
+  allocators.push_back({"block_arena (floor)",
+                        [&](std::size_t n) -> void* {
+                          detail::block* b = bare_arena.allocate(n, 512, 0, n);
+                          if (b == nullptr) throw std::runtime_error("block_arena: full");
+                          return b;
+                        },
+                        [&](void* q, std::size_t) {
+                          bare_arena.release(static_cast<detail::block*>(q), 0, ++arena_frees);
+                        }});
   allocators.push_back({"cudaMallocAsync",
                         [&](std::size_t n) {
                           auto r = p.async_malloc(0, n, {});
