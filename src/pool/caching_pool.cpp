@@ -152,6 +152,12 @@ std::size_t caching_pool::release_idle_segments(std::size_t bytes) {
   return released;
 }
 
+std::string caching_pool::advice_when_free_is_split() const {
+  return "a caching_pool cannot join free pieces that live blocks or segment ends keep "
+         "apart; the vmm_page_pool (config allocator:vmm_page_pool) maps free pages into one "
+         "run instead";
+}
+
 std::string caching_pool::describe_holdings() const {
   std::ostringstream out;
   std::size_t small = 0, large = 0;

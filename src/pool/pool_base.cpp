@@ -651,8 +651,15 @@ std::string pool_base::report_locked(std::size_t bytes) const {
       if (!from.empty()) r << "      allocated at: " << from << "\n";
     }
   }
-  // What "reserved but not allocated" is made of (pool/overhead.hpp).
-  r << "  where the reserved bytes go now:\n" << overhead_locked().to_string("    ");
+  // What "reserved but not allocated" is made of (pool/overhead.hpp), and what to do when
+  // it is free bytes in pieces, none large enough.
+  const overhead_breakdown o = overhead_locked();
+  r << "  where the reserved bytes go now:\n" << o.to_string("    ");
+  const std::size_t free_bytes = o.cached + o.free_pinned + o.free_releasable;
+  if (const std::string advice = advice_when_free_is_split();
+      free_bytes >= bytes && !advice.empty())
+    r << "  " << format_bytes(free_bytes) << " of it is free, enough for the request, but in "
+      << "pieces: " << advice << "\n";
   return r.str();
 }
 

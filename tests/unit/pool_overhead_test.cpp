@@ -96,6 +96,41 @@ TEST_F(PoolOverhead, AnOutOfMemoryReportEndsWithWhereTheReservedBytesGo) {
   pool.deallocate(base, 64 * MiB);
 }
 
+// A caching_pool out of memory with enough free bytes, but in pieces around a live block,
+// says so and names what would join them; with too few free bytes it does not.
+TEST_F(PoolOverhead, ACachingPoolOutOfMemoryInFreePiecesSaysWhatJoinsThem) {
+  runtime_resource upstream(sim, 0);
+  pool_options options = no_thread_cache();
+  options.limit_bytes = 64 * MiB;
+  caching_pool pool(upstream, options);
+  pool.deallocate(pool.allocate(60 * MiB), 60 * MiB);  // one 60 MiB segment, cached
+  void* a = pool.allocate(20 * MiB);                   // split from it: a | b | c
+  void* b = pool.allocate(20 * MiB);
+  void* c = pool.allocate(20 * MiB);
+  ASSERT_EQ(pool.stats().reserved_bytes, 60 * MiB);
+  pool.deallocate(a, 20 * MiB);
+  pool.deallocate(c, 20 * MiB);  // 40 MiB free, in two pieces around b
+  auto report_of = [&](std::size_t bytes) {
+    try {
+      (void)pool.allocate(bytes);
+      ADD_FAILURE() << "an allocation of " << bytes << " bytes over the limit did not throw";
+    } catch (const out_of_memory& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  const std::string split = report_of(30 * MiB);
+  EXPECT_NE(split.find("40.00 MiB of it is free, enough for the request, but in pieces: a "
+                       "caching_pool cannot join"),
+            std::string::npos)
+      << split;
+  EXPECT_NE(split.find("allocator:vmm_page_pool"), std::string::npos) << split;
+  const std::string short_of_bytes = report_of(50 * MiB);  // more than the 40 MiB free
+  EXPECT_EQ(short_of_bytes.find("in pieces"), std::string::npos) << short_of_bytes;
+  EXPECT_EQ(pool.validate(), "");
+  pool.deallocate(b, 20 * MiB);
+}
+
 TEST_F(PoolOverhead, FreeWholePagesAreReleasableAndPagesSharedWithALiveBlockAreNot) {
   vmm_page_pool pool(sim, 0, no_thread_cache());
   void* first = pool.allocate(8 * MiB);   // pages 0-3

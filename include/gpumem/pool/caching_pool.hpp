@@ -29,6 +29,7 @@ class caching_pool final : public pool_base {
             std::size_t alignment, stream_handle stream) override;
   std::size_t release_cached() override;
   std::string describe_holdings() const override;
+  std::string advice_when_free_is_split() const override;
   std::string validate_holdings() const override;
   // Segments are not movable: let small requests use large free space (an up-front
   // reservation lives in the large arena) rather than ask upstream for more.

@@ -166,6 +166,10 @@ class pool_base : public memory_resource {
     std::size_t kept_unmapped = 0;
   };
   virtual page_holdings page_holdings_locked() const { return {}; }
+  // For the out-of-memory report: what the user can do when the pool's free bytes would
+  // hold the request but no free run does ("" when nothing: vmm_page_pool remaps them
+  // already before it fails).
+  virtual std::string advice_when_free_is_split() const { return {}; }
   virtual std::string validate_holdings() const { return {}; }
   // Guard mode (pool_options::guard; vmm_page_pool only): an allocation of its own pages
   // with an unmapped page after it. nullptr: out of memory. REQUIRES: mutex_ held.
