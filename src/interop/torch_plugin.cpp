@@ -117,22 +117,19 @@ extern "C" {
 // Throws std::runtime_error on failure (see the top of this file); null only for size 0.
 GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
   if (size == 0) return nullptr;  // PyTorch's own allocator returns null for empty tensors
+  std::string why;
   if (size < 0) {
-    failures_.fetch_add(1, std::memory_order_relaxed);
-    throw std::runtime_error("gpumem_torch_malloc: negative size " + std::to_string(size));
+    why = "gpumem_torch_malloc: negative size " + std::to_string(size);
+  } else if (gpumem_pool* pool = pool_for(device); pool == nullptr) {
+    why = "gpumem_torch: " + (pool_failure_.empty() ? std::string("pool creation failed")
+                                                    : pool_failure_);
+  } else if (void* ptr = gpumem_malloc(pool, static_cast<size_t>(size), stream)) {
+    return ptr;
+  } else {
+    why = gpumem_last_error();
+    if (gpumem_last_status() == GPUMEM_ERROR_OUT_OF_MEMORY) why = "CUDA out of memory. " + why;
   }
-  gpumem_pool* pool = pool_for(device);
-  if (pool == nullptr) {
-    failures_.fetch_add(1, std::memory_order_relaxed);
-    throw std::runtime_error("gpumem_torch: " + (pool_failure_.empty()
-                                                     ? std::string("pool creation failed")
-                                                     : pool_failure_));
-  }
-  if (void* ptr = gpumem_malloc(pool, static_cast<size_t>(size), stream)) return ptr;
   failures_.fetch_add(1, std::memory_order_relaxed);
-  const std::string why = gpumem_last_error();
-  if (gpumem_last_status() == GPUMEM_ERROR_OUT_OF_MEMORY)
-    throw std::runtime_error("CUDA out of memory. " + why);
   throw std::runtime_error(why);
 }
 
