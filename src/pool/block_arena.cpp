@@ -103,47 +103,71 @@ void block_arena::add_region(std::uintptr_t addr, std::size_t size, std::uint32_
   } else {
     region_end_[addr + size] = b;
   }
-  insert_free(merge(b));
+  insert_merged(b);
 }
 
-block* block_arena::merge(block* b) {
-  while (b->prev != nullptr && b->prev->st == block::state::free &&
-         b->prev->stream == b->stream) {
-    block* p = b->prev;
-    erase_free(p);
-    // The merged block is safe for another stream only once its latest free is.
-    b->free_epoch = std::max(b->free_epoch, p->free_epoch);
-    b->addr = p->addr;
-    b->size += p->size;
-    b->prev = p->prev;
-    if (b->prev != nullptr)
-      b->prev->next = b;
-    else
-      region_start_[b->addr] = b;
-    delete_block(p);
+void block_arena::rebin(block* b) {
+  int f, sb;
+  size_bins::index(b->size, f, sb);
+  if (f == b->bin_level && sb == b->bin_sub) return;
+  size_bins* bins = bins_for(b->stream, false);
+  bins->erase(b);
+  bins->insert(b);
+}
+
+void block_arena::insert_merged(block* b) {
+  block* p = b->prev;
+  block* n = b->next;
+  const bool merge_prev = p != nullptr && p->st == block::state::free && p->stream == b->stream;
+  const bool merge_next = n != nullptr && n->st == block::state::free && n->stream == b->stream;
+  if (!merge_prev && !merge_next) {
+    insert_free(b);
+    return;
   }
-  while (b->next != nullptr && b->next->st == block::state::free &&
-         b->next->stream == b->stream) {
-    block* n = b->next;
-    erase_free(n);
-    b->free_epoch = std::max(b->free_epoch, n->free_epoch);
-    b->size += n->size;
-    b->next = n->next;
-    if (b->next != nullptr)
-      b->next->prev = b;
+  // The survivor is an indexed neighbour, grown in place: the index moves only when its
+  // size leaves its bin. Merged memory is safe for another stream only once its latest
+  // free is, hence the largest epoch.
+  block* keep = merge_prev ? p : n;
+  keep->free_epoch = std::max(keep->free_epoch, b->free_epoch);
+  free_bytes_ += b->size;
+  if (merge_prev) {
+    p->size += b->size;
+    p->next = n;
+    if (n != nullptr)
+      n->prev = p;
     else
-      region_end_[b->addr + b->size] = b;
-    delete_block(n);
+      region_end_[p->addr + p->size] = p;
+    if (merge_next) {
+      erase_free(n);
+      p->free_epoch = std::max(p->free_epoch, n->free_epoch);
+      free_bytes_ += n->size;
+      p->size += n->size;
+      p->next = n->next;
+      if (p->next != nullptr)
+        p->next->prev = p;
+      else
+        region_end_[p->addr + p->size] = p;
+      delete_block(n);
+    }
+  } else {
+    n->addr = b->addr;
+    n->size += b->size;
+    n->prev = p;
+    if (p != nullptr)
+      p->next = n;
+    else
+      region_start_[n->addr] = n;
   }
-  return b;
+  delete_block(b);
+  rebin(keep);
 }
 
 block* block_arena::take(block* b, std::size_t size, std::size_t alignment,
                          std::uintptr_t stream, std::size_t requested) {
-  erase_free(b);
   const std::uintptr_t aligned = (b->addr + alignment - 1) / alignment * alignment;
   if (aligned > b->addr) {
     // Front padding stays free, as its own block.
+    erase_free(b);
     block* front = new_block();
     front->addr = b->addr;
     front->size = aligned - b->addr;
@@ -160,8 +184,29 @@ block* block_arena::take(block* b, std::size_t size, std::size_t alignment,
     b->addr = aligned;
     b->size -= front->size;
     insert_free(front);
+    if (b->size - size >= unit_) insert_free(cut_after(b, b->addr + size));
+  } else if (b->size - size >= unit_) {
+    // The hot path: the front becomes a new allocated record and b stays indexed as the
+    // free rest, moved in the index only when its size leaves its bin.
+    block* front = new_block();
+    front->addr = b->addr;
+    front->size = size;
+    front->segment = b->segment;
+    front->prev = b->prev;
+    front->next = b;
+    if (front->prev != nullptr)
+      front->prev->next = front;
+    else
+      region_start_[front->addr] = front;
+    b->prev = front;
+    b->addr += size;
+    b->size -= size;
+    free_bytes_ -= size;
+    rebin(b);
+    b = front;
+  } else {
+    erase_free(b);
   }
-  if (b->size - size >= unit_) insert_free(cut_after(b, b->addr + size));
   b->st = block::state::allocated;
   b->stream = stream;
   b->requested = requested;
@@ -267,7 +312,7 @@ void block_arena::release(block* b, std::uintptr_t stream, std::uint64_t free_ep
   b->free_epoch = free_epoch;
   if (max_cached_blocks_ == 0) {  // no quick lists: merged at once
     b->st = block::state::free;
-    insert_free(merge(b));
+    insert_merged(b);
     return;
   }
   if (cached_blocks_ >= max_cached_blocks_) flush();
@@ -287,7 +332,7 @@ void block_arena::flush() {
       b->quick_next = nullptr;
       cached_bytes_ -= b->size;
       b->st = block::state::free;  // so neighbours being merged see it as free
-      insert_free(merge(b));
+      insert_merged(b);
     }
   });
   quick_.clear();
@@ -306,7 +351,7 @@ void block_arena::retag_free(std::uintptr_t from, std::uintptr_t to) {
     erase_free(b);
     b->stream = to;
     b->free_epoch = 0;
-    insert_free(merge(b));
+    insert_merged(b);
   }
 }
 

@@ -159,7 +159,8 @@ class block_arena {
                                      std::uintptr_t stream, std::size_t requested,
                                      const std::function<bool(const block&)>& usable);
 
-  // Returns an allocated block; it is reusable in `stream`'s order.
+  // Returns an allocated block; it is reusable in `stream`'s order. b's record is the
+  // arena's from here on: it may be merged into a neighbour's and reused.
   void release(block* b, std::uintptr_t stream, std::uint64_t free_epoch);
   // Splits allocated block b at `at` (inside it, a multiple of the unit past its start):
   // b keeps [b->addr, at) and its requested bytes; the block returned, allocated too, holds
@@ -204,8 +205,11 @@ class block_arena {
   // Splits b so it starts at `at` (front part returned to the free index).
   block* take(block* b, std::size_t size, std::size_t alignment, std::uintptr_t stream,
               std::size_t requested);
-  // Merges a free block with free neighbours of its stream; returns the result.
-  block* merge(block* b);
+  // Indexes free block b (not indexed yet), merged with its free address neighbours of
+  // the same stream.
+  void insert_merged(block* b);
+  // Moves indexed free block b to the bin of its (changed) size, if that is another bin.
+  void rebin(block* b);
   // The bins of `stream` (made when `create`), or nullptr. Inline: the last one found is
   // asked for again by most calls.
   size_bins* bins_for(std::uintptr_t stream, bool create) {
