@@ -220,8 +220,8 @@ block* block_arena::allocate(std::size_t size, std::size_t alignment, std::uintp
                              std::size_t requested, std::size_t max_split) {
   size = round(size);
   if (alignment <= unit_) {
-    // Hot path: an exact-size block freed earlier on this stream.
-    block** head = quick_.find({stream, size});
+    // Hot path: an exact-size block freed earlier on this stream (none without quick lists).
+    block** head = max_cached_blocks_ != 0 ? quick_.find({stream, size}) : nullptr;
     if (head != nullptr && *head != nullptr) {
       block* b = *head;
       *head = b->quick_next;
