@@ -169,6 +169,7 @@ def _declare(lib):
         "gpumem_torch_snapshot": (c.c_int, [c.c_int, c.c_char_p]),
         "gpumem_torch_empty_cache": (c.c_ulonglong, []),
         "gpumem_torch_failures": (c.c_ulonglong, []),
+        "gpumem_torch_oom_is_torch_type": (c.c_int, []),
         "gpumem_torch_record_stream_on": (c.c_int, [c.c_int, c.c_void_p, c.c_void_p]),
         "gpumem_torch_mark_step": (c.c_int, []),
     }

@@ -186,8 +186,17 @@ def empty_cache():
     return int(gpumem.load().gpumem_torch_empty_cache())
 
 
+def out_of_memory_error():
+    """The exception an out-of-memory under the plug-in raises: "torch.OutOfMemoryError",
+    as PyTorch's own allocator (a plug-in built against libtorch), or "RuntimeError" (one
+    built without it). Both start "CUDA out of memory." and carry gpumem's report;
+    torch.OutOfMemoryError is a RuntimeError too."""
+    typed = gpumem.load().gpumem_torch_oom_is_torch_type()
+    return "torch.OutOfMemoryError" if typed else "RuntimeError"
+
+
 def failures():
-    """Failures of the plug-in so far: allocations that raised (RuntimeError, with gpumem's
-    text) and frees or stream records that failed (printed on stderr: PyTorch frees from
+    """Failures of the plug-in so far: allocations that raised (RuntimeError or
+    torch.OutOfMemoryError, see out_of_memory_error(), with gpumem's text) and frees or stream records that failed (printed on stderr: PyTorch frees from
     destructors, which cannot raise)."""
     return int(gpumem.load().gpumem_torch_failures())

@@ -17,10 +17,13 @@
 // freeing stream then waits for the recorded streams' work (gpumem_record_stream).
 //
 // Failures: PyTorch does not check the pointer a pluggable allocator returns (a null one
-// becomes a tensor on address 0), so gpumem_torch_malloc throws std::runtime_error with
-// gpumem's full text instead; PyTorch raises it in Python as a RuntimeError (measured with
+// becomes a tensor on address 0), so gpumem_torch_malloc throws with gpumem's full text
+// instead; PyTorch raises a std::runtime_error in Python as a RuntimeError (measured with
 // torch 2.11 on the H200). An out-of-memory's text starts "CUDA out of memory.", as
-// PyTorch's own does, for code that looks for it. No other entry point throws: PyTorch
+// PyTorch's own does, for code that looks for it; built against libtorch (GPUMEM_TORCH_C10,
+// src/interop/CMakeLists.txt) it is PyTorch's own c10::OutOfMemoryError, raised as
+// torch.OutOfMemoryError (a RuntimeError subclass), so `except torch.OutOfMemoryError`
+// catches it as it catches PyTorch's allocator's. No other entry point throws: PyTorch
 // frees from destructors, so a failed free or record is printed on stderr and counted.
 //
 // Invariants: pools_[d] is null or a pool of device d, set once.
@@ -36,6 +39,10 @@
 #include <string>
 
 #include "gpumem/interop/gpumem.h"
+
+#ifdef GPUMEM_TORCH_C10
+#include <c10/util/Exception.h>
+#endif
 
 namespace {
 
@@ -114,10 +121,13 @@ gpumem_pool* pool_for(int device) noexcept {
 
 extern "C" {
 
-// Throws std::runtime_error on failure (see the top of this file); null only for size 0.
+// Throws on failure (see the top of this file): an out-of-memory as c10::OutOfMemoryError
+// when built against libtorch, anything else (and any failure without libtorch) as
+// std::runtime_error. Null only for size 0.
 GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
   if (size == 0) return nullptr;  // PyTorch's own allocator returns null for empty tensors
   std::string why;
+  bool out_of_memory = false;
   if (size < 0) {
     why = "gpumem_torch_malloc: negative size " + std::to_string(size);
   } else if (gpumem_pool* pool = pool_for(device); pool == nullptr) {
@@ -127,10 +137,26 @@ GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
     return ptr;
   } else {
     why = gpumem_last_error();
-    if (gpumem_last_status() == GPUMEM_ERROR_OUT_OF_MEMORY) why = "CUDA out of memory. " + why;
+    out_of_memory = gpumem_last_status() == GPUMEM_ERROR_OUT_OF_MEMORY;
+    if (out_of_memory) why = "CUDA out of memory. " + why;
   }
   failures_.fetch_add(1, std::memory_order_relaxed);
+#ifdef GPUMEM_TORCH_C10
+  if (out_of_memory)
+    throw c10::OutOfMemoryError(
+        c10::SourceLocation{__func__, __FILE__, static_cast<std::uint32_t>(__LINE__)}, why);
+#endif
   throw std::runtime_error(why);
+}
+
+// 1 when gpumem_torch_malloc's out-of-memory is PyTorch's c10::OutOfMemoryError (built
+// against libtorch), 0 when it is a std::runtime_error.
+GPUMEM_API int gpumem_torch_oom_is_torch_type(void) {
+#ifdef GPUMEM_TORCH_C10
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 GPUMEM_API void gpumem_torch_free(void* ptr, ssize_t size, int device, void* stream) {

@@ -202,6 +202,11 @@ class TorchPluginTest(unittest.TestCase):
         with self.assertRaises(gpumem.GpumemError):
             gpumem.torch.stats(3)
 
+    def test_out_of_memory_error_names_what_the_build_raises(self):
+        # ctest passes what this build's plug-in must raise (tests/interop/CMakeLists.txt).
+        self.assertEqual(gpumem.torch.out_of_memory_error(),
+                         os.environ.get("GPUMEM_EXPECTED_OOM", "RuntimeError"))
+
     def test_mark_step_reaches_the_plugin_pools(self):
         lib = _plugin_entry_points()
         before = gpumem.torch.counters(0, ["planned_allocations"])["planned_allocations"]

@@ -12,10 +12,15 @@
 
 #include "gpumem/interop/gpumem.h"
 
+#ifdef GPUMEM_TORCH_C10  // the plug-in built against libtorch (src/interop/CMakeLists.txt)
+#include <c10/util/Exception.h>
+#endif
+
 extern "C" {
 void* gpumem_torch_malloc(ssize_t size, int device, void* stream);
 void gpumem_torch_free(void* ptr, ssize_t size, int device, void* stream);
 unsigned long long gpumem_torch_failures(void);
+int gpumem_torch_oom_is_torch_type(void);
 int gpumem_torch_stats(int device, gpumem_stats* out);
 }
 
@@ -37,23 +42,42 @@ gpumem_stats stats_of(int device) {
   return s;
 }
 
-// What PyTorch turns into a Python RuntimeError: the message of the exception thrown.
-std::string failure_of(ssize_t size, int device) {
+// What PyTorch raises in Python: the exception's type and the message it shows.
+struct failure {
+  std::string type;  // "c10::OutOfMemoryError" (torch.OutOfMemoryError) or "std::runtime_error"
+  std::string what;
+};
+
+failure failure_of(ssize_t size, int device) {
   try {
     void* p = gpumem_torch_malloc(size, device, nullptr);
     ADD_FAILURE() << "gpumem_torch_malloc(" << size << ") returned " << p << " instead of throwing";
     gpumem_torch_free(p, size, device, nullptr);
+#ifdef GPUMEM_TORCH_C10
+  } catch (const c10::OutOfMemoryError& e) {
+    return {"c10::OutOfMemoryError", e.what_without_backtrace()};  // Python shows this part
+#endif
   } catch (const std::runtime_error& e) {
-    return e.what();
+    return {"std::runtime_error", e.what()};
   }
   return {};
 }
+
+// An out-of-memory's type: PyTorch's own when the plug-in is built against libtorch.
+#ifdef GPUMEM_TORCH_C10
+constexpr const char* out_of_memory_type = "c10::OutOfMemoryError";
+#else
+constexpr const char* out_of_memory_type = "std::runtime_error";
+#endif
 
 TEST(TorchPlugin, AnOutOfMemoryThrowsPyTorchsPhraseAndTheFullReportAndKeepsThePool) {
   void* held = gpumem_torch_malloc(40 * MiB, 0, nullptr);
   ASSERT_NE(held, nullptr);
   const unsigned long long failures = gpumem_torch_failures();
-  const std::string what = failure_of(40 * MiB, 0);  // 80 MiB > limit:64M
+  const failure f = failure_of(40 * MiB, 0);  // 80 MiB > limit:64M
+  EXPECT_EQ(f.type, out_of_memory_type);
+  EXPECT_EQ(gpumem_torch_oom_is_torch_type(), f.type == "c10::OutOfMemoryError" ? 1 : 0);
+  const std::string& what = f.what;
   // "CUDA out of memory." first, as PyTorch's own error (code looks for it), then gpumem's
   // report, which ends with where the reserved bytes go.
   EXPECT_EQ(what.rfind("CUDA out of memory. gpumem: out of memory on device 0", 0), 0u) << what;
@@ -74,14 +98,21 @@ TEST(TorchPlugin, AnOutOfMemoryThrowsPyTorchsPhraseAndTheFullReportAndKeepsThePo
 
 TEST(TorchPlugin, ANegativeSizeOrADeviceWithoutAPoolThrowsWithTheReason) {
   const unsigned long long failures = gpumem_torch_failures();
-  EXPECT_NE(failure_of(-1, 0).find("negative size -1"), std::string::npos);
+  // None of these is an out-of-memory: a RuntimeError in Python, whatever the build.
+  const failure negative = failure_of(-1, 0);
+  EXPECT_EQ(negative.type, "std::runtime_error");
+  EXPECT_NE(negative.what.find("negative size -1"), std::string::npos);
   // Sim has one device: device 3's pool cannot be created; every call says why (the
   // creation is tried once).
-  const std::string first = failure_of(MiB, 3);
-  EXPECT_EQ(first.rfind("gpumem_torch: cannot create the pool for device 3 from '", 0), 0u) << first;
-  EXPECT_NE(first.find("does not exist"), std::string::npos) << first;
-  EXPECT_EQ(failure_of(MiB, 3), first);
-  EXPECT_NE(failure_of(MiB, 64).find("device 64 is out of range (0..63)"), std::string::npos);
+  const failure first = failure_of(MiB, 3);
+  EXPECT_EQ(first.type, "std::runtime_error");
+  EXPECT_EQ(first.what.rfind("gpumem_torch: cannot create the pool for device 3 from '", 0), 0u)
+      << first.what;
+  EXPECT_NE(first.what.find("does not exist"), std::string::npos) << first.what;
+  EXPECT_EQ(failure_of(MiB, 3).what, first.what);
+  const failure out_of_range = failure_of(MiB, 64);
+  EXPECT_EQ(out_of_range.type, "std::runtime_error");
+  EXPECT_NE(out_of_range.what.find("device 64 is out of range (0..63)"), std::string::npos);
   EXPECT_EQ(gpumem_torch_failures(), failures + 4);
 }
 
