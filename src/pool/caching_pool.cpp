@@ -123,7 +123,10 @@ std::size_t caching_pool::release_idle_segments(std::size_t bytes) {
                    [](const idle& x, const idle& y) { return x.b->size > y.b->size; });
   // One segment if one is enough: the smallest such (fewest bytes to make again later).
   auto enough = std::find_if(all.rbegin(), all.rend(), [&](const idle& i) { return i.b->size >= bytes; });
-  if (enough != all.rend()) all = {*enough};
+  if (enough != all.rend()) {
+    std::swap(all.front(), *enough);
+    all.resize(1);
+  }
   std::size_t released = 0;
   for (const idle& i : all) {
     if (released >= bytes) break;
