@@ -168,39 +168,15 @@ block* block_arena::take(block* b, std::size_t size, std::size_t alignment,
   if (aligned > b->addr) {
     // Front padding stays free, as its own block.
     erase_free(b);
-    block* front = new_block();
-    front->addr = b->addr;
-    front->size = aligned - b->addr;
-    front->segment = b->segment;
+    block* front = cut_before(b, aligned - b->addr);
     front->stream = b->stream;
     front->free_epoch = b->free_epoch;  // still unsafe for other streams until then
-    front->prev = b->prev;
-    front->next = b;
-    if (front->prev != nullptr)
-      front->prev->next = front;
-    else
-      region_start_[front->addr] = front;
-    b->prev = front;
-    b->addr = aligned;
-    b->size -= front->size;
     insert_free(front);
     if (b->size - size >= unit_) insert_free(cut_after(b, b->addr + size));
   } else if (b->size - size >= unit_) {
     // The hot path: the front becomes a new allocated record and b stays indexed as the
     // free rest, moved in the index only when its size leaves its bin.
-    block* front = new_block();
-    front->addr = b->addr;
-    front->size = size;
-    front->segment = b->segment;
-    front->prev = b->prev;
-    front->next = b;
-    if (front->prev != nullptr)
-      front->prev->next = front;
-    else
-      region_start_[front->addr] = front;
-    b->prev = front;
-    b->addr += size;
-    b->size -= size;
+    block* front = cut_before(b, size);
     free_bytes_ -= size;
     rebin(b);
     b = front;
@@ -270,6 +246,23 @@ block* block_arena::allocate_from_other_streams(std::size_t size, std::size_t al
   });
   if (best == nullptr) return nullptr;
   return take(best, size, alignment, stream, requested);
+}
+
+block* block_arena::cut_before(block* b, std::size_t len) {
+  block* front = new_block();
+  front->addr = b->addr;
+  front->size = len;
+  front->segment = b->segment;
+  front->prev = b->prev;
+  front->next = b;
+  if (front->prev != nullptr)
+    front->prev->next = front;
+  else
+    region_start_[front->addr] = front;
+  b->prev = front;
+  b->addr += len;
+  b->size -= len;
+  return front;
 }
 
 block* block_arena::cut_after(block* b, std::uintptr_t at) {
