@@ -22,11 +22,18 @@
 //
 // The pools run with their defaults and again with thread_cache:off, in the same process.
 //
-// Usage: pool_bench [--device auto|cuda|sim] [--json FILE]
+// Allocation speed is timed in rounds (--rounds, default 5): each round runs every allocator
+// once, in turn, and each ratio to cudaMallocAsync is taken within a round; the table gives
+// medians over rounds and the range of the mixed-size ratio. Hosts vary by tens of percent
+// from minute to minute (docs/RESULTS.md), which runs of one allocator after another turn
+// into skewed ratios.
+//
+// Usage: pool_bench [--device auto|cuda|sim] [--rounds N] [--json FILE]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -58,15 +65,11 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// ns per alloc+free pair
+// ns per alloc+free pair, one timed run
 double run_same_size(const allocator_fns& a, int steps) {
-  std::vector<double> reps;
-  for (int rep = 0; rep < 5; ++rep) {
-    const auto t0 = clock_type::now();
-    for (int i = 0; i < steps; ++i) a.free(a.alloc(1 << 20), 1 << 20);
-    reps.push_back(std::chrono::duration<double, std::nano>(clock_type::now() - t0).count() / steps);
-  }
-  return median(reps);
+  const auto t0 = clock_type::now();
+  for (int i = 0; i < steps; ++i) a.free(a.alloc(1 << 20), 1 << 20);
+  return std::chrono::duration<double, std::nano>(clock_type::now() - t0).count() / steps;
 }
 
 double run_mixed(const allocator_fns& a, int steps, std::uint64_t seed) {
@@ -82,28 +85,28 @@ double run_mixed(const allocator_fns& a, int steps, std::uint64_t seed) {
   // Pre-draw the sequence so the timed loop does only allocator work.
   std::vector<std::pair<int, std::size_t>> seq(static_cast<std::size_t>(steps));
   for (auto& s : seq) s = {slot(rng), random_size()};
-  std::vector<double> reps;
-  for (int rep = 0; rep < 5; ++rep) {
-    const auto t0 = clock_type::now();
-    for (auto [i, size] : seq) {
-      a.free(ptrs[i], sizes[i]);
-      ptrs[i] = a.alloc(sizes[i] = size);
-    }
-    reps.push_back(std::chrono::duration<double, std::nano>(clock_type::now() - t0).count() / steps);
+  const auto t0 = clock_type::now();
+  for (auto [i, size] : seq) {
+    a.free(ptrs[i], sizes[i]);
+    ptrs[i] = a.alloc(sizes[i] = size);
   }
+  const double ns = std::chrono::duration<double, std::nano>(clock_type::now() - t0).count() / steps;
   for (int i = 0; i < 64; ++i) a.free(ptrs[i], sizes[i]);
-  return median(reps);
+  return ns;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string device = "auto", json_path;
+  int rounds = 5;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--device") && i + 1 < argc) device = argv[++i];
     else if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
+    else if (!std::strcmp(argv[i], "--rounds") && i + 1 < argc && std::atoi(argv[i + 1]) > 0)
+      rounds = std::atoi(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: pool_bench [--device auto|cuda|sim] [--json FILE]\n");
+      std::fprintf(stderr, "usage: pool_bench [--device auto|cuda|sim] [--rounds N] [--json FILE]\n");
       return 2;
     }
   }
@@ -161,18 +164,43 @@ int main(int argc, char** argv) {
   allocators.push_back({"cudaMalloc", [&](std::size_t n) { return raw_runtime.allocate(n); },
                         [&](void* q, std::size_t n) { raw_runtime.deallocate(q, n); }, 200});
 
+  // Rounds: every allocator once per round, in turn, so a host whose speed drifts (other
+  // tenants, clocks) slows all of them alike; each ratio to cudaMallocAsync is taken within
+  // one round, and the figures are medians over rounds.
   struct row {
     std::string name;
-    double same, mixed;
+    double same, mixed;                      // medians over rounds, ns a pair
+    double vs_async_same, vs_async_mixed;    // medians of the rounds' ratios
+    double mixed_ratio_low, mixed_ratio_high;
   };
-  std::vector<row> rows;
+  const std::size_t async_index = static_cast<std::size_t>(
+      std::find_if(allocators.begin(), allocators.end(),
+                   [](const allocator_fns& a) { return a.name == "cudaMallocAsync"; }) -
+      allocators.begin());
   for (auto& a : allocators) {
     const int steps = 200000 / a.iterations_scale;
     run_same_size(a, steps / 10);  // warm up: pools and cudaMemPool fill
     run_mixed(a, steps / 10, 7);
-    rows.push_back({a.name, run_same_size(a, steps), run_mixed(a, steps, 42)});
   }
+  std::vector<std::vector<double>> same(allocators.size()), mixed(allocators.size());
+  for (int round = 0; round < rounds; ++round)
+    for (std::size_t k = 0; k < allocators.size(); ++k) {
+      const int steps = 200000 / allocators[k].iterations_scale;
+      same[k].push_back(run_same_size(allocators[k], steps));
+      mixed[k].push_back(run_mixed(allocators[k], steps, 42));
+    }
   (void)p.stream_synchronize({});
+  std::vector<row> rows;
+  for (std::size_t k = 0; k < allocators.size(); ++k) {
+    std::vector<double> same_ratio, mixed_ratio;
+    for (int r = 0; r < rounds; ++r) {
+      same_ratio.push_back(same[async_index][r] / same[k][r]);
+      mixed_ratio.push_back(mixed[async_index][r] / mixed[k][r]);
+    }
+    rows.push_back({allocators[k].name, median(same[k]), median(mixed[k]), median(same_ratio),
+                    median(mixed_ratio), *std::min_element(mixed_ratio.begin(), mixed_ratio.end()),
+                    *std::max_element(mixed_ratio.begin(), mixed_ratio.end())});
+  }
 
   // Growth by 512 pages (one 1 GiB request): on fresh pools with the defaults (a huge
   // growth: 64 MiB handles) and with huge_growth:0 (one-page handles), where the growth
@@ -256,12 +284,13 @@ int main(int argc, char** argv) {
     }
   }
 
-  const row& async_row = *std::find_if(rows.begin(), rows.end(), [](auto& r) { return r.name == "cudaMallocAsync"; });
-  std::printf("\n%-20s %16s %16s %14s %14s\n", "allocator", "same_size ns/pair", "mixed_64 ns/pair",
-              "vs async same", "vs async mixed");
+  std::printf("\n%d rounds, each allocator once a round in turn: medians over rounds; the ratios "
+              "to cudaMallocAsync are taken within each round\n", rounds);
+  std::printf("%-20s %16s %16s %14s %14s %18s\n", "allocator", "same_size ns/pair", "mixed_64 ns/pair",
+              "vs async same", "vs async mixed", "mixed ratio range");
   for (auto& r : rows)
-    std::printf("%-20s %16.1f %16.1f %13.1fx %13.1fx\n", r.name.c_str(), r.same, r.mixed,
-                async_row.same / r.same, async_row.mixed / r.mixed);
+    std::printf("%-20s %16.1f %16.1f %13.1fx %13.1fx %8.1fx - %5.1fx\n", r.name.c_str(), r.same,
+                r.mixed, r.vs_async_same, r.vs_async_mixed, r.mixed_ratio_low, r.mixed_ratio_high);
   for (const growth& g : growths)
     std::printf("\ngrow_512 (%s): %.0f ns per page, median of 5; driver time per page: create %.0f, "
                 "map %.0f, set access %.0f ns (%llu cuMemCreate, %llu cuMemMap, %llu cuMemSetAccess "
@@ -278,11 +307,13 @@ int main(int argc, char** argv) {
   if (!json_path.empty()) {
     std::FILE* f = std::fopen(json_path.c_str(), "w");
     if (f != nullptr) {
-      std::fprintf(f, "{\"platform\": \"%s\", \"device\": \"%s\", \"rows\": [", std::string(p.kind()).c_str(),
-                   props ? props.value().name.c_str() : "?");
+      std::fprintf(f, "{\"platform\": \"%s\", \"device\": \"%s\", \"rounds\": %d, \"rows\": [",
+                   std::string(p.kind()).c_str(), props ? props.value().name.c_str() : "?", rounds);
       for (std::size_t i = 0; i < rows.size(); ++i)
-        std::fprintf(f, "%s{\"allocator\": \"%s\", \"same_size_ns_per_pair\": %.2f, \"mixed_64_ns_per_pair\": %.2f}",
-                     i ? ", " : "", rows[i].name.c_str(), rows[i].same, rows[i].mixed);
+        std::fprintf(f, "%s{\"allocator\": \"%s\", \"same_size_ns_per_pair\": %.2f, \"mixed_64_ns_per_pair\": %.2f, "
+                     "\"vs_async_same\": %.2f, \"vs_async_mixed\": %.2f}",
+                     i ? ", " : "", rows[i].name.c_str(), rows[i].same, rows[i].mixed,
+                     rows[i].vs_async_same, rows[i].vs_async_mixed);
       std::fprintf(f, "], \"grow_512_ns_per_page\": %.1f, \"grow_512_one_page_handles_ns_per_page\": %.1f, "
                    "\"grow_512_reserved_ns_per_page\": %.1f}\n",
                    growths[0].ns_per_page, growths[1].ns_per_page, growths[2].ns_per_page);
