@@ -23,6 +23,10 @@ What changes under a pluggable allocator, and what enable() does about it:
     but not those made from C++ inside PyTorch. record_stream_mode() says which is active.
     A recorded tensor's free makes its allocation stream wait for the recorded streams'
     work, so the block is never reused under a kernel still reading it.
+  - An allocation that fails raises (a pluggable allocator's NULL would become a tensor at
+    address 0): an out-of-memory as torch.OutOfMemoryError when the plug-in was built where
+    PyTorch is installed, else as RuntimeError (out_of_memory_error() says which), its text
+    starting "CUDA out of memory." with gpumem's report and where the reserved bytes go.
 """
 
 import ctypes
