@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# On a GPU machine, in one go: build (Release), run the whole test suite and the GPU
-# tests (compute-sanitizer over the GPU tests), gpumem info, the trace replays on the GPU
+# On a GPU machine, in one go: build (Release), run the whole test suite, the interop tests
+# (the PyTorch plug-in under torch, when installed) and the GPU tests (compute-sanitizer
+# over the GPU tests), gpumem info, the trace replays on the GPU
 # and the pool benchmark. Logs go to $OUT (default ./gpu-check-out); a short table last.
 #   .deps/googletest   GoogleTest sources, when the machine has no libgtest-dev
 #   .gpurun/*.csv.gz   extra traces to replay (e.g. infer_llama.csv.gz)
@@ -21,6 +22,12 @@ grep -E 'measured|platform"' "$OUT/info.json"
 $BUILD/tests/gpumem_gpu_tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
 $BUILD/tests/gpumem_tests 2>&1 >"$OUT/all_tests.log"; tail -4 "$OUT/all_tests.log"
 grep -E "SKIPPED|FAILED" "$OUT/all_tests.log" | head -20
+# The interop tests: the plug-in under PyTorch on this GPU (torch_out_of_memory: the
+# out-of-memory's type and text in forward, backward and on a side stream), its C++ entry
+# points, the Python package, the C API from C, the installed package.
+(cd $BUILD && ctest -R "torch_out_of_memory|TorchPlugin|python_package|c_api_c|install_package" \
+  --output-on-failure) >"$OUT/interop.log" 2>&1
+grep -E "tests passed|tests failed|Skipped|Failed" "$OUT/interop.log"
 if command -v compute-sanitizer >/dev/null; then
   compute-sanitizer --tool memcheck --leak-check full $BUILD/tests/gpumem_gpu_tests --gtest_filter=-GpuFaultDeathTest.* >"$OUT/sanitizer.log" 2>&1
   echo "compute-sanitizer exit $?: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)"
