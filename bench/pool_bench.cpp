@@ -20,7 +20,8 @@
 //               caches (the default) and without them (thread_cache:off: the pool's mutex on
 //               every call)
 //
-// The pools run with their defaults and again with thread_cache:off, in the same process.
+// The pools run with their defaults, with small_classes:4 (small requests in size classes,
+// four to an octave: see pool_options.hpp) and with thread_cache:off, in the same process.
 //
 // Allocation speed is timed in rounds (--rounds, default 5): each round runs every allocator
 // once, in turn, and each ratio to cudaMallocAsync is taken within a round; the table gives
@@ -123,6 +124,11 @@ int main(int argc, char** argv) {
   vmm_page_pool vmm_pool(p, 0);
   pool_options locked_options;
   locked_options.thread_cache = false;
+  pool_options classes_options;
+  classes_options.small_classes = 4;
+  runtime_resource classes_upstream(p, 0);
+  caching_pool caching_classes(classes_upstream, classes_options);
+  vmm_page_pool vmm_classes(p, 0, classes_options);
   runtime_resource locked_upstream(p, 0);
   caching_pool caching_locked(locked_upstream, locked_options);
   vmm_page_pool vmm_locked(p, 0, locked_options);
@@ -137,6 +143,12 @@ int main(int argc, char** argv) {
                         [&](void* q, std::size_t n) { vmm_pool.deallocate(q, n); }});
   allocators.push_back({"caching_pool", [&](std::size_t n) { return caching.allocate(n); },
                         [&](void* q, std::size_t n) { caching.deallocate(q, n); }});
+  allocators.push_back({"vmm_page_pool/classes",
+                        [&](std::size_t n) { return vmm_classes.allocate(n); },
+                        [&](void* q, std::size_t n) { vmm_classes.deallocate(q, n); }});
+  allocators.push_back({"caching_pool/classes",
+                        [&](std::size_t n) { return caching_classes.allocate(n); },
+                        [&](void* q, std::size_t n) { caching_classes.deallocate(q, n); }});
   allocators.push_back({"vmm_page_pool/locked",
                         [&](std::size_t n) { return vmm_locked.allocate(n); },
                         [&](void* q, std::size_t n) { vmm_locked.deallocate(q, n); }});
@@ -286,10 +298,10 @@ int main(int argc, char** argv) {
 
   std::printf("\n%d rounds, each allocator once a round in turn: medians over rounds; the ratios "
               "to cudaMallocAsync are taken within each round\n", rounds);
-  std::printf("%-20s %16s %16s %14s %14s %18s\n", "allocator", "same_size ns/pair", "mixed_64 ns/pair",
+  std::printf("%-22s %16s %16s %14s %14s %18s\n", "allocator", "same_size ns/pair", "mixed_64 ns/pair",
               "vs async same", "vs async mixed", "mixed ratio range");
   for (auto& r : rows)
-    std::printf("%-20s %16.1f %16.1f %13.1fx %13.1fx %8.1fx - %5.1fx\n", r.name.c_str(), r.same,
+    std::printf("%-22s %16.1f %16.1f %13.1fx %13.1fx %8.1fx - %5.1fx\n", r.name.c_str(), r.same,
                 r.mixed, r.vs_async_same, r.vs_async_mixed, r.mixed_ratio_low, r.mixed_ratio_high);
   for (const growth& g : growths)
     std::printf("\ngrow_512 (%s): %.0f ns per page, median of 5; driver time per page: create %.0f, "

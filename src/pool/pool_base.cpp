@@ -1,6 +1,7 @@
 #include "gpumem/pool/pool_base.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <cstdio>
 #include <limits>
 #include <sstream>
@@ -71,6 +72,7 @@ detail::thread_cache& pool_base::cache_for_this_thread_locked() {
   if (c == nullptr) {
     caches_.push_back(std::make_unique<detail::thread_cache>());
     c = caches_.back().get();
+    if (options_.small_classes != 0) c->keep_small_apart(options_.small_cache);
   }
   t_cache_slots[t_next_slot++ % t_cache_slots.size()] = {pool_id_, c};
   return *c;
@@ -133,10 +135,14 @@ void pool_base::release_to_arena_locked(detail::block* b, std::uintptr_t stream)
   arenas_[b->arena_id]->release(b, stream, ++s.frees);
 }
 
-void pool_base::drain_thread_caches() {
+void pool_base::drain_thread_caches(bool keep_small) {
   for (auto& c : caches_) {
     std::lock_guard cache_lock(c->mutex);
-    c->drain([&](detail::block* b, std::uintptr_t stream) { release_to_arena_locked(b, stream); });
+    auto give_back = [&](detail::block* b, std::uintptr_t stream) { release_to_arena_locked(b, stream); };
+    if (keep_small)
+      c->drain_large(give_back);
+    else
+      c->drain(give_back);
   }
 }
 
@@ -161,13 +167,21 @@ live_and_held totals(const std::atomic<std::size_t>& live, const std::atomic<std
 std::size_t pool_base::block_size_for(std::size_t bytes,
                                       const detail::thread_cache* mine) const noexcept {
   constexpr std::size_t unit = 512;
-  if (bytes > options_.small_threshold && options_.round_large > unit) {
+  const std::size_t units = (bytes + unit - 1) / unit;
+  if (bytes <= options_.small_threshold) {
+    if (const std::size_t n = options_.small_classes; n != 0 && units > n) {
+      // Its class: the octave (2^(b-1), 2^b] of units cut in n equal steps. Always (no
+      // allowance): a freed block then serves every later request of its class.
+      const std::size_t step = (std::size_t{1} << (std::bit_width(units - 1) - 1)) / n;
+      return (units + step - 1) / step * step * unit;
+    }
+  } else if (options_.round_large > unit) {
     const std::size_t r = (bytes + options_.round_large - 1) / options_.round_large * options_.round_large;
     const live_and_held t = totals(live_bytes_, block_bytes_, mine);
     const std::size_t live = t.live + bytes;
     if (t.held + r <= live + live / round_waste_share) return r;
   }
-  return (bytes + unit - 1) / unit * unit;
+  return units * unit;
 }
 
 std::size_t pool_base::near_fit_limit(std::size_t bytes, std::size_t size,
@@ -183,11 +197,12 @@ void* pool_base::do_allocate(std::size_t bytes, std::size_t alignment, stream_ha
   // Fast path: a block this thread freed on this stream, of this size or a little larger;
   // no pool lock.
   if (fast_path_.load(std::memory_order_relaxed) && alignment <= arenas_[0]->unit()) {
-    if (detail::thread_cache* c = this_thread_cache(); c != nullptr && c->keeping()) {
+    const std::uint32_t id = arena_for(bytes);
+    if (detail::thread_cache* c = this_thread_cache(); c != nullptr && c->keeping(id)) {
       std::lock_guard cache_lock(c->mutex);
       const std::size_t size = block_size_for(bytes, c);
       detail::block* b = c->pop(stream.value, size, near_fit_limit(bytes, size, *c));
-      c->note_request(b != nullptr);
+      c->note_request(id, b != nullptr);
       if (b != nullptr) {
         c->live[b->addr] = {b, bytes};
         c->allocations += 1;
@@ -215,7 +230,7 @@ void* pool_base::allocate_locked(std::size_t bytes, std::size_t alignment, strea
     return g;
   }
   detail::thread_cache& mine = cache_for_this_thread_locked();
-  const std::uint32_t id = bytes <= options_.small_threshold ? small_arena : large_arena;
+  const std::uint32_t id = arena_for(bytes);
   detail::block_arena& a = *arenas_[id];
   const std::size_t size = block_size_for(bytes, &mine);
   detail::block* b = a.allocate(size, alignment, stream.value, bytes, split_limit(size));
@@ -232,12 +247,7 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
                                stream_handle stream, std::size_t requested) {
   detail::block_arena& a = *arenas_[id];
   streams_.try_emplace(stream.value);
-  // Before merging: what other threads keep freed in their caches.
-  drain_thread_caches();
-  a.flush();
   const std::size_t max_split = split_limit(size);
-  if (auto* b = a.allocate(size, alignment, stream.value, requested, max_split))
-    return b;
   auto from_other_streams = [&](detail::block_arena& arena) {
     return streams_.size() > 1
                ? arena.allocate_from_other_streams(
@@ -247,17 +257,33 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
                      })
                : nullptr;
   };
-  if (auto* b = from_other_streams(a)) return b;
-  if (id == small_arena && small_may_use_large_arena()) {
-    detail::block_arena& large = *arenas_[large_arena];
-    large.flush();
-    if (auto* b = large.allocate(size, alignment, stream.value, requested))
-      return b;
-    if (auto* b = from_other_streams(large)) return b;
-  }
+  // A fit among the free blocks, merged (quick lists flushed).
+  auto find_free = [&]() -> detail::block* {
+    a.flush();
+    if (auto* b = a.allocate(size, alignment, stream.value, requested, max_split)) return b;
+    if (auto* b = from_other_streams(a)) return b;
+    if (id == small_arena && small_may_use_large_arena()) {
+      detail::block_arena& large = *arenas_[large_arena];
+      large.flush();
+      if (auto* b = large.allocate(size, alignment, stream.value, requested)) return b;
+      if (auto* b = from_other_streams(large)) return b;
+    }
+    return nullptr;
+  };
+  // Before merging: what the thread caches keep freed. With small size classes, a small
+  // request leaves their small blocks there (each cache keeps at most small_cache bytes of
+  // them, the classes its next requests take: emptying them on every small miss would
+  // leave the caches cold) and grows first; they go back if growing fails.
+  const bool keep_small = id == small_arena && options_.small_classes != 0;
+  drain_thread_caches(keep_small);
+  if (auto* b = find_free()) return b;
   if (grow(a, id, size, alignment, stream)) {
     if (auto* b = a.allocate(size, alignment, stream.value, requested))
       return b;
+  }
+  if (keep_small) {
+    drain_thread_caches();
+    if (auto* b = find_free()) return b;
   }
   // A large free run kept whole above is split after all, before anything is given back.
   if (max_split != static_cast<std::size_t>(-1))
@@ -331,12 +357,13 @@ void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream
   // (0 is the live maps' empty key: never looked up.)
   if (fast_path_.load(std::memory_order_relaxed) && addr != 0) {
     if (detail::thread_cache* c = this_thread_cache()) {
-      if (!c->keeping()) {
+      const std::uint32_t id = arena_for(bytes);
+      if (!c->keeping(id)) {
         // The free goes to the arena anyway: take the pool mutex at once. Its owner
         // holding it, no other thread can touch c (thread_cache.hpp): no cache lock.
         std::unique_lock lock(mutex_);
         if (detail::block* b = forget_live(*c, addr, bytes)) {
-          c->note_passed_free();
+          c->note_passed_free(id);
           release_to_arena_locked(b, stream.value);
           return;
         }
@@ -346,8 +373,8 @@ void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream
       }
       std::unique_lock cache_lock(c->mutex);
       if (detail::block* b = forget_live(*c, addr, bytes)) {
-        if (c->keeping() && c->push(b, stream.value)) return;
-        c->note_passed_free();
+        if (c->keeping(b->arena_id) && c->push(b, stream.value)) return;
+        c->note_passed_free(b->arena_id);
         cache_lock.unlock();  // full or not keeping: to its arena, under the pool lock
         std::lock_guard lock(mutex_);
         release_to_arena_locked(b, stream.value);
@@ -412,8 +439,8 @@ void pool_base::deallocate_locked(std::uintptr_t addr, std::size_t bytes, stream
   if (fast_path_.load(std::memory_order_relaxed)) {
     detail::thread_cache& c = cache_for_this_thread_locked();
     std::lock_guard cache_lock(c.mutex);
-    kept = c.keeping() && c.push(b, stream.value);
-    if (!kept) c.note_passed_free();
+    kept = c.keeping(b->arena_id) && c.push(b, stream.value);
+    if (!kept) c.note_passed_free(b->arena_id);
   }
   if (!kept) release_to_arena_locked(b, stream.value);
   notify(pool_event_kind::free, addr, bytes, stream.value);
@@ -599,7 +626,7 @@ std::string pool_base::report_locked(std::size_t bytes) const {
   const std::size_t live_bytes = live_bytes_locked();
   const std::size_t peak_live = std::max(peak_live_bytes_.load(std::memory_order_relaxed), live_bytes);
   const std::vector<live_allocation> live = live_list_locked();
-  const std::uint32_t id = bytes <= options_.small_threshold ? small_arena : large_arena;
+  const std::uint32_t id = arena_for(bytes);
   r << "gpumem: out of memory on device " << device() << " (" << device_platform().kind()
     << "): the '" << name() << "' pool could not allocate " << format_bytes(bytes) << " ("
     << bytes << " bytes).\n";

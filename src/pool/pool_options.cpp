@@ -96,6 +96,14 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
       if (o.round_large != 0 && (o.round_large & (o.round_large - 1)) != 0)
         throw invalid_argument("config: round_large must be 0 or a power of two, not '" +
                                std::string(value) + "'");
+    } else if (key == "small_classes") {
+      const std::size_t n = parse_bytes(value);
+      if (n > 64 || (n & (n - 1)) != 0)
+        throw invalid_argument("config: small_classes must be 0 or a power of two up to 64, not '" +
+                               std::string(value) + "'");
+      o.small_classes = static_cast<unsigned>(n);
+    } else if (key == "small_cache") {
+      o.small_cache = parse_bytes(value);
     } else if (key == "map_worker") {
       if (value == "auto")
         o.map_worker = map_worker_mode::automatic;
@@ -136,7 +144,7 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
                              "' (known: reserve, reserve_fraction, limit, release_threshold, "
                              "small_threshold, cross_stream, va_reserve, big_chunk, huge_growth, scrub, "
                              "guard, "
-                             "thread_cache, round_large, map_worker, growth_slack, release_idle)");
+                             "thread_cache, round_large, small_classes, small_cache, map_worker, growth_slack, release_idle)");
     }
   }
 }
@@ -160,6 +168,7 @@ std::string pool_options::to_string() const {
       << ",huge_growth:" << huge_growth_bytes
       << ",scrub:" << (scrub ? "on" : "off") << ",guard:" << (guard ? "on" : "off")
       << ",thread_cache:" << (thread_cache ? "on" : "off") << ",round_large:" << round_large
+      << ",small_classes:" << small_classes << ",small_cache:" << small_cache
       << ",map_worker:"
       << (map_worker == map_worker_mode::on    ? "on"
           : map_worker == map_worker_mode::off ? "off"

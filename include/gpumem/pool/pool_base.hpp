@@ -217,13 +217,16 @@ class pool_base : public memory_resource {
   }
 
   // Gives every thread cache's freed blocks back to the arenas (before reclaiming free
-  // memory). REQUIRES: mutex_ held.
-  void drain_thread_caches();
+  // memory); keep_small: those of the large arena only. REQUIRES: mutex_ held.
+  void drain_thread_caches(bool keep_small = false);
 
   detail::block_arena& arena(std::uint32_t id) { return *arenas_[id]; }
   const detail::block_arena& arena(std::uint32_t id) const { return *arenas_[id]; }
   static constexpr std::uint32_t small_arena = 0;
   static constexpr std::uint32_t large_arena = 1;
+  std::uint32_t arena_for(std::size_t bytes) const noexcept {
+    return bytes <= options_.small_threshold ? small_arena : large_arena;
+  }
 
   void set_alignment_limit(std::size_t limit) noexcept { alignment_limit_ = limit; }
 

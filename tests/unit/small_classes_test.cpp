@@ -1,0 +1,184 @@
+// pool_options::small_classes / small_cache: small requests rounded up to size classes (N to
+// an octave), and each thread's cache keeping up to small_cache bytes of small blocks, which
+// a small miss leaves in place (the pool grows first) and takes back only when growing fails.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gpumem/errors.hpp"
+#include "gpumem/pool/caching_pool.hpp"
+#include "gpumem/pool/pool_options.hpp"
+#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/backend/backends.hpp"
+#include "unit/pool_test_support.hpp"
+
+namespace {
+
+using namespace gpumem;
+using gpumem_test::KiB;
+using gpumem_test::MiB;
+
+class SmallClasses : public gpumem_test::sim_pool_test {};
+
+pool_options with_classes(unsigned n, std::size_t cache = 16 * MiB) {
+  pool_options o;
+  o.small_classes = n;
+  o.small_cache = cache;
+  return o;
+}
+
+TEST_F(SmallClasses, ParsesZeroOrPowersOfTwoUpTo64) {
+  EXPECT_EQ(pool_options{}.small_classes, 0u) << "off by default";
+  EXPECT_EQ(pool_options::parse("small_classes:4").small_classes, 4u);
+  EXPECT_EQ(pool_options::parse("small_classes:0").small_classes, 0u);
+  EXPECT_EQ(pool_options::parse("small_classes:64").small_classes, 64u);
+  EXPECT_THROW(pool_options::parse("small_classes:3"), invalid_argument);
+  EXPECT_THROW(pool_options::parse("small_classes:128"), invalid_argument);
+  EXPECT_THROW(pool_options::parse("small_classes:x"), invalid_argument);
+  EXPECT_EQ(pool_options::parse("small_cache:4M").small_cache, 4 * MiB);
+  const std::string text = pool_options::parse("small_classes:8,small_cache:1M").to_string();
+  EXPECT_NE(text.find("small_classes:8"), std::string::npos) << text;
+  EXPECT_NE(text.find("small_cache:1048576"), std::string::npos) << text;
+  EXPECT_EQ(pool_options::parse(text).small_classes, 8u) << "to_string parses back";
+}
+
+// Block bytes handed out for one small request of `bytes` (the arena's allocated bytes).
+std::size_t block_for(vmm_page_pool& pool, std::size_t bytes) {
+  void* p = pool.allocate(bytes);
+  const std::size_t block = pool.bytes_in_arena(true).allocated;
+  pool.deallocate(p, bytes);
+  return block;
+}
+
+TEST_F(SmallClasses, RoundsSmallRequestsToTheirClassAndLeavesLargeOnesAlone) {
+  vmm_page_pool pool(sim, 0, with_classes(4));
+  // Up to 8 units of 512 B: the units themselves (the octave's steps are < 1 unit).
+  EXPECT_EQ(block_for(pool, 1), 512u);
+  EXPECT_EQ(block_for(pool, 7 * 512 + 1), 8 * 512u);
+  // (8, 16] units in steps of 2, (16, 32] in steps of 4, (1024, 2048] in steps of 256.
+  EXPECT_EQ(block_for(pool, 9 * 512 + 1), 10 * 512u);
+  EXPECT_EQ(block_for(pool, 16 * 512 + 1), 20 * 512u);
+  EXPECT_EQ(block_for(pool, 20 * 512), 20 * 512u) << "a class size is its own class";
+  EXPECT_EQ(block_for(pool, 1024 * 512 + 1), 1280 * 512u);
+  EXPECT_EQ(block_for(pool, MiB), MiB);
+  // Large requests: the page rounding of vmm_page_pool, as without classes.
+  void* base = pool.allocate(256 * MiB);
+  void* large = pool.allocate(MiB + 1);
+  EXPECT_EQ(pool.bytes_in_arena(false).allocated, 256 * MiB + 2 * MiB);
+  pool.deallocate(large, MiB + 1);
+  pool.deallocate(base, 256 * MiB);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
+TEST_F(SmallClasses, ABlockExceedsItsRequestByUnderOneNth) {
+  for (unsigned n : {1u, 2u, 4u, 8u, 64u}) {
+    vmm_page_pool pool(sim, 0, with_classes(n));
+    for (std::size_t bytes = 1; bytes <= MiB; bytes = bytes * 5 / 4 + 511) {
+      const std::size_t block = block_for(pool, bytes);
+      const std::size_t units = (bytes + 511) / 512 * 512;
+      ASSERT_GE(block, units) << n << " classes, " << bytes << " bytes";
+      ASSERT_EQ(block % 512, 0u);
+      ASSERT_LT(block - units, units / n + 512) << n << " classes, " << bytes << " bytes";
+    }
+  }
+}
+
+TEST_F(SmallClasses, OffByDefaultRequestsKeep512ByteUnits) {
+  vmm_page_pool pool(sim, 0);
+  EXPECT_EQ(block_for(pool, 9 * 512 + 1), 10 * 512u);
+  EXPECT_EQ(block_for(pool, 16 * 512 + 1), 17 * 512u);
+  EXPECT_EQ(block_for(pool, 1024 * 512 + 1), 1025 * 512u);
+}
+
+TEST_F(SmallClasses, AFreedBlockServesEveryRequestOfItsClass) {
+  vmm_page_pool pool(sim, 0, with_classes(4));
+  void* a = pool.allocate(12 * 512);  // class 12 units
+  pool.deallocate(a, 12 * 512);
+  const auto maps = calls(platform_op::map);
+  void* b = pool.allocate(11 * 512 - 100);  // 11 units: the same class
+  EXPECT_EQ(b, a);
+  EXPECT_EQ(calls(platform_op::map), maps);
+  EXPECT_EQ(pool.stats().live_bytes, 11 * 512 - 100u) << "requested bytes, not the class";
+  pool.deallocate(b, 11 * 512 - 100);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
+TEST_F(SmallClasses, EachThreadKeepsAtMostSmallCacheBytesOfSmallBlocks) {
+  vmm_page_pool pool(sim, 0, with_classes(4, 64 * KiB));
+  std::vector<void*> held;
+  for (int i = 0; i < 20; ++i) held.push_back(pool.allocate(8 * KiB));
+  for (void* p : held) pool.deallocate(p, 8 * KiB);
+  const auto small = pool.bytes_in_arena(true);
+  EXPECT_EQ(small.allocated, 0u);
+  EXPECT_EQ(small.cached, 64 * KiB) << "the cache keeps 8 blocks, the rest went back";
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.trim();
+  EXPECT_EQ(pool.bytes_in_arena(true).cached, 0u) << "trim takes them back";
+}
+
+// Four 512 KiB blocks fill one 2 MiB page of the small arena; the first two are freed into
+// the thread cache; a 1 MiB request finds no free block in the arena.
+TEST_F(SmallClasses, ASmallMissGrowsAndLeavesTheCachedBlocks) {
+  vmm_page_pool pool(sim, 0, with_classes(4));
+  void* q[4];
+  for (auto& p : q) p = pool.allocate(512 * KiB);
+  pool.deallocate(q[0], 512 * KiB);
+  pool.deallocate(q[1], 512 * KiB);
+  ASSERT_EQ(pool.bytes_in_arena(true).cached, MiB);
+  void* big = pool.allocate(MiB);
+  EXPECT_NE(big, q[0]) << "grown, not merged from the cache";
+  EXPECT_EQ(pool.bytes_in_arena(true).cached, MiB) << "the cached blocks stay for this thread";
+  EXPECT_EQ(pool.stats().reserved_bytes, 4 * MiB);
+  pool.deallocate(big, MiB);
+  pool.deallocate(q[2], 512 * KiB);
+  pool.deallocate(q[3], 512 * KiB);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
+TEST_F(SmallClasses, WhenGrowingFailsTheCachedBlocksMergeAndServe) {
+  pool_options o = with_classes(4);
+  o.limit_bytes = 2 * MiB;  // one page: no growth past it
+  vmm_page_pool pool(sim, 0, o);
+  void* q[4];
+  for (auto& p : q) p = pool.allocate(512 * KiB);
+  pool.deallocate(q[0], 512 * KiB);
+  pool.deallocate(q[1], 512 * KiB);
+  void* big = pool.allocate(MiB);
+  EXPECT_EQ(big, q[0]) << "the two cached neighbours, merged";
+  EXPECT_EQ(pool.stats().reserved_bytes, 2 * MiB);
+  EXPECT_EQ(pool.stats().oom_count, 0u);
+  pool.deallocate(big, MiB);
+  pool.deallocate(q[2], 512 * KiB);
+  pool.deallocate(q[3], 512 * KiB);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
+TEST_F(SmallClasses, WithoutClassesASmallMissMergesTheCachedBlocksFirst) {
+  vmm_page_pool pool(sim, 0);
+  void* q[4];
+  for (auto& p : q) p = pool.allocate(512 * KiB);
+  pool.deallocate(q[0], 512 * KiB);
+  pool.deallocate(q[1], 512 * KiB);
+  void* big = pool.allocate(MiB);
+  EXPECT_EQ(big, q[0]);
+  EXPECT_EQ(pool.stats().reserved_bytes, 2 * MiB);
+  pool.deallocate(big, MiB);
+  pool.deallocate(q[2], 512 * KiB);
+  pool.deallocate(q[3], 512 * KiB);
+}
+
+TEST_F(SmallClasses, TheCachingPoolRoundsAlike) {
+  runtime_resource upstream(sim, 0);
+  caching_pool pool(upstream, with_classes(4));
+  void* p = pool.allocate(16 * 512 + 1);
+  EXPECT_EQ(pool.bytes_in_arena(true).allocated, 20 * 512u);
+  pool.deallocate(p, 16 * 512 + 1);
+  void* again = pool.allocate(18 * 512);
+  EXPECT_EQ(again, p) << "the same class, from the thread cache";
+  pool.deallocate(again, 18 * 512);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
+}  // namespace
