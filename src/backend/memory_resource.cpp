@@ -37,20 +37,31 @@ memory_resource::memory_resource(platform& platform, int device)
   device_total_ = props.value().total_memory;
 }
 
-void* memory_resource::allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) {
+namespace {
+// The refusals of allocate(), out of its hot path.
+[[noreturn, gnu::cold, gnu::noinline]] void refuse_request(const memory_resource& r,
+                                                          std::size_t bytes,
+                                                          std::size_t alignment) {
   if (bytes == 0)
-    throw invalid_argument("allocate of 0 bytes from the '" + std::string(name()) +
+    throw invalid_argument("allocate of 0 bytes from the '" + std::string(r.name()) +
                            "' resource: sizes must be at least 1 byte");
-  if (bytes > device_total_)
+  if (bytes > r.device_total_bytes())
     throw invalid_argument("allocate of " + format_bytes(bytes) + " from the '" +
-                           std::string(name()) + "' resource exceeds device " +
-                           std::to_string(device_) + "'s total memory of " +
-                           format_bytes(device_total_));
-  if (alignment == 0 || (alignment & (alignment - 1)) != 0 || alignment > max_alignment())
-    throw invalid_argument("alignment " + std::to_string(alignment) + " for the '" +
-                           std::string(name()) +
-                           "' resource must be a power of two no larger than " +
-                           std::to_string(max_alignment()));
+                           std::string(r.name()) + "' resource exceeds device " +
+                           std::to_string(r.device()) + "'s total memory of " +
+                           format_bytes(r.device_total_bytes()));
+  throw invalid_argument("alignment " + std::to_string(alignment) + " for the '" +
+                         std::string(r.name()) +
+                         "' resource must be a power of two no larger than " +
+                         std::to_string(r.max_alignment()));
+}
+}  // namespace
+
+void* memory_resource::allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) {
+  // bytes - 1 wraps for 0: one comparison refuses 0 and more than the device holds.
+  if (bytes - 1 >= device_total_ || alignment == 0 || (alignment & (alignment - 1)) != 0 ||
+      alignment > max_alignment()) [[unlikely]]
+    refuse_request(*this, bytes, alignment);
   return do_allocate(bytes, alignment, stream);
 }
 

@@ -48,6 +48,15 @@ class flat_map {
     return slots_[i].second;
   }
 
+  // Inserts key, which is absent, with value. REQUIRES: key != Key{}, find(key) == nullptr.
+  void insert_new(const Key& key, const Value& value) {
+    if ((size_ + 1) * 4 > slots_.size()) rehash(slots_.size() * 2);
+    std::size_t i = home(key);
+    while (slots_[i].first != Key{}) i = (i + 1) & mask();
+    slots_[i] = {key, value};
+    ++size_;
+  }
+
   bool erase(const Key& key) noexcept {
     std::size_t i = home(key);
     for (;; i = (i + 1) & mask()) {

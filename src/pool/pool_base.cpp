@@ -60,7 +60,7 @@ pool_base::~pool_base() {
     if (s.event.value != 0) (void)device_platform().event_destroy(s.event);
 }
 
-detail::thread_cache* pool_base::this_thread_cache() const noexcept {
+inline detail::thread_cache* pool_base::this_thread_cache() const noexcept {
   for (const cache_slot& s : t_cache_slots)
     if (s.pool == pool_id_) return s.cache;
   return nullptr;
@@ -90,7 +90,7 @@ void pool_base::publish(std::int64_t requested, std::int64_t block) noexcept {
   if (block > 0) raise_to(peak_block_bytes_, held);
 }
 
-void pool_base::count(detail::thread_cache& c, std::int64_t requested, std::int64_t block) noexcept {
+inline void pool_base::count(detail::thread_cache& c, std::int64_t requested, std::int64_t block) noexcept {
   constexpr auto relaxed = std::memory_order_relaxed;
   const std::int64_t live = c.pending_live.load(relaxed) + requested;
   const std::int64_t held = c.pending_blocks.load(relaxed) + block;
@@ -164,7 +164,7 @@ live_and_held totals(const std::atomic<std::size_t>& live, const std::atomic<std
 }
 }  // namespace
 
-std::size_t pool_base::block_size_for(std::size_t bytes,
+inline std::size_t pool_base::block_size_for(std::size_t bytes,
                                       const detail::thread_cache* mine) const noexcept {
   constexpr std::size_t unit = 512;
   const std::size_t units = (bytes + unit - 1) / unit;
@@ -184,7 +184,7 @@ std::size_t pool_base::block_size_for(std::size_t bytes,
   return units * unit;
 }
 
-std::size_t pool_base::near_fit_limit(std::size_t bytes, std::size_t size,
+inline std::size_t pool_base::near_fit_limit(std::size_t bytes, std::size_t size,
                                       const detail::thread_cache& mine) const noexcept {
   const live_and_held t = totals(live_bytes_, block_bytes_, &mine);
   const std::size_t live = t.live + bytes, held = t.held + size;
@@ -204,7 +204,7 @@ void* pool_base::do_allocate(std::size_t bytes, std::size_t alignment, stream_ha
       detail::block* b = c->pop(stream.value, size, near_fit_limit(bytes, size, *c));
       c->note_request(id, b != nullptr);
       if (b != nullptr) {
-        c->live[b->addr] = {b, bytes};
+        c->live.insert_new(b->addr, {b, bytes});
         c->allocations += 1;
         count(*c, static_cast<std::int64_t>(bytes), static_cast<std::int64_t>(b->size));
         return reinterpret_cast<void*>(b->addr);
@@ -236,7 +236,7 @@ void* pool_base::allocate_locked(std::size_t bytes, std::size_t alignment, strea
   detail::block* b = a.allocate(size, alignment, stream.value, bytes, split_limit(size));
   if (b == nullptr) b = allocate_slow(id, size, alignment, stream, bytes);
   // Its owner holding the pool mutex: no other thread can touch `mine` (thread_cache.hpp).
-  mine.live[b->addr] = {b, bytes};
+  mine.live.insert_new(b->addr, {b, bytes});
   mine.allocations += 1;
   count(mine, static_cast<std::int64_t>(bytes), static_cast<std::int64_t>(b->size));
   notify(pool_event_kind::alloc, b->addr, bytes, stream.value);
@@ -340,7 +340,7 @@ bool pool_base::free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch,
   return s.completed_epoch >= epoch;
 }
 
-detail::block* pool_base::forget_live(detail::thread_cache& c, std::uintptr_t addr,
+inline detail::block* pool_base::forget_live(detail::thread_cache& c, std::uintptr_t addr,
                                       std::size_t bytes) noexcept {
   const std::size_t slot = c.live.slot_of(addr);
   if (slot == c.live.npos || c.live.value_at(slot).requested != bytes) return nullptr;

@@ -1,5 +1,6 @@
-// flat_map against std::unordered_map as a reference model: random inserts, lookups and
-// erases (backward-shift deletion is where open addressing goes wrong) across rehashes.
+// flat_map against std::unordered_map as a reference model: random inserts (operator[] and
+// insert_new), lookups and erases (backward-shift deletion is where open addressing goes
+// wrong) across rehashes.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -24,7 +25,10 @@ TEST(FlatMap, AgreesWithAReferenceMapUnderRandomOperations) {
     switch (rng() % 3) {
       case 0: {
         const int v = static_cast<int>(rng() % 1000);
-        m[k] = v;
+        if (ref.count(k) == 0 && rng() % 2 == 0)
+          m.insert_new(k, v);  // the pools' inserts: a block address not live before
+        else
+          m[k] = v;
         ref[k] = v;
         break;
       }
