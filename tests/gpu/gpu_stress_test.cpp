@@ -169,4 +169,23 @@ TEST(gpu_stress, caching_pool_cross_stream_wait_threads_never_share_a_byte) {
   expect_clean("caching_pool (cross_stream wait)", run_gpu_stress(*cuda(), pool), pool);
 }
 
+// Small requests in size classes (small_classes:4): blocks of one class go from request to
+// request of varied sizes through the thread caches, which keep small blocks apart.
+TEST(gpu_stress, vmm_page_pool_small_classes_threads_and_streams_never_share_a_byte) {
+  REQUIRE_GPU();
+  pool_options o;
+  o.small_classes = 4;
+  vmm_page_pool pool(*cuda(), 0, o);
+  expect_clean("vmm_page_pool (small_classes:4)", run_gpu_stress(*cuda(), pool), pool);
+}
+
+TEST(gpu_stress, caching_pool_small_classes_threads_and_streams_never_share_a_byte) {
+  REQUIRE_GPU();
+  runtime_resource upstream(*cuda());
+  pool_options o;
+  o.small_classes = 4;
+  caching_pool pool(upstream, o);
+  expect_clean("caching_pool (small_classes:4)", run_gpu_stress(*cuda(), pool), pool);
+}
+
 }  // namespace
