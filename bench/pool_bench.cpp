@@ -12,9 +12,10 @@
 //               call is what their fragmentation rests on
 //   grow_512    a vmm_page_pool serves one 1 GiB request: 512 pages mapped and given
 //               access, reported per page with the driver time of each call kind: on fresh
-//               pools (handles created: the defaults' 64 MiB handles for a huge growth, and
-//               one-page handles) and on a pool holding 1 GiB of one-page handles reserved
-//               up front (mapped by its constructor, whose time is reported too)
+//               pools (handles created: the defaults' 64 MiB handles for a huge growth,
+//               one-page handles, and 128 and 256 MiB ones through big_chunk) and on a pool
+//               holding 1 GiB of one-page handles reserved up front (mapped by its
+//               constructor, whose time is reported too)
 //   threads     1, 2, 4, 8 threads (up to the cores) sharing one pool, same-size pairs: the
 //               wall time per pair over all threads (lower = better), with the per-thread
 //               caches (the default) and without them (thread_cache:off: the pool's mutex on
@@ -228,16 +229,22 @@ int main(int argc, char** argv) {
     std::uint64_t creates = 0, maps = 0, accesses = 0;
     double create_ns = 0, map_ns = 0, access_ns = 0;  // per page, driver time
     double construct_ns = 0;                          // per page: the pool's constructor
+    std::size_t big_chunk = 0;                        // pool_options::big_chunk_pages
   };
   std::vector<growth> growths{{"defaults: 64 MiB handles, created", pool_options{}.huge_growth_bytes, false},
                               {"huge_growth:0: one-page handles, created", 0, false},
-                              {"1 GiB of one-page handles reserved (and mapped) up front", 0, true}};
+                              {"1 GiB of one-page handles reserved (and mapped) up front", 0, true},
+                              // Bigger handles than the default's, for comparison: the
+                              // access grant costs per handle (docs/RESULTS.md).
+                              {"big_chunk:64: 128 MiB handles, created", 0, false, 0, 0, 0, 0, 0, 0, 0, 0, 64},
+                              {"big_chunk:128: 256 MiB handles, created", 0, false, 0, 0, 0, 0, 0, 0, 0, 0, 128}};
   for (growth& g : growths) {
     std::vector<double> reps, creates, maps, accesses, constructs;
     for (int rep = 0; rep < 5; ++rep) {
       timed_platform timed(p);
       pool_options o;
       o.huge_growth_bytes = g.huge_growth;
+      o.big_chunk_pages = g.big_chunk;
       if (g.reserved) o.reserve_bytes = std::size_t{1} << 30;
       const auto c_start = clock_type::now();
       vmm_page_pool fresh(timed, 0, o);
