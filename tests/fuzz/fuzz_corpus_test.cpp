@@ -113,7 +113,8 @@ INSTANTIATE_TEST_SUITE_P(
                       pool_target::vmm_page_big_chunk, pool_target::pinned_host,
                       pool_target::fixed_block_over_vmm_page, pool_target::fixed_block_over_caching,
                       pool_target::vmm_page_map_worker, pool_target::vmm_page_growth_slack,
-                      pool_target::caching_release_idle),
+                      pool_target::caching_release_idle, pool_target::vmm_page_small_classes,
+                      pool_target::caching_small_classes),
     [](const ::testing::TestParamInfo<pool_target>& info) { return std::string(target_name(info.param)); });
 
 TEST(fuzz_corpus_kv_cache, every_seed_keeps_the_model) {

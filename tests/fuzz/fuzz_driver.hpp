@@ -99,6 +99,9 @@ enum class pool_target : std::uint8_t {
   vmm_page_growth_slack,  // vmm_page_pool with growth_slack:0.25 (large runs kept whole)
   caching_release_idle,   // caching_pool over runtime, release_idle:on (idle segments freed
                           // before a new peak)
+  vmm_page_small_classes,     // vmm_page_pool, small_classes:4, small_cache:256K (small
+  caching_small_classes,      // blocks kept apart, a small miss grows first); caching_pool
+                              // over runtime, the same
   count_
 };
 inline constexpr std::size_t pool_target_count = static_cast<std::size_t>(pool_target::count_);
@@ -116,6 +119,8 @@ inline const char* target_name(pool_target t) {
     case pool_target::vmm_page_map_worker: return "vmm_page_pool_map_worker";
     case pool_target::vmm_page_growth_slack: return "vmm_page_pool_growth_slack";
     case pool_target::caching_release_idle: return "caching_pool_release_idle";
+    case pool_target::vmm_page_small_classes: return "vmm_page_pool_small_classes";
+    case pool_target::caching_small_classes: return "caching_pool_small_classes";
     default: return "?";
   }
 }
@@ -814,6 +819,17 @@ inline std::string run_pool_fuzz(pool_target target, const std::uint8_t* data, s
         break;
       case pool_target::caching_release_idle:
         o.release_idle = true;
+        upstream = std::make_unique<gpumem::runtime_resource>(sim);
+        caching = std::make_unique<gpumem::caching_pool>(*upstream, o);
+        break;
+      case pool_target::vmm_page_small_classes:
+        o.small_classes = 4;
+        o.small_cache = 256 * KiB;
+        pages = std::make_unique<gpumem::vmm_page_pool>(sim, 0, o);
+        break;
+      case pool_target::caching_small_classes:
+        o.small_classes = 4;
+        o.small_cache = 256 * KiB;
         upstream = std::make_unique<gpumem::runtime_resource>(sim);
         caching = std::make_unique<gpumem::caching_pool>(*upstream, o);
         break;

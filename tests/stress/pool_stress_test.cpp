@@ -1,7 +1,7 @@
 // Stress on sim: many threads x several streams x mixed sizes, for a fixed number of
 // operations per thread (deterministic counts, no timing), on every thread-safe pool:
-// caching_pool over runtime and over vmm, vmm_page_pool (default and big_chunk), and
-// pinned_host_pool. Each thread allocates on its own two streams and the default stream,
+// caching_pool over runtime and over vmm, vmm_page_pool (default and big_chunk), both with
+// small_classes, and pinned_host_pool. Each thread allocates on its own two streams and the default stream,
 // frees on the block's stream or another, releases and replaces its streams now and then,
 // and trims; every block carries a pattern of its own (fuzz_driver.hpp's) checked in full
 // before its free, so a block handed to two threads at once, or reused while live, shows.
@@ -205,6 +205,36 @@ TEST(pool_stress, vmm_page_pool_big_chunk) {
     pool_options o;
     o.big_chunk_pages = 2;
     vmm_page_pool pool(sim, 0, o);
+    const auto r = run_stress(sim, ops_of(pool));
+    expect_clean(r, pool.stats(), pool.validate());
+  }
+  expect_nothing_left(sim);
+}
+
+// Small requests in size classes, each thread keeping at most 256 KiB of small blocks: the
+// kept blocks are taken back (drained) by other threads' misses that fail to grow and by
+// trims, while their owners use them.
+TEST(pool_stress, vmm_page_pool_small_classes) {
+  sim_platform sim(stress_device());
+  {
+    pool_options o;
+    o.small_classes = 4;
+    o.small_cache = 256 * KiB;
+    vmm_page_pool pool(sim, 0, o);
+    const auto r = run_stress(sim, ops_of(pool));
+    expect_clean(r, pool.stats(), pool.validate());
+  }
+  expect_nothing_left(sim);
+}
+
+TEST(pool_stress, caching_pool_small_classes) {
+  sim_platform sim(stress_device());
+  {
+    runtime_resource upstream(sim);
+    pool_options o;
+    o.small_classes = 4;
+    o.small_cache = 256 * KiB;
+    caching_pool pool(upstream, o);
     const auto r = run_stress(sim, ops_of(pool));
     expect_clean(r, pool.stats(), pool.validate());
   }
