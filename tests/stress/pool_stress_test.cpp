@@ -165,80 +165,77 @@ void expect_nothing_left(sim_platform& sim) {
   EXPECT_EQ(sim.validate(), "");
 }
 
-TEST(pool_stress, caching_pool_over_runtime) {
+// A caching_pool and the upstream it takes memory from (made first, destroyed last).
+template <class Upstream>
+struct caching_with_upstream {
+  Upstream upstream;
+  caching_pool pool;
+  caching_with_upstream(sim_platform& sim, const pool_options& o) : upstream(sim), pool(upstream, o) {}
+};
+
+template <class Upstream>
+std::unique_ptr<caching_with_upstream<Upstream>> make_caching(sim_platform& sim, const pool_options& o) {
+  return std::make_unique<caching_with_upstream<Upstream>>(sim, o);
+}
+
+vmm_page_pool& pool_of(vmm_page_pool& p) { return p; }
+template <class Upstream>
+caching_pool& pool_of(caching_with_upstream<Upstream>& h) { return h.pool; }
+
+// A fresh sim device, a pool made on it by make(sim), the stress run, and the checks: the
+// pool clean afterwards, and nothing left on the device once it is gone.
+template <class Make>
+void stress(Make make) {
   sim_platform sim(stress_device());
   {
-    runtime_resource upstream(sim);
-    caching_pool pool(upstream);
+    auto made = make(sim);
+    auto& pool = pool_of(*made);
     const auto r = run_stress(sim, ops_of(pool));
     expect_clean(r, pool.stats(), pool.validate());
   }
   expect_nothing_left(sim);
+}
+
+pool_options small_classes_options() {
+  pool_options o;
+  o.small_classes = 4;
+  o.small_cache = 256 * KiB;  // small: the kept blocks go back and forth often
+  return o;
+}
+
+TEST(pool_stress, caching_pool_over_runtime) {
+  stress([](sim_platform& sim) { return make_caching<runtime_resource>(sim, pool_options{}); });
 }
 
 TEST(pool_stress, caching_pool_over_vmm_cross_stream_wait) {
-  sim_platform sim(stress_device());
-  {
-    vmm_resource upstream(sim);
-    pool_options o;
-    o.cross_stream = cross_stream_policy::wait;
-    caching_pool pool(upstream, o);
-    const auto r = run_stress(sim, ops_of(pool));
-    expect_clean(r, pool.stats(), pool.validate());
-  }
-  expect_nothing_left(sim);
+  pool_options o;
+  o.cross_stream = cross_stream_policy::wait;
+  stress([&](sim_platform& sim) { return make_caching<vmm_resource>(sim, o); });
 }
 
 TEST(pool_stress, vmm_page_pool) {
-  sim_platform sim(stress_device());
-  {
-    vmm_page_pool pool(sim);
-    const auto r = run_stress(sim, ops_of(pool));
-    expect_clean(r, pool.stats(), pool.validate());
-  }
-  expect_nothing_left(sim);
+  stress([](sim_platform& sim) { return std::make_unique<vmm_page_pool>(sim); });
 }
 
 TEST(pool_stress, vmm_page_pool_big_chunk) {
-  sim_platform sim(stress_device());
-  {
-    pool_options o;
-    o.big_chunk_pages = 2;
-    vmm_page_pool pool(sim, 0, o);
-    const auto r = run_stress(sim, ops_of(pool));
-    expect_clean(r, pool.stats(), pool.validate());
-  }
-  expect_nothing_left(sim);
+  pool_options o;
+  o.big_chunk_pages = 2;
+  stress([&](sim_platform& sim) { return std::make_unique<vmm_page_pool>(sim, 0, o); });
 }
 
 // Small requests in size classes, each thread keeping at most 256 KiB of small blocks: the
 // kept blocks are taken back (drained) by other threads' misses that fail to grow and by
 // trims, while their owners use them.
 TEST(pool_stress, vmm_page_pool_small_classes) {
-  sim_platform sim(stress_device());
-  {
-    pool_options o;
-    o.small_classes = 4;
-    o.small_cache = 256 * KiB;
-    vmm_page_pool pool(sim, 0, o);
-    const auto r = run_stress(sim, ops_of(pool));
-    expect_clean(r, pool.stats(), pool.validate());
-  }
-  expect_nothing_left(sim);
+  stress([](sim_platform& sim) {
+    return std::make_unique<vmm_page_pool>(sim, 0, small_classes_options());
+  });
 }
 
 TEST(pool_stress, caching_pool_small_classes) {
-  sim_platform sim(stress_device());
-  {
-    runtime_resource upstream(sim);
-    pool_options o;
-    o.small_classes = 4;
-    o.small_cache = 256 * KiB;
-    caching_pool pool(upstream, o);
-    const auto r = run_stress(sim, ops_of(pool));
-    expect_clean(r, pool.stats(), pool.validate());
-  }
-  expect_nothing_left(sim);
+  stress([](sim_platform& sim) {
+    return make_caching<runtime_resource>(sim, small_classes_options());
+  });
 }
 
 TEST(pool_stress, pinned_host_pool) {

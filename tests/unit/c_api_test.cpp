@@ -77,6 +77,7 @@ TEST(c_api, bad_configurations_are_refused_naming_the_key) {
       {"platform:sim,sim_capacity:0", "sim_capacity"},
       {"platform:cuda,sim_capacity:1G", "sim_capacity"},
       {"platform:sim,justakey", "justakey"},
+      {"platform:sim,small_classes:3", "small_classes"},
   };
   for (const auto& c : cases) {
     gpumem_pool* pool = reinterpret_cast<gpumem_pool*>(0x1);  // must come back null
@@ -209,6 +210,21 @@ TEST(c_api, out_of_memory_gives_its_code_the_report_and_keeps_state) {
   void* again = gpumem_malloc(h.pool, 40 * MiB, nullptr);  // room again once freed
   EXPECT_NE(again, nullptr) << last_error();
   EXPECT_EQ(gpumem_free(h.pool, again, 40 * MiB, nullptr), GPUMEM_SUCCESS);
+}
+
+TEST(c_api, small_classes_pass_through_to_the_pool) {
+  pool_handle h("platform:sim,sim_capacity:256M,small_classes:4,small_cache:1M");
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS) << last_error();
+  const std::string config = gpumem_pool_config(h.pool);
+  EXPECT_NE(config.find("small_classes:4"), std::string::npos) << config;
+  EXPECT_NE(config.find("small_cache:1048576"), std::string::npos) << config;
+  void* p = gpumem_malloc(h.pool, 11 * 512, nullptr);  // class: 12 units of 512 B
+  ASSERT_NE(p, nullptr) << last_error();
+  EXPECT_EQ(gpumem_free(h.pool, p, 11 * 512, nullptr), GPUMEM_SUCCESS);
+  void* q = gpumem_malloc(h.pool, 12 * 512, nullptr);  // the same class: the same block
+  EXPECT_EQ(q, p);
+  EXPECT_EQ(h.stats().live_bytes, 12 * 512u);
+  EXPECT_EQ(gpumem_free(h.pool, q, 12 * 512, nullptr), GPUMEM_SUCCESS);
 }
 
 TEST(c_api, stats_follow_allocations) {
