@@ -123,7 +123,7 @@ struct alignas(64) thread_cache {
   }
   // Keeps b for reuse on `stream`; false when the cache is full (the caller gives b to
   // its arena instead).
-  [[gnu::always_inline]] bool push(block* b, std::uintptr_t stream) {
+  bool push(block* b, std::uintptr_t stream) {
     if (free_blocks >= max_free_blocks) return false;
     if (b->arena_id == 0 && free_bytes[0] + b->size > small_bytes_limit) return false;
     size_bins* bins = bins_for(stream);

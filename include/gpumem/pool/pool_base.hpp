@@ -90,41 +90,6 @@ struct memory_segment {
   std::vector<memory_block> blocks;  // by address; sizes sum to `size`
 };
 
-namespace detail {
-// The pool's lock: a futex word (C++20 atomic wait and notify), 0 free, 1 held, 2 held with
-// sleepers. Uncontended it costs one compare-exchange to take and one exchange to give back,
-// inline, where std::mutex's calls into libc cost ~160 of a mixed-size allocate+free pair's
-// ~1,100 instructions (callgrind). Waiters sleep, not spin: the pool holds it across driver
-// calls. (Drepper, "Futexes are tricky", mutex 2.)
-class pool_mutex {
- public:
-  void lock() noexcept {
-    int expected = 0;
-    if (state_.compare_exchange_strong(expected, 1, std::memory_order_acquire)) [[likely]]
-      return;
-    lock_contended();
-  }
-  bool try_lock() noexcept {
-    int expected = 0;
-    return state_.compare_exchange_strong(expected, 1, std::memory_order_acquire);
-  }
-  void unlock() noexcept {
-    if (state_.exchange(0, std::memory_order_release) == 2) [[unlikely]]
-      wake_one();
-  }
-
- private:
-  // Out of line, so the inline fast paths stay small.
-  [[gnu::noinline, gnu::cold]] void wake_one() noexcept { state_.notify_one(); }
-  [[gnu::noinline, gnu::cold]] void lock_contended() noexcept {
-    // Marked 2 while anyone may sleep on it, so the holder's unlock wakes one.
-    while (state_.exchange(2, std::memory_order_acquire) != 0)
-      state_.wait(2, std::memory_order_relaxed);
-  }
-  std::atomic<int> state_{0};
-};
-}  // namespace detail
-
 class pool_base : public memory_resource {
  public:
   ~pool_base() override;
@@ -273,7 +238,7 @@ class pool_base : public memory_resource {
       observer_->on_event(pool_event{kind, address, size, stream});
   }
 
-  mutable detail::pool_mutex mutex_;
+  mutable std::mutex mutex_;
   pool_options options_;
 
  private:
