@@ -236,8 +236,10 @@ int main(int argc, char** argv) {
                               {"1 GiB of one-page handles reserved (and mapped) up front", 0, true},
                               // Bigger handles than the default's, for comparison: the
                               // access grant costs per handle (docs/RESULTS.md).
-                              {"big_chunk:64: 128 MiB handles, created", 0, false, 0, 0, 0, 0, 0, 0, 0, 0, 64},
-                              {"big_chunk:128: 256 MiB handles, created", 0, false, 0, 0, 0, 0, 0, 0, 0, 0, 128}};
+                              {.what = "big_chunk:64: 128 MiB handles, created", .huge_growth = 0,
+                               .reserved = false, .big_chunk = 64},
+                              {.what = "big_chunk:128: 256 MiB handles, created", .huge_growth = 0,
+                               .reserved = false, .big_chunk = 128}};
   for (growth& g : growths) {
     std::vector<double> reps, creates, maps, accesses, constructs;
     for (int rep = 0; rep < 5; ++rep) {

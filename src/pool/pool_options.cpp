@@ -97,11 +97,12 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
         throw invalid_argument("config: round_large must be 0 or a power of two, not '" +
                                std::string(value) + "'");
     } else if (key == "small_classes") {
-      const std::size_t n = parse_bytes(value);
-      if (n > 64 || (n & (n - 1)) != 0)
+      const double v = parse_number(value, key);
+      const auto n = v <= 64 ? static_cast<unsigned>(v) : 65u;  // no cast of a huge value
+      if (v != static_cast<double>(n) || n > 64 || (n & (n - 1)) != 0)
         throw invalid_argument("config: small_classes must be 0 or a power of two up to 64, not '" +
                                std::string(value) + "'");
-      o.small_classes = static_cast<unsigned>(n);
+      o.small_classes = n;
     } else if (key == "small_cache") {
       o.small_cache = parse_bytes(value);
     } else if (key == "map_worker") {
