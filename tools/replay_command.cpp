@@ -1,5 +1,7 @@
-// gpumem replay TRACE: runs a recorded allocation trace against gpumem's allocators and
+// gpumem replay TRACE...: runs recorded allocation traces against gpumem's allocators and
 // the raw CUDA mechanisms, and reports what each reserved and how fast it was.
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <functional>
 #include <iostream>
@@ -173,6 +175,68 @@ std::string where_in_trace(const trace& t, std::size_t stopped_at, bool oom, int
   return out + " of " + std::to_string(t.events.size());
 }
 
+// Per allocator over several traces: how many it ran out of memory on, the geometric mean
+// of its fragmentation (each trace counts alike, whatever its size) and its worst, and its
+// driver time in all. Into `json` (the open top-level object) when given, else printed.
+void print_summary(const std::vector<std::string>& paths,
+                   const std::vector<std::vector<replay_result>>& by_trace, json_writer* json,
+                   bool on_sim, int passes) {
+  struct summary {
+    std::size_t traces = 0, ooms = 0;
+    double log_frag_sum = 0, worst = 0, driver_ns = 0;
+    std::string worst_trace;
+  };
+  std::vector<std::pair<std::string, summary>> rows;  // in the tables' order
+  for (std::size_t i = 0; i < by_trace.size(); ++i)
+    for (const replay_result& r : by_trace[i]) {
+      auto row = std::find_if(rows.begin(), rows.end(),
+                              [&](const auto& x) { return x.first == r.allocator; });
+      if (row == rows.end()) row = rows.insert(rows.end(), {r.allocator, summary{}});
+      summary& s = row->second;
+      s.traces += 1;
+      s.driver_ns += r.driver_ns;
+      if (r.oom) {  // its fragmentation then covers the trace only up to the failure
+        s.ooms += 1;
+        continue;
+      }
+      s.log_frag_sum += std::log(r.fragmentation);
+      if (r.fragmentation > s.worst) {
+        s.worst = r.fragmentation;
+        s.worst_trace = paths[i];
+      }
+    }
+  auto geomean = [](const summary& s) {
+    const std::size_t n = s.traces - s.ooms;
+    return n == 0 ? 0.0 : std::exp(s.log_frag_sum / static_cast<double>(n));
+  };
+  if (json != nullptr) {
+    json->end_array().key("summary").begin_array();
+    for (const auto& [name, s] : rows) {
+      json->begin_object();
+      json->member("allocator", name);
+      json->member("traces", s.traces);
+      json->member("oom_traces", s.ooms);
+      json->member("fragmentation_geomean", geomean(s));
+      json->member("fragmentation_worst", s.worst);
+      json->member("fragmentation_worst_trace", s.worst_trace);
+      json->member(on_sim ? "modelled_driver_ms" : "driver_ms", s.driver_ns / 1e6);
+      json->end_object();
+    }
+    json->end_array();
+    return;
+  }
+  std::printf("\nsummary over %zu traces (%s, %d pass(es)); fragmentation over the traces "
+              "replayed without running out of memory\n",
+              paths.size(), on_sim ? "sim, driver ms modelled" : "cuda, driver ms measured",
+              passes);
+  std::printf("%-14s %6s %5s %12s %10s  %s\n", "allocator", "traces", "OOMs", "frag geomean",
+              "driver ms", "worst frag (trace)");
+  for (const auto& [name, s] : rows)
+    std::printf("%-14s %6zu %5zu %12.4f %10.1f  %.4f (%s)\n", name.c_str(), s.traces, s.ooms,
+                geomean(s), s.driver_ns / 1e6, s.worst,
+                s.worst_trace.empty() ? "-" : s.worst_trace.c_str());
+}
+
 }  // namespace
 
 int run_replay(int argc, char** argv) {
@@ -180,7 +244,9 @@ int run_replay(int argc, char** argv) {
                     "Replay a recorded allocation trace against each allocator and compare "
                     "peak reserved memory, fragmentation and speed.");
   parser.positional("trace", "trace file: PyTorch CSV (action,addr,size,stream,time_us) or "
-                             "RMM log CSV, gzip'd or plain")
+                             "RMM log CSV, gzip'd or plain; several: each is replayed in "
+                             "turn, then a summary per allocator over them all",
+                    true, -1)
       .option("allocator", "NAME", "runtime, driver, vmm, caching_pool, vmm_page_pool or all",
               "all", {"all", "runtime", "driver", "vmm", "caching_pool", "vmm_page_pool"})
       .option("device", "KIND", "cuda, sim, or auto (cuda when a GPU is present)", "auto",
@@ -213,7 +279,12 @@ int run_replay(int argc, char** argv) {
     std::cout << parser.help();
     return 0;
   }
-  const std::string path = args.positionals().at(0);
+  const std::vector<std::string>& paths = args.positionals();
+  if (paths.size() > 1)
+    for (const char* one_only : {"plot", "snapshot", "explain"})
+      if (args.has(one_only))
+        throw invalid_argument(std::string("gpumem replay: --") + one_only +
+                               " takes one trace, not " + std::to_string(paths.size()));
   const std::string device_kind = args.value_or("device", "auto");
   const int passes = static_cast<int>(*args.integer("passes", 1, 1000));
   const auto gpu_lag = static_cast<std::size_t>(*args.integer("gpu-lag", 0, 100000000));
@@ -226,7 +297,6 @@ int run_replay(int argc, char** argv) {
   else
     names = {*args.value("allocator")};
 
-  const trace t = load_trace(path);
   platform* cuda = nullptr;
   if (device_kind != "sim") {
     std::string why;
@@ -263,258 +333,272 @@ int run_replay(int argc, char** argv) {
       args.has("snapshot") ? static_cast<std::size_t>(*args.integer("snapshot-events", 1, 100000000))
                            : 0;
 
-  std::vector<std::size_t> step_starts;
-  if (args.has("step-plan")) {
-    step_starts = find_steps(t);
-    if (!args.has("json"))
-      std::fprintf(stderr, "%s: %zu repeating steps found%s\n", path.c_str(), step_starts.size(),
-                   step_starts.empty() ? " (the trace does not end in a loop of equal steps)" : "");
-  }
-
-  std::vector<replay_result> results;
-  for (const std::string& name : names) {
-    // Each allocator gets a fresh sim device so counts and capacity are its own.
-    std::unique_ptr<sim_platform> sim;
-    std::unique_ptr<timed_platform> timed;  // on the GPU: measures time in each CUDA call
-    if (on_sim) {
-      sim_options so;
-      so.capacity = capacity;
-      so.latency = sim_latency::model;
-      sim = std::make_unique<sim_platform>(so);
+  std::unique_ptr<json_writer> json;
+  if (args.has("json")) json = std::make_unique<json_writer>(std::cout);
+  if (json != nullptr && paths.size() > 1) json->begin_object().key("traces").begin_array();
+  std::vector<std::vector<replay_result>> all_results;  // by trace
+  for (const std::string& path : paths) {
+    const trace t = load_trace(path);
+    std::vector<std::size_t> step_starts;
+    if (args.has("step-plan")) {
+      step_starts = find_steps(t);
+      if (!args.has("json"))
+        std::fprintf(stderr, "%s: %zu repeating steps found%s\n", path.c_str(), step_starts.size(),
+                     step_starts.empty() ? " (the trace does not end in a loop of equal steps)" : "");
     }
-    if (!on_sim) timed = std::make_unique<timed_platform>(*cuda);
-    platform& p = on_sim ? static_cast<platform&>(*sim) : static_cast<platform&>(*timed);
-    if (!args.has("json")) {
-      std::fprintf(stderr, "replaying %s on %s (%s)...\n", path.c_str(), name.c_str(),
-                   on_sim ? "sim" : "cuda");
-    }
-    allocator_under_test a = make_allocator(name, p, 0, options);
-    if (args.has("step-plan")) plan_steps(a);
-    replay_options ro;
-    ro.passes = passes;
-    ro.gpu_lag = gpu_lag;
-    ro.step_starts = step_starts;
-    results.push_back(replay_trace(t, *a.resource, ro));
-  }
 
-  if (args.has("plot")) {
-    const std::string plot_path = *args.value("plot");
-    std::FILE* f = std::fopen(plot_path.c_str(), "w");
-    if (f == nullptr) throw invalid_argument("gpumem replay: cannot write the plot to '" + plot_path + "'");
-    const std::string svg = render_replay_svg(
-        results, "gpumem replay " + path + " (" + (on_sim ? "sim" : "cuda") + ")");
-    const bool written = std::fwrite(svg.data(), 1, svg.size(), f) == svg.size();
-    if (std::fclose(f) != 0 || !written)
-      throw invalid_argument("gpumem replay: writing the plot to '" + plot_path + "' failed");
-    if (!args.has("json")) std::fprintf(stderr, "plot written to %s\n", plot_path.c_str());
-  }
-
-  // Replays the trace's passes on a fresh device to find the event after which
-  // `allocator`'s reserved bytes peak (or where it ran out of memory), then on another fresh
-  // device up to there: `before` sees the pool first, `at_stop` at that point, and `after` last,
-  // even when the replay throws (REQUIRES: `after` does not throw). Deterministic on sim;
-  // on a GPU the two runs may differ where the map worker's timing does.
-  auto replay_to_peak = [&](const std::string& allocator,
-                            const std::function<void(pool_base&)>& before,
-                            const std::function<void(pool_base&)>& at_stop,
-                            const std::function<void(pool_base&)>& after) {
-    auto fresh_platform = [&]() -> std::pair<std::unique_ptr<platform>, platform*> {
+    std::vector<replay_result> results;
+    for (const std::string& name : names) {
+      // Each allocator gets a fresh sim device so counts and capacity are its own.
+      std::unique_ptr<sim_platform> sim;
+      std::unique_ptr<timed_platform> timed;  // on the GPU: measures time in each CUDA call
       if (on_sim) {
         sim_options so;
         so.capacity = capacity;
-        so.latency = sim_latency::model;  // as the replays above
-        auto sim = std::make_unique<sim_platform>(so);
-        platform* raw = sim.get();
-        return {std::move(sim), raw};
+        so.latency = sim_latency::model;
+        sim = std::make_unique<sim_platform>(so);
       }
-      return {nullptr, cuda};
-    };
-    std::size_t stop_after = 0;
-    {
+      if (!on_sim) timed = std::make_unique<timed_platform>(*cuda);
+      platform& p = on_sim ? static_cast<platform&>(*sim) : static_cast<platform&>(*timed);
+      if (!args.has("json")) {
+        std::fprintf(stderr, "replaying %s on %s (%s)...\n", path.c_str(), name.c_str(),
+                     on_sim ? "sim" : "cuda");
+      }
+      allocator_under_test a = make_allocator(name, p, 0, options);
+      if (args.has("step-plan")) plan_steps(a);
+      replay_options ro;
+      ro.passes = passes;
+      ro.gpu_lag = gpu_lag;
+      ro.step_starts = step_starts;
+      results.push_back(replay_trace(t, *a.resource, ro));
+    }
+
+    if (args.has("plot")) {
+      const std::string plot_path = *args.value("plot");
+      std::FILE* f = std::fopen(plot_path.c_str(), "w");
+      if (f == nullptr) throw invalid_argument("gpumem replay: cannot write the plot to '" + plot_path + "'");
+      const std::string svg = render_replay_svg(
+          results, "gpumem replay " + path + " (" + (on_sim ? "sim" : "cuda") + ")");
+      const bool written = std::fwrite(svg.data(), 1, svg.size(), f) == svg.size();
+      if (std::fclose(f) != 0 || !written)
+        throw invalid_argument("gpumem replay: writing the plot to '" + plot_path + "' failed");
+      if (!args.has("json")) std::fprintf(stderr, "plot written to %s\n", plot_path.c_str());
+    }
+
+    // Replays the trace's passes on a fresh device to find the event after which
+    // `allocator`'s reserved bytes peak (or where it ran out of memory), then on another fresh
+    // device up to there: `before` sees the pool first, `at_stop` at that point, and `after` last,
+    // even when the replay throws (REQUIRES: `after` does not throw). Deterministic on sim;
+    // on a GPU the two runs may differ where the map worker's timing does.
+    auto replay_to_peak = [&](const std::string& allocator,
+                              const std::function<void(pool_base&)>& before,
+                              const std::function<void(pool_base&)>& at_stop,
+                              const std::function<void(pool_base&)>& after) {
+      auto fresh_platform = [&]() -> std::pair<std::unique_ptr<platform>, platform*> {
+        if (on_sim) {
+          sim_options so;
+          so.capacity = capacity;
+          so.latency = sim_latency::model;  // as the replays above
+          auto sim = std::make_unique<sim_platform>(so);
+          platform* raw = sim.get();
+          return {std::move(sim), raw};
+        }
+        return {nullptr, cuda};
+      };
+      std::size_t stop_after = 0;
+      {
+        auto [owned, p] = fresh_platform();
+        allocator_under_test a = make_allocator(allocator, *p, 0, options);
+        auto& pool = dynamic_cast<pool_base&>(*a.resource);
+        const prefix_result first = replay_prefix(t, pool, passes, gpu_lag, static_cast<std::size_t>(-1), true, {});
+        stop_after = first.oom ? first.stopped_at + 1 : first.peak_at + 1;
+      }
       auto [owned, p] = fresh_platform();
       allocator_under_test a = make_allocator(allocator, *p, 0, options);
       auto& pool = dynamic_cast<pool_base&>(*a.resource);
-      const prefix_result first = replay_prefix(t, pool, passes, gpu_lag, static_cast<std::size_t>(-1), true, {});
-      stop_after = first.oom ? first.stopped_at + 1 : first.peak_at + 1;
+      struct run_after {
+        const std::function<void(pool_base&)>& after;
+        pool_base& pool;
+        ~run_after() {
+          if (after) after(pool);
+        }
+      } at_exit{after, pool};
+      if (before) before(pool);
+      return replay_prefix(t, pool, passes, gpu_lag, stop_after, false, [&] { at_stop(pool); });
+    };
+
+    if (args.has("snapshot")) {
+      const std::string snap_path = *args.value("snapshot");
+      recorder_options ro;
+      ro.capacity = snapshot_events;
+      event_recorder recorder(ro);
+      std::size_t reserved_at_snapshot = 0;
+      const prefix_result second = replay_to_peak(
+          snapshot_allocator, [&](pool_base& pool) { recorder.attach(pool); },
+          [&](pool_base& pool) {
+            write_memory_snapshot(pool, &recorder, snap_path);
+            reserved_at_snapshot = pool.stats().reserved_bytes;
+          },
+          [&](pool_base&) { recorder.detach(); });  // before the pool goes
+      if (!args.has("json"))
+        std::fprintf(stderr,
+                     "snapshot of %s written to %s: %s (%s), %s reserved, "
+                     "%zu trace events kept of %llu\n",
+                     snapshot_allocator.c_str(), snap_path.c_str(),
+                     where_in_trace(t, second.stopped_at, second.oom, passes).c_str(),
+                     second.oom ? "out of memory" : "peak reserved",
+                     format_bytes(reserved_at_snapshot).c_str(),
+                     static_cast<std::size_t>(std::min<std::uint64_t>(recorder.recorded(), snapshot_events)),
+                     static_cast<unsigned long long>(recorder.recorded()));
     }
-    auto [owned, p] = fresh_platform();
-    allocator_under_test a = make_allocator(allocator, *p, 0, options);
-    auto& pool = dynamic_cast<pool_base&>(*a.resource);
-    struct run_after {
-      const std::function<void(pool_base&)>& after;
-      pool_base& pool;
-      ~run_after() {
-        if (after) after(pool);
-      }
-    } at_exit{after, pool};
-    if (before) before(pool);
-    return replay_prefix(t, pool, passes, gpu_lag, stop_after, false, [&] { at_stop(pool); });
-  };
 
-  if (args.has("snapshot")) {
-    const std::string snap_path = *args.value("snapshot");
-    recorder_options ro;
-    ro.capacity = snapshot_events;
-    event_recorder recorder(ro);
-    std::size_t reserved_at_snapshot = 0;
-    const prefix_result second = replay_to_peak(
-        snapshot_allocator, [&](pool_base& pool) { recorder.attach(pool); },
-        [&](pool_base& pool) {
-          write_memory_snapshot(pool, &recorder, snap_path);
-          reserved_at_snapshot = pool.stats().reserved_bytes;
-        },
-        [&](pool_base&) { recorder.detach(); });  // before the pool goes
-    if (!args.has("json"))
-      std::fprintf(stderr,
-                   "snapshot of %s written to %s: %s (%s), %s reserved, "
-                   "%zu trace events kept of %llu\n",
-                   snapshot_allocator.c_str(), snap_path.c_str(),
-                   where_in_trace(t, second.stopped_at, second.oom, passes).c_str(),
-                   second.oom ? "out of memory" : "peak reserved",
-                   format_bytes(reserved_at_snapshot).c_str(),
-                   static_cast<std::size_t>(std::min<std::uint64_t>(recorder.recorded(), snapshot_events)),
-                   static_cast<unsigned long long>(recorder.recorded()));
-  }
+    // --explain: each pool's overhead at its peak over the passes (or out-of-memory).
+    struct explanation {
+      overhead_breakdown breakdown;
+      std::size_t stopped_at = 0;  // global event index (pass * events + index)
+      bool oom = false;
+    };
+    std::map<std::string, explanation> explanations;
+    for (const std::string& name : explained) {
+      if (!args.has("json"))
+        std::fprintf(stderr, "explaining %s's peak...\n", name.c_str());
+      explanation& e = explanations[name];
+      const prefix_result r = replay_to_peak(name, {}, [&](pool_base& pool) {
+        e.breakdown = explain_overhead(pool);
+      }, {});
+      e.stopped_at = r.stopped_at;
+      e.oom = r.oom;
+    }
 
-  // --explain: each pool's overhead at its peak over the passes (or out-of-memory).
-  struct explanation {
-    overhead_breakdown breakdown;
-    std::size_t stopped_at = 0;  // global event index (pass * events + index)
-    bool oom = false;
-  };
-  std::map<std::string, explanation> explanations;
-  for (const std::string& name : explained) {
-    if (!args.has("json"))
-      std::fprintf(stderr, "explaining %s's peak...\n", name.c_str());
-    explanation& e = explanations[name];
-    const prefix_result r = replay_to_peak(name, {}, [&](pool_base& pool) {
-      e.breakdown = explain_overhead(pool);
-    }, {});
-    e.stopped_at = r.stopped_at;
-    e.oom = r.oom;
-  }
-
-  if (args.has("json")) {
-    json_writer w(std::cout);
-    w.begin_object();
-    w.member("trace", path);
-    w.member("device", on_sim ? "sim" : "cuda");
-    w.member("events", t.events.size());
-    w.member("passes", passes);
-    w.member("gpu_lag", gpu_lag);
-    w.key("results").begin_array();
-    for (const auto& r : results) {
+    all_results.push_back(results);
+    if (json != nullptr) {
+      json_writer& w = *json;
       w.begin_object();
-      w.member("allocator", r.allocator);
-      w.member("peak_live_bytes", r.peak_live_bytes);
-      w.member("peak_reserved_bytes", r.peak_reserved_bytes);
-      w.member("fragmentation", r.fragmentation);
-      w.member("allocs", r.allocs);
-      w.member("frees", r.frees);
-      w.member("ns_per_event", r.ns_per_event_warm);
-      w.member("ns_per_event_cold", r.ns_per_event_cold);
-      w.key("driver_calls").begin_object();
-      for (auto& [call, n] : r.driver_calls) w.member(call, n);
-      w.end_object();
-      if (passes > 1) {
-        w.key("last_pass_driver_calls").begin_object();
-        for (auto& [call, n] : r.last_pass_driver_calls) w.member(call, n);
+      w.member("trace", path);
+      w.member("device", on_sim ? "sim" : "cuda");
+      w.member("events", t.events.size());
+      w.member("passes", passes);
+      w.member("gpu_lag", gpu_lag);
+      w.key("results").begin_array();
+      for (const auto& r : results) {
+        w.begin_object();
+        w.member("allocator", r.allocator);
+        w.member("peak_live_bytes", r.peak_live_bytes);
+        w.member("peak_reserved_bytes", r.peak_reserved_bytes);
+        w.member("fragmentation", r.fragmentation);
+        w.member("allocs", r.allocs);
+        w.member("frees", r.frees);
+        w.member("ns_per_event", r.ns_per_event_warm);
+        w.member("ns_per_event_cold", r.ns_per_event_cold);
+        w.key("driver_calls").begin_object();
+        for (auto& [call, n] : r.driver_calls) w.member(call, n);
         w.end_object();
-      }
-      w.key(on_sim ? "modelled_driver_ms_by_call" : "driver_ms_by_call").begin_object();
-      for (auto& [call, ns] : r.driver_call_ns) w.member(call, ns / 1e6);
-      w.end_object();
-      w.member(on_sim ? "modelled_driver_ms" : "driver_ms", r.driver_ns / 1e6);
-      if (args.has("step-plan")) {
-        w.member("steps_marked", r.steps_marked);
-        w.member("plans_built", r.plans_built);
-        w.member("planned_allocations", r.planned_allocations);
-        w.member("steps_left_plan", r.steps_left_plan);
-        w.member("steps_rejoined", r.steps_rejoined);
-        w.member("regions_handed_over", r.regions_handed_over);
-      }
-      w.member("oom", r.oom);
-      if (auto e = explanations.find(r.allocator); e != explanations.end()) {
-        const overhead_breakdown& b = e->second.breakdown;
-        w.key("peak_breakdown").begin_object();
-        const auto [pass, event] = pass_and_event(t, e->second.stopped_at, e->second.oom);
-        w.member("pass", pass);
-        w.member(e->second.oom ? "event" : "after_event", event);
-        w.member("at", e->second.oom ? "out_of_memory" : "peak_reserved");
-        w.member("reserved_bytes", b.reserved);
-        w.member("requested_bytes", b.requested);
-        w.member("unit_rounding_bytes", b.unit_rounding);
-        w.member("block_rounding_bytes", b.block_rounding);
-        w.member("cached_bytes", b.cached);
-        w.member("free_pinned_bytes", b.free_pinned);
-        w.member("free_releasable_bytes", b.free_releasable);
-        w.member("free_in_small_arena_bytes", b.free_in_small_arena);
-        w.member("kept_unmapped_bytes", b.kept_unmapped);
-        w.member("other_bytes", b.other);
-        w.key("largest_rounding_losses").begin_array();
-        for (const rounding_loss& l : b.largest_losses) {
-          w.begin_object();
-          w.member("requested_bytes", l.requested);
-          w.member("block_bytes", l.block);
-          w.member("count", l.count);
-          w.member("lost_bytes", l.bytes());
+        if (passes > 1) {
+          w.key("last_pass_driver_calls").begin_object();
+          for (auto& [call, n] : r.last_pass_driver_calls) w.member(call, n);
           w.end_object();
         }
-        w.end_array();
+        w.key(on_sim ? "modelled_driver_ms_by_call" : "driver_ms_by_call").begin_object();
+        for (auto& [call, ns] : r.driver_call_ns) w.member(call, ns / 1e6);
+        w.end_object();
+        w.member(on_sim ? "modelled_driver_ms" : "driver_ms", r.driver_ns / 1e6);
+        if (args.has("step-plan")) {
+          w.member("steps_marked", r.steps_marked);
+          w.member("plans_built", r.plans_built);
+          w.member("planned_allocations", r.planned_allocations);
+          w.member("steps_left_plan", r.steps_left_plan);
+          w.member("steps_rejoined", r.steps_rejoined);
+          w.member("regions_handed_over", r.regions_handed_over);
+        }
+        w.member("oom", r.oom);
+        if (auto e = explanations.find(r.allocator); e != explanations.end()) {
+          const overhead_breakdown& b = e->second.breakdown;
+          w.key("peak_breakdown").begin_object();
+          const auto [pass, event] = pass_and_event(t, e->second.stopped_at, e->second.oom);
+          w.member("pass", pass);
+          w.member(e->second.oom ? "event" : "after_event", event);
+          w.member("at", e->second.oom ? "out_of_memory" : "peak_reserved");
+          w.member("reserved_bytes", b.reserved);
+          w.member("requested_bytes", b.requested);
+          w.member("unit_rounding_bytes", b.unit_rounding);
+          w.member("block_rounding_bytes", b.block_rounding);
+          w.member("cached_bytes", b.cached);
+          w.member("free_pinned_bytes", b.free_pinned);
+          w.member("free_releasable_bytes", b.free_releasable);
+          w.member("free_in_small_arena_bytes", b.free_in_small_arena);
+          w.member("kept_unmapped_bytes", b.kept_unmapped);
+          w.member("other_bytes", b.other);
+          w.key("largest_rounding_losses").begin_array();
+          for (const rounding_loss& l : b.largest_losses) {
+            w.begin_object();
+            w.member("requested_bytes", l.requested);
+            w.member("block_bytes", l.block);
+            w.member("count", l.count);
+            w.member("lost_bytes", l.bytes());
+            w.end_object();
+          }
+          w.end_array();
+          w.end_object();
+        }
+        if (r.oom) {
+          w.member("oom_event", r.oom_event);
+          w.member("oom_report", r.oom_message);
+        }
         w.end_object();
       }
-      if (r.oom) {
-        w.member("oom_event", r.oom_event);
-        w.member("oom_report", r.oom_message);
-      }
+      w.end_array();
       w.end_object();
+      continue;
     }
-    w.end_array();
-    w.end_object();
-    std::cout << "\n";
-    return 0;
-  }
 
-  std::printf("trace %s: %zu events (%zu allocs, %zu frees), peak live %s, %zu stream(s)\n",
-              path.c_str(), t.events.size(), t.allocs, t.frees,
-              format_bytes(t.peak_live_bytes).c_str(), t.streams.size());
-  std::printf("device: %s; %d pass(es), ns/event cold = first pass, warm = last pass%s%s\n\n",
-              on_sim ? "sim" : "cuda", passes,
-              on_sim ? "; driver ms modelled from H200 latencies" : "; driver ms measured",
-              gpu_lag > 0 ? ("; queued work completes every " + std::to_string(gpu_lag) +
-                             " events (--gpu-lag)").c_str()
-                          : "");
-  std::printf("%-14s %12s %12s %8s %10s %10s %10s  %s\n", "allocator", "peak live",
-              "peak reserv", "frag", "ns/ev cold", "ns/ev warm", "driver ms", "driver calls");
-  for (const auto& r : results) {
-    char driver_ms[32];
-    std::snprintf(driver_ms, sizeof driver_ms, "%.1f", r.driver_ns / 1e6);
-    std::printf("%-14s %12s %12s %8.4f %10.0f %10.0f %10s  %s\n", r.allocator.c_str(),
-                format_bytes(r.peak_live_bytes).c_str(), format_bytes(r.peak_reserved_bytes).c_str(),
-                r.fragmentation, r.ns_per_event_cold, r.ns_per_event_warm, driver_ms,
-                describe_calls(r).c_str());
-    if (passes > 1 && !r.oom)
-      std::printf("%-14s %s\n", "  last pass:", describe_calls(r, true).c_str());
-    if (r.steps_marked > 0)
-      std::printf("%-14s %llu steps marked, %llu plan(s) built, %llu allocations served from "
-                  "a plan; %llu steps left it, %llu rejoined, %llu handed the region over\n",
-                  "  step plan:", static_cast<unsigned long long>(r.steps_marked),
-                  static_cast<unsigned long long>(r.plans_built),
-                  static_cast<unsigned long long>(r.planned_allocations),
-                  static_cast<unsigned long long>(r.steps_left_plan),
-                  static_cast<unsigned long long>(r.steps_rejoined),
-                  static_cast<unsigned long long>(r.regions_handed_over));
-    if (r.oom) {
-      std::printf("  %s: OUT OF MEMORY at event %llu:\n%s\n", r.allocator.c_str(),
-                  static_cast<unsigned long long>(r.oom_event), r.oom_message.c_str());
+    if (all_results.size() > 1) std::printf("\n");
+    std::printf("trace %s: %zu events (%zu allocs, %zu frees), peak live %s, %zu stream(s)\n",
+                path.c_str(), t.events.size(), t.allocs, t.frees,
+                format_bytes(t.peak_live_bytes).c_str(), t.streams.size());
+    std::printf("device: %s; %d pass(es), ns/event cold = first pass, warm = last pass%s%s\n\n",
+                on_sim ? "sim" : "cuda", passes,
+                on_sim ? "; driver ms modelled from H200 latencies" : "; driver ms measured",
+                gpu_lag > 0 ? ("; queued work completes every " + std::to_string(gpu_lag) +
+                               " events (--gpu-lag)").c_str()
+                            : "");
+    std::printf("%-14s %12s %12s %8s %10s %10s %10s  %s\n", "allocator", "peak live",
+                "peak reserv", "frag", "ns/ev cold", "ns/ev warm", "driver ms", "driver calls");
+    for (const auto& r : results) {
+      char driver_ms[32];
+      std::snprintf(driver_ms, sizeof driver_ms, "%.1f", r.driver_ns / 1e6);
+      std::printf("%-14s %12s %12s %8.4f %10.0f %10.0f %10s  %s\n", r.allocator.c_str(),
+                  format_bytes(r.peak_live_bytes).c_str(), format_bytes(r.peak_reserved_bytes).c_str(),
+                  r.fragmentation, r.ns_per_event_cold, r.ns_per_event_warm, driver_ms,
+                  describe_calls(r).c_str());
+      if (passes > 1 && !r.oom)
+        std::printf("%-14s %s\n", "  last pass:", describe_calls(r, true).c_str());
+      if (r.steps_marked > 0)
+        std::printf("%-14s %llu steps marked, %llu plan(s) built, %llu allocations served from "
+                    "a plan; %llu steps left it, %llu rejoined, %llu handed the region over\n",
+                    "  step plan:", static_cast<unsigned long long>(r.steps_marked),
+                    static_cast<unsigned long long>(r.plans_built),
+                    static_cast<unsigned long long>(r.planned_allocations),
+                    static_cast<unsigned long long>(r.steps_left_plan),
+                    static_cast<unsigned long long>(r.steps_rejoined),
+                    static_cast<unsigned long long>(r.regions_handed_over));
+      if (r.oom) {
+        std::printf("  %s: OUT OF MEMORY at event %llu:\n%s\n", r.allocator.c_str(),
+                    static_cast<unsigned long long>(r.oom_event), r.oom_message.c_str());
+      }
     }
-  }
-  for (const auto& [name, e] : explanations) {
-    std::printf("\nwhere the reserved bytes went, %s (%s)%s:\n",
-                e.oom ? "at the out-of-memory" : "at peak reserved",
-                where_in_trace(t, e.stopped_at, e.oom, passes).c_str(),
-                args.has("step-plan") ? ", the pool alone (no step plan)" : "");
-    std::printf("%s", e.breakdown.to_string("  ").c_str());
+    for (const auto& [name, e] : explanations) {
+      std::printf("\nwhere the reserved bytes went, %s (%s)%s:\n",
+                  e.oom ? "at the out-of-memory" : "at peak reserved",
+                  where_in_trace(t, e.stopped_at, e.oom, passes).c_str(),
+                  args.has("step-plan") ? ", the pool alone (no step plan)" : "");
+      std::printf("%s", e.breakdown.to_string("  ").c_str());
+    }
+  }  // each trace
+
+  if (paths.size() > 1) print_summary(paths, all_results, json.get(), on_sim, passes);
+  if (json != nullptr) {
+    if (paths.size() > 1) json->end_object();
+    std::cout << "\n";
   }
   return 0;
 }
