@@ -26,9 +26,11 @@ std::uint64_t steady_ns() noexcept {
                                         .count());
 }
 
-std::string hex(std::uintptr_t v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
+// "0x..." after `prefix`, formatted whole: GCC 12 warns -Wrestrict (a libstdc++ false
+// positive in char_traits) on "+" + hex(...) and on a short string assigned then appended to.
+std::string hex(std::uintptr_t v, const char* prefix = "") {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%s0x%llx", prefix, static_cast<unsigned long long>(v));
   return buf;
 }
 
@@ -57,7 +59,7 @@ std::vector<stack_frame> symbolize_frames(void* const* addresses, std::size_t co
       } else if (info.dli_fbase != nullptr) {
         // A symbol the dynamic table does not export: the offset in its binary, so
         // addr2line -e <filename> <offset> names it.
-        f.name = "+" + hex(pc - reinterpret_cast<std::uintptr_t>(info.dli_fbase));
+        f.name = hex(pc - reinterpret_cast<std::uintptr_t>(info.dli_fbase), "+");
       }
     }
     if (f.filename.empty()) f.filename = "??";
