@@ -36,11 +36,11 @@ fi
 $BUILD/bench/pool_bench --device cuda 2>&1 | tee "$OUT/bench.txt"
 $BUILD/examples/embedding_tables --device cuda --steps 2000 2>&1 | tee "$OUT/embedding.txt"
 $BUILD/tools/gpumem replay data/train_llama.csv.gz --device cuda --passes 2 2>/dev/null | tee "$OUT/replay.txt"
-for t in .gpurun/*.csv.gz data/workloads/*.csv.gz; do
-  [ -f "$t" ] || continue
-  for a in vmm_page_pool caching_pool; do
-    $BUILD/tools/gpumem replay "$t" --device cuda --passes 2 --allocator $a 2>/dev/null | tee -a "$OUT/replay.txt" | tail -1
-  done
+# The other traces, all at once per pool: each one's table, then the summary over them.
+traces=()
+for t in .gpurun/*.csv.gz data/workloads/*.csv.gz; do [ -f "$t" ] && traces+=("$t"); done
+for a in vmm_page_pool caching_pool; do
+  $BUILD/tools/gpumem replay "${traces[@]}" --device cuda --passes 2 --allocator $a 2>/dev/null | tee -a "$OUT/replay.txt" | tail -1
 done
 # Step plans on a loop of equal steps (the fixed-shape training trace, when carried).
 if [ -f .gpurun/torch_train_fixed.csv.gz ]; then
