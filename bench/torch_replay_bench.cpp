@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -32,13 +33,28 @@ struct row {
   bool oom = false;
 };
 
-row replay_through_c10(const gpumem::trace& t, int passes) {
+// The trace's other streams are made by gpumem's platform, not c10's stream pool: that asks
+// libtorch_cuda's hooks for a primary context, and this program links c10 alone (it
+// aborted on two-stream traces). The caching allocator takes any stream of the device.
+row replay_through_c10(const gpumem::trace& t, int passes, gpumem::platform& gpu) {
   namespace alloc = c10::cuda::CUDACachingAllocator;
   alloc::init(c10::cuda::device_count());  // what torch's lazy CUDA init does
   std::vector<cudaStream_t> streams(t.streams.size(), nullptr);
   streams[0] = c10::cuda::getDefaultCUDAStream(0).stream();
-  for (std::size_t i = 1; i < streams.size(); ++i)
-    streams[i] = c10::cuda::getStreamFromPool(false, 0).stream();
+  std::vector<gpumem::stream_handle> made;
+  struct destroy_streams {
+    gpumem::platform& gpu;
+    std::vector<gpumem::stream_handle>& made;
+    ~destroy_streams() {
+      for (auto s : made) (void)gpu.stream_destroy(s);
+    }
+  } at_exit{gpu, made};
+  for (std::size_t i = 1; i < streams.size(); ++i) {
+    auto s = gpu.stream_create(0);
+    if (!s) throw std::runtime_error("a stream for the trace: " + s.error().describe());
+    made.push_back(s.value());
+    streams[i] = reinterpret_cast<cudaStream_t>(s.value().value);
+  }
   alloc::resetPeakStats(0);
   row r{"pytorch c10 caching allocator"};
   std::vector<void*> ptrs(t.allocs, nullptr);
@@ -96,12 +112,12 @@ int main(int argc, char** argv) {
               argv[1], t.events.size(), static_cast<double>(t.peak_live_bytes) / (1 << 30),
               t.streams.size(), passes);
   std::vector<row> rows;
+  gpumem::platform& gpu = gpumem::platform_by_name("cuda");
   try {
-    rows.push_back(replay_through_c10(t, passes));
+    rows.push_back(replay_through_c10(t, passes, gpu));
   } catch (const std::exception& e) {  // c10's own refusal: say it, keep gpumem's rows
     std::printf("pytorch c10 caching allocator: failed: %s\n", e.what());
   }
-  gpumem::platform& gpu = gpumem::platform_by_name("cuda");
   {
     gpumem::vmm_page_pool pool(gpu, 0);
     rows.push_back(replay_through_gpumem(t, pool, passes));
