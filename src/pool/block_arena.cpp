@@ -55,22 +55,28 @@ void block_arena::erase_free(block* b) {
   --free_blocks_;
 }
 
-block* block_arena::best_fit(const size_bins& bins, std::size_t need) const {
+block* block_arena::best_fit(const size_bins& bins, std::size_t need, bool any_segment) const {
   int f, sb;
   size_bins::index(need, f, sb);
+  const bool all_serve = any_segment || restricted_min_ == 0 || need >= restricted_min_;
   auto smallest = [&](block* head, bool check_fit) {
     block* best = nullptr;
     for (block* b = head; b != nullptr; b = b->bin_next) {
       if (check_fit && b->size < need) continue;
+      if (!all_serve && b->segment == restricted_segment_) continue;
       if (best == nullptr || b->size < best->size || (b->size == best->size && b->addr < best->addr))
         best = b;
     }
     return best;
   };
   // Blocks in need's own bin may be smaller than need; every block above it fits, and
-  // the first non-empty bin above holds the smallest of those.
+  // the first non-empty bin above holds the smallest of those (where a bin holds only
+  // restricted blocks, the next one up).
   if (block* b = smallest(bins.heads[f][sb], true)) return b;
-  return smallest(bins.first_above(f, sb), false);
+  for (block* head = bins.first_above(f, sb); head != nullptr;
+       head = bins.first_above(head->bin_level, head->bin_sub))
+    if (block* b = smallest(head, false)) return b;
+  return nullptr;
 }
 
 template <class F>
@@ -193,7 +199,7 @@ block* block_arena::take(block* b, std::size_t size, std::size_t alignment,
 }
 
 block* block_arena::allocate(std::size_t size, std::size_t alignment, std::uintptr_t stream,
-                             std::size_t requested, std::size_t max_split) {
+                             std::size_t requested, std::size_t max_split, bool any_segment) {
   size = round(size);
   if (alignment <= unit_) {
     // Hot path: an exact-size block freed earlier on this stream (none without quick lists).
@@ -216,11 +222,11 @@ block* block_arena::allocate(std::size_t size, std::size_t alignment, std::uintp
   // Best fit; with a larger alignment, ask for enough room to align inside the block.
   const std::size_t need = size + (alignment > unit_ ? alignment - unit_ : 0);
   const size_bins* bins = bins_for(stream, false);
-  block* b = bins != nullptr ? best_fit(*bins, need) : nullptr;
+  block* b = bins != nullptr ? best_fit(*bins, need, any_segment) : nullptr;
   if (b == nullptr && alignment > unit_ && bins != nullptr) {
     // `need` assumed the worst padding; an already aligned block may fit with less.
     for_each_free([&](block* c) {
-      if (c->stream != stream) return;
+      if (c->stream != stream || (!any_segment && !serves(*c, size))) return;
       const std::uintptr_t start = (c->addr + alignment - 1) / alignment * alignment;
       if (start + size > c->addr + c->size) return;
       if (b == nullptr || c->size < b->size || (c->size == b->size && c->addr < b->addr)) b = c;
@@ -239,7 +245,7 @@ block* block_arena::allocate_from_other_streams(std::size_t size, std::size_t al
   const std::size_t need = size + (alignment > unit_ ? alignment - unit_ : 0);
   block* best = nullptr;
   for_each_free([&](block* b) {
-    if (b->stream == stream || b->size < need) return;
+    if (b->stream == stream || b->size < need || !serves(*b, need)) return;
     if (best != nullptr && (b->size > best->size || (b->size == best->size && b->addr > best->addr)))
       return;
     if (usable(*b)) best = b;

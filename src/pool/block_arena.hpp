@@ -31,6 +31,11 @@
 
 namespace gpumem::detail {
 
+// The segment id of vmm_page_pool's runs of multi-page handles from huge growths, kept for
+// requests that cover a handle (block_arena::restrict_segment); its other runs are
+// segment 0, and caching_pool numbers its upstream segments from 1.
+inline constexpr std::uint32_t whole_chunk_segment = 0xffffffffu;
+
 struct block {
   enum class state : std::uint8_t { allocated, cached, free, recycled /* record unused */ };
   std::uintptr_t addr = 0;
@@ -150,9 +155,22 @@ class block_arena {
 
   // A block of at least `size` bytes (rounded) aligned to `alignment`, on `stream`:
   // quick list first, then best fit. nullptr when nothing fits, or when the best fit is a
-  // free block larger than `max_split` (left whole). `requested` is recorded.
+  // free block larger than `max_split` (left whole). `requested` is recorded. Free blocks
+  // of the restricted segment (below) are skipped for smaller requests unless `any_segment`.
   block* allocate(std::size_t size, std::size_t alignment, std::uintptr_t stream,
-                  std::size_t requested, std::size_t max_split = static_cast<std::size_t>(-1));
+                  std::size_t requested, std::size_t max_split = static_cast<std::size_t>(-1),
+                  bool any_segment = false);
+  // Free blocks of `segment` serve only requests of at least `min_request` bytes: smaller
+  // ones never split them (their owner keeps memory there that a small block would pin).
+  // One restricted segment per arena; min_request 0 lifts the restriction.
+  void restrict_segment(std::uint32_t segment, std::size_t min_request) noexcept {
+    restricted_segment_ = segment;
+    restricted_min_ = min_request;
+  }
+  // Whether free block b may serve a request needing `need` bytes under the restriction.
+  bool serves(const block& b, std::size_t need) const noexcept {
+    return b.segment != restricted_segment_ || need >= restricted_min_;
+  }
   // Best fit among free blocks of another stream that `usable` accepts; the block is
   // re-tagged to `stream`. nullptr when none.
   block* allocate_from_other_streams(std::size_t size, std::size_t alignment,
@@ -220,8 +238,9 @@ class block_arena {
     return find_bins(stream, create);
   }
   size_bins* find_bins(std::uintptr_t stream, bool create);
-  // The smallest free block of `bins` with size >= need (lowest address on ties).
-  block* best_fit(const size_bins& bins, std::size_t need) const;
+  // The smallest free block of `bins` with size >= need (lowest address on ties) that
+  // serves `need` (or any, with any_segment).
+  block* best_fit(const size_bins& bins, std::size_t need, bool any_segment) const;
   template <class F>
   void for_each_free(F&& f) const;
 
@@ -240,6 +259,8 @@ class block_arena {
   std::map<std::uintptr_t, block*> region_end_;    // end address -> last block
   std::vector<block*> spare_blocks_;  // recycled block records
   std::vector<block*> all_records_;   // every record ever made, for cleanup
+  std::uint32_t restricted_segment_ = 0;
+  std::size_t restricted_min_ = 0;  // 0: no restriction
   std::size_t free_bytes_ = 0;
   std::size_t cached_bytes_ = 0;
   std::size_t allocated_bytes_ = 0;

@@ -285,9 +285,12 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
     drain_thread_caches();
     if (auto* b = find_free()) return b;
   }
-  // A large free run kept whole above is split after all, before anything is given back.
-  if (max_split != static_cast<std::size_t>(-1))
-    if (auto* b = a.allocate(size, alignment, stream.value, requested)) return b;
+  // A large free run kept whole above (split_limit), or one the arena keeps for larger
+  // requests (block_arena::restrict_segment), is split after all, before anything is
+  // given back: a request never fails while free memory fits it.
+  if (auto* b = a.allocate(size, alignment, stream.value, requested,
+                           static_cast<std::size_t>(-1), true))
+    return b;
   // Memory pressure: give back everything cached, then try once more.
   stats_.alloc_retries += 1;
   release_cached();
@@ -716,12 +719,13 @@ std::vector<memory_segment> pool_base::segments_locked() const {
         [&](const detail::block* first) { chains.push_back({first, id == small_arena}); });
   std::sort(chains.begin(), chains.end(),
             [](const chain& x, const chain& y) { return x.first->addr < y.first->addr; });
-  // Segment id 0 marks memory mapped on demand (vmm_page_pool): one run of mapped pages
-  // is one segment, even where its pages serve both arenas. Other ids are upstream
-  // segments (caching_pool), which never merge.
+  // Segment ids 0 and whole_chunk_segment mark memory mapped on demand (vmm_page_pool):
+  // one run of mapped pages is one segment, even where its pages serve both arenas. Other
+  // ids are upstream segments (caching_pool), which never merge.
   std::vector<memory_segment> out;
   for (const chain& c : chains) {
-    const bool expandable = c.first->segment == 0;
+    const bool expandable =
+        c.first->segment == 0 || c.first->segment == detail::whole_chunk_segment;
     const bool joins = !out.empty() && expandable && out.back().expandable &&
                        out.back().address + out.back().size == c.first->addr;
     if (!joins) {

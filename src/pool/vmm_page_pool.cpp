@@ -39,6 +39,12 @@ vmm_page_pool::vmm_page_pool(platform& platform, int device, pool_options option
   const bool worker = options_.map_worker == map_worker_mode::on ||
                       (options_.map_worker == map_worker_mode::automatic && platform.kind() == "cuda");
   if (worker && !options_.guard) worker_ = std::make_unique<detail::vmm_worker>(platform);
+  // A huge growth's multi-page handles serve only requests that cover one: a smaller block
+  // placed in one would pin its other pages where no gather can move them (ckpt_train_seed2
+  // drifted to 1.10 over 8 passes). Smaller requests take other free memory, or a growth
+  // that reclaims those handles (spare, then released and made again as one-page handles).
+  if (huge_chunk_pages() > 1)
+    arena(large_arena).restrict_segment(detail::whole_chunk_segment, huge_chunk_pages() * page_);
 
   std::size_t reserve = options.reserve_bytes;
   if (options.reserve_fraction > 0)
@@ -370,9 +376,8 @@ bool vmm_page_pool::create_chunks(std::size_t pages, handle_sizes sizes) {
   std::size_t big = 1;
   if (sizes != handle_sizes::one_page && options_.big_chunk_pages > 1) {
     if (pages >= 2 * options_.big_chunk_pages) big = options_.big_chunk_pages;
-  } else if (sizes == handle_sizes::growth && options_.big_chunk_pages == 0 &&
-             options_.huge_growth_bytes != 0 && pages * page_ >= options_.huge_growth_bytes) {
-    big = std::max<std::size_t>(1, options_.huge_growth_bytes / 16 / page_);
+  } else if (sizes == handle_sizes::growth && pages * page_ >= options_.huge_growth_bytes) {
+    big = huge_chunk_pages();
   }
   for (std::size_t left = pages; left > 0;) {
     const std::size_t n = left >= big ? big : 1;
@@ -585,6 +590,7 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std
     std::size_t first_page = no_page;
     std::size_t pages = 0;
     std::uintptr_t block_end = 0;  // the extended block's end (reclaim leaves it whole)
+    std::uint32_t segment = 0;     // the extended block's: the new pages join it
   };
   const bool huge = options_.huge_growth_bytes != 0 && size >= options_.huge_growth_bytes;
   bool retiring_after_run = false;  // a half run's next page still retiring (map worker)
@@ -592,7 +598,7 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std
     extension best;
     if (pad != 0) return best;
     for (detail::block* b : arena.free_blocks()) {
-      if (b->next != nullptr || b->size >= size) continue;
+      if (b->next != nullptr || b->size >= size || !arena.serves(*b, size)) continue;
       const bool tail = b->size < page_ && b->prev != nullptr &&
                         b->prev->st == detail::block::state::allocated;
       const bool half_run = (huge || tight) && 2 * b->size >= size;
@@ -614,7 +620,7 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std
                              (half_run && end_page < va_pages_ && page_table_[end_page] == retiring_page);
         continue;
       }
-      best = {end_page, need, b->addr + b->size};
+      best = {end_page, need, b->addr + b->size, b->segment};
     }
     return best;
   };
@@ -680,6 +686,12 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std
     }
     auto over = std::find_if(spare_.begin(), spare_.end(), mappable);
     chunk& big = chunks_[*over];
+    if (!big.lent && big.waiting == 0 && big.retiring != 0 && worker_ != nullptr) {
+      // Its old mapping is on its way out on the map worker (a handle just reclaimed):
+      // waited for, it can be released instead of mapped whole and pinned.
+      worker_->drain();
+      collect_worker();
+    }
     if (!big.lent && big.retiring == 0 && big.waiting == 0 &&
         device_platform().release_physical(big.handle)) {
       big.live = false;
@@ -704,6 +716,7 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std
     run = va_free_.find(ext.first_page);
     if (run != va_free_.end() && run->second < covered) run = va_free_.end();
   }
+  const bool run_extends = run != va_free_.end();  // mapped right after the extended block
   if (run == va_free_.end() && covered >= pages) {
     // Not right above a free run of half a huge request or more, where possible: that
     // address space is how the run grows in place (above) when it is asked for again.
@@ -779,7 +792,16 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std
     for (std::size_t p = 0; p < k.pages; ++p) page_table_[at + p] = id;
     at += k.pages;
   }
-  arena.add_region(page_address(first), covered * page_, 0, stream.value);
+  // A run holding a huge growth's handles, for a request that covers one, is kept for such
+  // requests (the constructor's restrict_segment); pages that extend a block join its run.
+  std::uint32_t segment = 0;
+  if (run_extends)
+    segment = ext.segment;
+  else if (&arena == &this->arena(large_arena) && huge_chunk_pages() > 1 &&
+           size >= huge_chunk_pages() * page_ &&
+           std::any_of(chosen.begin(), chosen.end(), [&](std::uint32_t id) { return chunks_[id].pages > 1; }))
+    segment = detail::whole_chunk_segment;
+  arena.add_region(page_address(first), covered * page_, segment, stream.value);
   notify(pool_event_kind::segment_map, page_address(first), covered * page_);
   return true;
 }

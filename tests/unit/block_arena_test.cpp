@@ -210,6 +210,49 @@ TEST(BlockArena, AdjacentRegionsOfDifferentSegmentsStayApart) {
   EXPECT_ARENA_VALID(a);
 }
 
+// A restricted segment's free blocks serve only requests of at least its minimum: a smaller
+// request takes the next fitting block of another segment (searched bin after bin past
+// the restricted ones), or nothing; a larger one, or any with any_segment, takes it.
+TEST(BlockArena, ARestrictedSegmentServesOnlyRequestsOfItsMinimum) {
+  constexpr std::uint32_t kept = 9;
+  block_arena a(0, 512, 0);
+  a.restrict_segment(kept, 8 * MiB);
+  a.add_region(base, 64 * MiB, kept, 7);                 // the smallest fit for most requests
+  a.add_region(base + 128 * MiB, 96 * MiB, 1, 7);        // larger, another bin and segment
+  EXPECT_TRUE(a.serves(*sorted_free(a)[0], 8 * MiB));
+  EXPECT_FALSE(a.serves(*sorted_free(a)[0], 8 * MiB - 512));
+  EXPECT_TRUE(a.serves(*sorted_free(a)[1], 512));
+
+  block* small = a.allocate(3 * MiB, 512, 7, 3 * MiB);
+  ASSERT_NE(small, nullptr);
+  EXPECT_EQ(small->addr, base + 128 * MiB) << "the restricted block is left whole";
+  EXPECT_EQ(small->segment, 1u);
+  block* big = a.allocate(16 * MiB, 512, 7, 16 * MiB);
+  ASSERT_NE(big, nullptr);
+  EXPECT_EQ(big->addr, base) << "a request of the minimum or more takes the best fit";
+  EXPECT_ARENA_VALID(a);
+
+  // Only restricted memory left that fits: nothing for a small request, but with any_segment.
+  a.release(small, 7, 1);
+  block* other = a.allocate(96 * MiB, 512, 7, 96 * MiB);  // the whole unrestricted region
+  ASSERT_NE(other, nullptr);
+  EXPECT_EQ(a.allocate(MiB, 512, 7, MiB), nullptr);
+  EXPECT_EQ(a.allocate(MiB, 4 * MiB, 7, MiB), nullptr) << "nor with a larger alignment";
+  block* forced = a.allocate(MiB, 512, 7, MiB, static_cast<std::size_t>(-1), true);
+  ASSERT_NE(forced, nullptr);
+  EXPECT_EQ(forced->segment, kept);
+  EXPECT_ARENA_VALID(a);
+
+  // Lifting the restriction: the rest serves any request again.
+  a.restrict_segment(kept, 0);
+  block* after = a.allocate(MiB, 512, 7, MiB);
+  ASSERT_NE(after, nullptr);
+  EXPECT_EQ(after->segment, kept);
+  for (block* b : {big, other, forced, after}) a.release(b, 7, 2);
+  EXPECT_EQ(a.free_bytes(), 160 * MiB);
+  EXPECT_ARENA_VALID(a);
+}
+
 TEST(BlockArena, CarveRemovesTheMiddleAndLeavesBothSidesFree) {
   block_arena a;
   a.add_region(base, MiB, 1, 7);

@@ -102,6 +102,45 @@ TEST_F(VmmPagePool, GrowthCreatesExactlyTheMissingPagesAndGrantsAccessOnce) {
   pool.deallocate(q, 40 * MiB);
 }
 
+// A huge growth's multi-page handles serve only requests that cover one: a smaller block
+// placed in one would pin its other pages (no gather moves a handle in use). A smaller
+// request takes other memory: here, with none free elsewhere, a growth that reclaims the
+// run's top handles, releasing a big one and making it again as one-page handles. A
+// request of a handle or more is placed in the free run, with no driver call. With
+// one-page handles (huge_growth:0) the small request splits the free run in place.
+TEST_F(VmmPagePool, AHugeGrowthsHandlesServeOnlyRequestsThatCoverOne) {
+  // huge_growth:128M: 8 MiB (4-page) handles; thread_cache:off: frees reach the arena.
+  for (const bool big_handles : {true, false}) {
+    vmm_page_pool pool(sim, 0, pool_options::parse(big_handles ? "huge_growth:128M,thread_cache:off"
+                                                               : "huge_growth:0,thread_cache:off"));
+    void* huge = pool.allocate(130 * MiB);  // 65 pages
+    EXPECT_EQ(pool.page_counts().handles, big_handles ? 17u : 65u);
+    pool.deallocate(huge, 130 * MiB);
+    const auto released = pool.page_counts().pages_released;
+    const auto maps = calls(platform_op::map);
+    void* small = pool.allocate(3 * MiB);
+    if (big_handles) {
+      EXPECT_EQ(pool.page_counts().pages_released, released + 4) << "one 4-page handle made again";
+      EXPECT_GT(calls(platform_op::map), maps) << "placed in a fresh run, not in a big handle";
+    } else {
+      EXPECT_EQ(pool.page_counts().pages_released, released);
+      EXPECT_EQ(calls(platform_op::map), maps) << "split in place";
+    }
+    EXPECT_LE(pool.stats().reserved_bytes, 130 * MiB) << "no memory added";
+    const auto maps_before_covering = calls(platform_op::map);
+    void* covering = pool.allocate(16 * MiB);  // two handles' worth
+    EXPECT_EQ(calls(platform_op::map), maps_before_covering) << "in the free run, in place";
+    fill(small, 3 * MiB, 0x11);
+    fill(covering, 16 * MiB, 0x22);
+    EXPECT_TRUE(holds(small, 3 * MiB, 0x11));
+    EXPECT_TRUE(holds(covering, 16 * MiB, 0x22));
+    expect_page_accounting(pool);
+    EXPECT_TRUE(pool.is_valid()) << pool.validate();
+    pool.deallocate(covering, 16 * MiB);
+    pool.deallocate(small, 3 * MiB);
+  }
+}
+
 TEST_F(VmmPagePool, BigChunkOptionUsesFewerBiggerHandlesForBigGrowths) {
   pool_options o = pool_options::parse("big_chunk:16");
   ASSERT_EQ(o.big_chunk_pages, 16u);

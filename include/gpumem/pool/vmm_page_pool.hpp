@@ -74,6 +74,7 @@
 // So the pool and the KV cache share one memory budget and pages move between them.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -185,6 +186,12 @@ class vmm_page_pool final : public pool_base {
   // nothing kept of this call, but a chunk the undo could not release: it stays spare)
   // when the device or the limit has no room. Throws gpumem::cuda_error likewise.
   bool create_chunks(std::size_t pages, handle_sizes sizes);
+  // Pages in each handle of a huge growth (huge_growth bytes / 16); 1 where there are none
+  // (huge_growth:0, or big_chunk set: then every growth has its own handle size).
+  std::size_t huge_chunk_pages() const noexcept {
+    if (options_.big_chunk_pages != 0 || options_.huge_growth_bytes == 0) return 1;
+    return std::max<std::size_t>(1, options_.huge_growth_bytes / 16 / page_);
+  }
   std::size_t spare_pages() const;
   std::size_t spare_single_pages() const;
   // Unmaps chunks lying wholly inside cached free blocks into spare_, until `wanted`
