@@ -18,7 +18,9 @@
 //                            BYTES (default 1G) takes handles of BYTES/16 (64 MiB), the rest
 //                            one page; 0: one page per handle always. The driver's access
 //                            grant costs ~26-29 us per handle on the H200 (2026-12-01), so
-//                            one-page handles cannot grow faster than that per page
+//                            one-page handles cannot grow faster than that per page. Those
+//                            handles serve only requests of BYTES/16 or more (smaller blocks
+//                            would pin them; see vmm_page_pool.hpp)
 //   scrub:on|off             zero every block (memset on the freeing stream) at free, before
 //                            any other owner can get it (default off)
 //   guard:on|off             vmm_page_pool debug mode: every allocation gets pages of its own

@@ -59,6 +59,15 @@
 //    larger than itself and a growth takes new pages before reclaiming: the large runs
 //    stay whole for the large tensors that come back each step. Past the budget the pool
 //    is as tight as without it; a growth that cannot create pages still reclaims.
+//  - A huge growth's multi-page chunks serve only requests that cover a chunk: their run
+//    is a segment of its own, which the large arena splits only for requests of a chunk or
+//    more (block_arena::restrict_segment). A smaller block placed in one would pin the
+//    chunk's other pages where no gather can move them (a training run with a >= 1 GiB
+//    logits tensor drifted to 1.10 over 8 passes that way). Smaller requests take other
+//    memory, or a growth that reclaims the free chunks, releasing a big one and making it
+//    again as one-page chunks where it would overshoot (after waiting for the map worker
+//    when that is what still holds it). As a last resort before out-of-memory, any free
+//    block serves.
 //  - Physical memory is given back (cuMemRelease) for unmapped chunks: under memory
 //    pressure, past the release threshold, or on trim().
 //
