@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <ostream>
 #include <string>
 
 #include "gpumem/backend/backends.hpp"
@@ -429,6 +430,9 @@ struct recorded_workload {
   const char* file;
   double pytorch;  // PyTorch's peak reserved / allocated while recording
 };
+
+// Test output names the trace, not the parameter's raw bytes.
+void PrintTo(const recorded_workload& w, std::ostream* os) { *os << w.file; }
 
 class ReplayRecordedWorkload : public ::testing::TestWithParam<recorded_workload> {};
 
