@@ -450,12 +450,15 @@ TEST_P(ReplayRecordedWorkload, TheVmmPagePoolHoldsWithinFivePercentOfTheLiveByte
   {
     vmm_page_pool pool(sim);
     replay_options o;
-    o.passes = 2;
+    // Eight passes, as a longer run of the same steps: a slow drift shows there
+    // (ckpt_train_seed2 reached 1.1012 by pass 8 before a huge growth's handles were kept
+    // for requests that cover one; 1.0257 after 2 passes).
+    o.passes = 8;
     const replay_result r = replay_trace(t, pool, o);
     EXPECT_FALSE(r.oom) << r.oom_message;
     EXPECT_GE(r.fragmentation, 1.0);
-    // Measured 1.0059-1.0187 when this bound was set (2026-12-01); 1.0004-1.0257 on the
-    // fifteen traces (2026-12-02).
+    // Measured 1.0059-1.0187 when this bound was set (2026-12-01, 2 passes); 1.0004-1.0354
+    // on the fifteen traces over 8 passes (2026-12-02).
     EXPECT_LE(r.fragmentation, 1.05) << "peak reserved " << r.peak_reserved_bytes
                                      << " vs peak live " << r.peak_live_bytes;
     EXPECT_LT(r.fragmentation, w.pytorch);
