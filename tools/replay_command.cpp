@@ -241,7 +241,7 @@ void print_summary(const std::vector<std::string>& paths,
 
 int run_replay(int argc, char** argv) {
   arg_parser parser("gpumem replay",
-                    "Replay a recorded allocation trace against each allocator and compare "
+                    "Replay recorded allocation traces against each allocator and compare "
                     "peak reserved memory, fragmentation and speed.");
   parser.positional("trace", "trace file: PyTorch CSV (action,addr,size,stream,time_us) or "
                              "RMM log CSV, gzip'd or plain; several: each is replayed in "
