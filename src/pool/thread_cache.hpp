@@ -3,21 +3,31 @@
 // It holds
 //  - the live allocations this thread made, address -> (block, requested bytes), so a free
 //    on the same thread finds its block without the pool's lock; and
-//  - blocks this thread freed, per stream, binned by size (a size_bins, the index behind
-//    the arena's best fit). A block freed on stream S is handed out again only for S,
-//    at once (stream order makes that safe), never for another stream. A request takes
-//    the smallest kept block that fits within `max_size` (exact sizes first): a near fit
-//    saves the pool's locked path when sizes vary, and the caller bounds the waste.
+//  - blocks of small requests (up to pool_options::small_threshold) this thread freed, per
+//    stream, binned by size (a size_bins, the index behind the arena's best fit). A block
+//    freed on stream S is handed out again only for S, at once (stream order makes that
+//    safe), never for another stream. A request takes the smallest kept block that fits
+//    within `max_size` (exact sizes first): a near fit saves the pool's locked path when
+//    sizes vary, and the caller bounds the waste.
 //
-// With size classes for small requests (pool_options::small_classes), small and large
-// blocks are kept apart: each has its own request window (below), and the small blocks a
+// Large requests' blocks are never kept: freed, they go to their arena at once and merge
+// with their free neighbours. Held back unmerged, they split the free runs that later
+// large requests need whole, and vmm_page_pool then remaps pages to gather runs: on 27
+// recorded workloads (sim, 2 passes) keeping them cost 1.75x the driver time and 3.5x the
+// page maps of the last pass, at a higher fragmentation (1.0116 against 1.0094 geomean;
+// docs/RESULTS.md).
+//
+// With size classes for small requests (pool_options::small_classes), the small blocks a
 // cache keeps are bounded by bytes (small_bytes_limit) instead of being drained back on
 // every miss of the small arena.
 //
-// Blocks in either part stay `allocated` in their arena: the arena does not see them, and
+// Blocks kept here stay `allocated` in their arena: the arena does not see them, and
 // nothing here writes a block field the arena reads for an allocated block (only the bin
-// links and bin index, which the arena uses for its own free blocks alone). The pool drains the freed blocks back into the
-// arenas, with the pool lock held, before it merges, grows, trims or gives memory back.
+// links and bin index, which the arena uses for its own free blocks alone). A small
+// request's block may come from the large arena (caching_pool lets small requests use its
+// free space): it is kept all the same and goes back to the arena it came from. The pool
+// drains the freed blocks back into the arenas, with the pool lock held, before it merges,
+// grows, trims or gives memory back.
 //
 // Locking: `mutex` guards everything here. The owner thread takes it on each operation
 // (uncontended in the steady state: this is what makes threads scale); the pool takes it,
@@ -25,7 +35,7 @@
 // pool mutex, needs no cache lock: every other thread reaches a cache only through the
 // pool mutex (the locked paths use this: one lock per call, not two). Lock order: pool
 // mutex, then a cache's mutex; no one takes the pool mutex while holding a cache's.
-// keeping() and the request windows are the owner's alone (read and written by it only).
+// keeping() and the request window are the owner's alone (read and written by it only).
 #pragma once
 
 #include <array>
@@ -73,18 +83,15 @@ struct live_record {
 
 // Cache-line aligned: two threads' caches never share a line.
 struct alignas(64) thread_cache {
-  // Freed blocks kept per thread; past this a free goes to the arena (its quick lists).
+  // Freed blocks kept per thread; past this a free goes to the arena.
   static constexpr std::size_t max_free_blocks = 512;
 
   cache_lock_word mutex;
   flat_map<std::uintptr_t, live_record, mix_hash> live;
   std::size_t free_blocks = 0;
-  // Called once by the pool, before first use: small blocks and large ones get their own
-  // request windows, and at most small_bytes of small blocks are kept.
-  void keep_small_apart(std::size_t small_bytes) noexcept {
-    window_mask_ = 1;
-    small_bytes_limit = small_bytes;
-  }
+  // Called once by the pool, before first use, with size classes: at most small_bytes of
+  // small arena blocks are kept.
+  void limit_small_bytes(std::size_t small_bytes) noexcept { small_bytes_limit = small_bytes; }
   std::size_t small_bytes_limit = static_cast<std::size_t>(-1);
   std::array<std::size_t, 2> free_bytes{};  // by arena id
   std::uint64_t allocations = 0;            // made or freed by this thread, for stats
@@ -172,23 +179,19 @@ struct alignas(64) thread_cache {
     for (const auto& bins : bins_)
       bins->for_each([&](const block* b) { f(b, bins->stream); });
   }
-  // Whether frees keep blocks of arena `id` (small or large requests) here. A cache whose
-  // blocks rarely serve this thread's requests (sizes that vary at random: under
-  // min_hit_percent of a window of requests) only adds work (held blocks are drained back
-  // before the arena can merge them) and stops keeping blocks for a while. One window
-  // for all requests, or one per arena when small blocks are kept apart (small requests in size classes
-  // are served often even where large ones vary too much).
-  bool keeping(std::uint32_t id) const noexcept { return reuse_[window_of(id)].pass_frees == 0; }
-  void note_request(std::uint32_t id, bool served) noexcept {
-    reuse_window& w = reuse_[window_of(id)];
-    w.hits += served ? 1 : 0;
-    if (++w.requests < window) return;
-    if (w.hits * 100 < window * min_hit_percent) w.pass_frees = pause_frees;
-    w.requests = w.hits = 0;
+  // Whether frees of small requests keep their blocks here. A cache whose blocks rarely
+  // serve this thread's small requests (sizes that vary at random: under min_hit_percent of
+  // a window of them) only adds work (held blocks are drained back before the arena can
+  // merge them) and stops keeping blocks for a while.
+  bool keeping() const noexcept { return reuse_.pass_frees == 0; }
+  void note_request(bool served) noexcept {
+    reuse_.hits += served ? 1 : 0;
+    if (++reuse_.requests < window) return;
+    if (reuse_.hits * 100 < window * min_hit_percent) reuse_.pass_frees = pause_frees;
+    reuse_.requests = reuse_.hits = 0;
   }
-  void note_passed_free(std::uint32_t id) noexcept {
-    reuse_window& w = reuse_[window_of(id)];
-    if (w.pass_frees > 0) w.pass_frees -= 1;
+  void note_passed_free() noexcept {
+    if (reuse_.pass_frees > 0) reuse_.pass_frees -= 1;
   }
   void note_free(std::uintptr_t addr) noexcept {
     deallocations += 1;
@@ -205,9 +208,7 @@ struct alignas(64) thread_cache {
     std::uint32_t hits = 0;
     std::uint32_t pass_frees = 0;  // frees left that go to the arena, not kept
   };
-  std::array<reuse_window, 2> reuse_{};  // [0] all requests, or small ones; [1] large ones
-  std::uint32_t window_mask_ = 0;  // 1 when small blocks are kept apart
-  std::uint32_t window_of(std::uint32_t id) const noexcept { return id & window_mask_; }
+  reuse_window reuse_{};  // over small requests
   // Blocks of one size bin looked at before moving to the bin above.
   static constexpr int scan_limit = 4;
   // The kept blocks of `stream` (a size_bins per stream the thread freed on), or nullptr.

@@ -140,11 +140,12 @@ TEST_F(PoolOverhead, FreeWholePagesAreReleasableAndPagesSharedWithALiveBlockAreN
   EXPECT_EQ(o.free_releasable, 0u);
   pool.deallocate(first, 8 * MiB);
   o = explain_overhead(pool);
-  EXPECT_EQ(o.cached, 8 * MiB) << "without thread caches a free goes to a quick list first";
+  EXPECT_EQ(o.cached, 0u) << "a large block is never held in a quick list: it merges at once";
+  EXPECT_EQ(o.free_releasable, 8 * MiB);
   EXPECT_EQ(o.requested, 3 * MiB);
   EXPECT_EQ(parts(o), o.reserved);
-  // A request no quick list and no free block serves merges the quick lists; best fit puts
-  // it at the start of the 8 MiB run: page 0 is shared with it, pages 1-3 are free whole.
+  // Best fit puts the next request at the start of the 8 MiB run (the 1 MiB left after the
+  // second block is too small): page 0 is shared with it, pages 1-3 are free whole.
   void* third = pool.allocate(MiB + 512);
   o = explain_overhead(pool);
   EXPECT_EQ(o.cached, 0u);
@@ -187,17 +188,25 @@ TEST_F(PoolOverhead, CachingPoolFreeBytesGoBySegment) {
   EXPECT_EQ(parts(o), o.reserved);
   pool.deallocate(a, 3 * MiB);
   o = explain_overhead(pool);
-  EXPECT_EQ(o.cached, 3 * MiB);
+  EXPECT_EQ(o.cached, 0u) << "a large block is never held in a quick list: it merges at once";
   EXPECT_EQ(o.requested, 100 * KiB);
   EXPECT_EQ(parts(o), o.reserved);
-  // trim frees the large segment: what is left is the small one, shared with b.
-  pool.trim();
-  o = explain_overhead(pool);
-  EXPECT_EQ(o.cached, 0u);
+  // One 4 MiB segment holds both (a small request may take the large arena's free space,
+  // here the 1 MiB after a): not idle, so nothing is releasable and trim keeps it.
+  EXPECT_EQ(o.reserved, 4 * MiB);
   EXPECT_EQ(o.free_releasable, 0u);
   EXPECT_EQ(o.free_pinned, o.reserved - 100 * KiB);
+  pool.trim();
+  o = explain_overhead(pool);
+  EXPECT_EQ(o.reserved, 4 * MiB);
   EXPECT_EQ(parts(o), o.reserved);
+  // Freed too, the segment is idle: all of it is releasable, and trim gives it back.
   pool.deallocate(b, 100 * KiB);
+  o = explain_overhead(pool);
+  EXPECT_EQ(o.cached, 0u);
+  EXPECT_EQ(o.free_releasable, 4 * MiB);
+  pool.trim();
+  EXPECT_EQ(explain_overhead(pool).reserved, 0u);
 }
 
 TEST_F(PoolOverhead, GuardedAllocationsCountAsRequestedAndTheirGuardPagesAsOther) {

@@ -151,9 +151,10 @@ TEST_F(ThreadCache, AThreadWhoseKeptBlocksRarelyFitStopsKeepingThem) {
   vmm_page_pool pool(sim, 0);
   std::promise<void> ready, go, freed;
   std::thread worker([&] {
-    // 300 requests, each a size no kept block can serve (each larger than every before).
+    // 300 small requests, each a size no kept block can serve (each larger than every
+    // before; all under small_threshold: only small requests' blocks are kept and counted).
     std::size_t size = 64 * KiB;
-    for (int i = 0; i < 300; ++i, size += 8 * KiB) pool.deallocate(pool.allocate(size), size);
+    for (int i = 0; i < 300; ++i, size += 2 * KiB) pool.deallocate(pool.allocate(size), size);
     void* p = pool.allocate(KiB);
     ready.set_value();
     go.get_future().wait();

@@ -34,9 +34,11 @@
 //                            the block its predecessor freed. Costs up to BYTES per live large
 //                            block (worst case: many requests just over a multiple)
 //   thread_cache:on|off      per-thread caches in front of the pool: a thread reuses the
-//                            blocks it freed (its size, or up to 1/16 larger within the
-//                            1/32 waste allowance), and frees what it allocated, without the
-//                            pool's lock (default on; off: every call takes the pool lock)
+//                            blocks of small requests it freed (its size, or up to 1/16
+//                            larger within the 1/32 waste allowance), and frees what it
+//                            allocated, without the pool's lock (default on; off: every call
+//                            takes the pool lock). Large requests always take the pool lock
+//                            (their blocks merge at once; see thread_cache.hpp)
 //   small_classes:N          round small requests (up to small_threshold) up to size classes,
 //                            N to an octave (a power of two up to 64; default 0: 512-byte
 //                            units only). A block then exceeds its request by under 1/N,
