@@ -17,6 +17,12 @@ Workloads (small models, a few seconds each on an H200):
   generate_sampled  Llama generate() with sampling, batch 1-48, prompts 16-768 tokens
   side_stream    training where each batch is copied from pinned host memory on a side
                  stream and handed over with record_stream (two streams in the trace)
+  moe_train      top-2 mixture-of-experts blocks: each expert's token count, so its
+                 activation sizes, change every step and layer (data-dependent shapes)
+  unet_sample    diffusion-style sampling with a U-Net, inference: shapes repeat for the 15
+                 steps of a request and change across requests
+  gnn_varlen     a graph network trained on random graphs of varying size: gathers and
+                 scatter-adds of a new size every step
 
 With --time MODE it records nothing: each workload runs twice in this process (the first
 run warms caches, cuDNN and the pool; the second is timed, with the same random shapes) under
@@ -144,8 +150,150 @@ def side_stream(torch, rng):
         del x
 
 
+def moe_train(torch, rng):
+    """Top-2 mixture-of-experts blocks trained under bf16 autocast: the tokens routed to each
+    expert, so its activations' sizes, change every step and layer."""
+    nn, F = torch.nn, torch.nn.functional
+    d, experts = 1024, 8
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.attn = nn.MultiheadAttention(d, 16, batch_first=True)
+            self.gate = nn.Linear(d, experts, bias=False)
+            self.w1 = nn.Parameter(torch.randn(experts, d, 4 * d) * 0.02)
+            self.w2 = nn.Parameter(torch.randn(experts, 4 * d, d) * 0.02)
+
+        def forward(self, x):
+            h = self.norm1(x)
+            x = x + self.attn(h, h, h, need_weights=False)[0]
+            b, t, _ = x.shape
+            flat = self.norm2(x).reshape(-1, d)
+            weight, expert = self.gate(flat).softmax(-1).topk(2, dim=-1)
+            out = torch.zeros_like(flat)
+            for e in range(experts):
+                token, slot = (expert == e).nonzero(as_tuple=True)
+                if token.numel() == 0:
+                    continue
+                y = F.gelu(flat[token] @ self.w1[e]) @ self.w2[e]
+                out = out.index_add(0, token, (y * weight[token, slot, None]).to(out.dtype))
+            return x + out.reshape(b, t, d)
+
+    model = nn.Sequential(*[Block() for _ in range(4)]).cuda()
+    head = nn.Linear(d, 8000).cuda()
+    opt = torch.optim.AdamW(list(model.parameters()) + list(head.parameters()), lr=1e-4)
+    emb = torch.randn(8000, d, device="cuda")
+    for _ in range(12):
+        batch, seq = rng.choice([4, 8, 16]), rng.choice([128, 256, 512, 1024])
+        ids = torch.randint(0, 8000, (batch, seq), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = head(model(emb[ids]))
+        F.cross_entropy(logits.float().reshape(-1, 8000), ids.reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def unet_sample(torch, rng):
+    """Diffusion-style sampling, inference only in bf16: a U-Net with attention at the lower
+    resolutions, 15 denoising steps with classifier-free guidance (batch doubled) per
+    request, each request of its own latent size and batch (the same shapes repeat within a
+    request, change across requests)."""
+    nn, F = torch.nn, torch.nn.functional
+
+    class Res(nn.Module):
+        def __init__(self, cin, cout):
+            super().__init__()
+            self.n1, self.c1 = nn.GroupNorm(32, cin), nn.Conv2d(cin, cout, 3, padding=1)
+            self.n2, self.c2 = nn.GroupNorm(32, cout), nn.Conv2d(cout, cout, 3, padding=1)
+            self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+        def forward(self, x):
+            h = self.c2(F.silu(self.n2(self.c1(F.silu(self.n1(x))))))
+            return h + self.skip(x)
+
+    class Attn(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.n, self.qkv, self.o = nn.GroupNorm(32, c), nn.Conv2d(c, 3 * c, 1), nn.Conv2d(c, c, 1)
+            self.heads = c // 64
+
+        def forward(self, x):
+            b, c, h, w = x.shape
+            q, k, v = self.qkv(self.n(x)).reshape(b, 3, self.heads, c // self.heads, h * w) \
+                .transpose(-1, -2).unbind(1)
+            y = F.scaled_dot_product_attention(q, k, v)
+            return x + self.o(y.transpose(-1, -2).reshape(b, c, h, w))
+
+    class UNet(nn.Module):
+        def __init__(self, widths=(128, 256, 512)):
+            super().__init__()
+            self.inp = nn.Conv2d(4, widths[0], 3, padding=1)
+            self.down, self.up = nn.ModuleList(), nn.ModuleList()
+            c, last = widths[0], len(widths) - 1
+            for i, w in enumerate(widths):
+                self.down.append(nn.ModuleList([
+                    Res(c, w), Attn(w) if i > 0 else nn.Identity(),
+                    nn.Conv2d(w, w, 3, stride=2, padding=1) if i < last else nn.Identity()]))
+                c = w
+            self.mid = nn.Sequential(Res(c, c), Attn(c), Res(c, c))
+            for i, w in reversed(list(enumerate(widths))):
+                self.up.append(nn.ModuleList([
+                    Res(c + w, w), Attn(w) if i > 0 else nn.Identity(),
+                    nn.Upsample(scale_factor=2) if i > 0 else nn.Identity()]))
+                c = w
+            self.out = nn.Sequential(nn.GroupNorm(32, c), nn.SiLU(), nn.Conv2d(c, 4, 3, padding=1))
+
+        def forward(self, x):
+            h, skips = self.inp(x), []
+            for res, attn, down in self.down:
+                h = attn(res(h))
+                skips.append(h)
+                h = down(h)
+            h = self.mid(h)
+            for res, attn, up in self.up:
+                h = up(attn(res(torch.cat([h, skips.pop()], 1))))
+            return self.out(h)
+
+    model = UNet().cuda().to(torch.bfloat16).eval()
+    with torch.inference_mode():
+        for _ in range(8):
+            side, batch = rng.choice([32, 48, 64, 80, 96]), rng.choice([1, 2, 4, 8])
+            x = torch.randn(batch, 4, side, side, device="cuda", dtype=torch.bfloat16)
+            for _ in range(15):
+                cond, uncond = model(torch.cat([x, x])).chunk(2)
+                x = x - 0.05 * (uncond + 4.0 * (cond - uncond))
+            x.float().cpu()
+
+
+def gnn_varlen(torch, rng):
+    """A graph network trained on random graphs of 20k-200k nodes and 8-32 edges a node:
+    gathers and scatter-adds whose sizes differ on every step (no two steps alike)."""
+    nn = torch.nn
+    d = 256
+    layers = nn.ModuleList([nn.Linear(2 * d, d) for _ in range(4)]).cuda()
+    inp, out = nn.Linear(64, d).cuda(), nn.Linear(d, 16).cuda()
+    params = list(layers.parameters()) + list(inp.parameters()) + list(out.parameters())
+    opt = torch.optim.Adam(params, lr=1e-3)
+    for _ in range(16):
+        nodes = rng.randint(20_000, 200_000)
+        edges = nodes * rng.randint(8, 32)
+        x = torch.randn(nodes, 64, device="cuda")
+        src = torch.randint(0, nodes, (edges,), device="cuda")
+        dst = torch.randint(0, nodes, (edges,), device="cuda")
+        y = torch.randint(0, 16, (nodes,), device="cuda")
+        h = inp(x).relu()
+        for lin in layers:
+            agg = torch.zeros_like(h).index_add(0, dst, h[src])
+            h = h + lin(torch.cat([h, agg / 16], 1)).relu()
+        nn.functional.cross_entropy(out(h), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
 WORKLOADS = {f.__name__: f for f in (ckpt_train, conv_multiscale, encode_varlen,
-                                     generate_sampled, side_stream)}
+                                     generate_sampled, side_stream, moe_train, unet_sample,
+                                     gnn_varlen)}
 
 
 def record(name, out_dir, seed):
