@@ -425,7 +425,7 @@ TEST(ReplayRealTrace, TrainingTraceOnTheVmmPagePoolStaysWithinOnePercent) {
 }
 
 // Workloads unlike the shared traces (data/workloads/README.md): the page pool holds close
-// to the live bytes on each, where PyTorch held 1.24-2.45 times them while recording.
+// to the live bytes on each, where PyTorch held 1.04-3.38 times them while recording.
 struct recorded_workload {
   const char* file;
   double pytorch;  // PyTorch's peak reserved / allocated while recording
@@ -445,7 +445,7 @@ TEST_P(ReplayRecordedWorkload, TheVmmPagePoolHoldsWithinFivePercentOfTheLiveByte
   const trace t = load_trace(path);
   ASSERT_GT(t.allocs, 1000u);
   sim_options so;
-  so.capacity = 16 * GiB;
+  so.capacity = 48 * GiB;  // gnn_varlen_seed1 peaks at 30 GiB live
   sim_platform sim(so);
   {
     vmm_page_pool pool(sim);
@@ -458,7 +458,8 @@ TEST_P(ReplayRecordedWorkload, TheVmmPagePoolHoldsWithinFivePercentOfTheLiveByte
     EXPECT_FALSE(r.oom) << r.oom_message;
     EXPECT_GE(r.fragmentation, 1.0);
     // Measured 1.0059-1.0187 when this bound was set (2026-12-01, 2 passes); 1.0004-1.0354
-    // on the fifteen traces over 8 passes (2026-12-02).
+    // on the fifteen traces over 8 passes (2026-12-02); 1.0004-1.0257 on the twenty-four
+    // once large blocks were no longer held in thread caches (2026-12-02).
     EXPECT_LE(r.fragmentation, 1.05) << "peak reserved " << r.peak_reserved_bytes
                                      << " vs peak live " << r.peak_live_bytes;
     EXPECT_LT(r.fragmentation, w.pytorch);
@@ -485,7 +486,18 @@ INSTANTIATE_TEST_SUITE_P(Workloads, ReplayRecordedWorkload,
                                            recorded_workload{"encode_varlen_seed3.csv.gz", 2.2300},
                                            recorded_workload{"side_stream_seed1.csv.gz", 1.3133},
                                            recorded_workload{"side_stream_seed2.csv.gz", 1.2412},
-                                           recorded_workload{"side_stream_seed3.csv.gz", 1.3285}),
+                                           recorded_workload{"side_stream_seed3.csv.gz", 1.3285},
+                                           // Kinds recorded later: data-dependent expert
+                                           // sizes, repeated sampling steps, graphs.
+                                           recorded_workload{"moe_train.csv.gz", 1.0550},
+                                           recorded_workload{"moe_train_seed1.csv.gz", 1.0513},
+                                           recorded_workload{"moe_train_seed2.csv.gz", 1.0625},
+                                           recorded_workload{"unet_sample.csv.gz", 1.3280},
+                                           recorded_workload{"unet_sample_seed1.csv.gz", 1.0532},
+                                           recorded_workload{"unet_sample_seed2.csv.gz", 2.2924},
+                                           recorded_workload{"gnn_varlen.csv.gz", 1.0411},
+                                           recorded_workload{"gnn_varlen_seed1.csv.gz", 2.2965},
+                                           recorded_workload{"gnn_varlen_seed2.csv.gz", 3.3814}),
                          [](const ::testing::TestParamInfo<recorded_workload>& i) {
                            std::string n = i.param.file;
                            return n.substr(0, n.find('.'));

@@ -14,6 +14,7 @@
 #include "gpumem/backend/backends.hpp"
 #include "gpumem/errors.hpp"
 #include "gpumem/pool/caching_pool.hpp"
+#include "gpumem/pool/overhead.hpp"
 #include "gpumem/pool/pool_options.hpp"
 #include "gpumem/pool/vmm_page_pool.hpp"
 #include "unit/pool_test_support.hpp"
@@ -143,6 +144,36 @@ TEST_F(ThreadCache, ANearFitNeverCrossesStreamsOrTheWasteAllowance) {
   EXPECT_EQ(fits, kept);
   alone.deallocate(fits, 97 * KiB);
   EXPECT_TRUE(alone.is_valid()) << alone.validate();
+}
+
+// A large block freed on the fast path is not held in the thread's cache: it goes to its
+// arena at once and merges with its free neighbours, so a larger request finds the run
+// whole, with no page remapped and no new memory. (Kept unmerged, such blocks made
+// vmm_page_pool gather pages for the runs they split: thread_cache.hpp.)
+TEST_F(ThreadCache, LargeBlocksMergeAtOnceInsteadOfWaitingInTheCache) {
+  vmm_page_pool pool(sim, 0);  // thread caches on (the default)
+  void* a = pool.allocate(4 * MiB);
+  void* b = pool.allocate(4 * MiB);
+  void* c = pool.allocate(4 * MiB);
+  const auto maps = sim.calls_made(platform_op::map);
+  const auto reserved = pool.stats().reserved_bytes;
+  pool.deallocate(a, 4 * MiB);
+  pool.deallocate(b, 4 * MiB);
+  EXPECT_EQ(explain_overhead(pool).cached, 0u) << "held in the thread cache";
+  EXPECT_EQ(pool.largest_free_block(), 8 * MiB);
+  void* joined = pool.allocate(8 * MiB);
+  EXPECT_EQ(joined, a) << "the two freed neighbours did not serve as one run";
+  EXPECT_EQ(sim.calls_made(platform_op::map), maps);
+  EXPECT_EQ(pool.stats().reserved_bytes, reserved);
+  // Small blocks are still kept for this thread: freed and asked for again, the same one.
+  void* small = pool.allocate(64 * KiB);
+  pool.deallocate(small, 64 * KiB);
+  EXPECT_EQ(explain_overhead(pool).cached, 64 * KiB);
+  EXPECT_EQ(pool.allocate(64 * KiB), small);
+  pool.deallocate(small, 64 * KiB);
+  pool.deallocate(joined, 8 * MiB);
+  pool.deallocate(c, 4 * MiB);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
 }
 
 // A thread whose requests its kept blocks rarely serve (sizes at random) stops keeping
