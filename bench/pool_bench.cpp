@@ -16,10 +16,12 @@
 //               one-page handles, and 128 and 256 MiB ones through big_chunk) and on a pool
 //               holding 1 GiB of one-page handles reserved up front (mapped by its
 //               constructor, whose time is reported too)
-//   threads     1, 2, 4, 8 threads (up to the cores) sharing one pool, same-size pairs: the
-//               wall time per pair over all threads (lower = better), with the per-thread
-//               caches (the default) and without them (thread_cache:off: the pool's mutex on
-//               every call)
+//   threads     1, 2, 4, 8 threads (up to the cores) sharing one pool, same-size pairs, each
+//               thread a size of its own: the wall time per pair over all threads (lower =
+//               better). Small sizes (256 KiB) with the per-thread caches (the default) and
+//               without them (thread_cache:off: the pool's mutex on every call); large ones
+//               (4 MiB), which take the pool's mutex either way (their blocks merge at once,
+//               never held in a thread's cache: src/pool/thread_cache.hpp)
 //
 // The pools run with their defaults, with small_classes:4 (small requests in size classes,
 // four to an octave: see pool_options.hpp) and with thread_cache:off, in the same process.
@@ -276,17 +278,24 @@ int main(int argc, char** argv) {
     g.construct_ns = median(constructs);
   }
 
-  // Contention: T threads share one vmm_page_pool, each doing same-size pairs; with thread
-  // caches and with every call under the pool's mutex.
+  // Contention: T threads share one vmm_page_pool, each doing same-size pairs; small sizes
+  // with thread caches and with every call under the pool's mutex, then large sizes.
   struct threaded_row {
-    bool cached;
+    const char* what;
     int threads;
     double ns;
   };
+  struct threaded_case {
+    const char* what;
+    bool cached;
+    std::size_t size;
+  };
   std::vector<threaded_row> threaded;
-  for (bool cached : {true, false}) {
+  for (const threaded_case k : {threaded_case{"256 KiB, thread caches", true, 256 << 10},
+                                threaded_case{"256 KiB, thread_cache:off", false, 256 << 10},
+                                threaded_case{"4 MiB (large: the pool's lock)", true, 4 << 20}}) {
     pool_options o;
-    o.thread_cache = cached;
+    o.thread_cache = k.cached;
     vmm_page_pool shared(p, 0, o);
     const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
     for (unsigned t : {1u, 2u, 4u, 8u}) {
@@ -295,13 +304,13 @@ int main(int argc, char** argv) {
       std::vector<std::thread> workers;
       const auto t0 = clock_type::now();
       for (unsigned w = 0; w < t; ++w)
-        workers.emplace_back([&shared, steps, w] {
-          const std::size_t n = (std::size_t{1} << 20) + w * 512;  // a size of its own
+        workers.emplace_back([&shared, steps, w, size = k.size] {
+          const std::size_t n = size + w * 512;  // a size of its own
           for (int i = 0; i < steps; ++i) shared.deallocate(shared.allocate(n), n);
         });
       for (auto& w : workers) w.join();
       const double total_ns = std::chrono::duration<double, std::nano>(clock_type::now() - t0).count();
-      threaded.push_back({cached, static_cast<int>(t), total_ns / (static_cast<double>(steps) * t)});
+      threaded.push_back({k.what, static_cast<int>(t), total_ns / (static_cast<double>(steps) * t)});
     }
   }
 
@@ -322,8 +331,7 @@ int main(int argc, char** argv) {
   std::printf("\n");
   for (const threaded_row& r : threaded)
     std::printf("%d thread(s) sharing one pool, %s: %.1f ns of wall time per alloc+free pair, "
-                "all threads together\n", r.threads,
-                r.cached ? "thread caches" : "thread_cache:off", r.ns);
+                "all threads together\n", r.threads, r.what, r.ns);
 
   if (!json_path.empty()) {
     std::FILE* f = std::fopen(json_path.c_str(), "w");
