@@ -12,10 +12,11 @@
 //
 // Large requests' blocks are never kept: freed, they go to their arena at once and merge
 // with their free neighbours. Held back unmerged, they split the free runs that later
-// large requests need whole, and vmm_page_pool then remaps pages to gather runs: on 27
-// recorded workloads (sim, 2 passes) keeping them cost 1.75x the driver time and 3.5x the
-// page maps of the last pass, at a higher fragmentation (1.0116 against 1.0094 geomean;
-// docs/RESULTS.md).
+// large requests need whole, and vmm_page_pool then remaps pages to gather runs. On 27
+// recorded workloads (sim, vmm_page_pool, 2 passes) keeping them cost 12.9 against 7.5 s
+// of modelled driver time, 69,921 against 20,323 page maps in the last pass, and 1.0116
+// against 1.0095 fragmentation (geomean); keeping even one a thread cost 9.5 s and 44,011
+// maps (docs/RESULTS.md).
 //
 // With size classes for small requests (pool_options::small_classes), the small blocks a
 // cache keeps are bounded by bytes (small_bytes_limit) instead of being drained back on

@@ -23,9 +23,9 @@
 // the pool (src/pool/thread_cache.hpp) holding the live allocations it made and the blocks
 // of small requests it freed, by (stream, size). A small allocation that finds such a
 // block, and a free of a small pointer this thread allocated, take only that cache's lock,
-// never the pool's: threads do not serialize on the pool in the steady state. Large
-// requests take the pool lock: their blocks are merged at once, never held back. Everything else takes the pool lock;
-// there, every cache is drained into the arenas (where its blocks merge) when an arena
+// never the pool's: threads do not serialize on the pool in the steady state. Everything
+// else takes the pool lock, large requests always (their blocks merge at once, never held
+// back); there, every cache is drained into the arenas (where its blocks merge) when an arena
 // cannot serve a request, before the pool grows, trims or gives memory back, and reports
 // count cached blocks as cached. The fast path is off with guard, scrub, a release
 // threshold or an observer attached (each needs every call).
