@@ -23,6 +23,12 @@ Workloads (small models, a few seconds each on an H200):
                  steps of a request and change across requests
   gnn_varlen     a graph network trained on random graphs of varying size: gathers and
                  scatter-adds of a new size every step
+  lstm_varlen    an LSTM trained on packed batches of random size and length (cuDNN's
+                 workspace varies)
+  vit_accum      a ViT-style encoder in fp16 with a GradScaler, four micro-batches of random
+                 size accumulated per optimizer step
+  recsys_sparse  embedding bags with sparse gradients (SparseAdam) and a dense MLP: sparse
+                 gradients of a new size every step
 
 With --time MODE it records nothing: each workload runs twice in this process (the first
 run warms caches, cuDNN and the pool; the second is timed, with the same random shapes) under
@@ -291,9 +297,83 @@ def gnn_varlen(torch, rng):
         opt.zero_grad(set_to_none=True)
 
 
+def lstm_varlen(torch, rng):
+    """An LSTM language model trained on packed batches of random size and length: cuDNN's
+    workspace and every activation change size every step."""
+    nn = torch.nn
+    emb = nn.Embedding(16000, 512).cuda()
+    lstm = nn.LSTM(512, 1024, num_layers=3, batch_first=True).cuda()
+    head = nn.Linear(1024, 16000).cuda()
+    params = list(emb.parameters()) + list(lstm.parameters()) + list(head.parameters())
+    opt = torch.optim.Adam(params, lr=1e-3)
+    for _ in range(20):
+        batch = rng.randint(8, 64)
+        lengths = torch.tensor(sorted((rng.randint(16, 256) for _ in range(batch)), reverse=True))
+        ids = torch.randint(0, 16000, (batch, int(lengths[0])), device="cuda")
+        pack = nn.utils.rnn.pack_padded_sequence
+        out, _ = lstm(pack(emb(ids), lengths, batch_first=True))
+        target = pack(ids, lengths, batch_first=True).data
+        nn.functional.cross_entropy(head(out.data), target).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def vit_accum(torch, rng):
+    """A ViT-style encoder trained in fp16 with a GradScaler, gradients accumulated over four
+    micro-batches of random size per optimizer step."""
+    nn = torch.nn
+    d = 768
+    layer = nn.TransformerEncoderLayer(d_model=d, nhead=12, dim_feedforward=4 * d,
+                                       batch_first=True, norm_first=True)
+    body = nn.TransformerEncoder(layer, num_layers=8, enable_nested_tensor=False).cuda()
+    patch, head = nn.Conv2d(3, d, 16, stride=16).cuda(), nn.Linear(d, 1000).cuda()
+    params = list(body.parameters()) + list(patch.parameters()) + list(head.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    scaler = torch.amp.GradScaler("cuda")
+    for _ in range(8):
+        for _ in range(4):
+            batch = rng.choice([16, 24, 32, 48])
+            x = torch.randn(batch, 3, 224, 224, device="cuda")
+            y = torch.randint(0, 1000, (batch,), device="cuda")
+            with torch.autocast("cuda", dtype=torch.float16):
+                tokens = patch(x).flatten(2).transpose(1, 2)
+                loss = nn.functional.cross_entropy(head(body(tokens).mean(1)), y) / 4
+            scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+
+def recsys_sparse(torch, rng):
+    """A recommendation model: eight embedding bags of 0.25-4M rows with sparse gradients
+    (SparseAdam) and a dense MLP (Adam), batches of 2k-16k samples of 1-60 ids a bag: the
+    sparse gradients' sizes change every step."""
+    nn = torch.nn
+    rows = [1_000_000, 2_000_000, 4_000_000, 500_000, 1_500_000, 3_000_000, 250_000, 2_500_000]
+    tables = nn.ModuleList([nn.EmbeddingBag(n, 64, mode="sum", sparse=True) for n in rows]).cuda()
+    mlp = nn.Sequential(nn.Linear(64 * len(rows), 1024), nn.ReLU(), nn.Linear(1024, 512),
+                        nn.ReLU(), nn.Linear(512, 1)).cuda()
+    sparse_opt = torch.optim.SparseAdam(list(tables.parameters()), lr=1e-3)
+    dense_opt = torch.optim.Adam(mlp.parameters(), lr=1e-3)
+    for _ in range(20):
+        batch = rng.choice([2048, 4096, 8192, 16384])
+        feats = []
+        for table, n in zip(tables, rows):
+            counts = torch.randint(1, 61, (batch,), device="cuda")
+            offsets = torch.cumsum(counts, 0) - counts
+            ids = torch.randint(0, n, (int(counts.sum()),), device="cuda")
+            feats.append(table(ids, offsets))
+        y = torch.rand(batch, 1, device="cuda")
+        nn.functional.binary_cross_entropy_with_logits(mlp(torch.cat(feats, 1)), y).backward()
+        sparse_opt.step()
+        dense_opt.step()
+        sparse_opt.zero_grad(set_to_none=True)
+        dense_opt.zero_grad(set_to_none=True)
+
+
 WORKLOADS = {f.__name__: f for f in (ckpt_train, conv_multiscale, encode_varlen,
                                      generate_sampled, side_stream, moe_train, unet_sample,
-                                     gnn_varlen)}
+                                     gnn_varlen, lstm_varlen, vit_accum, recsys_sparse)}
 
 
 def record(name, out_dir, seed):
