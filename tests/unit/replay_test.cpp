@@ -459,7 +459,7 @@ TEST_P(ReplayRecordedWorkload, TheVmmPagePoolHoldsWithinFivePercentOfTheLiveByte
     EXPECT_FALSE(r.oom) << r.oom_message;
     EXPECT_GE(r.fragmentation, 1.0);
     // Measured 1.0059-1.0187 when this bound was set (2026-12-01, 2 passes); 1.0004-1.0354
-    // on the fifteen traces over 8 passes (2026-12-02); 1.0004-1.0257 on the twenty-four
+    // on the fifteen traces over 8 passes (2026-12-02); 1.0004-1.0257 on the twenty-eight
     // once large blocks were no longer held in thread caches (2026-12-02).
     EXPECT_LE(r.fragmentation, 1.05) << "peak reserved " << r.peak_reserved_bytes
                                      << " vs peak live " << r.peak_live_bytes;
