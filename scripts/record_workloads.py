@@ -29,6 +29,13 @@ Workloads (small models, a few seconds each on an H200):
                  size accumulated per optimizer step
   recsys_sparse  embedding bags with sparse gradients (SparseAdam) and a dense MLP: sparse
                  gradients of a new size every step
+  fsdp_layers    FSDP-style: each layer's flat fp32 parameters gathered into a bf16 copy
+                 before it runs and dropped after (again in backward, checkpointed); ten
+                 layers of five widths, batch and length varying
+  beam_search    Llama generate() with 4 beams: a growing cache reordered every token
+  multi_model_serve  at most three of six models on the GPU, the least recently used one
+                 dropped when a request needs another (weights made and freed over and over)
+  clip_contrastive  two towers and a batch x batch similarity loss, batch 128-1024
 
 With --time MODE it records nothing: each workload runs twice in this process (the first
 run warms caches, cuDNN and the pool; the second is timed, with the same random shapes) under
@@ -371,9 +378,113 @@ def recsys_sparse(torch, rng):
         dense_opt.zero_grad(set_to_none=True)
 
 
+def fsdp_layers(torch, rng):
+    """FSDP-style training on one GPU: each layer's parameters are one flat fp32 buffer,
+    gathered into a bf16 copy just before the layer runs and dropped after it (gathered again
+    in backward, under checkpointing), its gradient one flat buffer; ten layers of five
+    widths, batch and sequence length varying per step."""
+    nn, F = torch.nn, torch.nn.functional
+    from torch.utils.checkpoint import checkpoint
+
+    d, widths = 2048, [4096, 5632, 8192, 6144, 3072]
+    flats = [nn.Parameter(torch.randn(2 * d * w + d, device="cuda") * 0.02)
+             for w in widths * 2]
+    shapes = widths * 2
+    opt = torch.optim.AdamW(flats, lr=1e-4)
+
+    def layer(x, flat, w):
+        full = flat.to(torch.bfloat16)  # the all-gather
+        w1, w2 = full[:d * w].view(d, w), full[d * w:2 * d * w].view(w, d)
+        h = F.layer_norm(x, (d,), weight=full[2 * d * w:])
+        return x + F.gelu(h @ w1) @ w2
+
+    for _ in range(12):
+        batch, seq = rng.choice([2, 4, 8]), rng.choice([256, 512, 1024])
+        x = torch.randn(batch, seq, d, device="cuda", dtype=torch.bfloat16)
+        for flat, w in zip(flats, shapes):
+            x = checkpoint(layer, x, flat, w, use_reentrant=False)
+        x.float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def beam_search(torch, rng):
+    """Llama generate() with beam search (4 beams), batch 1-8, prompts 32-512 tokens: the
+    cache grows a token a step and is reordered by the beams kept (index_select)."""
+    model = bf16_llama_on_gpu(torch, 1536, 12)
+    model.eval()
+    model.generation_config.pad_token_id = 0
+    with torch.inference_mode():
+        for _ in range(6):
+            batch, prompt = rng.randint(1, 8), rng.randint(32, 512)
+            ids = torch.randint(1, 32000, (batch, prompt), device="cuda")
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                           max_new_tokens=rng.randint(16, 64), num_beams=4, do_sample=False)
+
+
+def multi_model_serve(torch, rng):
+    """A server keeping at most three of six models (60-540 MB of fp32 weights, served in
+    bf16) on the GPU: each request names a model, some far more popular; one not loaded is
+    built on the GPU (fp32, then a bf16 copy) after the least recently used one is dropped;
+    each request runs a batch of random size and length."""
+    nn = torch.nn
+    dims = [(1024, 4), (1536, 6), (2048, 4), (768, 12), (2560, 3), (1280, 8)]  # width, depth
+
+    def build(width, depth):
+        with torch.device("cuda"):
+            blocks = [nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                    nn.Linear(4 * width, width)) for _ in range(depth)]
+            return nn.Sequential(*blocks).to(torch.bfloat16).eval()
+
+    loaded = {}  # model index -> model, least recently used first
+    with torch.no_grad():
+        for _ in range(120):
+            m = rng.choices(range(len(dims)), [8, 4, 2, 1, 1, 1])[0]
+            if m in loaded:
+                model = loaded.pop(m)
+            else:
+                if len(loaded) == 3:
+                    loaded.pop(next(iter(loaded)))
+                model = build(*dims[m])
+            loaded[m] = model
+            x = torch.randn(rng.randint(1, 64), rng.randint(16, 256), dims[m][0], device="cuda",
+                            dtype=torch.bfloat16)
+            model(x).float().mean().item()
+
+
+def clip_contrastive(torch, rng):
+    """CLIP-style contrastive training under bf16 autocast: an image tower (a small conv net)
+    and a text tower (a transformer encoder), the loss over the batch x batch similarity
+    matrix; batch 128-1024 and text length vary per step."""
+    nn, F = torch.nn, torch.nn.functional
+    img = nn.Sequential(nn.Conv2d(3, 64, 7, 4, 3), nn.GELU(), nn.Conv2d(64, 256, 3, 2, 1),
+                        nn.GELU(), nn.Conv2d(256, 512, 3, 2, 1), nn.AdaptiveAvgPool2d(1),
+                        nn.Flatten(), nn.Linear(512, 512)).cuda()
+    layer = nn.TransformerEncoderLayer(512, 8, 2048, batch_first=True, norm_first=True)
+    txt = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False).cuda()
+    emb = nn.Embedding(32000, 512).cuda()
+    params = list(img.parameters()) + list(txt.parameters()) + list(emb.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    for _ in range(16):
+        b = rng.choice([128, 256, 384, 512, 768, 1024])
+        x = torch.randn(b, 3, 128, 128, device="cuda")
+        ids = torch.randint(0, 32000, (b, rng.choice([32, 64, 77])), device="cuda")
+        labels = torch.arange(b, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            i = F.normalize(img(x), dim=-1)
+            t = F.normalize(txt(emb(ids)).mean(1), dim=-1)
+            logits = (i @ t.T).float() * 14.0
+        loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
 WORKLOADS = {f.__name__: f for f in (ckpt_train, conv_multiscale, encode_varlen,
                                      generate_sampled, side_stream, moe_train, unet_sample,
-                                     gnn_varlen, lstm_varlen, vit_accum, recsys_sparse)}
+                                     gnn_varlen, lstm_varlen, vit_accum, recsys_sparse,
+                                     fsdp_layers, beam_search, multi_model_serve,
+                                     clip_contrastive)}
 
 
 def record(name, out_dir, seed):
