@@ -178,11 +178,18 @@ inline std::size_t pool_base::block_size_for(std::size_t bytes,
       const std::size_t step = (std::size_t{1} << (std::bit_width(units - 1) - 1)) / n;
       return (units + step - 1) / step * step * unit;
     }
-  } else if (options_.round_large > unit) {
-    const std::size_t r = (bytes + options_.round_large - 1) / options_.round_large * options_.round_large;
-    const live_and_held t = totals(live_bytes_, block_bytes_, mine);
-    const std::size_t live = t.live + bytes;
-    if (t.held + r <= live + live / round_waste_share) return r;
+  } else if (const std::size_t g = options_.round_large; g > unit) {
+    // Up to whole units of g only when that loses less than half of one. The loss is
+    // certain while the block lives; a tail left sharing its unit with the next block costs
+    // nothing while both live, and no more than the loss would when the next one dies
+    // first. So a request just over a multiple (a flat buffer and a few KiB more) keeps
+    // its 512-byte units instead of taking most of a page it will never use.
+    if (const std::size_t tail = bytes % g; tail > g / 2) {
+      const std::size_t r = bytes - tail + g;
+      const live_and_held t = totals(live_bytes_, block_bytes_, mine);
+      const std::size_t live = t.live + bytes;
+      if (t.held + r <= live + live / round_waste_share) return r;
+    }
   }
   return units * unit;
 }

@@ -426,7 +426,7 @@ TEST(ReplayRealTrace, TrainingTraceOnTheVmmPagePoolStaysWithinOnePercent) {
 
 // Workloads unlike the shared traces (data/workloads/README.md): the page pool holds close
 // to the live bytes on each, where PyTorch held 1.04-3.38 times them while recording.
-// (vit_accum, also recorded, is left out: see the list below.)
+// (vit_accum's seed 0, also recorded, is left out: see the list below.)
 struct recorded_workload {
   const char* file;
   double pytorch;  // PyTorch's peak reserved / allocated while recording
@@ -460,7 +460,8 @@ TEST_P(ReplayRecordedWorkload, TheVmmPagePoolHoldsWithinFivePercentOfTheLiveByte
     EXPECT_GE(r.fragmentation, 1.0);
     // Measured 1.0059-1.0187 when this bound was set (2026-12-01, 2 passes); 1.0004-1.0354
     // on the fifteen traces over 8 passes (2026-12-02); 1.0004-1.0257 on the twenty-eight
-    // once large blocks were no longer held in thread caches (2026-12-02).
+    // once large blocks were no longer held in thread caches (2026-12-02); 1.0004-1.0374 on
+    // the thirty-six once tails of at most half a page were no longer rounded (2026-12-02).
     EXPECT_LE(r.fragmentation, 1.05) << "peak reserved " << r.peak_reserved_bytes
                                      << " vs peak live " << r.peak_live_bytes;
     EXPECT_LT(r.fragmentation, w.pytorch);
@@ -502,9 +503,22 @@ INSTANTIATE_TEST_SUITE_P(Workloads, ReplayRecordedWorkload,
                                            recorded_workload{"lstm_varlen.csv.gz", 1.7950},
                                            recorded_workload{"lstm_varlen_seed1.csv.gz", 3.2048},
                                            recorded_workload{"recsys_sparse.csv.gz", 1.1171},
-                                           recorded_workload{"recsys_sparse_seed1.csv.gz", 1.2965}),
-                         // Not vit_accum: vmm_page_pool holds 1.0514 there, over the bound,
-                         // an open problem (data/workloads/README.md).
+                                           recorded_workload{"recsys_sparse_seed1.csv.gz", 1.2965},
+                                           recorded_workload{"vit_accum_seed1.csv.gz", 1.1145},
+                                           // Recorded before the rounding rule they led to
+                                           // (a tail of at most half a page is not rounded):
+                                           // flat FSDP buffers, beams, models loaded and
+                                           // dropped, a batch-squared loss.
+                                           recorded_workload{"fsdp_layers.csv.gz", 1.1387},
+                                           recorded_workload{"fsdp_layers_seed1.csv.gz", 1.0902},
+                                           recorded_workload{"beam_search.csv.gz", 1.1990},
+                                           recorded_workload{"multi_model_serve.csv.gz", 1.9420},
+                                           recorded_workload{"multi_model_serve_seed1.csv.gz", 2.1752},
+                                           recorded_workload{"clip_contrastive.csv.gz", 1.3427},
+                                           recorded_workload{"clip_contrastive_seed1.csv.gz", 1.2558}),
+                         // Not vit_accum (seed 0): vmm_page_pool holds 1.0458 there over 8
+                         // passes, under the bound but over PyTorch's 1.0339 of allocated
+                         // bytes, an open problem (data/workloads/README.md).
                          [](const ::testing::TestParamInfo<recorded_workload>& i) {
                            std::string n = i.param.file;
                            return n.substr(0, n.find('.'));

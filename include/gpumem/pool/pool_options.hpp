@@ -28,11 +28,14 @@
 //                            (default off; frees wait for their stream)
 //   round_large:BYTES        round blocks of large requests (over small_threshold) up to a
 //                            multiple of BYTES, a power of two (default 0: 512 B, like small
-//                            ones). With the page size (2M on the H200), vmm_page_pool's large
-//                            blocks own whole pages: no page is pinned by another block's
-//                            tail, and a tensor re-allocated a little larger each step fits
-//                            the block its predecessor freed. Costs up to BYTES per live large
-//                            block (worst case: many requests just over a multiple)
+//                            ones), when that loses less than half of BYTES (a request just
+//                            over a multiple keeps 512-byte units: its tail shares a unit with
+//                            the next block). With the page size (2M on the H200),
+//                            vmm_page_pool's large blocks mostly own whole pages: no page is
+//                            pinned by another block's tail, and a tensor re-allocated a
+//                            little larger each step fits the block its predecessor freed.
+//                            Costs under BYTES/2 per live large block, and at most 1/32 of the
+//                            live bytes in all
 //   thread_cache:on|off      per-thread caches in front of the pool: a thread reuses the
 //                            blocks of small requests it freed (its size, or up to 1/16
 //                            larger within the 1/32 waste allowance), and frees what it
