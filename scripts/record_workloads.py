@@ -130,16 +130,22 @@ def encode_varlen(torch, rng):
             pooled.cpu()
 
 
-def generate_sampled(torch, rng):
+def llama_requests(torch, rng, requests, batch, prompt, new_tokens, **options):
+    """The bf16 Llama (1536 hidden, 12 layers) serving `requests` generate() calls, each of a
+    random batch, prompt length and number of new tokens (inclusive ranges)."""
     model = bf16_llama_on_gpu(torch, 1536, 12)
     model.eval()
     model.generation_config.pad_token_id = 0
     with torch.inference_mode():
-        for _ in range(10):
-            batch, prompt = rng.randint(1, 48), rng.randint(16, 768)
-            ids = torch.randint(1, 32000, (batch, prompt), device="cuda")
+        for _ in range(requests):
+            b, p = rng.randint(*batch), rng.randint(*prompt)
+            ids = torch.randint(1, 32000, (b, p), device="cuda")
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                           max_new_tokens=rng.randint(16, 96), do_sample=True, top_k=50)
+                           max_new_tokens=rng.randint(*new_tokens), **options)
+
+
+def generate_sampled(torch, rng):
+    llama_requests(torch, rng, 10, (1, 48), (16, 768), (16, 96), do_sample=True, top_k=50)
 
 
 def side_stream(torch, rng):
@@ -411,15 +417,7 @@ def fsdp_layers(torch, rng):
 def beam_search(torch, rng):
     """Llama generate() with beam search (4 beams), batch 1-8, prompts 32-512 tokens: the
     cache grows a token a step and is reordered by the beams kept (index_select)."""
-    model = bf16_llama_on_gpu(torch, 1536, 12)
-    model.eval()
-    model.generation_config.pad_token_id = 0
-    with torch.inference_mode():
-        for _ in range(6):
-            batch, prompt = rng.randint(1, 8), rng.randint(32, 512)
-            ids = torch.randint(1, 32000, (batch, prompt), device="cuda")
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                           max_new_tokens=rng.randint(16, 64), num_beams=4, do_sample=False)
+    llama_requests(torch, rng, 6, (1, 8), (32, 512), (16, 64), num_beams=4, do_sample=False)
 
 
 def multi_model_serve(torch, rng):
