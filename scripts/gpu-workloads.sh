@@ -4,7 +4,7 @@
 # and print one table: seconds of the timed run, peak reserved over peak requested, and
 # (gpumem) the milliseconds its pool spent in driver calls over both runs.
 #
-#   WORKLOADS  which (default: all fifteen of record_workloads.py)
+#   WORKLOADS  which (default: all nineteen of record_workloads.py)
 #   MODES      native, gpumem, or gpumem:CONF with a GPUMEM_CONF string
 #              (default: "native gpumem gpumem:growth_slack:0.03")
 #   REPEATS    runs of each (default 1); OUT: where the JSON and logs go (default
@@ -15,7 +15,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-workloads-out}
-WORKLOADS=${WORKLOADS:-ckpt_train conv_multiscale encode_varlen generate_sampled side_stream moe_train unet_sample gnn_varlen lstm_varlen vit_accum recsys_sparse fsdp_layers beam_search multi_model_serve clip_contrastive}
+WORKLOADS=${WORKLOADS:-ckpt_train conv_multiscale encode_varlen generate_sampled side_stream moe_train unet_sample gnn_varlen lstm_varlen vit_accum recsys_sparse fsdp_layers beam_search multi_model_serve clip_contrastive speculative_decode lora_finetune vae_decode offload_train}
 MODES=${MODES:-native gpumem gpumem:growth_slack:0.03}
 REPEATS=${REPEATS:-1}
 BUILD=build-gpu

@@ -36,6 +36,13 @@ Workloads (small models, a few seconds each on an H200):
   multi_model_serve  at most three of six models on the GPU, the least recently used one
                  dropped when a request needs another (weights made and freed over and over)
   clip_contrastive  two towers and a batch x batch similarity loss, batch 128-1024
+  speculative_decode  assisted generation: a draft model's proposals checked by the Llama,
+                 both caches grown and cut back
+  lora_finetune  the Llama frozen in bf16, rank-16 adapters trained, batch and length varying
+  vae_decode     a convolutional decoder, latents of 32-128 px to images 8x larger (activations
+                 of up to a GiB, a new size every request)
+  offload_train  activations saved to pinned host memory in forward (save_on_cpu), back in
+                 backward
 
 With --time MODE it records nothing: each workload runs twice in this process (the first
 run warms caches, cuDNN and the pool; the second is timed, with the same random shapes) under
@@ -478,11 +485,106 @@ def clip_contrastive(torch, rng):
         opt.zero_grad(set_to_none=True)
 
 
+def speculative_decode(torch, rng):
+    """Assisted generation, batch 1: a 4-layer draft model (1024 hidden) proposes tokens that
+    the 12-layer Llama checks, prompts 32-512 tokens: both models' caches grow, and are cut
+    back when proposals are rejected."""
+    model = bf16_llama_on_gpu(torch, 1536, 12)
+    draft = bf16_llama_on_gpu(torch, 1024, 4)
+    for m in (model, draft):
+        m.eval()
+        m.generation_config.pad_token_id = 0
+    with torch.inference_mode():
+        for _ in range(8):
+            ids = torch.randint(1, 32000, (1, rng.randint(32, 512)), device="cuda")
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), assistant_model=draft,
+                           max_new_tokens=rng.randint(32, 128), do_sample=False)
+
+
+def lora_finetune(torch, rng):
+    """LoRA fine-tuning: the bf16 Llama (1536 hidden, 12 layers) frozen, rank-16 adapters on
+    its attention and MLP projections, AdamW over the adapters only; batch 1-8 x sequence
+    128-1024 per step."""
+    nn = torch.nn
+    model = bf16_llama_on_gpu(torch, 1536, 12)
+    model.requires_grad_(False)
+
+    class LoRA(nn.Module):
+        def __init__(self, base, rank=16):
+            super().__init__()
+            self.base = base
+            self.a = nn.Parameter(torch.randn(rank, base.in_features, device="cuda",
+                                              dtype=torch.bfloat16) * 0.01)
+            self.b = nn.Parameter(torch.zeros(base.out_features, rank, device="cuda",
+                                              dtype=torch.bfloat16))
+
+        def forward(self, x):
+            return self.base(x) + (x @ self.a.T) @ self.b.T
+
+    adapters = []
+    for layer in model.model.layers:
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for name in names:
+                lora = LoRA(getattr(parent, name))
+                setattr(parent, name, lora)
+                adapters += [lora.a, lora.b]
+    opt = torch.optim.AdamW(adapters, lr=1e-4)
+    model.train()
+    for _ in range(16):
+        batch, seq = rng.choice([1, 2, 4, 8]), rng.choice([128, 256, 512, 1024])
+        ids = torch.randint(0, 32000, (batch, seq), device="cuda")
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def vae_decode(torch, rng):
+    """A VAE-style convolutional decoder in bf16, inference: latents of 32-128 px decoded to
+    images 8x larger, batch 1-4: a few activations of up to a GiB, their sizes changing with
+    every request."""
+    nn = torch.nn
+
+    def block(cin, cout):
+        return nn.Sequential(nn.GroupNorm(32, cin), nn.SiLU(), nn.Conv2d(cin, cout, 3, padding=1))
+
+    chans = [512, 512, 256, 128]
+    layers = [nn.Conv2d(4, 512, 3, padding=1), block(512, 512), block(512, 512)]
+    for cin, cout in zip(chans, chans[1:]):
+        layers += [nn.Upsample(scale_factor=2), nn.Conv2d(cin, cout, 3, padding=1),
+                   block(cout, cout), block(cout, cout)]
+    layers += [nn.GroupNorm(32, 128), nn.SiLU(), nn.Conv2d(128, 3, 3, padding=1)]
+    model = nn.Sequential(*layers).cuda().to(torch.bfloat16).eval()
+    with torch.inference_mode():
+        for _ in range(12):
+            side, batch = rng.choice([32, 48, 64, 96, 128]), rng.choice([1, 2, 4])
+            z = torch.randn(batch, 4, side, side, device="cuda", dtype=torch.bfloat16)
+            model(z).float().clamp(-1, 1).cpu()
+
+
+def offload_train(torch, rng):
+    """Training with activations offloaded to pinned host memory
+    (torch.autograd.graph.save_on_cpu): saved tensors leave the GPU in forward and come back
+    layer by layer in backward; twelve MLP blocks (1024 wide), batch 1024-4096 per step."""
+    nn = torch.nn
+    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(1024), nn.Linear(1024, 4096), nn.GELU(),
+                                          nn.Linear(4096, 1024)) for _ in range(12)]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for _ in range(10):
+        x = torch.randn(rng.choice([1024, 2048, 3072, 4096]), 1024, device="cuda")
+        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
 WORKLOADS = {f.__name__: f for f in (ckpt_train, conv_multiscale, encode_varlen,
                                      generate_sampled, side_stream, moe_train, unet_sample,
                                      gnn_varlen, lstm_varlen, vit_accum, recsys_sparse,
                                      fsdp_layers, beam_search, multi_model_serve,
-                                     clip_contrastive)}
+                                     clip_contrastive, speculative_decode, lora_finetune,
+                                     vae_decode, offload_train)}
 
 
 def record(name, out_dir, seed):
