@@ -14,6 +14,7 @@
 #include "gpumem/errors.hpp"
 #include "gpumem/platform/sim_platform.hpp"
 #include "gpumem/pool/caching_pool.hpp"
+#include "gpumem/pool/pool_observer.hpp"
 #include "gpumem/pool/vmm_page_pool.hpp"
 #include "unit/pool_test_support.hpp"
 
@@ -422,6 +423,50 @@ TEST(ReplayRealTrace, TrainingTraceOnTheVmmPagePoolStaysWithinOnePercent) {
   }
   EXPECT_TRUE(sim.live_objects().none()) << sim.live_objects().describe();
   EXPECT_EQ(sim.validate(), "");
+}
+
+// Telemetry must not change what it measures. An observer turns the thread caches off (every
+// event passes the pool lock); when the caches held freed large blocks back unmerged, that
+// changed the layout: unet_sample_seed1 remapped 23,177 pages a pass without an observer and
+// 3,646 with one (sim, 2026-12-02). Now small blocks alone wait in the caches: measured 1.0102
+// and 2,235 last-pass maps without, 1.0090 and 2,364 with (sim, 2026-12-02).
+struct counting_observer final : pool_observer {
+  std::size_t allocs = 0, frees = 0;
+  void on_event(const pool_event& e) noexcept override {
+    allocs += e.kind == pool_event_kind::alloc ? 1 : 0;
+    frees += e.kind == pool_event_kind::free ? 1 : 0;
+  }
+};
+
+TEST(ReplayObserved, AnObserverChangesNeitherTheFragmentationNorTheRemapsMuch) {
+  const std::string path = gpumem_test::find_in_source_tree("data/workloads/unet_sample_seed1.csv.gz");
+  if (path.empty())
+    GTEST_SKIP() << "data/workloads/unet_sample_seed1.csv.gz not found: set GPUMEM_SOURCE_DIR to "
+                    "the source tree or run from inside it";
+  const trace t = load_trace(path);
+  auto replay = [&](bool observed, std::size_t* seen) {
+    sim_platform sim;
+    vmm_page_pool pool(sim);
+    counting_observer watch;
+    if (observed) pool.set_observer(&watch);
+    replay_options o;
+    o.passes = 2;
+    const replay_result r = replay_trace(t, pool, o);
+    pool.set_observer(nullptr);
+    *seen = watch.allocs;
+    EXPECT_FALSE(r.oom) << r.oom_message;
+    return r;
+  };
+  std::size_t seen_plain = 0, seen_observed = 0;
+  const replay_result plain = replay(false, &seen_plain);
+  const replay_result observed = replay(true, &seen_observed);
+  EXPECT_EQ(seen_plain, 0u);
+  EXPECT_EQ(seen_observed, 2 * t.allocs) << "the observer saw every allocation of both passes";
+  EXPECT_NEAR(observed.fragmentation, plain.fragmentation, 0.005);
+  const double maps_plain = static_cast<double>(plain.last_pass_driver_calls.at("cuMemMap"));
+  const double maps_observed = static_cast<double>(observed.last_pass_driver_calls.at("cuMemMap"));
+  EXPECT_LE(maps_plain, 1.5 * maps_observed) << "remaps a pass without an observer";
+  EXPECT_LE(maps_observed, 1.5 * maps_plain) << "remaps a pass with an observer";
 }
 
 // Workloads unlike the shared traces (data/workloads/README.md): the page pool holds close
