@@ -154,9 +154,7 @@ TEST_F(GrowthSlack, WhenNewPagesCannotBeHadItGathersAfterAll) {
 // the steady state remaps fewer pages than the tight pool.
 TEST(GrowthSlackTrace, BoundsFragmentationAndRemapsLessOnTheTrainingTrace) {
   const std::string path = gpumem_test::find_in_source_tree("data/train_llama.csv.gz");
-  if (path.empty())
-    GTEST_SKIP() << "data/train_llama.csv.gz not found: set GPUMEM_SOURCE_DIR to the source tree "
-                    "or run from inside it";
+  if (path.empty()) GTEST_SKIP() << gpumem_test::not_in_source_tree("data/train_llama.csv.gz");
   const trace t = load_trace(path);
   auto last_pass_maps = [&](double f, double& fragmentation) {
     sim_options so;

@@ -78,6 +78,11 @@ inline std::string find_in_source_tree(const std::string& relative) {
   return {};
 }
 
+// Why a test skips when find_in_source_tree(relative) found nothing.
+inline std::string not_in_source_tree(const std::string& relative) {
+  return relative + " not found: set GPUMEM_SOURCE_DIR to the source tree or run from inside it";
+}
+
 // True when all n bytes at p equal `byte` (memcmp against a pattern: fast in debug builds).
 inline bool holds(const void* p, std::size_t n, unsigned char byte) {
   static thread_local std::vector<unsigned char> pattern;

@@ -395,9 +395,7 @@ TEST_F(Replay, APoolStaysUsableAfterAMultiStreamReplay) {
 
 TEST(ReplayRealTrace, TrainingTraceOnTheVmmPagePoolStaysWithinOnePercent) {
   const std::string path = gpumem_test::find_in_source_tree("data/train_llama.csv.gz");
-  if (path.empty())
-    GTEST_SKIP() << "data/train_llama.csv.gz not found: set GPUMEM_SOURCE_DIR to the source tree "
-                    "or run from inside it";
+  if (path.empty()) GTEST_SKIP() << gpumem_test::not_in_source_tree("data/train_llama.csv.gz");
   const trace t = load_trace(path);
   EXPECT_EQ(t.format, "pytorch");
   EXPECT_EQ(t.allocs, 16213u);  // shared/traces/README.md
@@ -439,10 +437,9 @@ struct counting_observer final : pool_observer {
 };
 
 TEST(ReplayObserved, AnObserverChangesNeitherTheFragmentationNorTheRemapsMuch) {
-  const std::string path = gpumem_test::find_in_source_tree("data/workloads/unet_sample_seed1.csv.gz");
-  if (path.empty())
-    GTEST_SKIP() << "data/workloads/unet_sample_seed1.csv.gz not found: set GPUMEM_SOURCE_DIR to "
-                    "the source tree or run from inside it";
+  const std::string file = "data/workloads/unet_sample_seed1.csv.gz";
+  const std::string path = gpumem_test::find_in_source_tree(file);
+  if (path.empty()) GTEST_SKIP() << gpumem_test::not_in_source_tree(file);
   const trace t = load_trace(path);
   auto replay = [&](bool observed, std::size_t* seen) {
     sim_platform sim;
@@ -484,10 +481,9 @@ class ReplayRecordedWorkload : public ::testing::TestWithParam<recorded_workload
 
 TEST_P(ReplayRecordedWorkload, TheVmmPagePoolHoldsWithinFivePercentOfTheLiveBytes) {
   const recorded_workload w = GetParam();
-  const std::string path = gpumem_test::find_in_source_tree(std::string("data/workloads/") + w.file);
-  if (path.empty())
-    GTEST_SKIP() << "data/workloads/" << w.file
-                 << " not found: set GPUMEM_SOURCE_DIR to the source tree or run from inside it";
+  const std::string file = std::string("data/workloads/") + w.file;
+  const std::string path = gpumem_test::find_in_source_tree(file);
+  if (path.empty()) GTEST_SKIP() << gpumem_test::not_in_source_tree(file);
   const trace t = load_trace(path);
   ASSERT_GT(t.allocs, 1000u);
   sim_options so;

@@ -74,9 +74,7 @@ TEST(FindSteps, FindsNoStepsWhenTheTraceDoesNotRepeat) {
 
 TEST(StepPlanReplay, TheFixedShapeTrainingTraceRunsItsPlannedStepsWithNoDriverCall) {
   const std::string path = gpumem_test::find_in_source_tree("data/torch_train_fixed.csv.gz");
-  if (path.empty())
-    GTEST_SKIP() << "data/torch_train_fixed.csv.gz not found: set GPUMEM_SOURCE_DIR to the "
-                    "source tree or run from inside it";
+  if (path.empty()) GTEST_SKIP() << gpumem_test::not_in_source_tree("data/torch_train_fixed.csv.gz");
   const trace t = load_trace(path);
   const std::vector<std::size_t> starts = find_steps(t);
   ASSERT_GE(starts.size(), 4u);  // 6 steps recorded; the first is warm-up
