@@ -277,7 +277,7 @@ class pool_base : public memory_resource {
   // request (over small_threshold) whose tail past a multiple of it is over half of one is
   // rounded up to the next multiple (a loss under half a unit), while the bytes lost to
   // rounding stay within 1/round_waste_share of the live bytes (so a workload of requests
-  // just under a multiple cannot waste more than that share). `mine` (may be null) is the
+  // just over half a unit past a multiple cannot waste more than that share). `mine` (may be null) is the
   // calling thread's cache, whose unpublished bytes count too.
   static constexpr std::size_t round_waste_share = 32;
   std::size_t block_size_for(std::size_t bytes, const detail::thread_cache* mine) const noexcept;
