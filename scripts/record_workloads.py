@@ -44,16 +44,18 @@ Workloads (small models, a few seconds each on an H200):
   offload_train  activations saved to pinned host memory in forward (save_on_cpu), back in
                  backward
 
-With --time MODE it records nothing: each workload runs twice in this process (the first
-run warms caches, cuDNN and the pool; the second is timed, with the same random shapes) under
-PyTorch's allocator (MODE native) or gpumem's plug-in (MODE gpumem, or gpumem:CONF with a
-GPUMEM_CONF string), and OUT_DIR/time_NAME_MODE.json gets the timed run's seconds and the
-peak reserved and peak requested bytes over both runs. One workload and mode per process
+With --time MODE it records nothing: each workload runs --warm times (default 1: caches,
+cuDNN and the pool warmed; more: a long job's steady state) and once more, timed, with the
+same random shapes, in this process under PyTorch's allocator (MODE native) or gpumem's
+plug-in (MODE gpumem, or gpumem:CONF with a GPUMEM_CONF string), and
+OUT_DIR/time_NAME_MODE.json gets the timed run's seconds, the peak reserved and peak
+requested bytes over all runs, and (gpumem) the pool's driver time. One workload and mode per process
 (--only NAME): a plug-in must be installed before PyTorch allocates, and peaks are the
 process's.
 
 Usage (GPU machine, torch and transformers installed):
   record_workloads.py OUT_DIR [--only NAME,NAME] [--seed 0] [--time native|gpumem[:CONF]]
+                     [--warm N]
 """
 import argparse
 import json
@@ -614,7 +616,7 @@ def record(name, out_dir, seed):
           f"{peaks['native_peak_reserved'] / peaks['native_peak_allocated']:.4f}", flush=True)
 
 
-def timed(name, seed, mode):
+def timed(name, seed, mode, warm_runs=1):
     import torch
 
     def run():
@@ -622,10 +624,24 @@ def timed(name, seed, mode):
         WORKLOADS[name](torch, random.Random(seed))
         torch.cuda.synchronize()
 
-    run()
+    names = ["cuMemMap", "cuMemUnmap", "cuMemSetAccess", "cuMemCreate", "pages_reclaimed",
+             "cuMemMap.ns", "cuMemUnmap.ns", "cuMemSetAccess.ns", "cuMemCreate.ns", "remap_ns",
+             "slack_raises", "driver_ns"]
+
+    def driver_counters():
+        if mode == "native":
+            return {}
+        import gpumem.torch
+
+        return gpumem.torch.counters(0, names)
+
+    for _ in range(warm_runs):
+        run()
+    before = driver_counters()
     t0 = time.perf_counter()
     run()
     seconds = time.perf_counter() - t0
+    after = driver_counters()
     if mode == "native":
         s = torch.cuda.memory_stats()
         reserved, live = s["reserved_bytes.all.peak"], s["requested_bytes.all.peak"]
@@ -634,15 +650,16 @@ def timed(name, seed, mode):
 
         s = gpumem.torch.stats(0)
         reserved, live = s["peak_reserved_bytes"], s["peak_live_bytes"]
-        # Where the pool's driver time went, both runs together (the timed one included).
-        c = gpumem.torch.counters(0, ["cuMemMap", "cuMemUnmap", "cuMemSetAccess", "cuMemCreate",
-                                      "pages_reclaimed", "cuMemMap.ns", "cuMemUnmap.ns",
-                                      "cuMemSetAccess.ns", "cuMemCreate.ns", "driver_ns"])
     r = {"workload": name, "mode": mode, "seconds": round(seconds, 3), "peak_reserved": reserved,
          "peak_requested": live, "reserved_over_requested": round(reserved / live, 4)}
     if mode != "native":
-        r["driver_ms"] = round(c.pop("driver_ns") / 1e6, 1)
-        r["driver"] = c
+        # Where the pool's driver time went: both runs together, and the timed run alone.
+        r["driver_ms"] = round(after["driver_ns"] / 1e6, 1)
+        r["timed_driver_ms"] = round((after["driver_ns"] - before["driver_ns"]) / 1e6, 1)
+        r["timed_driver"] = {k: after[k] - before[k] for k in names if k != "driver_ns"}
+        # The growth slack in force at the end (raised by a remap budget).
+        r["growth_slack"] = gpumem.torch.counters(0, ["growth_slack_permille"])[
+            "growth_slack_permille"] / 1000
     print(json.dumps(r), flush=True)
     return r
 
@@ -653,6 +670,8 @@ def main():
     p.add_argument("--only", default="")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time", default="")
+    p.add_argument("--warm", type=int, default=1,
+                   help="with --time: runs before the timed one (a long job's steady state)")
     args = p.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     names = [n for n in args.only.split(",") if n] or list(WORKLOADS)
@@ -669,7 +688,7 @@ def main():
             import gpumem.torch
 
             gpumem.torch.enable(args.time.partition(":")[2] or None)
-        r = timed(names[0], args.seed, args.time)
+        r = timed(names[0], args.seed, args.time, max(0, args.warm))
         path = os.path.join(args.out_dir, "time_%s_%s.json" % (names[0], args.time.replace(":", "_")))
         with open(path, "w") as f:
             json.dump(r, f)

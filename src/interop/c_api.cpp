@@ -499,7 +499,10 @@ gpumem_status gpumem_pool_counter(gpumem_pool* pool, const char* name, uint64_t*
           {"page_size", c.page_size},         {"pages_mapped", c.mapped_pages},
           {"pages_spare", c.spare_pages},     {"physical_handles", c.handles},
           {"pages_created", c.pages_created}, {"pages_reclaimed", c.pages_reclaimed},
-          {"pages_released", c.pages_released}};
+          {"pages_released", c.pages_released},
+          {"remap_ns", c.remap_ns},
+          {"growth_slack_permille", static_cast<std::uint64_t>(c.growth_slack * 1000.0 + 0.5)},
+          {"slack_raises", c.slack_raises}};
       for (const auto& [key, value] : counters)
         if (key == n) {
           *out = value;

@@ -812,6 +812,13 @@ void pool_base::set_observer(pool_observer* observer) {
   if (observer != nullptr) drain_thread_caches();
 }
 
+const steady_pool_clock pool_base::steady_clock_;
+
+void pool_base::set_clock(const pool_clock* clock) {
+  std::lock_guard lock(mutex_);
+  clock_ = clock != nullptr ? clock : &steady_clock_;
+}
+
 pool_observer* pool_base::observer() const {
   std::lock_guard lock(mutex_);
   return observer_;

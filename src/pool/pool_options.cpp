@@ -120,6 +120,11 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
       if (!(o.growth_slack >= 0.0 && o.growth_slack <= 1.0))
         throw invalid_argument("config: growth_slack must be a fraction in [0, 1], not '" +
                                std::string(value) + "'");
+    } else if (key == "remap_budget") {
+      o.remap_budget = parse_number(value, key);
+      if (!(o.remap_budget >= 0.0 && o.remap_budget <= 1.0))
+        throw invalid_argument("config: remap_budget must be a fraction in [0, 1], not '" +
+                               std::string(value) + "'");
     } else if (key == "va_reserve") {
       o.va_reserve_bytes = parse_bytes(value);
     } else if (key == "huge_growth") {
@@ -145,7 +150,7 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
                              "' (known: reserve, reserve_fraction, limit, release_threshold, "
                              "small_threshold, cross_stream, va_reserve, big_chunk, huge_growth, scrub, "
                              "guard, "
-                             "thread_cache, round_large, small_classes, small_cache, map_worker, growth_slack, release_idle)");
+                             "thread_cache, round_large, small_classes, small_cache, map_worker, growth_slack, remap_budget, release_idle)");
     }
   }
 }
@@ -174,7 +179,8 @@ std::string pool_options::to_string() const {
       << (map_worker == map_worker_mode::on    ? "on"
           : map_worker == map_worker_mode::off ? "off"
                                                : "auto")
-      << ",growth_slack:" << growth_slack << ",release_idle:" << (release_idle ? "on" : "off");
+      << ",growth_slack:" << growth_slack << ",remap_budget:" << remap_budget
+      << ",release_idle:" << (release_idle ? "on" : "off");
   return out.str();
 }
 

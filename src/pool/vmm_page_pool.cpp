@@ -1,6 +1,7 @@
 #include "gpumem/pool/vmm_page_pool.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <span>
 #include <sstream>
 
@@ -118,6 +119,7 @@ vmm_page_pool::~vmm_page_pool() {
 vmm_page_counts vmm_page_pool::page_counts() const {
   std::lock_guard lock(mutex_);
   vmm_page_counts c = counts_;
+  c.growth_slack = slack_now();
   c.spare_pages = spare_pages();
   c.mapped_pages = 0;
   c.handles = 0;
@@ -544,17 +546,68 @@ std::pair<std::size_t, status> vmm_page_pool::unmap_run(std::span<const std::uin
 
 std::size_t vmm_page_pool::split_limit(std::size_t size) const {
   constexpr std::size_t any = static_cast<std::size_t>(-1);
-  if (options_.growth_slack <= 0.0 || options_.guard) return any;
+  const double slack = slack_now();
+  if (slack <= 0.0 || options_.guard) return any;
   const std::size_t pages = (size + page_ - 1) / page_;
-  const double budget = static_cast<double>(peak_live_so_far()) * (1.0 + options_.growth_slack);
+  const double budget = static_cast<double>(peak_live_so_far()) * (1.0 + slack);
   if (static_cast<double>(reserved_locked() + pages * page_) > budget) return any;
   // Large: twice the request and a 32nd of what the pool holds (a large tensor's run, such
   // as a training step's logits, that its next request of that size wants whole).
   return std::max(2 * size, reserved_locked() / large_run_share);
 }
 
+void vmm_page_pool::note_gather_time(std::uint64_t started_ns) noexcept {
+  const std::uint64_t now = now_ns();
+  const std::uint64_t spent = now > started_ns ? now - started_ns : 0;
+  counts_.remap_ns += spent;
+  if (options_.remap_budget <= 0.0 || raised_slack_ >= remap_slack_max) return;
+  if (window_start_ns_ == 0 || now - window_start_ns_ > remap_window_max_ns) {
+    // A window opens at a gather's start: the quiet time before it says nothing about
+    // what gathers cost now.
+    window_start_ns_ = std::max<std::uint64_t>(started_ns, 1);
+    window_remap_ns_ = 0;
+    window_peak_live_ = peak_live_so_far();
+  }
+  window_remap_ns_ += spent;
+  const std::uint64_t elapsed = now - window_start_ns_;
+  if (elapsed < remap_window_min_ns ||
+      static_cast<double>(window_remap_ns_) <= options_.remap_budget * static_cast<double>(elapsed))
+    return;
+  if (peak_live_so_far() > window_peak_live_) {
+    // New peaks: the pool is still learning the workload's size, and the gathers hold
+    // it there. Judged again once the peak holds.
+    window_start_ns_ = now;
+    window_remap_ns_ = 0;
+    window_peak_live_ = peak_live_so_far();
+    return;
+  }
+  // One step for each budget's worth the gathers took: a pool far over its budget gets
+  // there in one judgement, not one step a window.
+  const double over = static_cast<double>(window_remap_ns_) /
+                      (options_.remap_budget * static_cast<double>(elapsed));
+  raised_slack_ = std::min(remap_slack_max, slack_now() + remap_slack_step * std::floor(over));
+  counts_.slack_raises += 1;
+  window_start_ns_ = now;
+  window_remap_ns_ = 0;
+  window_peak_live_ = peak_live_so_far();
+}
+
 bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
                          std::size_t alignment, stream_handle stream) {
+  // A growth that gathers pages is timed for the remap budget, however it ends.
+  struct gather_timer {
+    vmm_page_pool& pool;
+    std::uint64_t started_ns;
+    std::uint64_t reclaimed_before;
+    ~gather_timer() {
+      if (pool.counts_.pages_reclaimed != reclaimed_before) pool.note_gather_time(started_ns);
+    }
+  } timer{*this, now_ns(), counts_.pages_reclaimed};
+  return grow_timed(arena, arena_id, size, alignment, stream);
+}
+
+bool vmm_page_pool::grow_timed(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
+                               std::size_t alignment, stream_handle stream) {
   const std::size_t pad = alignment > arena.unit() ? alignment - arena.unit() : 0;
   const std::size_t pages = (size + pad + page_ - 1) / page_;
   // Old mappings whose work is done give their address space back first.

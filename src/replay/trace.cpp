@@ -77,13 +77,67 @@ std::uint64_t parse_u64(std::string_view f, const std::string& where) {
   return v;
 }
 
+// An event's time in nanoseconds, or false: PyTorch's time_us (an integer of
+// microseconds); RMM's Time, h:m:s with a fraction after '.' or ':'.
+bool parse_time_ns(std::string_view f, bool rmm, std::uint64_t& ns) {
+  auto number = [](std::string_view d, std::uint64_t& v) {
+    auto [p, ec] = std::from_chars(d.data(), d.data() + d.size(), v);
+    return ec == std::errc{} && p == d.data() + d.size() && !d.empty();
+  };
+  if (!rmm) {
+    std::uint64_t us = 0;
+    if (!number(f, us) || us > (std::uint64_t{1} << 63) / 1000) return false;
+    ns = us * 1000;
+    return true;
+  }
+  std::uint64_t part[3] = {};
+  for (int i = 0; i < 3; ++i) {
+    const std::size_t sep = i < 2 ? f.find(':') : f.find_first_of(".:");
+    if (!number(f.substr(0, sep), part[i])) return false;
+    f = sep == std::string_view::npos ? std::string_view{} : f.substr(sep + 1);
+  }
+  std::uint64_t frac_ns = 0, scale = 100'000'000;
+  for (char c : f.substr(0, 9)) {
+    if (c < '0' || c > '9') return false;
+    frac_ns += static_cast<std::uint64_t>(c - '0') * scale;
+    scale /= 10;
+  }
+  ns = ((part[0] * 60 + part[1]) * 60 + part[2]) * 1'000'000'000 + frac_ns;
+  return true;
+}
+
 }  // namespace
+
+trace_clock::trace_clock(platform& p) : platform_(p) {}
+
+void trace_clock::at(const trace& t, int pass, std::size_t index) noexcept {
+  const std::uint64_t n = t.events.size();
+  if (!t.timed) {
+    event_ns_ = (static_cast<std::uint64_t>(pass) * n + index) * untimed_event_ns;
+    return;
+  }
+  // A pass starts one average event after the last one ended.
+  const std::uint64_t gap = n > 1 ? t.duration_ns / (n - 1) : untimed_event_ns;
+  const std::uint64_t at = index < n ? t.events[index].time_ns : t.duration_ns;
+  event_ns_ = static_cast<std::uint64_t>(pass) * (t.duration_ns + gap) + at;
+}
+
+std::uint64_t trace_clock::now_ns() const noexcept {
+  std::uint64_t driver = 0;
+  if (auto* timed = dynamic_cast<timed_platform*>(&platform_))
+    driver = timed->measured_ns();
+  else if (auto* sim = dynamic_cast<sim_platform*>(&platform_))
+    driver = sim->modelled_ns();
+  return event_ns_ + driver;
+}
 
 trace parse_trace(const std::string& text, const std::string& source) {
   trace t;
   t.source = source;
   std::size_t pos = 0, line_no = 0;
-  int col_action = -1, col_addr = -1, col_size = -1, col_stream = -1;
+  int col_action = -1, col_addr = -1, col_size = -1, col_stream = -1, col_time = -1;
+  bool all_timed = true, have_first = false;
+  std::uint64_t first_ns = 0, last_ns = 0;
   std::unordered_map<std::uint64_t, std::pair<std::uint32_t, std::uint64_t>> live;  // addr -> id,size
   std::unordered_map<std::uint64_t, std::uint32_t> stream_index;
   std::size_t live_bytes = 0;
@@ -103,6 +157,7 @@ trace parse_trace(const std::string& text, const std::string& source) {
         if (f[i] == "addr" || f[i] == "Pointer") col_addr = i;
         if (f[i] == "size" || f[i] == "Size") col_size = i;
         if (f[i] == "stream" || f[i] == "Stream") col_stream = i;
+        if (f[i] == "time_us" || f[i] == "Time") col_time = i;
       }
       if (col_action < 0 || col_addr < 0 || col_size < 0)
         throw invalid_argument("trace: " + where +
@@ -130,13 +185,30 @@ trace parse_trace(const std::string& text, const std::string& source) {
         col_stream >= 0 && !f[static_cast<std::size_t>(col_stream)].empty()
             ? parse_u64(f[static_cast<std::size_t>(col_stream)], where)
             : 0;
+    // Times never go back (a multi-threaded RMM log may interleave them): each is at
+    // least the one before.
+    std::uint64_t time_ns = 0;
+    if (all_timed) {
+      std::uint64_t ns = 0;
+      if (col_time >= 0 && static_cast<std::size_t>(col_time) < f.size() &&
+          parse_time_ns(f[static_cast<std::size_t>(col_time)], t.format == "rmm", ns)) {
+        if (!have_first) {
+          first_ns = ns;
+          have_first = true;
+        }
+        last_ns = std::max(last_ns, ns > first_ns ? ns - first_ns : 0);
+        time_ns = last_ns;
+      } else {
+        all_timed = false;
+      }
+    }
     auto [sit, fresh] = stream_index.emplace(stream, static_cast<std::uint32_t>(t.streams.size()));
     if (fresh) t.streams.push_back(stream);
     if (is_alloc) {
       if (size == 0) continue;  // nothing to replay
       const auto id = static_cast<std::uint32_t>(t.allocs++);
       live[addr] = {id, size};
-      t.events.push_back({trace_event::kind::alloc, id, size, sit->second});
+      t.events.push_back({trace_event::kind::alloc, id, size, sit->second, time_ns});
       live_bytes += size;
       t.peak_live_bytes = std::max(t.peak_live_bytes, live_bytes);
       t.max_size = std::max(t.max_size, size);
@@ -146,13 +218,19 @@ trace parse_trace(const std::string& text, const std::string& source) {
         ++t.unmatched_frees;
         continue;
       }
-      t.events.push_back({trace_event::kind::free, it->second.first, it->second.second, sit->second});
+      t.events.push_back({trace_event::kind::free, it->second.first, it->second.second, sit->second,
+                          time_ns});
       live_bytes -= it->second.second;
       ++t.frees;
       live.erase(it);
     }
   }
   if (col_action < 0) throw invalid_argument("trace: " + source + " is empty");
+  t.timed = all_timed && !t.events.empty();
+  if (t.timed)
+    t.duration_ns = t.events.back().time_ns;
+  else
+    for (trace_event& e : t.events) e.time_ns = 0;
   t.live_at_end = live.size();
   return t;
 }
@@ -257,6 +335,16 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
     }
   } lag{options.gpu_lag > 0 ? sim : nullptr};
   auto* planner = dynamic_cast<step_planner*>(&resource);
+  // The pool runs on the trace's clock while it is replayed, and on its own again after.
+  pool_base* pool = planner != nullptr ? &planner->pool() : dynamic_cast<pool_base*>(&resource);
+  trace_clock clock(p);
+  struct clock_set {
+    pool_base* pool;
+    ~clock_set() {
+      if (pool != nullptr) pool->set_clock(nullptr);
+    }
+  } on_trace_clock{pool};
+  if (pool != nullptr) pool->set_clock(&clock);
   std::vector<void*> ptrs(t.allocs, nullptr);
   const std::size_t sample_every = std::max<std::size_t>(1, t.events.size() / 2000);
   std::size_t live = 0;
@@ -268,6 +356,7 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
     std::uint64_t index = 0;
     auto next_step = options.step_starts.begin();
     for (const trace_event& e : t.events) {
+      clock.at(t, pass, index);
       if (planner != nullptr && next_step != options.step_starts.end() && *next_step == index) {
         planner->mark_step();
         ++next_step;

@@ -134,7 +134,10 @@ GPUMEM_API gpumem_status gpumem_pool_stats(gpumem_pool* pool, gpumem_stats* out)
  * pool made it; the name followed by ".ns" ("cuMemMap.ns"): the nanoseconds spent in those
  * calls (steady clock around each, on any thread of the pool); "driver_ns": in all of
  * them. For vmm_page_pool also "page_size", "pages_mapped",
- * "pages_spare", "physical_handles", "pages_created", "pages_reclaimed", "pages_released".
+ * "pages_spare", "physical_handles", "pages_created", "pages_reclaimed", "pages_released",
+ * and the remap budget's (pool_options remap_budget): "remap_ns" (time in growths that
+ * gathered pages, on the pool's clock), "growth_slack_permille" (the slack in force, in
+ * thousandths) and "slack_raises".
  * With step_plan:on also "plan_marks", "plans_built", "planned_steps", "steps_left_plan",
  * "steps_rejoined", "planned_allocations", "plan_region_failures", "plan_region_takes",
  * "plan_regions_handed_over", "plan_region_bytes", "plan_lower_bound", "planned_per_step".

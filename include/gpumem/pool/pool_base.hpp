@@ -52,6 +52,7 @@
 #include "gpumem/backend/memory_resource.hpp"
 #include "gpumem/errors.hpp"
 #include "gpumem/pool/overhead.hpp"
+#include "gpumem/pool/pool_clock.hpp"
 #include "gpumem/pool/pool_observer.hpp"
 #include "gpumem/pool/pool_options.hpp"
 
@@ -145,6 +146,11 @@ class pool_base : public memory_resource {
   void set_observer(pool_observer* observer);
   pool_observer* observer() const;
 
+  // The clock the pool judges its remap time against (pool_options::remap_budget);
+  // nullptr: the host's steady clock (the default). REQUIRES: it outlives the pool or is
+  // replaced first.
+  void set_clock(const pool_clock* clock);
+
  protected:
   pool_base(platform& platform, int device, pool_options options, std::size_t alignment_limit);
 
@@ -211,6 +217,8 @@ class pool_base : public memory_resource {
     (void)size;
     return static_cast<std::size_t>(-1);
   }
+  // The pool's clock (set_clock), in nanoseconds. REQUIRES: mutex_ held.
+  std::uint64_t now_ns() const noexcept { return clock_->now_ns(); }
   // Peak live (requested) bytes so far: exact while one thread uses the pool; each other
   // thread's cache may hold back up to stats_slack.
   std::size_t peak_live_so_far() const noexcept {
@@ -243,6 +251,8 @@ class pool_base : public memory_resource {
   pool_options options_;
 
  private:
+  static const steady_pool_clock steady_clock_;
+  const pool_clock* clock_ = &steady_clock_;  // guarded by mutex_
   struct stream_state {
     std::uint64_t frees = 0;            // blocks freed on this stream so far
     event_handle event{};               // recorded lazily when another stream wants memory

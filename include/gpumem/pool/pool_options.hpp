@@ -67,6 +67,15 @@
 //                            costs ~80 us of driver time on a busy H200. From 0.03 a Llama
 //                            training step ran at native speed (fragmentation 1.03; the
 //                            default 1.0004 at 1-11% slower; see docs/INTEROP.md)
+//   remap_budget:F           vmm_page_pool: the share of elapsed time it may spend gathering
+//                            scattered free pages (0 <= F <= 1; default 0: never trades
+//                            memory for it). When its gathers take more than F of the time
+//                            since the last judgement (at least 250 ms, with no new peak of
+//                            live bytes in it), the growth slack above is raised by 0.01 for
+//                            each F they took, up to 0.1: memory bought for speed only where
+//                            the workload makes the pool remap often. Judged on the pool's
+//                            clock (the host's steady clock; a replay's is the trace's own
+//                            time, see replay/trace.hpp)
 //   release_idle:on|off      caching_pool: before a new segment would raise the reserved
 //                            peak, free wholly idle segments upstream first (the smallest
 //                            that is enough, else the largest until enough). Segments are
@@ -109,6 +118,7 @@ struct pool_options {
   std::size_t small_cache = std::size_t{16} << 20;
   map_worker_mode map_worker = map_worker_mode::automatic;
   double growth_slack = 0.0;
+  double remap_budget = 0.0;
   bool release_idle = false;
 
   static pool_options parse(std::string_view config);

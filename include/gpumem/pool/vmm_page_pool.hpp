@@ -120,6 +120,12 @@ struct vmm_page_counts {
   // Unmaps of remapped pages' old mappings that failed (on the map worker or the caller's
   // thread): each run stays mapped, out of use, and is retried by the pool's next call.
   std::uint64_t unmap_failures = 0;
+  // The remap budget (pool_options::remap_budget): time spent in growths that gathered
+  // pages, on the pool's clock, and the growth slack in force (growth_slack, or more once
+  // raised for the budget) with the number of raises.
+  std::uint64_t remap_ns = 0;
+  double growth_slack = 0.0;
+  std::uint32_t slack_raises = 0;
 };
 
 class vmm_page_pool final : public pool_base {
@@ -127,6 +133,9 @@ class vmm_page_pool final : public pool_base {
   explicit vmm_page_pool(platform& platform, int device = 0, pool_options options = {});
   ~vmm_page_pool() override;
   std::string_view name() const noexcept override { return "vmm_page_pool"; }
+  // The remap budget's steps of growth slack and their bound (pool_options::remap_budget).
+  static constexpr double remap_slack_step = 0.01;
+  static constexpr double remap_slack_max = 0.1;
   std::size_t page_size() const noexcept { return page_; }
   vmm_page_counts page_counts() const;
   // Unmaps the old mappings that wait on `stream` (after synchronizing it), then as
@@ -144,6 +153,9 @@ class vmm_page_pool final : public pool_base {
  protected:
   bool grow(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
             std::size_t alignment, stream_handle stream) override;
+  // grow() without the remap budget's timing.
+  bool grow_timed(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
+                  std::size_t alignment, stream_handle stream);
   std::size_t release_cached() override;
   std::string describe_holdings() const override;
   page_holdings page_holdings_locked() const override;
@@ -151,6 +163,16 @@ class vmm_page_pool final : public pool_base {
   // over max(2 x the block, reserved / large_run_share) are not split (see pool_options).
   std::size_t split_limit(std::size_t size) const override;
   static constexpr std::size_t large_run_share = 32;
+  // The remap budget's controller: each growth that gathered pages adds its time to a
+  // judgement window, opened at a gather (restarted after remap_window_max_ns). Once the
+  // window is remap_window_min_ns long and its gathers took more than remap_budget of it,
+  // the slack is raised by remap_slack_step for each budget's worth they took (up to
+  // remap_slack_max) and a new window opens, unless the peak live bytes rose in it: then
+  // the pool is still learning the workload's size, and is judged again once it holds.
+  static constexpr std::uint64_t remap_window_min_ns = 250'000'000;
+  static constexpr std::uint64_t remap_window_max_ns = 10'000'000'000;
+  void note_gather_time(std::uint64_t started_ns) noexcept;
+  double slack_now() const noexcept { return std::max(options_.growth_slack, raised_slack_); }
   std::string validate_holdings() const override;
   void* allocate_guarded(std::size_t bytes, std::size_t alignment, stream_handle stream) override;
   bool free_guarded(std::uintptr_t addr, std::size_t bytes, stream_handle stream) override;
@@ -260,6 +282,10 @@ class vmm_page_pool final : public pool_base {
   std::unordered_map<std::uintptr_t, guarded_allocation> guarded_;
   std::map<std::size_t, std::size_t> va_free_;  // unmapped VA: first page -> page count
   vmm_page_counts counts_{};
+  double raised_slack_ = 0.0;           // growth slack raised for the remap budget
+  std::uint64_t window_start_ns_ = 0;   // the budget's judgement window (0: none open)
+  std::uint64_t window_remap_ns_ = 0;   // gathers' time in it
+  std::size_t window_peak_live_ = 0;    // peak live bytes when it opened
   std::unordered_map<std::uint64_t, std::uint32_t> lent_;  // lent handle -> chunk
   bool batched_unmap_ = true;  // cleared the first time the driver refuses a multi-mapping unmap
   std::unique_ptr<detail::vmm_worker> worker_;  // null: unmaps on the caller's thread

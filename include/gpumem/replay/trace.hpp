@@ -6,6 +6,8 @@
 //    what PyTorch itself did and are skipped;
 //  - RMM logging_resource_adaptor CSV "Thread,Time,Action,Pointer,Size,Stream":
 //    `allocate` and `free`.
+// Event times (PyTorch's time_us; RMM's Time as h:m:s with a fraction) are kept relative
+// to the first event; a trace where any event lacks one has none (trace::timed false).
 // Frees are matched to allocations by address; a free of an address never allocated in
 // the trace (allocated before recording began) is dropped and counted.
 //
@@ -19,6 +21,8 @@
 #include <vector>
 
 #include "gpumem/backend/memory_resource.hpp"
+#include "gpumem/platform/platform.hpp"
+#include "gpumem/pool/pool_clock.hpp"
 
 namespace gpumem {
 
@@ -28,6 +32,7 @@ struct trace_event {
   std::uint32_t id = 0;       // allocation number, 0..allocs-1
   std::uint64_t size = 0;     // bytes requested
   std::uint32_t stream = 0;   // index into trace::streams
+  std::uint64_t time_ns = 0;  // since the trace's first event (0 in an untimed trace)
 };
 
 struct trace {
@@ -41,6 +46,27 @@ struct trace {
   std::size_t live_at_end = 0;
   std::size_t peak_live_bytes = 0;    // of requested bytes, over the trace
   std::uint64_t max_size = 0;
+  bool timed = false;                 // every event has a time
+  std::uint64_t duration_ns = 0;      // the last event's time
+};
+
+// The clock a replay gives the pool it drives (pool_options::remap_budget): the trace's own
+// time at the event being replayed (each pass following the last), plus the driver time
+// spent so far (modelled on sim, measured on a GPU through a timed_platform). So a pool
+// judges its remaps against the time the workload took when it was recorded, on sim and
+// on a GPU alike. An untimed trace is taken as one event every 40 us (the recorded
+// workloads in data/workloads average 40-250 us an event).
+class trace_clock final : public pool_clock {
+ public:
+  static constexpr std::uint64_t untimed_event_ns = 40'000;
+  explicit trace_clock(platform& p);
+  // The trace time now: the replay is at event `index` of pass `pass`.
+  void at(const trace& t, int pass, std::size_t index) noexcept;
+  std::uint64_t now_ns() const noexcept override;
+
+ private:
+  platform& platform_;
+  std::uint64_t event_ns_ = 0;
 };
 
 // Reads a trace file; throws gpumem::invalid_argument naming the file and line when it is
