@@ -556,7 +556,7 @@ std::size_t vmm_page_pool::split_limit(std::size_t size) const {
   return std::max(2 * size, reserved_locked() / large_run_share);
 }
 
-void vmm_page_pool::note_gather_time(std::uint64_t started_ns) noexcept {
+void vmm_page_pool::note_gather_time(std::uint64_t started_ns, std::size_t request) noexcept {
   const std::uint64_t now = now_ns();
   const std::uint64_t spent = now > started_ns ? now - started_ns : 0;
   counts_.remap_ns += spent;
@@ -567,29 +567,40 @@ void vmm_page_pool::note_gather_time(std::uint64_t started_ns) noexcept {
     window_start_ns_ = std::max<std::uint64_t>(started_ns, 1);
     window_remap_ns_ = 0;
     window_peak_live_ = peak_live_so_far();
+    window_largest_gather_ = 0;
   }
   window_remap_ns_ += spent;
+  window_largest_gather_ = std::max(window_largest_gather_, request);
   const std::uint64_t elapsed = now - window_start_ns_;
   if (elapsed < remap_window_min_ns ||
       static_cast<double>(window_remap_ns_) <= options_.remap_budget * static_cast<double>(elapsed))
     return;
-  if (peak_live_so_far() > window_peak_live_) {
-    // New peaks: the pool is still learning the workload's size, and the gathers hold
-    // it there. Judged again once the peak holds.
+  const std::size_t peak = peak_live_so_far();
+  auto open_window = [&] {
     window_start_ns_ = now;
     window_remap_ns_ = 0;
-    window_peak_live_ = peak_live_so_far();
+    window_peak_live_ = peak;
+    window_largest_gather_ = 0;
+  };
+  if (peak > window_peak_live_ + window_peak_live_ / remap_new_peak_share) {
+    // New peaks: the pool is still learning the workload's size, and the gathers hold
+    // it there. Judged again once the peak holds. (Within a 64th it holds: the peak a
+    // thread sees includes other threads' unpublished counts, which wobble.)
+    open_window();
     return;
   }
-  // One step for each budget's worth the gathers took: a pool far over its budget gets
-  // there in one judgement, not one step a window.
+  // One step for each budget's worth the gathers took, so a pool far over its budget gets
+  // there in one judgement; and at least the share of the largest request that gathered,
+  // so its run can stay whole between its uses (smaller steps only moved the gathers:
+  // H200, PyTorch, docs/RESULTS.md).
   const double over = static_cast<double>(window_remap_ns_) /
                       (options_.remap_budget * static_cast<double>(elapsed));
-  raised_slack_ = std::min(remap_slack_max, slack_now() + remap_slack_step * std::floor(over));
+  const double largest_share =
+      peak == 0 ? 0.0 : static_cast<double>(window_largest_gather_) / static_cast<double>(peak);
+  raised_slack_ = std::min(remap_slack_max, std::max(slack_now() + remap_slack_step * std::floor(over),
+                                                     largest_share));
   counts_.slack_raises += 1;
-  window_start_ns_ = now;
-  window_remap_ns_ = 0;
-  window_peak_live_ = peak_live_so_far();
+  open_window();
 }
 
 bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
@@ -599,10 +610,11 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std
     vmm_page_pool& pool;
     std::uint64_t started_ns;
     std::uint64_t reclaimed_before;
+    std::size_t request;
     ~gather_timer() {
-      if (pool.counts_.pages_reclaimed != reclaimed_before) pool.note_gather_time(started_ns);
+      if (pool.counts_.pages_reclaimed != reclaimed_before) pool.note_gather_time(started_ns, request);
     }
-  } timer{*this, now_ns(), counts_.pages_reclaimed};
+  } timer{*this, now_ns(), counts_.pages_reclaimed, size};
   return grow_timed(arena, arena_id, size, alignment, stream);
 }
 

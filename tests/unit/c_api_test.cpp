@@ -414,7 +414,19 @@ TEST(c_api, counters_name_driver_calls_and_pages) {
   EXPECT_EQ(gpumem_pool_counter(h.pool, "no_such_counter", &maps), GPUMEM_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(last_error().find("no_such_counter"), std::string::npos);
   EXPECT_EQ(gpumem_pool_counter(h.pool, nullptr, &maps), GPUMEM_ERROR_INVALID_ARGUMENT);
+  // The remap budget's: nothing gathered, nothing raised, no slack.
+  uint64_t remap_ns = 1, slack = 1, raises = 1;
+  EXPECT_EQ(gpumem_pool_counter(h.pool, "remap_ns", &remap_ns), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_pool_counter(h.pool, "growth_slack_permille", &slack), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_pool_counter(h.pool, "slack_raises", &raises), GPUMEM_SUCCESS);
+  EXPECT_EQ(remap_ns, 0u);
+  EXPECT_EQ(slack, 0u);
+  EXPECT_EQ(raises, 0u);
   EXPECT_EQ(gpumem_free(h.pool, p, 5 * MiB, nullptr), GPUMEM_SUCCESS);
+  pool_handle slack_set("platform:sim,sim_capacity:256M,growth_slack:0.05");
+  ASSERT_EQ(slack_set.status, GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(gpumem_pool_counter(slack_set.pool, "growth_slack_permille", &slack), GPUMEM_SUCCESS);
+  EXPECT_EQ(slack, 50u);
 
   pool_handle caching("platform:sim,sim_capacity:256M,allocator:caching_pool");
   ASSERT_EQ(caching.status, GPUMEM_SUCCESS);

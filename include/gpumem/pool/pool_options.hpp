@@ -72,7 +72,8 @@
 //                            memory for it). When its gathers take more than F of the time
 //                            since the last judgement (at least 250 ms, with no new peak of
 //                            live bytes in it), the growth slack above is raised by 0.01 for
-//                            each F they took, up to 0.1: memory bought for speed only where
+//                            each F they took and at least to the largest gathering request's
+//                            share of the peak, up to 0.1: memory bought for speed only where
 //                            the workload makes the pool remap often. Judged on the pool's
 //                            clock (the host's steady clock; a replay's is the trace's own
 //                            time, see replay/trace.hpp)

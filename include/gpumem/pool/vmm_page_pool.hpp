@@ -166,12 +166,17 @@ class vmm_page_pool final : public pool_base {
   // The remap budget's controller: each growth that gathered pages adds its time to a
   // judgement window, opened at a gather (restarted after remap_window_max_ns). Once the
   // window is remap_window_min_ns long and its gathers took more than remap_budget of it,
-  // the slack is raised by remap_slack_step for each budget's worth they took (up to
-  // remap_slack_max) and a new window opens, unless the peak live bytes rose in it: then
-  // the pool is still learning the workload's size, and is judged again once it holds.
+  // the slack is raised by remap_slack_step for each budget's worth they took, and to at
+  // least the largest gathering request's share of the peak live bytes (up to
+  // remap_slack_max), and a new window opens; unless the peak live bytes rose in it by more
+  // than a remap_new_peak_share-th: then the pool is still learning the workload's size,
+  // and is judged again once it holds.
   static constexpr std::uint64_t remap_window_min_ns = 250'000'000;
   static constexpr std::uint64_t remap_window_max_ns = 10'000'000'000;
-  void note_gather_time(std::uint64_t started_ns) noexcept;
+  static constexpr std::size_t remap_new_peak_share = 64;
+  // A growth for a request of `request` bytes that gathered pages took from started_ns
+  // to now.
+  void note_gather_time(std::uint64_t started_ns, std::size_t request) noexcept;
   double slack_now() const noexcept { return std::max(options_.growth_slack, raised_slack_); }
   std::string validate_holdings() const override;
   void* allocate_guarded(std::size_t bytes, std::size_t alignment, stream_handle stream) override;
@@ -286,6 +291,7 @@ class vmm_page_pool final : public pool_base {
   std::uint64_t window_start_ns_ = 0;   // the budget's judgement window (0: none open)
   std::uint64_t window_remap_ns_ = 0;   // gathers' time in it
   std::size_t window_peak_live_ = 0;    // peak live bytes when it opened
+  std::size_t window_largest_gather_ = 0;  // the largest request that gathered in it
   std::unordered_map<std::uint64_t, std::uint32_t> lent_;  // lent handle -> chunk
   bool batched_unmap_ = true;  // cleared the first time the driver refuses a multi-mapping unmap
   std::unique_ptr<detail::vmm_worker> worker_;  // null: unmaps on the caller's thread
