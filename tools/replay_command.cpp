@@ -106,12 +106,7 @@ prefix_result replay_prefix(const trace& t, pool_base& pool, int passes, std::si
   auto* lag_sim = gpu_lag > 0 ? dynamic_cast<sim_platform*>(&p) : nullptr;
   if (lag_sim != nullptr) lag_sim->hold_events(true);
   // On the trace's clock, as replay_trace (the same decisions up to the stop).
-  trace_clock clock(p);
-  struct clock_set {
-    pool_base& pool;
-    ~clock_set() { pool.set_clock(nullptr); }
-  } on_trace_clock{pool};
-  pool.set_clock(&clock);
+  trace_clock clock(p, t, &pool);
   std::vector<void*> ptrs(t.allocs, nullptr);
   auto free_live = [&] {
     for (const trace_event& e : t.events)
@@ -127,7 +122,7 @@ prefix_result replay_prefix(const trace& t, pool_base& pool, int passes, std::si
   for (std::size_t g = 0; g < r.stopped_at; ++g) {
     const std::size_t i = g % n;
     if (i == 0 && g > 0) free_live();
-    clock.at(t, static_cast<int>(g / n), i);
+    clock.at(static_cast<int>(g / n), i);
     const trace_event& e = t.events[i];
     if (e.op == trace_event::kind::alloc) {
       try {

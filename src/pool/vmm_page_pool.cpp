@@ -615,11 +615,11 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std
       if (pool.counts_.pages_reclaimed != reclaimed_before) pool.note_gather_time(started_ns, request);
     }
   } timer{*this, now_ns(), counts_.pages_reclaimed, size};
-  return grow_timed(arena, arena_id, size, alignment, stream);
+  return grow_untimed(arena, arena_id, size, alignment, stream);
 }
 
-bool vmm_page_pool::grow_timed(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
-                               std::size_t alignment, stream_handle stream) {
+bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
+                                 std::size_t alignment, stream_handle stream) {
   const std::size_t pad = alignment > arena.unit() ? alignment - arena.unit() : 0;
   const std::size_t pages = (size + pad + page_ - 1) / page_;
   // Old mappings whose work is done give their address space back first.

@@ -108,18 +108,25 @@ bool parse_time_ns(std::string_view f, bool rmm, std::uint64_t& ns) {
 
 }  // namespace
 
-trace_clock::trace_clock(platform& p) : platform_(p) {}
-
-void trace_clock::at(const trace& t, int pass, std::size_t index) noexcept {
+trace_clock::trace_clock(platform& p, const trace& t, pool_base* pool)
+    : platform_(p), trace_(t), pool_(pool) {
   const std::uint64_t n = t.events.size();
-  if (!t.timed) {
-    event_ns_ = (static_cast<std::uint64_t>(pass) * n + index) * untimed_event_ns;
-    return;
-  }
-  // A pass starts one average event after the last one ended.
-  const std::uint64_t gap = n > 1 ? t.duration_ns / (n - 1) : untimed_event_ns;
-  const std::uint64_t at = index < n ? t.events[index].time_ns : t.duration_ns;
-  event_ns_ = static_cast<std::uint64_t>(pass) * (t.duration_ns + gap) + at;
+  // A timed trace's pass starts one average event after the last one ended.
+  pass_ns_ = !t.timed ? n * untimed_event_ns
+                      : t.duration_ns + (n > 1 ? t.duration_ns / (n - 1) : untimed_event_ns);
+  if (pool_ != nullptr) pool_->set_clock(this);
+}
+
+trace_clock::~trace_clock() {
+  if (pool_ != nullptr) pool_->set_clock(nullptr);
+}
+
+void trace_clock::at(int pass, std::size_t index) noexcept {
+  const std::size_t n = trace_.events.size();
+  const std::uint64_t at = !trace_.timed ? index * untimed_event_ns
+                           : index < n   ? trace_.events[index].time_ns
+                                         : trace_.duration_ns;
+  event_ns_ = static_cast<std::uint64_t>(pass) * pass_ns_ + at;
 }
 
 std::uint64_t trace_clock::now_ns() const noexcept {
@@ -336,15 +343,7 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
   } lag{options.gpu_lag > 0 ? sim : nullptr};
   auto* planner = dynamic_cast<step_planner*>(&resource);
   // The pool runs on the trace's clock while it is replayed, and on its own again after.
-  pool_base* pool = planner != nullptr ? &planner->pool() : dynamic_cast<pool_base*>(&resource);
-  trace_clock clock(p);
-  struct clock_set {
-    pool_base* pool;
-    ~clock_set() {
-      if (pool != nullptr) pool->set_clock(nullptr);
-    }
-  } on_trace_clock{pool};
-  if (pool != nullptr) pool->set_clock(&clock);
+  trace_clock clock(p, t, planner != nullptr ? &planner->pool() : dynamic_cast<pool_base*>(&resource));
   std::vector<void*> ptrs(t.allocs, nullptr);
   const std::size_t sample_every = std::max<std::size_t>(1, t.events.size() / 2000);
   std::size_t live = 0;
@@ -356,7 +355,7 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
     std::uint64_t index = 0;
     auto next_step = options.step_starts.begin();
     for (const trace_event& e : t.events) {
-      clock.at(t, pass, index);
+      clock.at(pass, index);
       if (planner != nullptr && next_step != options.step_starts.end() && *next_step == index) {
         planner->mark_step();
         ++next_step;

@@ -82,10 +82,10 @@ TEST(TraceClock, PassesFollowEachOtherAndTheDriverTimeIsAdded) {
   sim_options so;
   so.latency = sim_latency::model;
   sim_platform sim(so);
-  trace_clock clock(sim);
-  clock.at(t, 0, 1);
+  trace_clock clock(sim, t);
+  clock.at(0, 1);
   EXPECT_EQ(clock.now_ns(), 200'000u);
-  clock.at(t, 1, 0);  // a pass starts one average event (200 us) after the last ended
+  clock.at(1, 0);  // a pass starts one average event (200 us) after the last ended
   EXPECT_EQ(clock.now_ns(), 400'000u);
   auto h = sim.create_physical(0, 2 << 20);  // charged its modelled latency
   ASSERT_TRUE(h.ok());
@@ -95,8 +95,8 @@ TEST(TraceClock, PassesFollowEachOtherAndTheDriverTimeIsAdded) {
 
   const trace untimed = parse_trace("action,addr,size,stream\nalloc,4096,512,0\n", "u.csv");
   sim_platform quiet;
-  trace_clock by_events(quiet);
-  by_events.at(untimed, 2, 0);
+  trace_clock by_events(quiet, untimed);
+  by_events.at(2, 0);
   EXPECT_EQ(by_events.now_ns(), 2 * trace_clock::untimed_event_ns);
 }
 

@@ -22,6 +22,7 @@
 
 #include "gpumem/backend/memory_resource.hpp"
 #include "gpumem/platform/platform.hpp"
+#include "gpumem/pool/pool_base.hpp"
 #include "gpumem/pool/pool_clock.hpp"
 
 namespace gpumem {
@@ -55,17 +56,25 @@ struct trace {
 // spent so far (modelled on sim, measured on a GPU through a timed_platform). So a pool
 // judges its remaps against the time the workload took when it was recorded, on sim and
 // on a GPU alike. An untimed trace is taken as one event every 40 us (the recorded
-// workloads in data/workloads average 40-250 us an event).
+// workloads in data/workloads average 40-250 us an event). Given a pool, the clock is the
+// pool's while it lives (set_clock), and the pool's own again after.
+// REQUIRES: `t` and `pool` outlive it.
 class trace_clock final : public pool_clock {
  public:
   static constexpr std::uint64_t untimed_event_ns = 40'000;
-  explicit trace_clock(platform& p);
+  trace_clock(platform& p, const trace& t, pool_base* pool = nullptr);
+  ~trace_clock() override;
+  trace_clock(const trace_clock&) = delete;
+  trace_clock& operator=(const trace_clock&) = delete;
   // The trace time now: the replay is at event `index` of pass `pass`.
-  void at(const trace& t, int pass, std::size_t index) noexcept;
+  void at(int pass, std::size_t index) noexcept;
   std::uint64_t now_ns() const noexcept override;
 
  private:
   platform& platform_;
+  const trace& trace_;
+  pool_base* pool_;
+  std::uint64_t pass_ns_ = 0;  // a pass and the gap before the next
   std::uint64_t event_ns_ = 0;
 };
 
