@@ -572,9 +572,7 @@ void vmm_page_pool::note_gather_time(std::uint64_t started_ns, std::size_t reque
   window_remap_ns_ += spent;
   window_largest_gather_ = std::max(window_largest_gather_, request);
   const std::uint64_t elapsed = now - window_start_ns_;
-  if (elapsed < remap_window_min_ns ||
-      static_cast<double>(window_remap_ns_) <= options_.remap_budget * static_cast<double>(elapsed))
-    return;
+  if (elapsed < remap_window_min_ns) return;
   const std::size_t peak = peak_live_so_far();
   auto open_window = [&] {
     window_start_ns_ = now;
@@ -582,6 +580,12 @@ void vmm_page_pool::note_gather_time(std::uint64_t started_ns, std::size_t reque
     window_peak_live_ = peak;
     window_largest_gather_ = 0;
   };
+  if (static_cast<double>(window_remap_ns_) <= options_.remap_budget * static_cast<double>(elapsed)) {
+    // Within budget: judged, and a new window opens, so a slow start (a first step's
+    // warm-up, quiet between gathers) does not dilute what gathers cost later.
+    open_window();
+    return;
+  }
   if (peak > window_peak_live_ + window_peak_live_ / remap_new_peak_share) {
     // New peaks: the pool is still learning the workload's size, and the gathers hold
     // it there. Judged again once the peak holds. (Within a 64th it holds: the peak a

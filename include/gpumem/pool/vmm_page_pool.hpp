@@ -165,12 +165,12 @@ class vmm_page_pool final : public pool_base {
   static constexpr std::size_t large_run_share = 32;
   // The remap budget's controller: each growth that gathered pages adds its time to a
   // judgement window, opened at a gather (restarted after remap_window_max_ns). Once the
-  // window is remap_window_min_ns long and its gathers took more than remap_budget of it,
+  // window is remap_window_min_ns long it is judged and a new one opens (so a slow start
+  // does not dilute later gathers): where its gathers took more than remap_budget of it,
   // the slack is raised by remap_slack_step for each budget's worth they took, and to at
   // least the largest gathering request's share of the peak live bytes (up to
-  // remap_slack_max), and a new window opens; unless the peak live bytes rose in it by more
-  // than a remap_new_peak_share-th: then the pool is still learning the workload's size,
-  // and is judged again once it holds.
+  // remap_slack_max); unless the peak live bytes rose in it by more than a
+  // remap_new_peak_share-th: then the pool is still learning the workload's size.
   static constexpr std::uint64_t remap_window_min_ns = 250'000'000;
   static constexpr std::uint64_t remap_window_max_ns = 10'000'000'000;
   static constexpr std::size_t remap_new_peak_share = 64;
