@@ -79,6 +79,10 @@ struct size_bins {
   void insert(block* b) noexcept {
     int f, sb;
     index(b->size, f, sb);
+    insert_at(b, f, sb);
+  }
+  // insert(), its bin (index(b->size)) already known.
+  void insert_at(block* b, int f, int sb) noexcept {
     b->bin_level = static_cast<std::uint8_t>(f);
     b->bin_sub = static_cast<std::uint8_t>(sb);
     block*& head = heads[f][sb];

@@ -206,9 +206,10 @@ inline std::size_t pool_base::near_fit_limit(std::size_t bytes, std::size_t size
 void* pool_base::do_allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) {
   // Fast path, for a small request: a block this thread freed on this stream, of this
   // size or a little larger; no pool lock. (Large blocks are never kept: thread_cache.hpp.)
+  detail::thread_cache* const c = this_thread_cache();
   if (fast_path_.load(std::memory_order_relaxed) && alignment <= arenas_[0]->unit() &&
       arena_for(bytes) == small_arena) {
-    if (detail::thread_cache* c = this_thread_cache(); c != nullptr && c->keeping()) {
+    if (c != nullptr && c->keeping()) {
       std::lock_guard cache_lock(c->mutex);
       const std::size_t size = block_size_for(bytes, c);
       detail::block* b = c->pop(stream.value, size, near_fit_limit(bytes, size, *c));
@@ -221,10 +222,11 @@ void* pool_base::do_allocate(std::size_t bytes, std::size_t alignment, stream_ha
       }
     }
   }
-  return allocate_locked(bytes, alignment, stream);
+  return allocate_locked(bytes, alignment, stream, c);
 }
 
-void* pool_base::allocate_locked(std::size_t bytes, std::size_t alignment, stream_handle stream) {
+void* pool_base::allocate_locked(std::size_t bytes, std::size_t alignment, stream_handle stream,
+                                 detail::thread_cache* mine_if_known) {
   std::lock_guard lock(mutex_);
   if (options_.guard) {
     void* g = allocate_guarded(bytes, alignment, stream);
@@ -239,7 +241,8 @@ void* pool_base::allocate_locked(std::size_t bytes, std::size_t alignment, strea
     notify(pool_event_kind::alloc, reinterpret_cast<std::uintptr_t>(g), bytes, stream.value);
     return g;
   }
-  detail::thread_cache& mine = cache_for_this_thread_locked();
+  detail::thread_cache& mine =
+      mine_if_known != nullptr ? *mine_if_known : cache_for_this_thread_locked();
   const std::uint32_t id = arena_for(bytes);
   detail::block_arena& a = *arenas_[id];
   const std::size_t size = block_size_for(bytes, &mine);

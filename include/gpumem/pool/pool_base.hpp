@@ -261,7 +261,10 @@ class pool_base : public memory_resource {
     std::uint64_t completed_epoch = 0;  // frees up to here are known complete
   };
 
-  void* allocate_locked(std::size_t bytes, std::size_t alignment, stream_handle stream);
+  // mine_if_known: this thread's cache when the caller found it (else it is looked up, or
+  // made, under the lock).
+  void* allocate_locked(std::size_t bytes, std::size_t alignment, stream_handle stream,
+                        detail::thread_cache* mine_if_known);
   void deallocate_locked(std::uintptr_t addr, std::size_t bytes, stream_handle stream);
   // Removes live allocation `addr` from the cache recording it (this thread's, then the
   // others') and counts it freed: its block, or nullptr when none records it. Throws
