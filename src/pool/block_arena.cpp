@@ -330,6 +330,7 @@ void block_arena::release(block* b, std::uintptr_t stream, std::uint64_t free_ep
 }
 
 void block_arena::flush() {
+  if (cached_blocks_ == 0) return;  // (always so without quick lists): no table walk
   quick_.for_each_mutable([&](const auto&, block*& head) {
     while (head != nullptr) {
       block* b = head;

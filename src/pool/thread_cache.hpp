@@ -4,7 +4,7 @@
 //  - the live allocations this thread made, address -> (block, requested bytes), so a free
 //    on the same thread finds its block without the pool's lock; and
 //  - blocks of small requests (up to pool_options::small_threshold) this thread freed, per
-//    stream, binned by size (a size_bins, the index behind the arena's best fit). A block
+//    stream and arena, binned by size (a size_bins, the index behind the arena's best fit). A block
 //    freed on stream S is handed out again only for S, at once (stream order makes that
 //    safe), never for another stream. A request takes the smallest kept block that fits
 //    within `max_size` (exact sizes first): a near fit saves the pool's locked path when
@@ -108,23 +108,20 @@ struct alignas(64) thread_cache {
 
   // The smallest kept block freed on `stream` with size in [size, max_size], or nullptr.
   // Looks at a few blocks of size's own bin (exact sizes win), then at the first non-empty
-  // bin above, whose blocks all fit.
+  // bin above, whose blocks all fit; in the small arena's blocks, and in the large arena's
+  // when the cache holds any (a small request's block may come from there).
   block* pop(std::uintptr_t stream, std::size_t size, std::size_t max_size) noexcept {
-    size_bins* bins = bins_for(stream);
-    if (bins == nullptr || bins->empty()) return nullptr;
-    int f, sb;
-    size_bins::index(size, f, sb);
-    block* best = nullptr;
-    int looked = 0;
-    for (block* b = bins->heads[f][sb]; b != nullptr && looked < scan_limit; b = b->bin_next, ++looked) {
-      if (b->size < size || b->size > max_size) continue;
-      if (best == nullptr || b->size < best->size) best = b;
-      if (b->size == size) break;
+    size_bins* bins = bins_for(stream, 0);
+    block* best = bins != nullptr ? fit(*bins, size, max_size) : nullptr;
+    if (free_bytes[1] != 0) [[unlikely]] {
+      size_bins* large = bins_for(stream, 1);
+      block* other = large != nullptr ? fit(*large, size, max_size) : nullptr;
+      if (other != nullptr && (best == nullptr || other->size < best->size)) {
+        best = other;
+        bins = large;
+      }
     }
-    if (best == nullptr) {
-      best = bins->first_above(f, sb);
-      if (best == nullptr || best->size > max_size) return nullptr;  // its bin's others are near it
-    }
+    if (best == nullptr) return nullptr;
     bins->erase(best);
     free_blocks -= 1;
     free_bytes[best->arena_id] -= best->size;
@@ -135,11 +132,12 @@ struct alignas(64) thread_cache {
   bool push(block* b, std::uintptr_t stream) {
     if (free_blocks >= max_free_blocks) return false;
     if (b->arena_id == 0 && free_bytes[0] + b->size > small_bytes_limit) return false;
-    size_bins* bins = bins_for(stream);
+    const int arena = b->arena_id;  // 0 or 1
+    size_bins* bins = bins_for(stream, arena);
     if (bins == nullptr) {
-      bins_.push_back(std::make_unique<size_bins>());
-      bins_.back()->stream = stream;
-      bins = last_ = bins_.back().get();
+      bins_[arena].push_back(std::make_unique<size_bins>());
+      bins_[arena].back()->stream = stream;
+      bins = last_[arena] = bins_[arena].back().get();
     }
     bins->insert(b);
     free_blocks += 1;
@@ -150,35 +148,26 @@ struct alignas(64) thread_cache {
   template <class F>
   void drain(F&& give_back) {
     if (free_blocks == 0) return;
-    for (auto& bins : bins_) {
-      bins->for_each([&](block* b) {
-        b->bin_prev = b->bin_next = nullptr;
-        give_back(b, bins->stream);
-      });
-      bins->clear();
-    }
+    for (int arena : {0, 1}) drain_arena(arena, give_back);
     free_blocks = 0;
     free_bytes = {};
   }
-  // Gives back the freed blocks of the large arena (arena 1) only, as drain().
+  // Gives back the freed blocks of the large arena (arena 1) only, as drain(). Kept apart
+  // from the small arena's blocks, so this visits no other block: a small miss with size
+  // classes drains them on every call (caching_pool's small requests use the large arena's
+  // free space), and walking a full cache each time cost 17% of pool_bench's mixed pairs.
   template <class F>
   void drain_large(F&& give_back) {
     if (free_bytes[1] == 0) return;
-    for (auto& bins : bins_) {
-      bins->for_each([&](block* b) {  // it reads b's successor before this call
-        if (b->arena_id != 1) return;
-        bins->erase(b);
-        free_blocks -= 1;
-        free_bytes[1] -= b->size;
-        give_back(b, bins->stream);
-      });
-    }
+    free_blocks -= drain_arena(1, give_back);
+    free_bytes[1] = 0;
   }
   // Calls f(block, stream) for each freed block held.
   template <class F>
   void for_each_free(F&& f) const {
-    for (const auto& bins : bins_)
-      bins->for_each([&](const block* b) { f(b, bins->stream); });
+    for (const auto& arena_bins : bins_)
+      for (const auto& bins : arena_bins)
+        bins->for_each([&](const block* b) { f(b, bins->stream); });
   }
   // Whether frees of small requests keep their blocks here. A cache whose blocks rarely
   // serve this thread's small requests (sizes that vary at random: under min_hit_percent of
@@ -212,15 +201,50 @@ struct alignas(64) thread_cache {
   reuse_window reuse_{};  // over small requests
   // Blocks of one size bin looked at before moving to the bin above.
   static constexpr int scan_limit = 4;
-  // The kept blocks of `stream` (a size_bins per stream the thread freed on), or nullptr.
-  size_bins* bins_for(std::uintptr_t stream) noexcept {
-    if (last_ != nullptr && last_->stream == stream) return last_;
-    for (auto& bins : bins_)
-      if (bins->stream == stream) return last_ = bins.get();
+  // The smallest block of `bins` with size in [size, max_size] (see pop), left in place.
+  static block* fit(const size_bins& bins, std::size_t size, std::size_t max_size) noexcept {
+    if (bins.empty()) return nullptr;
+    int f, sb;
+    size_bins::index(size, f, sb);
+    block* best = nullptr;
+    int looked = 0;
+    for (block* b = bins.heads[f][sb]; b != nullptr && looked < scan_limit; b = b->bin_next, ++looked) {
+      if (b->size < size || b->size > max_size) continue;
+      if (best == nullptr || b->size < best->size) best = b;
+      if (b->size == size) break;
+    }
+    if (best == nullptr) {
+      best = bins.first_above(f, sb);
+      if (best == nullptr || best->size > max_size) return nullptr;  // its bin's others are near it
+    }
+    return best;
+  }
+  // Gives back every kept block of `arena` (0 small, 1 large) and empties its bins;
+  // returns how many. The caller fixes the counts.
+  template <class F>
+  std::size_t drain_arena(int arena, F&& give_back) {
+    std::size_t given = 0;
+    for (auto& bins : bins_[arena]) {
+      bins->for_each([&](block* b) {
+        b->bin_prev = b->bin_next = nullptr;
+        give_back(b, bins->stream);
+        ++given;
+      });
+      bins->clear();
+    }
+    return given;
+  }
+  // The kept blocks of `arena` freed on `stream` (a size_bins per stream the thread freed
+  // on), or nullptr.
+  size_bins* bins_for(std::uintptr_t stream, int arena) noexcept {
+    if (last_[arena] != nullptr && last_[arena]->stream == stream) return last_[arena];
+    for (auto& bins : bins_[arena])
+      if (bins->stream == stream) return last_[arena] = bins.get();
     return nullptr;
   }
-  std::vector<std::unique_ptr<size_bins>> bins_;  // a few streams: searched linearly
-  size_bins* last_ = nullptr;                     // the last one used
+  // By arena (0 small, 1 large), a few streams each: searched linearly.
+  std::array<std::vector<std::unique_ptr<size_bins>>, 2> bins_;
+  std::array<size_bins*, 2> last_{};  // the last one used, by arena
 };
 
 }  // namespace gpumem::detail

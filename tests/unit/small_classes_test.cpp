@@ -184,4 +184,40 @@ TEST_F(SmallClasses, TheCachingPoolRoundsAlike) {
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
 }
 
+// caching_pool lets a small request use the large arena's free space, so a thread cache can
+// hold small requests' blocks of both arenas: a small request finds either (the fast path),
+// and a small miss gives back the large arena's only, leaving the small ones kept.
+TEST_F(SmallClasses, TheCachingPoolKeepsSmallBlocksOfBothArenasAndASmallMissDrainsOnlyTheLarge) {
+  runtime_resource upstream(sim, 0);
+  caching_pool pool(upstream, with_classes(4));
+  void* q[4];
+  for (auto& p : q) p = pool.allocate(512 * KiB);  // fill one 2 MiB small segment
+  void* big = pool.allocate(8 * MiB);
+  pool.deallocate(big, 8 * MiB);  // the large arena now has free space
+  void* from_large = pool.allocate(512 * KiB);
+  ASSERT_EQ(pool.bytes_in_arena(false).allocated, 512 * KiB) << "served by the large arena";
+  pool.deallocate(from_large, 512 * KiB);
+  pool.deallocate(q[0], 512 * KiB);
+  EXPECT_EQ(pool.bytes_in_arena(true).cached, 512 * KiB);
+  EXPECT_EQ(pool.bytes_in_arena(false).cached, 512 * KiB) << "both kept by this thread";
+
+  void* again = pool.allocate(512 * KiB);
+  EXPECT_EQ(again, q[0]) << "two kept blocks fit as well: the small arena's is taken";
+  pool.deallocate(again, 512 * KiB);
+  ASSERT_EQ(pool.bytes_in_arena(false).cached, 512 * KiB);
+
+  // Another class: no kept block fits, the small arena is full, so the miss gives back the
+  // large arena's kept block (merged there) and takes its space; the small one stays.
+  void* other = pool.allocate(256 * KiB);
+  EXPECT_EQ(other, from_large) << "the large arena's merged free run, from its start";
+  EXPECT_EQ(pool.bytes_in_arena(false).cached, 0u);
+  EXPECT_EQ(pool.bytes_in_arena(true).cached, 512 * KiB) << "the small arena's block stays kept";
+  EXPECT_EQ(pool.stats().reserved_bytes, upstream.stats().reserved_bytes);
+  pool.deallocate(other, 256 * KiB);
+  for (int i = 1; i < 4; ++i) pool.deallocate(q[i], 512 * KiB);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.trim();
+  EXPECT_EQ(pool.bytes_in_arena(true).cached + pool.bytes_in_arena(false).cached, 0u);
+}
+
 }  // namespace
