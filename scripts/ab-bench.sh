@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# A/B of bench/pool_bench: an earlier commit against the working tree, built on one host and
+# run in alternation, so that a host whose speed drifts by tens of percent within minutes
+# (docs/RESULTS.md) favours neither side. Prints, per allocator, the median over runs of
+# each run's median ratio to cudaMallocAsync (ratios are taken within a round, so they
+# survive the drift that absolute nanoseconds do not) and the range over runs.
+#
+#   scripts/ab-bench.sh prepare REV     on the development machine: the tree of REV into
+#                                       .gpurun/ab-base.tar (git-ignored; carry .gpurun)
+#   scripts/ab-bench.sh run [N]         on the GPU machine: build both, N runs each (default
+#                                       8), logs and the summary under $OUT (default ./ab-out)
+#   scripts/ab-bench.sh summary DIR     the summary of a run's logs again
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+summary() {
+  python3 - "$1" <<'EOF'
+import glob, os, re, statistics, sys
+runs = {}  # (allocator, side) -> [(same ns, mixed ns, mixed ratio)]
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.txt"))):
+    m = re.match(r"(base|new)(\d+)\.txt$", os.path.basename(path))
+    if not m:
+        continue
+    table = False
+    for line in open(path):
+        if line.startswith("allocator "):
+            table = True
+            continue
+        if table and not line.strip():
+            break
+        if table:
+            name, rest = line[:22].strip(), line[22:].split()
+            runs.setdefault((name, m.group(1)), []).append(
+                (float(rest[0]), float(rest[1]), float(rest[3].rstrip("x"))))
+names = []
+for name, _ in runs:
+    if name not in names and name not in ("cudaMallocAsync", "cudaMalloc"):
+        names.append(name)
+print(f"{'allocator':22} {'side':5} {'runs':>4} {'mixed ns (median)':>18} {'vs async (median)':>18} {'range over runs':>16}")
+for name in names:
+    for side in ("base", "new"):
+        v = runs.get((name, side), [])
+        if not v:
+            continue
+        ratios = [r for _, _, r in v]
+        print(f"{name:22} {side:5} {len(v):4d} {statistics.median(n for _, n, _ in v):18.1f} "
+              f"{statistics.median(ratios):17.1f}x {min(ratios):7.1f}x-{max(ratios):5.1f}x")
+EOF
+}
+
+case "${1:-}" in
+  prepare)
+    rev=${2:?usage: scripts/ab-bench.sh prepare REV}
+    mkdir -p .gpurun
+    git archive "$rev" --prefix=base/ -o .gpurun/ab-base.tar
+    echo "$(git rev-parse --short "$rev")" >.gpurun/ab-base.rev
+    echo "wrote .gpurun/ab-base.tar ($(git rev-parse --short "$rev")); carry .gpurun to the GPU machine"
+    ;;
+  run)
+    n=${2:-8}
+    out=${OUT:-$PWD/ab-out}
+    mkdir -p "$out"
+    [ -f .gpurun/ab-base.tar ] || { echo "no .gpurun/ab-base.tar: run 'prepare REV' first" >&2; exit 2; }
+    work=$(mktemp -d)
+    tar -xf .gpurun/ab-base.tar -C "$work"
+    cfg=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DGPUMEM_BUILD_TESTS=OFF -DGPUMEM_BUILD_BENCH=ON)
+    cmake -S "$work/base" -B "$work/build" "${cfg[@]}" >"$out/build-base.log" 2>&1
+    cmake --build "$work/build" --target pool_bench >>"$out/build-base.log" 2>&1
+    cmake -S . -B build-ab "${cfg[@]}" >"$out/build-new.log" 2>&1
+    cmake --build build-ab --target pool_bench >>"$out/build-new.log" 2>&1
+    { date -u; nvidia-smi -L 2>/dev/null || true; echo "base: $(cat .gpurun/ab-base.rev 2>/dev/null || echo '?')"; } >"$out/ab.txt"
+    for i in $(seq 1 "$n"); do
+      if [ $((i % 2)) = 1 ]; then order="base new"; else order="new base"; fi
+      for side in $order; do
+        bin=build-ab/bench/pool_bench
+        [ "$side" = base ] && bin=$work/build/bench/pool_bench
+        "$bin" >"$out/$side$i.txt" 2>&1
+      done
+    done
+    date -u >>"$out/ab.txt"
+    summary "$out" | tee -a "$out/ab.txt"
+    ;;
+  summary)
+    summary "${2:?usage: scripts/ab-bench.sh summary DIR}"
+    ;;
+  *)
+    sed -n '2,14p' "$0"
+    exit 2
+    ;;
+esac
