@@ -155,7 +155,8 @@ struct alignas(64) thread_cache {
   // Gives back the freed blocks of the large arena (arena 1) only, as drain(). Kept apart
   // from the small arena's blocks, so this visits no other block: a small miss with size
   // classes drains them on every call (caching_pool's small requests use the large arena's
-  // free space), and walking a full cache each time cost 17% of pool_bench's mixed pairs.
+  // free space), and walking a full cache each time took 17% of pool_bench's mixed pairs
+  // (caching_pool, small_classes:4, sim, perf).
   template <class F>
   void drain_large(F&& give_back) {
     if (free_bytes[1] == 0) return;
