@@ -23,7 +23,17 @@ inline block* block_arena::new_block() {
   if (!spare_blocks_.empty()) {
     block* b = spare_blocks_.back();
     spare_blocks_.pop_back();
-    *b = block{};
+    // Field by field, not `*b = block{}`: GCC makes that a `rep stos` of 11 words, whose
+    // start-up costs more than the stores (and is one more branch to predict).
+    b->addr = 0;
+    b->size = 0;
+    b->prev = b->next = b->quick_next = b->bin_prev = b->bin_next = nullptr;
+    b->segment = 0;
+    b->st = block::state::free;
+    b->bin_level = b->bin_sub = 0;
+    b->stream = 0;
+    b->free_epoch = 0;
+    b->requested = 0;
     b->arena_id = id_;
     return b;
   }

@@ -93,11 +93,18 @@ void pool_base::publish(std::int64_t requested, std::int64_t block) noexcept {
   if (block > 0) raise_to(peak_block_bytes_, held);
 }
 
-inline void pool_base::count(detail::thread_cache& c, std::int64_t requested, std::int64_t block) noexcept {
+template <bool allocated>
+inline void pool_base::count(detail::thread_cache& c, std::size_t requested,
+                             std::size_t block) noexcept {
   constexpr auto relaxed = std::memory_order_relaxed;
-  const std::int64_t live = c.pending_live.load(relaxed) + requested;
-  const std::int64_t held = c.pending_blocks.load(relaxed) + block;
-  if (live >= stats_slack || live <= -stats_slack || held >= stats_slack || held <= -stats_slack) {
+  const auto r = static_cast<std::int64_t>(requested), k = static_cast<std::int64_t>(block);
+  const std::int64_t live = c.pending_live.load(relaxed) + (allocated ? r : -r);
+  const std::int64_t held = c.pending_blocks.load(relaxed) + (allocated ? k : -k);
+  // Each pending total was within (-stats_slack, stats_slack) before this call, and moves
+  // one way: only that side's bound can be passed. `|`, not `||`: one branch.
+  const bool passed = allocated ? (live >= stats_slack) | (held >= stats_slack)
+                                : (live <= -stats_slack) | (held <= -stats_slack);
+  if (passed) {
     c.pending_live.store(0, relaxed);
     c.pending_blocks.store(0, relaxed);
     publish(live, held);
@@ -107,10 +114,10 @@ inline void pool_base::count(detail::thread_cache& c, std::int64_t requested, st
   c.pending_blocks.store(held, relaxed);
   // The peaks see this thread's pending bytes at once: exact while one thread uses the
   // pool, and no shared write unless a peak rises.
-  if (requested > 0)
+  if constexpr (allocated) {
     raise_to(peak_live_bytes_, live_bytes_.load(relaxed) + static_cast<std::size_t>(live));
-  if (block > 0)
     raise_to(peak_block_bytes_, block_bytes_.load(relaxed) + static_cast<std::size_t>(held));
+  }
 }
 
 namespace {
@@ -217,7 +224,7 @@ void* pool_base::do_allocate(std::size_t bytes, std::size_t alignment, stream_ha
       if (b != nullptr) {
         c->live.insert_new(b->addr, {b, bytes});
         c->allocations += 1;
-        count(*c, static_cast<std::int64_t>(bytes), static_cast<std::int64_t>(b->size));
+        count<true>(*c, bytes, b->size);
         return reinterpret_cast<void*>(b->addr);
       }
     }
@@ -251,7 +258,7 @@ void* pool_base::allocate_locked(std::size_t bytes, std::size_t alignment, strea
   // Its owner holding the pool mutex: no other thread can touch `mine` (thread_cache.hpp).
   mine.live.insert_new(b->addr, {b, bytes});
   mine.allocations += 1;
-  count(mine, static_cast<std::int64_t>(bytes), static_cast<std::int64_t>(b->size));
+  count<true>(mine, bytes, b->size);
   notify(pool_event_kind::alloc, b->addr, bytes, stream.value);
   return reinterpret_cast<void*>(b->addr);
 }
@@ -363,7 +370,7 @@ inline detail::block* pool_base::forget_live(detail::thread_cache& c, std::uintp
   detail::block* b = c.live.value_at(slot).b;
   c.live.erase_slot(slot);
   c.note_free(addr);
-  count(c, -static_cast<std::int64_t>(bytes), -static_cast<std::int64_t>(b->size));
+  count<false>(c, bytes, b->size);
   return b;
 }
 
@@ -431,7 +438,7 @@ detail::block* pool_base::take_live_locked(std::uintptr_t addr, std::size_t byte
     detail::block* b = r->b;
     c->live.erase(addr);
     c->note_free(addr);
-    count(*c, -static_cast<std::int64_t>(bytes), -static_cast<std::int64_t>(b->size));
+    count<false>(*c, bytes, b->size);
     return b;
   }
   return nullptr;
@@ -509,7 +516,7 @@ bool pool_base::free_except(void* ptr, std::size_t bytes, stream_handle stream,
     arena.set_requested(kept, k.bytes);
     mine.live[kept->addr] = {kept, k.bytes};
     mine.allocations += 1;
-    count(mine, static_cast<std::int64_t>(k.bytes), static_cast<std::int64_t>(kept->size));
+    count<true>(mine, k.bytes, kept->size);
     notify(pool_event_kind::alloc, kept->addr, k.bytes, stream.value);
     if (rest == nullptr) break;  // the last range ends the block (the checks above)
   }
