@@ -8,7 +8,8 @@
 #   scripts/ab-bench.sh prepare REV     on the development machine: the tree of REV into
 #                                       .gpurun/ab-base.tar (git-ignored; carry .gpurun)
 #   scripts/ab-bench.sh run [N]         on the GPU machine: build both, N runs each (default
-#                                       8), logs and the summary under $OUT (default ./ab-out)
+#                                       8), the summary (ab.txt) and the logs (ab-logs.tar.gz)
+#                                       under $OUT (default ./ab-out)
 #   scripts/ab-bench.sh summary DIR     the summary of a run's logs again
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -79,9 +80,19 @@ case "${1:-}" in
     done
     date -u >>"$out/ab.txt"
     summary "$out" | tee -a "$out/ab.txt"
+    # The device tool brings back a limited number of files: the runs' logs travel as one.
+    (cd "$out" && tar -czf ab-logs.tar.gz base*.txt new*.txt build-*.log && rm -f base*.txt new*.txt build-*.log)
     ;;
   summary)
-    summary "${2:?usage: scripts/ab-bench.sh summary DIR}"
+    dir=${2:?usage: scripts/ab-bench.sh summary DIR}
+    if [ -f "$dir/ab-logs.tar.gz" ]; then
+      tmp=$(mktemp -d)
+      tar -xzf "$dir/ab-logs.tar.gz" -C "$tmp"
+      summary "$tmp"
+      rm -rf "$tmp"
+    else
+      summary "$dir"
+    fi
     ;;
   *)
     sed -n '2,14p' "$0"
