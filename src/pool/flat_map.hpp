@@ -2,13 +2,16 @@
 // (stream, size) -> quick list). Linear probing over a power-of-two table, backward-shift
 // deletion (no tombstones), no allocation except when the table grows.
 //
-// Load at most 1/4: a look-up, insert or erase then nearly always ends at its first slot.
+// Load at most 1/8: a look-up, insert or erase then nearly always ends at its first slot.
 // Probe runs of varying length are branches the CPU mispredicts; at the 3/4 load this map
 // had before, an insert + erase pair cost ~42 ns with 64 keys (2.1 GHz EPYC), ~12 ns at
 // 1/8, and pool_bench's mixed-size allocate+free pair fell from 148 to 130 ns (vmm_page_pool,
-// sim). The cost is host memory: up to 8 slots (192 bytes for a live record) per key.
+// sim). From 1/4 to 1/8: 64 live records then sit in 512 slots, not 256, and the slot after
+// a key's home holds another key ~11% of the time instead of ~22% (pool_bench's mixed-size
+// addresses); cachegrind's branch model counts 1.0 fewer mispredicts a mixed pair. The cost is host memory: up to 16 slots (384 bytes
+// for a live record) per key, right after the table doubled.
 //
-// Invariants: size() < capacity / 4; every key sits at or after its home slot with no
+// Invariants: size() < capacity / max_load_inverse; every key sits at or after its home slot with no
 // empty slot between (the linear-probing invariant backward-shift deletion keeps);
 // Key{} (all zero) is reserved as "empty" and is never stored.
 #pragma once
@@ -24,6 +27,8 @@ template <class Key, class Value, class Hash>
 class flat_map {
  public:
   flat_map() { slots_.resize(16); }
+  // The table doubles before it is more than 1/max_load_inverse full.
+  static constexpr std::size_t max_load_inverse = 8;
 
   // The value for key, or nullptr.
   Value* find(const Key& key) noexcept {
@@ -38,7 +43,7 @@ class flat_map {
 
   // The value for key, inserted as Value{} when absent. REQUIRES: key != Key{}.
   Value& operator[](const Key& key) {
-    if ((size_ + 1) * 4 > slots_.size()) rehash(slots_.size() * 2);
+    if ((size_ + 1) * max_load_inverse > slots_.size()) rehash(slots_.size() * 2);
     std::size_t i = home(key);
     for (; slots_[i].first != Key{}; i = (i + 1) & mask())
       if (slots_[i].first == key) return slots_[i].second;
@@ -50,7 +55,7 @@ class flat_map {
 
   // Inserts key, which is absent, with value. REQUIRES: key != Key{}, find(key) == nullptr.
   void insert_new(const Key& key, const Value& value) {
-    if ((size_ + 1) * 4 > slots_.size()) rehash(slots_.size() * 2);
+    if ((size_ + 1) * max_load_inverse > slots_.size()) rehash(slots_.size() * 2);
     std::size_t i = home(key);
     while (slots_[i].first != Key{}) i = (i + 1) & mask();
     slots_[i] = {key, value};
