@@ -43,6 +43,11 @@ pool_base::pool_base(platform& platform, int device, pool_options options,
       fast_path_allowed_(options.thread_cache && !options.guard && !options.scrub &&
                          options.release_threshold == std::numeric_limits<std::size_t>::max()),
       alignment_limit_(alignment_limit) {
+  // As pool_options::parse checks a configuration string: block_size_for steps by a
+  // power-of-two share of an octave.
+  if (options.small_classes > 64 || !(options.small_classes == 0 || std::has_single_bit(options.small_classes)))
+    throw invalid_argument("pool: small_classes must be 0 or a power of two up to 64, not " +
+                           std::to_string(options.small_classes));
   // With thread caches in front, the arenas keep no quick lists of their own: a block a
   // cache gives back is merged at once, so best fit sees every free byte (fragmentation on
   // the shared traces: train_llama 1.0011 -> 1.0006, infer_llama 1.0139 -> 1.0120 for
@@ -182,8 +187,12 @@ inline std::size_t pool_base::block_size_for(std::size_t bytes,
     if (const std::size_t n = options_.small_classes; n != 0 && units > n) {
       // Its class: the octave (2^(b-1), 2^b] of units cut in n equal steps. Always (no
       // allowance): a freed block then serves every later request of its class.
-      const std::size_t step = (std::size_t{1} << (std::bit_width(units - 1) - 1)) / n;
-      return (units + step - 1) / step * step * unit;
+      // n is a power of two (the constructor checks), and units > n puts the octave at
+      // log2(n) or above: the step is a power of two, rounded to with a mask (two
+      // divisions before).
+      const int octave = std::bit_width(units - 1) - 1;
+      const std::size_t step = std::size_t{1} << (octave - std::countr_zero(n));
+      return ((units + step - 1) & ~(step - 1)) * unit;
     }
   } else if (const std::size_t g = options_.round_large; g > unit) {
     // Up to whole units of g only when that loses less than half of one. The loss is

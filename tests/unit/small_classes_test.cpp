@@ -47,6 +47,17 @@ TEST_F(SmallClasses, ParsesZeroOrPowersOfTwoUpTo64) {
   EXPECT_EQ(pool_options::parse(text).small_classes, 8u) << "to_string parses back";
 }
 
+TEST_F(SmallClasses, APoolRefusesANonPowerOfTwoSetInCode) {
+  // Options built in code skip parse(): the pool checks them itself (a class step of a
+  // third of an octave of 4 units would be 1.33 units; it used to divide by zero).
+  runtime_resource upstream(sim, 0);
+  for (unsigned n : {3u, 6u, 128u}) {
+    EXPECT_THROW(vmm_page_pool(sim, 0, with_classes(n)), invalid_argument) << n;
+    EXPECT_THROW(caching_pool(upstream, with_classes(n)), invalid_argument) << n;
+  }
+  EXPECT_NO_THROW(vmm_page_pool(sim, 0, with_classes(64)));
+}
+
 // Block bytes handed out for one small request of `bytes` (the arena's allocated bytes).
 std::size_t block_for(vmm_page_pool& pool, std::size_t bytes) {
   void* p = pool.allocate(bytes);
