@@ -88,7 +88,7 @@ struct alignas(64) thread_cache {
   static constexpr std::size_t max_free_blocks = 512;
 
   cache_lock_word mutex;
-  flat_map<std::uintptr_t, live_record, mix_hash> live;
+  flat_map<std::uintptr_t, live_record, mix_hash, 8> live;  // at most 1/8 full: flat_map.hpp
   std::size_t free_blocks = 0;
   // Called once by the pool, before first use, with size classes: at most small_bytes of
   // small arena blocks are kept.

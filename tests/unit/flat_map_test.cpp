@@ -13,8 +13,10 @@ namespace {
 using gpumem::detail::flat_map;
 using gpumem::detail::mix_hash;
 
-TEST(FlatMap, AgreesWithAReferenceMapUnderRandomOperations) {
-  flat_map<std::uint64_t, int, mix_hash> m;
+// Both loads the pools use: 1/4 (the arenas' quick lists) and 1/8 (the live records).
+template <std::size_t MaxLoadInverse>
+void agrees_with_a_reference_map() {
+  flat_map<std::uint64_t, int, mix_hash, MaxLoadInverse> m;
   std::unordered_map<std::uint64_t, int> ref;
   std::mt19937_64 rng(11);
   // Keys from a small range so erases hit and probe runs collide; multiples of 512 like
@@ -64,6 +66,11 @@ TEST(FlatMap, AgreesWithAReferenceMapUnderRandomOperations) {
     EXPECT_EQ(ref.at(k), v);
   });
   EXPECT_EQ(seen, ref.size());
+}
+
+TEST(FlatMap, AgreesWithAReferenceMapUnderRandomOperations) {
+  agrees_with_a_reference_map<4>();
+  agrees_with_a_reference_map<8>();
 }
 
 TEST(FlatMap, PairKeysAndClear) {
