@@ -2,7 +2,8 @@
 # On a GPU machine, in one go: build (Release), run the whole test suite, the interop tests
 # (the PyTorch plug-in under torch, when installed) and the GPU tests (compute-sanitizer
 # over the GPU tests), gpumem info, the trace replays on the GPU
-# and the pool benchmark. Logs go to $OUT (default ./gpu-check-out); a short table last.
+# and the pool benchmark. Logs go to $OUT (default ./gpu-check-out), and all of them again in
+# $OUT/all-logs.tar.gz; a short table last.
 #   .deps/googletest   GoogleTest sources, when the machine has no libgtest-dev
 #   .gpurun/*.csv.gz   extra traces to replay (e.g. infer_llama.csv.gz)
 # Then the KV bench, serve-sim on the GPU and a snapshot checked by torch.cuda._memory_viz.
@@ -65,3 +66,6 @@ if [ -x $BUILD/bench/torch_replay_bench ]; then
     [ -f "$t" ] && $BUILD/bench/torch_replay_bench "$t" --passes 2 2>&1 | tee -a "$OUT/torch_replay.txt"
   done
 fi
+# The device tool brings back a limited number of files: every log also travels in one
+# archive, named to sort first (the plain files stay for a local run).
+(cd "$OUT" && tar -czf all-logs.tar.gz --exclude=all-logs.tar.gz -- *)
