@@ -58,7 +58,10 @@
 //   map_worker:auto|on|off   vmm_page_pool: unmap the old mappings of remapped pages on a
 //                            helper thread, so the allocating thread does not pay ~40 us per
 //                            mapping while the GPU is busy (auto: on for the cuda platform, off
-//                            on sim, whose calls cost no driver time; see vmm_worker.hpp)
+//                            on sim, whose calls cost no driver time; see vmm_worker.hpp).
+//                            With it on, page placement depends on the helper's progress:
+//                            peak memory varies between runs (train_llama ~1.002, or ~1.010
+//                            one run in four; docs/RESULTS.md); off, every run is the same
 //   growth_slack:F           vmm_page_pool: memory it may hold beyond the peak live bytes,
 //                            as a fraction (0 <= F <= 1; default 0: the least memory). Within
 //                            (1 + F) x peak live, a request does not split a large free run
