@@ -46,6 +46,21 @@ for name in names:
         ratios = [r for _, _, r in v]
         print(f"{name:22} {side:5} {len(v):4d} {statistics.median(n for _, n, _ in v):18.1f} "
               f"{statistics.median(ratios):17.1f}x {min(ratios):7.1f}x-{max(ratios):5.1f}x")
+# Threads sharing one pool: wall ns a pair, all threads together (no ratio: cudaMallocAsync
+# is not run threaded), the median over runs and the range.
+threaded = {}  # (case, threads, side) -> [ns]
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.txt"))):
+    m = re.match(r"(base|new)(\d+)\.txt$", os.path.basename(path))
+    if not m:
+        continue
+    for line in open(path):
+        t = re.match(r"(\d+) thread\(s\) sharing one pool, (.*?): ([\d.]+) ns", line)
+        if t:
+            threaded.setdefault((t.group(2), int(t.group(1)), m.group(1)), []).append(float(t.group(3)))
+if threaded:
+    print(f"\n{'threads sharing one pool':34} {'n':>2} {'side':5} {'ns a pair (median)':>19} {'range over runs':>18}")
+    for (case, n, side), v in sorted(threaded.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "base")):
+        print(f"{case:34} {n:2d} {side:5} {statistics.median(v):19.1f} {min(v):8.1f}-{max(v):8.1f}")
 EOF
 }
 
