@@ -45,7 +45,7 @@ pool_base::pool_base(platform& platform, int device, pool_options options,
       alignment_limit_(alignment_limit) {
   // As pool_options::parse checks a configuration string: block_size_for steps by a
   // power-of-two share of an octave.
-  if (options.small_classes > 64 || !(options.small_classes == 0 || std::has_single_bit(options.small_classes)))
+  if (!pool_options::valid_small_classes(options.small_classes))
     throw invalid_argument("pool: small_classes must be 0 or a power of two up to 64, not " +
                            std::to_string(options.small_classes));
   // With thread caches in front, the arenas keep no quick lists of their own: a block a

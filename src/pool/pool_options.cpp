@@ -99,7 +99,7 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
     } else if (key == "small_classes") {
       const double v = parse_number(value, key);
       const auto n = v <= 64 ? static_cast<unsigned>(v) : 65u;  // no cast of a huge value
-      if (v != static_cast<double>(n) || n > 64 || (n & (n - 1)) != 0)
+      if (v != static_cast<double>(n) || !valid_small_classes(n))
         throw invalid_argument("config: small_classes must be 0 or a power of two up to 64, not '" +
                                std::string(value) + "'");
       o.small_classes = n;

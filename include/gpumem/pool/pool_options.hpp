@@ -126,6 +126,11 @@ struct pool_options {
   bool release_idle = false;
 
   static pool_options parse(std::string_view config);
+  // Whether n is a valid small_classes (0 or a power of two up to 64), for parse() and the
+  // pools' constructors (options built in code skip parse()).
+  static constexpr bool valid_small_classes(unsigned n) noexcept {
+    return n <= 64 && (n & (n - 1)) == 0;
+  }
   // GPUMEM_CONF, or defaults when unset.
   static pool_options from_environment();
   std::string to_string() const;
