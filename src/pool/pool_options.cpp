@@ -134,7 +134,8 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
       if (n != static_cast<double>(static_cast<std::size_t>(n)) || n > 4096)
         throw invalid_argument("config: big_chunk must be a whole number of pages up to 4096");
       o.big_chunk_pages = static_cast<std::size_t>(n);
-    } else if (key == "scrub" || key == "guard" || key == "thread_cache" || key == "release_idle") {
+    } else if (key == "scrub" || key == "guard" || key == "thread_cache" || key == "release_idle" ||
+               key == "lifetime_hints") {
       bool on = false;
       if (value == "on" || value == "true" || value == "1")
         on = true;
@@ -144,13 +145,14 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
       (key == "scrub"          ? o.scrub
        : key == "guard"        ? o.guard
        : key == "thread_cache" ? o.thread_cache
-                               : o.release_idle) = on;
+       : key == "release_idle" ? o.release_idle
+                               : o.lifetime_hints) = on;
     } else {
       throw invalid_argument("config: unknown key '" + std::string(key) +
                              "' (known: reserve, reserve_fraction, limit, release_threshold, "
                              "small_threshold, cross_stream, va_reserve, big_chunk, huge_growth, scrub, "
                              "guard, "
-                             "thread_cache, round_large, small_classes, small_cache, map_worker, growth_slack, remap_budget, release_idle)");
+                             "thread_cache, round_large, small_classes, small_cache, map_worker, growth_slack, remap_budget, release_idle, lifetime_hints)");
     }
   }
 }
@@ -180,7 +182,8 @@ std::string pool_options::to_string() const {
           : map_worker == map_worker_mode::off ? "off"
                                                : "auto")
       << ",growth_slack:" << growth_slack << ",remap_budget:" << remap_budget
-      << ",release_idle:" << (release_idle ? "on" : "off");
+      << ",release_idle:" << (release_idle ? "on" : "off")
+      << ",lifetime_hints:" << (lifetime_hints ? "on" : "off");
   return out.str();
 }
 

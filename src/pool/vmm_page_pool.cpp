@@ -45,7 +45,13 @@ vmm_page_pool::vmm_page_pool(platform& platform, int device, pool_options option
   // drifted to 1.10 over 8 passes). Smaller requests take other free memory, or a growth
   // that reclaims those handles (spare, then released and made again as one-page handles).
   if (huge_chunk_pages() > 1)
-    arena(large_arena).restrict_segment(detail::whole_chunk_segment, huge_chunk_pages() * page_);
+    for (std::uint32_t id : {large_arena, long_arena})
+      arena(id).restrict_segment(detail::whole_chunk_segment, huge_chunk_pages() * page_);
+  // Lifetime hints move pages between runs: not with a reservation (its promise: no driver
+  // call within it) nor in guard mode (no arenas).
+  if (options_.lifetime_hints && !options_.guard && options.reserve_bytes == 0 &&
+      options.reserve_fraction <= 0)
+    use_lifetime_hints();
 
   std::size_t reserve = options.reserve_bytes;
   if (options.reserve_fraction > 0)
@@ -424,7 +430,7 @@ std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait, const stream_h
     bool deferred = false;              // old mapping retires later (same-stream remap)
   };
   std::vector<candidate> found;
-  for (std::uint32_t id : {small_arena, large_arena}) {
+  for (std::uint32_t id : {small_arena, large_arena, long_arena}) {
     arena(id).flush();
     for (detail::block* b : arena(id).free_blocks()) {
       if (keep_end != 0 && b->addr + b->size == keep_end) continue;
@@ -816,11 +822,27 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
   if (at_top)
     for (auto it = std::next(run); it != va_free_.end(); ++it)
       if (it->second >= covered) run = it;
-  const std::size_t remaining = run->second - covered;
-  const std::size_t first = at_top ? run->first + remaining : run->first;
-  const std::size_t low_end = run->first;
+  std::size_t first = run->first;
+  if (arena_id == long_arena && ext.first_page == no_page) {
+    // A fresh run of the long arena: the lowest address space from the middle of the range
+    // up, away from the other arenas' runs (which take the lowest addresses first), so the
+    // next long-lived block extends it in place (packing, above) and shares its last page.
+    // Where nothing above the middle fits, the first fit found above.
+    const std::size_t mid = va_pages_ / 2;
+    for (auto it = va_free_.begin(); it != va_free_.end(); ++it) {
+      const std::size_t start = std::max(it->first, mid);
+      if (start + covered <= it->first + it->second) {
+        run = it;
+        first = start;
+        break;
+      }
+    }
+  }
+  const std::size_t run_first = run->first, run_end = run->first + run->second;
+  if (at_top) first = run_end - covered;
   va_free_.erase(run);
-  if (remaining > 0) va_free_.emplace(at_top ? low_end : first + covered, remaining);
+  if (first > run_first) va_free_.emplace(run_first, first - run_first);
+  if (first + covered < run_end) va_free_.emplace(first + covered, run_end - first - covered);
 
   // Map the chunks side by side; one access grant over the whole run. Undo on failure.
   std::size_t at = first, mapped = 0;
@@ -866,7 +888,7 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
   std::uint32_t segment = 0;
   if (run_extends)
     segment = ext.segment;
-  else if (&arena == &this->arena(large_arena) && huge_chunk_pages() > 1 &&
+  else if (arena_id != small_arena && huge_chunk_pages() > 1 &&
            size >= huge_chunk_pages() * page_ &&
            std::any_of(chosen.begin(), chosen.end(), [&](std::uint32_t id) { return chunks_[id].pages > 1; }))
     segment = detail::whole_chunk_segment;

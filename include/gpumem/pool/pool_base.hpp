@@ -62,6 +62,7 @@ namespace detail {
 class block_arena;
 struct block;
 struct thread_cache;
+class lifetime_hints;
 }
 
 // One live allocation, for reports ("the biggest live allocations").
@@ -233,11 +234,20 @@ class pool_base : public memory_resource {
   const detail::block_arena& arena(std::uint32_t id) const { return *arenas_[id]; }
   static constexpr std::uint32_t small_arena = 0;
   static constexpr std::uint32_t large_arena = 1;
+  // Large requests guessed long-lived (use_lifetime_hints): their blocks side by side.
+  static constexpr std::uint32_t long_arena = 2;
+  static constexpr std::uint32_t arena_count = 3;
   std::uint32_t arena_for(std::size_t bytes) const noexcept {
     return bytes <= options_.small_threshold ? small_arena : large_arena;
   }
 
   void set_alignment_limit(std::size_t limit) noexcept { alignment_limit_ = limit; }
+  // From now on, large requests guessed long-lived (src/pool/lifetime_hints.hpp) go to the
+  // long arena, in 512-byte units (their tails share pages with the next long-lived block),
+  // and the large arena may take the long arena's free blocks before it grows. The
+  // subclass places the long arena's memory (vmm_page_pool: runs of their own). Call from
+  // the subclass constructor.
+  void use_lifetime_hints();
 
   // Tells the observer, if any. REQUIRES: mutex_ held. Segment events say stream 0: a
   // segment is not tied to a stream here (its blocks carry their own stream order).
@@ -322,10 +332,15 @@ class pool_base : public memory_resource {
   // Adds to the shared totals and raises the peaks.
   void publish(std::int64_t requested, std::int64_t block) noexcept;
   static constexpr std::int64_t stats_slack = std::int64_t{4} << 20;
+  // Bytes of blocks allocated in all arenas (live, or freed into thread caches), and the
+  // largest free block of any arena. REQUIRES: mutex_ held.
+  std::size_t allocated_in_arenas_locked() const;
+  std::size_t largest_free_locked() const;
   // Every live allocation of the arenas (not guarded ones), unordered. REQUIRES: mutex_.
   std::vector<live_allocation> live_list_locked() const;
 
-  std::unique_ptr<detail::block_arena> arenas_[2];
+  std::unique_ptr<detail::block_arena> arenas_[arena_count];
+  std::unique_ptr<detail::lifetime_hints> hints_;  // null: every large request in large_arena
   // Thread caches: made under mutex_, never destroyed before the pool (a thread that
   // exits leaves its cache, drained like the others). Threads find theirs through a
   // thread-local slot naming the pool by pool_id_, unique for the process lifetime, so a

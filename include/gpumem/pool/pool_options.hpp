@@ -90,6 +90,17 @@
 //                            allocator, which frees segments only when out of memory.
 //                            vmm_page_pool accepts it and always does the like: it remaps
 //                            free pages rather than grow past the peak
+//   lifetime_hints:on|off    vmm_page_pool: guess from the sizes of the large requests before
+//                            it whether a large request's block will outlive its successors
+//                            (blocks of its kind pile up: a layer's saved activation, a
+//                            prefill's KV block) and place such blocks side by side in runs
+//                            of their own, so their partial last pages are shared with each
+//                            other instead of pinned by dead temporaries (default on; off
+//                            with reserve/reserve_fraction, whose promise is no driver call
+//                            within the reservation, and in guard mode). On sim, 46 traces:
+//                            infer_llama 1.0139 -> 1.0054, geomean 1.0076 -> 1.0066, and
+//                            about a third more modelled driver time, pages moving between
+//                            the runs (src/pool/lifetime_hints.hpp, docs/RESULTS.md)
 //
 // Unknown keys and malformed values throw gpumem::invalid_argument naming them.
 #pragma once
@@ -124,6 +135,7 @@ struct pool_options {
   double growth_slack = 0.0;
   double remap_budget = 0.0;
   bool release_idle = false;
+  bool lifetime_hints = true;
 
   static pool_options parse(std::string_view config);
   // Whether n is a valid small_classes (0 or a power of two up to 64), for parse() and the

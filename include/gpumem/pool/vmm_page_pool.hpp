@@ -49,6 +49,12 @@
 //    right after that tail, so consecutive large blocks share a page (blocks that are not
 //    whole pages: small ones, large ones just over a multiple, and large ones past the
 //    rounding cap).
+//  - Lifetime hints (pool_options::lifetime_hints, src/pool/lifetime_hints.hpp): a large
+//    request guessed long-lived goes to a third arena, in 512-byte units, whose runs start
+//    from the middle of the virtual range; consecutive long-lived blocks pack there (their
+//    partial last pages shared) instead of each pinning a page beside dying temporaries.
+//    The large arena takes the long arena's free blocks before growing; pages move between
+//    the arenas' runs by the same gathers as anywhere.
 //  - Map worker (pool_options::map_worker): a reclaimed run whose last use is complete is
 //    carved out at once, its chunks mapped at their new place while the old mapping (a
 //    handle may be mapped twice) is unmapped on a helper thread; its address space comes

@@ -1,0 +1,223 @@
+// Lifetime hints (src/pool/lifetime_hints.hpp, pool_options::lifetime_hints): which large
+// requests are guessed long-lived, and what vmm_page_pool does with them (their blocks side
+// by side in runs of their own, unrounded; the large arena takes their free space before
+// it grows; off with a reservation).
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "gpumem/errors.hpp"
+#include "gpumem/pool/pool_options.hpp"
+#include "gpumem/pool/vmm_page_pool.hpp"
+#include "pool/lifetime_hints.hpp"
+#include "unit/pool_test_support.hpp"
+
+namespace {
+
+using namespace gpumem;
+using gpumem::detail::block;
+using gpumem::detail::lifetime_hints;
+using gpumem_test::KiB;
+using gpumem_test::MiB;
+
+// --- the guesses, on block records made here -----------------------------------------------
+
+// Block records as an arena keeps them: allocated when placed, free when the user frees.
+class records {
+ public:
+  block* allocate() {
+    all_.emplace_back();
+    block* b = &all_.back();
+    b->addr = next_addr_;
+    next_addr_ += 64 * MiB;
+    b->st = block::state::allocated;
+    return b;
+  }
+  static void free(block* b) { b->st = block::state::free; }
+
+ private:
+  std::deque<block> all_;  // stable addresses
+  std::uintptr_t next_addr_ = 0x10000000;
+};
+
+struct request {
+  bool guessed_long = false;
+  block* b = nullptr;
+};
+
+request ask(lifetime_hints& h, records& r, std::size_t bytes) {
+  const lifetime_hints::guess g = h.on_request(bytes);
+  block* b = r.allocate();
+  h.on_placed(g, b);
+  return {g.long_lived, b};
+}
+
+constexpr std::size_t temp_a = 22 * MiB, kept = 5718016, temp_b = 2859008;
+
+TEST(LifetimeHintsGuess, BlocksOfAKeyThatPileUpAreGuessedLongLivedAndTemporariesNever) {
+  // A layer's loop: a temporary, a block kept to the end, another temporary; the temporaries
+  // die within the layer.
+  lifetime_hints h;
+  records r;
+  std::vector<bool> kept_long, temp_long;
+  for (int layer = 0; layer < 12; ++layer) {
+    const request a = ask(h, r, temp_a);
+    const request k = ask(h, r, kept);
+    const request b = ask(h, r, temp_b);
+    records::free(a.b);
+    records::free(b.b);
+    kept_long.push_back(k.guessed_long);
+    temp_long.push_back(a.guessed_long || b.guessed_long);
+  }
+  // Layer 0's key differs (no history yet); layers 1 and 2 make the key's first two blocks,
+  // and layer 3 finds the one two back still live.
+  for (int layer = 0; layer < 12; ++layer) {
+    EXPECT_EQ(kept_long[layer], layer >= 3) << "layer " << layer;
+    EXPECT_FALSE(temp_long[layer]) << "layer " << layer;
+  }
+}
+
+TEST(LifetimeHintsGuess, AKeyWhoseBlocksStopPilingUpIsGuessedShortAgain) {
+  lifetime_hints h;
+  records r;
+  for (int layer = 0; layer < 6; ++layer) {
+    records::free(ask(h, r, temp_a).b);
+    ask(h, r, kept);  // kept
+  }
+  // The same loop, now freeing the kept blocks within the layer: the score falls (it had
+  // saturated at 2) and the guesses turn short, in at most three layers.
+  int long_guesses = 0, layer = 0;
+  bool last = true;
+  for (; layer < 6; ++layer) {
+    records::free(ask(h, r, temp_a).b);
+    const request k = ask(h, r, kept);
+    records::free(k.b);
+    long_guesses += k.guessed_long ? 1 : 0;
+    last = k.guessed_long;
+  }
+  EXPECT_FALSE(last);
+  EXPECT_LE(long_guesses, 3);
+}
+
+TEST(LifetimeHintsGuess, ARecordReusedForAnotherRequestIsNotTakenForTheBlockItHeld) {
+  // A freed record made again at the same address for another key's block (arenas recycle
+  // records) is not the old block still live: the stamp in free_epoch tells them apart.
+  lifetime_hints h;
+  records r;
+  std::vector<block*> reused;
+  for (int layer = 0; layer < 8; ++layer) {
+    records::free(ask(h, r, temp_a).b);
+    const request k = ask(h, r, kept);
+    records::free(k.b);
+    // The kept block's record comes back at once, for a request of another size.
+    const lifetime_hints::guess g = h.on_request(temp_b);
+    k.b->st = block::state::allocated;
+    h.on_placed(g, k.b);
+    reused.push_back(k.b);
+  }
+  // Were the reused records taken for the dead blocks, the key would look like it piles up.
+  EXPECT_FALSE(h.on_request(temp_a).long_lived);
+  EXPECT_FALSE(h.on_request(kept).long_lived);
+}
+
+// --- in vmm_page_pool ------------------------------------------------------------------------
+
+class LifetimeHints : public gpumem_test::sim_pool_test {};
+
+// A prefill's shape (infer_llama's sizes): per layer, a temporary of 22 MiB, two KV blocks
+// of 2.73 pages each kept to the end, and a temporary of 1.36 pages; the temporaries die
+// within the layer. Returns the KV blocks, in order; frees nothing else. The weights (600
+// MiB, live throughout) are the caller's: beside them whole-page rounding stays within its
+// cap (1/32 of the live bytes), as in the trace.
+constexpr std::size_t weights = 600 * MiB;
+std::vector<void*> prefill(vmm_page_pool& pool, int layers) {
+  std::vector<void*> kv;
+  for (int layer = 0; layer < layers; ++layer) {
+    void* a = pool.allocate(temp_a);
+    kv.push_back(pool.allocate(kept));
+    kv.push_back(pool.allocate(kept));
+    void* b = pool.allocate(temp_b);
+    pool.deallocate(a, temp_a);
+    pool.deallocate(b, temp_b);
+  }
+  return kv;
+}
+
+TEST_F(LifetimeHints, OnByDefaultAndParsed) {
+  EXPECT_TRUE(pool_options{}.lifetime_hints);
+  EXPECT_FALSE(pool_options::parse("lifetime_hints:off").lifetime_hints);
+  EXPECT_TRUE(pool_options::parse("lifetime_hints:on").lifetime_hints);
+  EXPECT_NE(pool_options::parse("lifetime_hints:off").to_string().find("lifetime_hints:off"),
+            std::string::npos);
+  EXPECT_THROW(pool_options::parse("lifetime_hints:maybe"), invalid_argument);
+}
+
+TEST_F(LifetimeHints, KeptBlocksLieSideBySideAndShareTheirPages) {
+  constexpr int layers = 16;
+  std::size_t reserved_on = 0, reserved_off = 0;
+  for (bool on : {true, false}) {
+    pool_options o;
+    o.lifetime_hints = on;
+    vmm_page_pool pool(sim, 0, o);
+    void* w = pool.allocate(weights);
+    const std::vector<void*> kv = prefill(pool, layers);
+    (on ? reserved_on : reserved_off) = pool.stats().peak_reserved_bytes;
+    if (on) {
+      // From layer 3 on (the guesses' test above), each KV block starts where the one
+      // before it ends: 26 blocks of 2.73 pages in 71 pages, not 78.
+      const std::size_t unit_size = (kept + 511) / 512 * 512;
+      for (std::size_t i = 7; i < kv.size(); ++i)
+        EXPECT_EQ(reinterpret_cast<std::uintptr_t>(kv[i]),
+                  reinterpret_cast<std::uintptr_t>(kv[i - 1]) + unit_size)
+            << "KV block " << i;
+    } else {
+      // Without hints every KV block owns 3 whole pages.
+      EXPECT_EQ(pool.bytes_in_arena(false).allocated, weights + kv.size() * 6 * MiB);
+    }
+    for (void* p : kv) pool.deallocate(p, kept);
+    pool.deallocate(w, weights);
+    EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  }
+  EXPECT_LE(reserved_on + 6 * 2 * MiB, reserved_off)  // 7 pages fewer, less a page of slop
+      << "with hints " << reserved_on / MiB << " MiB, without " << reserved_off / MiB << " MiB";
+}
+
+TEST_F(LifetimeHints, TheLargeArenaTakesTheLongLivedBlocksFreeSpaceBeforeGrowing) {
+  vmm_page_pool pool(sim, 0);
+  void* w = pool.allocate(weights);
+  const std::vector<void*> kv = prefill(pool, 16);
+  for (void* p : kv) pool.deallocate(p, kept);
+  // The long-lived blocks' run is now one free block of ~71 pages; the large arena's own
+  // free space is a layer's temporaries (~13 pages). 100 MiB fits only the former.
+  const auto maps = calls(platform_op::map);
+  const std::size_t reserved = pool.stats().reserved_bytes;
+  void* p = pool.allocate(100 * MiB);
+  EXPECT_EQ(calls(platform_op::map), maps) << "served by remapping instead";
+  EXPECT_EQ(pool.stats().reserved_bytes, reserved);
+  pool.deallocate(p, 100 * MiB);
+  pool.deallocate(w, weights);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
+TEST_F(LifetimeHints, WithAReservationRequestsWithinItMakeNoDriverCall) {
+  // The reservation's promise outranks the hints: they are off, and no page moves.
+  pool_options o;
+  o.reserve_bytes = 900 * MiB;
+  vmm_page_pool pool(sim, 0, o);
+  const auto maps = calls(platform_op::map), unmaps = calls(platform_op::unmap);
+  void* w = pool.allocate(weights);
+  const std::vector<void*> kv = prefill(pool, 16);
+  EXPECT_EQ(calls(platform_op::map), maps);
+  EXPECT_EQ(calls(platform_op::unmap), unmaps);
+  // Whole pages each: all in the large arena, none guessed long-lived.
+  EXPECT_EQ(pool.bytes_in_arena(false).allocated, weights + kv.size() * 6 * MiB);
+  for (void* p : kv) pool.deallocate(p, kept);
+  pool.deallocate(w, weights);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
+}  // namespace
