@@ -147,8 +147,14 @@ std::vector<void*> prefill(vmm_page_pool& pool, int layers) {
   return kv;
 }
 
-TEST_F(LifetimeHints, OnByDefaultAndParsed) {
-  EXPECT_TRUE(pool_options{}.lifetime_hints);
+pool_options with_hints() {
+  pool_options o;
+  o.lifetime_hints = true;
+  return o;
+}
+
+TEST_F(LifetimeHints, OffByDefaultAndParsed) {
+  EXPECT_FALSE(pool_options{}.lifetime_hints);
   EXPECT_FALSE(pool_options::parse("lifetime_hints:off").lifetime_hints);
   EXPECT_TRUE(pool_options::parse("lifetime_hints:on").lifetime_hints);
   EXPECT_NE(pool_options::parse("lifetime_hints:off").to_string().find("lifetime_hints:off"),
@@ -187,7 +193,7 @@ TEST_F(LifetimeHints, KeptBlocksLieSideBySideAndShareTheirPages) {
 }
 
 TEST_F(LifetimeHints, TheLargeArenaTakesTheLongLivedBlocksFreeSpaceBeforeGrowing) {
-  vmm_page_pool pool(sim, 0);
+  vmm_page_pool pool(sim, 0, with_hints());
   void* w = pool.allocate(weights);
   const std::vector<void*> kv = prefill(pool, 16);
   for (void* p : kv) pool.deallocate(p, kept);
@@ -205,7 +211,7 @@ TEST_F(LifetimeHints, TheLargeArenaTakesTheLongLivedBlocksFreeSpaceBeforeGrowing
 
 TEST_F(LifetimeHints, WithAReservationRequestsWithinItMakeNoDriverCall) {
   // The reservation's promise outranks the hints: they are off, and no page moves.
-  pool_options o;
+  pool_options o = with_hints();
   o.reserve_bytes = 900 * MiB;
   vmm_page_pool pool(sim, 0, o);
   const auto maps = calls(platform_op::map), unmaps = calls(platform_op::unmap);

@@ -94,11 +94,7 @@ TEST_F(RoundLarge, ARequestAtMostHalfAPagePastAMultipleIsNotRounded) {
 TEST_F(RoundLarge, RoundingNeverWastesMoreThanAThirtySecondOfTheLiveBytes) {
   // The worst case for rounding: every request just over a page and a half (a loss of
   // nearly half a page each; at most half a page past a multiple is not rounded at all).
-  // Without lifetime hints: identical requests all kept live pile up, and the hints would
-  // give them unrounded blocks side by side (lifetime_hints_test.cpp).
-  pool_options o;
-  o.lifetime_hints = false;
-  vmm_page_pool pool(sim, 0, o);
+  vmm_page_pool pool(sim, 0);
   std::vector<void*> held;
   const std::size_t n = 3 * MiB + 4 * KiB;
   for (int i = 0; i < 100; ++i) held.push_back(pool.allocate(n));

@@ -49,7 +49,7 @@
 //    right after that tail, so consecutive large blocks share a page (blocks that are not
 //    whole pages: small ones, large ones just over a multiple, and large ones past the
 //    rounding cap).
-//  - Lifetime hints (pool_options::lifetime_hints, src/pool/lifetime_hints.hpp): a large
+//  - Lifetime hints (pool_options::lifetime_hints, off by default; lifetime_hints.hpp): a large
 //    request guessed long-lived goes to a third arena, in 512-byte units, whose runs start
 //    from the middle of the virtual range; consecutive long-lived blocks pack there (their
 //    partial last pages shared) instead of each pinning a page beside dying temporaries.
