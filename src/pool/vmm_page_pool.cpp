@@ -126,6 +126,7 @@ vmm_page_counts vmm_page_pool::page_counts() const {
   std::lock_guard lock(mutex_);
   vmm_page_counts c = counts_;
   c.growth_slack = slack_now();
+  c.long_lived_allocations = long_lived_allocations_locked();
   c.spare_pages = spare_pages();
   c.mapped_pages = 0;
   c.handles = 0;

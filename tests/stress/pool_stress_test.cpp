@@ -1,7 +1,7 @@
 // Stress on sim: many threads x several streams x mixed sizes, for a fixed number of
 // operations per thread (deterministic counts, no timing), on every thread-safe pool:
-// caching_pool over runtime and over vmm, vmm_page_pool (default and big_chunk), both with
-// small_classes, and pinned_host_pool. Each thread allocates on its own two streams and the default stream,
+// caching_pool over runtime and over vmm, vmm_page_pool (default, big_chunk, lifetime hints
+// on sizes that repeat), both with small_classes, and pinned_host_pool. Each thread allocates on its own two streams and the default stream,
 // frees on the block's stream or another, releases and replaces its streams now and then,
 // and trims; every block carries a pattern of its own (fuzz_driver.hpp's) checked in full
 // before its free, so a block handed to two threads at once, or reused while live, shows.
@@ -50,7 +50,19 @@ std::size_t mixed_size(std::mt19937_64& rng) {
   }
 }
 
-stress_result run_stress(sim_platform& sim, const pool_ops& pool) {
+// Few large sizes, in a cycle a thread sometimes breaks: the history of large requests
+// repeats, and blocks of a kind pile up while threads hold them (lifetime hints guess
+// them long-lived and move them to the long arena).
+std::size_t repeating_size(std::mt19937_64& rng) {
+  static constexpr std::size_t large[] = {3 * MiB + 4 * KiB, 5718016, 2 * MiB + 512 * KiB};
+  switch (rng() % 4) {
+    case 0: return 1 + rng() % (64 * KiB);
+    default: return large[rng() % 8 == 0 ? rng() % 3 : 0] + (rng() % 2) * 512;
+  }
+}
+
+stress_result run_stress(sim_platform& sim, const pool_ops& pool,
+                         std::size_t (*size_of)(std::mt19937_64&) = mixed_size) {
   std::atomic<std::uint64_t> allocations{0}, frees{0}, corrupted{0}, failures{0}, ooms{0},
       releases{0}, trims{0};
   std::vector<std::thread> workers;
@@ -93,7 +105,7 @@ stress_result run_stress(sim_platform& sim, const pool_ops& pool) {
             if (h.slot == slot) h.slot = 0;
           releases.fetch_add(1);
         } else if (mine.size() < 24 && (mine.empty() || r < 52)) {
-          const std::size_t n = mixed_size(rng);
+          const std::size_t n = size_of(rng);
           const int slot = static_cast<int>(rng() % 3);
           try {
             void* p = pool.allocate(n, streams[slot]);
@@ -215,6 +227,23 @@ TEST(pool_stress, caching_pool_over_vmm_cross_stream_wait) {
 
 TEST(pool_stress, vmm_page_pool) {
   stress([](sim_platform& sim) { return std::make_unique<vmm_page_pool>(sim); });
+}
+
+// Lifetime hints on, with sizes that repeat: blocks move between the large and the long
+// arena (placed there, freed, their pages gathered back and forth) under all threads.
+TEST(pool_stress, vmm_page_pool_lifetime_hints) {
+  sim_platform sim(stress_device());
+  {
+    pool_options o;
+    o.lifetime_hints = true;
+    vmm_page_pool pool(sim, 0, o);
+    const auto r = run_stress(sim, ops_of(pool), repeating_size);
+    expect_clean(r, pool.stats(), pool.validate());
+    EXPECT_GT(pool.page_counts().long_lived_allocations, 100u) << "the hints were not exercised";
+    std::printf("[stress] %llu allocations guessed long-lived\n",
+                static_cast<unsigned long long>(pool.page_counts().long_lived_allocations));
+  }
+  expect_nothing_left(sim);
 }
 
 TEST(pool_stress, vmm_page_pool_big_chunk) {

@@ -248,6 +248,8 @@ class pool_base : public memory_resource {
   // subclass places the long arena's memory (vmm_page_pool: runs of their own). Call from
   // the subclass constructor.
   void use_lifetime_hints();
+  // Allocations guessed long-lived so far. REQUIRES: mutex_ held.
+  std::uint64_t long_lived_allocations_locked() const noexcept { return long_lived_allocations_; }
 
   // Tells the observer, if any. REQUIRES: mutex_ held. Segment events say stream 0: a
   // segment is not tied to a stream here (its blocks carry their own stream order).
@@ -341,6 +343,7 @@ class pool_base : public memory_resource {
 
   std::unique_ptr<detail::block_arena> arenas_[arena_count];
   std::unique_ptr<detail::lifetime_hints> hints_;  // null: every large request in large_arena
+  std::uint64_t long_lived_allocations_ = 0;       // guarded by mutex_
   // Thread caches: made under mutex_, never destroyed before the pool (a thread that
   // exits leaves its cache, drained like the others). Threads find theirs through a
   // thread-local slot naming the pool by pool_id_, unique for the process lifetime, so a

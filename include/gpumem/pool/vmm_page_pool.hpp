@@ -132,6 +132,9 @@ struct vmm_page_counts {
   std::uint64_t remap_ns = 0;
   double growth_slack = 0.0;
   std::uint32_t slack_raises = 0;
+  // Lifetime hints (pool_options::lifetime_hints): allocations guessed long-lived, placed
+  // side by side in the long arena's runs.
+  std::uint64_t long_lived_allocations = 0;
 };
 
 class vmm_page_pool final : public pool_base {
