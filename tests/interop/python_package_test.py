@@ -116,6 +116,7 @@ class PoolTest(unittest.TestCase):
         self.assertGreaterEqual(c["cuMemMap"], 1)
         self.assertGreater(c["cuMemMap.ns"], 0)
         self.assertGreaterEqual(c["driver_ns"], c["cuMemMap.ns"] + c["cuMemSetAccess.ns"])
+        self.assertEqual(c["long_lived_allocations"], 0)  # lifetime hints are off by default
         with self.assertRaises(gpumem.InvalidArgumentError):
             self.pool.counter("no_such_counter")
         self.pool.free(a, 3 * MiB)
