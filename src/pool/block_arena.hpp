@@ -53,7 +53,8 @@ struct block {
   std::uint8_t arena_id = 0;    // the owning arena's id, so a block held outside it (a
                                 // thread cache) goes back to the right one
   std::uintptr_t stream = 0;    // stream whose order makes this block safe to reuse
-  std::uint64_t free_epoch = 0; // the stream's free counter when it was freed
+  std::uint64_t free_epoch = 0; // the stream's free counter when it was freed (while
+                                // allocated: lifetime_hints' stamp, or stale)
   std::size_t requested = 0;    // bytes the user asked for (allocated blocks)
 };
 // block_arena::new_block resets a recycled record field by field: a new field needs a line there.
