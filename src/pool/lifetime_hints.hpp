@@ -23,7 +23,7 @@
 // get runs of their own, so in a training loop (forward fills them, backward empties them
 // while other blocks grow) a memory-tight pool moves pages between those runs and the
 // others every step. H200 under PyTorch: the timed run's driver time 3-6x on four
-// workloads of six, for 0.1-1.8 points of memory (docs/RESULTS.md, "Lifetime hints").
+// workloads of six, while memory moved by -1.8 to +0.2 points (docs/RESULTS.md).
 //
 // Liveness is read from the block records (records are never freed while the arena
 // lives): a record still allocated at the same address, stamped with this request's
