@@ -98,7 +98,7 @@
 //                            other instead of pinned by dead temporaries (default off; no
 //                            effect with reserve/reserve_fraction, whose promise is no driver
 //                            call within the reservation, nor in guard mode). H200, 2 passes:
-//                            infer_llama 1.0130 -> 1.0054, vit_accum 1.0402 -> 1.0183, but
+//                            infer_llama 1.0130 -> 1.0044, vit_accum 1.0402 -> 1.0183, but
 //                            pages move between those runs and the others every step: under
 //                            PyTorch the pool's driver time in a timed run rose 3-6x on four
 //                            workloads of six (src/pool/lifetime_hints.hpp, docs/RESULTS.md)
