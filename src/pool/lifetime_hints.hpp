@@ -30,7 +30,7 @@
 // serial in block::free_epoch (unused while a block is allocated; set again on free).
 //
 // Keys are kept exactly (a 64-bit hash of the sizes): a direct-mapped table of 64 Ki
-// slots lost evidence to collisions (a trace has ~400-1,900 keys) and moved infer_llama
+// slots lost evidence to collisions (a trace has ~360-1,900 keys) and moved infer_llama
 // from 1.0054 to 1.0101 on sim. Past max_keys (a workload of endlessly new sizes), all
 // evidence is forgotten and learned again. Not thread-safe: the pool's lock serializes
 // calls.
@@ -49,9 +49,10 @@ class lifetime_hints {
  public:
   static constexpr std::size_t history_length = 3;
   static constexpr std::size_t max_keys = std::size_t{1} << 16;
+  struct entry;
   struct guess {
     bool long_lived = false;
-    std::uint64_t key = 0;  // 0: none (a small request)
+    entry* of_key = nullptr;  // the request's key; valid until the next on_request
   };
 
   // The guess for a large request of `bytes`; the request joins the history.
@@ -69,12 +70,13 @@ class lifetime_hints {
       else if (!live(e.blocks[0]))
         e.score = e.score > -2 ? e.score - 1 : -2;
     }
-    return {e.score > 0, key};
+    return {e.score > 0, &e};
   }
 
   // Records b, allocated for g's request, as the newest block of its key, and stamps it.
+  // REQUIRES: no on_request since the one that made g (it may move the entries).
   void on_placed(const guess& g, block* b) noexcept {
-    entry* e = keys_.find(g.key);
+    entry* e = g.of_key;
     if (e == nullptr) return;
     serial_ += 1;
     b->free_epoch = serial_;
@@ -88,10 +90,14 @@ class lifetime_hints {
     std::uintptr_t addr = 0;
     std::uint64_t serial = 0;
   };
+
+ public:
   struct entry {
     std::array<placed, 2> blocks{};  // [0]: the newest
     int score = 0;
   };
+
+ private:
   static bool live(const placed& p) noexcept {
     return p.record != nullptr && p.record->st == block::state::allocated &&
            p.record->addr == p.addr && p.record->free_epoch == p.serial;

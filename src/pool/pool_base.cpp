@@ -272,8 +272,7 @@ void* pool_base::allocate_locked(std::size_t bytes, std::size_t alignment, strea
       // Not rounded to whole pages: the tail shares a page with the next long-lived block.
       id = long_arena;
       long_lived_allocations_ += 1;
-      size = (bytes + arenas_[long_arena]->unit() - 1) / arenas_[long_arena]->unit() *
-             arenas_[long_arena]->unit();
+      size = arenas_[long_arena]->round(bytes);
     }
   }
   detail::block_arena& a = *arenas_[id];
