@@ -658,8 +658,14 @@ def timed(name, seed, mode, warm_runs=1):
         r["timed_driver_ms"] = round((after["driver_ns"] - before["driver_ns"]) / 1e6, 1)
         r["timed_driver"] = {k: after[k] - before[k] for k in names if k != "driver_ns"}
         # The growth slack in force at the end (raised by a remap budget).
-        r["growth_slack"] = gpumem.torch.counters(0, ["growth_slack_permille"])[
-            "growth_slack_permille"] / 1000
+        end = gpumem.torch.counters(0, ["growth_slack_permille", "lifetime_hints_active",
+                                        "long_lived_allocations", "long_lived_pages_moved"])
+        r["growth_slack"] = end["growth_slack_permille"] / 1000
+        # Lifetime hints: still guessing at the end (or stopped by their move budget), and
+        # their counts over all runs.
+        r["lifetime_hints_active"] = end["lifetime_hints_active"]
+        r["long_lived_allocations"] = end["long_lived_allocations"]
+        r["long_lived_pages_moved"] = end["long_lived_pages_moved"]
     print(json.dumps(r), flush=True)
     return r
 

@@ -503,7 +503,9 @@ gpumem_status gpumem_pool_counter(gpumem_pool* pool, const char* name, uint64_t*
           {"remap_ns", c.remap_ns},
           {"growth_slack_permille", static_cast<std::uint64_t>(c.growth_slack * 1000.0 + 0.5)},
           {"slack_raises", c.slack_raises},
-          {"long_lived_allocations", c.long_lived_allocations}};
+          {"long_lived_allocations", c.long_lived_allocations},
+          {"long_lived_pages_moved", c.long_lived_pages_moved},
+          {"lifetime_hints_active", c.lifetime_hints_active ? 1u : 0u}};
       for (const auto& [key, value] : counters)
         if (key == n) {
           *out = value;

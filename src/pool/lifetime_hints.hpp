@@ -37,6 +37,7 @@
 #pragma once
 
 #include <array>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 
@@ -55,8 +56,29 @@ class lifetime_hints {
     entry* of_key = nullptr;  // the request's key; valid until the next on_request
   };
 
-  // The guess for a large request of `bytes`; the request joins the history.
-  guess on_request(std::size_t bytes) {
+  // The move budget. Requests are judged in windows of window_reserves times the pool's
+  // reserved bytes (requested, large): a window is over budget when the pages gathered out
+  // of the long-lived runs' free blocks for other blocks (note_moved) exceed a move_share-th
+  // of the bytes requested in it. A pool that learns moves pages in a window or two (the
+  // first steps, a new peak); one whose long-lived runs fill and empty every step (a
+  // training loop under memory pressure) keeps moving them. So the hints stop for good once
+  // stop_windows of the last 32 windows were over budget; the long-lived blocks stay where
+  // they are, and their runs' free space goes to the large arena.
+  static constexpr std::size_t window_reserves = 2;
+  static constexpr std::size_t move_share = 256;
+  static constexpr int stop_windows = 4;
+
+  // Whether guesses are still made (false once the move budget was exceeded).
+  bool active() const noexcept { return active_; }
+  // Pages' bytes taken from the long-lived runs' free blocks to grow another run.
+  void note_moved(std::size_t bytes) noexcept { window_moved_ += bytes; }
+
+  // The guess for a large request of `bytes` in a pool that reserves `reserved` bytes;
+  // the request joins the history.
+  guess on_request(std::size_t bytes, std::size_t reserved) {
+    if (!active_) return {};
+    judge(bytes, reserved);
+    if (!active_) return {};
     std::uint64_t key = bytes;
     for (std::size_t h : history_) key = key * 0x9E3779B97F4A7C15ull ^ h;
     key |= 1;  // never 0, flat_map's empty key
@@ -103,6 +125,22 @@ class lifetime_hints {
            p.record->addr == p.addr && p.record->free_epoch == p.serial;
   }
 
+  void judge(std::size_t bytes, std::size_t reserved) noexcept {
+    window_requested_ += bytes;
+    if (window_requested_ < window_reserves * reserved) return;
+    const bool over = window_moved_ > window_requested_ / move_share;
+    recent_windows_ = (recent_windows_ << 1) | (over ? 1u : 0u);
+    window_requested_ = window_moved_ = 0;
+    if (std::popcount(recent_windows_) >= stop_windows) {
+      active_ = false;
+      keys_.clear();
+    }
+  }
+
+  bool active_ = true;
+  std::size_t window_requested_ = 0;
+  std::size_t window_moved_ = 0;
+  std::uint32_t recent_windows_ = 0;  // a bit a window, the newest lowest: 1 over budget
   flat_map<std::uint64_t, entry, mix_hash> keys_;
   std::array<std::size_t, history_length> history_{};
   std::uint64_t serial_ = 0;

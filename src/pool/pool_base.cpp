@@ -67,6 +67,14 @@ pool_base::pool_base(platform& platform, int device, pool_options options,
 
 void pool_base::use_lifetime_hints() { hints_ = std::make_unique<detail::lifetime_hints>(); }
 
+void pool_base::note_long_lived_moved(std::size_t bytes) noexcept {
+  if (hints_ != nullptr) hints_->note_moved(bytes);
+}
+
+bool pool_base::lifetime_hints_active_locked() const noexcept {
+  return hints_ != nullptr && hints_->active();
+}
+
 pool_base::~pool_base() {
   for (auto& [stream, s] : streams_)
     if (s.event.value != 0) (void)device_platform().event_destroy(s.event);
@@ -267,7 +275,7 @@ void* pool_base::allocate_locked(std::size_t bytes, std::size_t alignment, strea
   std::size_t size = block_size_for(bytes, &mine);
   detail::lifetime_hints::guess hint;
   if (hints_ != nullptr && id == large_arena) {
-    hint = hints_->on_request(bytes);
+    hint = hints_->on_request(bytes, reserved_locked());
     if (hint.long_lived) {
       // Not rounded to whole pages: the tail shares a page with the next long-lived block.
       id = long_arena;

@@ -425,6 +425,11 @@ TEST(c_api, counters_name_driver_calls_and_pages) {
   uint64_t long_lived = 1;  // lifetime hints are off by default
   EXPECT_EQ(gpumem_pool_counter(h.pool, "long_lived_allocations", &long_lived), GPUMEM_SUCCESS);
   EXPECT_EQ(long_lived, 0u);
+  uint64_t moved = 1, active = 1;
+  EXPECT_EQ(gpumem_pool_counter(h.pool, "long_lived_pages_moved", &moved), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_pool_counter(h.pool, "lifetime_hints_active", &active), GPUMEM_SUCCESS);
+  EXPECT_EQ(moved, 0u);
+  EXPECT_EQ(active, 0u);
   EXPECT_EQ(gpumem_free(h.pool, p, 5 * MiB, nullptr), GPUMEM_SUCCESS);
   pool_handle slack_set("platform:sim,sim_capacity:256M,growth_slack:0.05");
   ASSERT_EQ(slack_set.status, GPUMEM_SUCCESS) << last_error();

@@ -12,7 +12,9 @@
 
 #include "gpumem/errors.hpp"
 #include "gpumem/pool/pool_options.hpp"
+#include "gpumem/platform/sim_platform.hpp"
 #include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/replay/trace.hpp"
 #include "pool/lifetime_hints.hpp"
 #include "unit/pool_test_support.hpp"
 
@@ -44,13 +46,16 @@ class records {
   std::uintptr_t next_addr_ = 0x10000000;
 };
 
+// A pool's reserved bytes so large that no move-budget window closes in these tests.
+constexpr std::size_t no_window = std::size_t{1} << 50;
+
 struct request {
   bool guessed_long = false;
   block* b = nullptr;
 };
 
 request ask(lifetime_hints& h, records& r, std::size_t bytes) {
-  const lifetime_hints::guess g = h.on_request(bytes);
+  const lifetime_hints::guess g = h.on_request(bytes, no_window);
   block* b = r.allocate();
   h.on_placed(g, b);
   return {g.long_lived, b};
@@ -114,14 +119,74 @@ TEST(LifetimeHintsGuess, ARecordReusedForAnotherRequestIsNotTakenForTheBlockItHe
     const request k = ask(h, r, kept);
     records::free(k.b);
     // The kept block's record comes back at once, for a request of another size.
-    const lifetime_hints::guess g = h.on_request(temp_b);
+    const lifetime_hints::guess g = h.on_request(temp_b, no_window);
     k.b->st = block::state::allocated;
     h.on_placed(g, k.b);
     reused.push_back(k.b);
   }
   // Were the reused records taken for the dead blocks, the key would look like it piles up.
-  EXPECT_FALSE(h.on_request(temp_a).long_lived);
-  EXPECT_FALSE(h.on_request(kept).long_lived);
+  EXPECT_FALSE(h.on_request(temp_a, no_window).long_lived);
+  EXPECT_FALSE(h.on_request(kept, no_window).long_lived);
+}
+
+// --- the move budget --------------------------------------------------------------------------
+
+// The layer loop of the guesses' tests in move-budget windows: a pool reserving 64 MiB
+// judges every 128 MiB requested, and four layers of 16 + 8 + 8 MiB fill one window
+// exactly (judged at its last request). Before window w's first request, moved(w) bytes are
+// noted as gathered out of the long-lived runs. Returns the window whose judgement stopped
+// the hints, or -1; *kept_long_at_end: whether the last kept block was guessed long-lived.
+template <class Moved>
+int run_windows(int windows, Moved moved, bool* kept_long_at_end) {
+  constexpr std::size_t reserved = 64 * MiB;
+  static_assert(lifetime_hints::window_reserves * reserved == 4 * (16 + 8 + 8) * MiB);
+  lifetime_hints h;
+  records r;
+  bool kept_long = false;
+  int stopped = -1;
+  for (int w = 0; w < windows; ++w) {
+    h.note_moved(moved(w));
+    for (int layer = 0; layer < 4; ++layer) {
+      auto ask_here = [&](std::size_t bytes) {
+        const lifetime_hints::guess g = h.on_request(bytes, reserved);
+        block* b = r.allocate();
+        h.on_placed(g, b);
+        return request{g.long_lived, b};
+      };
+      records::free(ask_here(16 * MiB).b);
+      kept_long = ask_here(8 * MiB - 512).guessed_long;
+      records::free(ask_here(8 * MiB + 512).b);
+    }
+    if (stopped < 0 && !h.active()) stopped = w;
+  }
+  *kept_long_at_end = kept_long;
+  return stopped;
+}
+
+constexpr std::size_t over_budget = 2 * MiB;  // a page moved: over 128 MiB / 256
+
+TEST(LifetimeHintsBudget, PagesMovedWhileThePoolLearnsKeepTheHints) {
+  // Three windows in a row over budget (a new peak's growths), then none: a pool learning
+  // its workload, not long-lived runs that fill and empty every step.
+  bool kept_long = false;
+  EXPECT_EQ(run_windows(48, [](int w) { return w >= 1 && w <= 3 ? over_budget : 0; }, &kept_long), -1);
+  EXPECT_TRUE(kept_long);
+  // Four over budget, but never four within 32 windows.
+  EXPECT_EQ(run_windows(160, [](int w) { return w % 40 == 5 ? over_budget : 0; }, &kept_long), -1);
+  EXPECT_TRUE(kept_long);
+  // Within budget every window: a 256th of what is requested.
+  EXPECT_EQ(run_windows(48, [](int) { return 128 * MiB / 256; }, &kept_long), -1);
+  EXPECT_TRUE(kept_long);
+}
+
+TEST(LifetimeHintsBudget, PagesMovedStepAfterStepStopTheHintsForGood) {
+  // Over budget every eighth window (a training step's backward pass): the fourth such
+  // window within 32 stops the hints, and no request is guessed long-lived after.
+  bool kept_long = true;
+  EXPECT_EQ(run_windows(64, [](int w) { return w % 8 == 2 ? over_budget : 0; }, &kept_long), 26);
+  EXPECT_FALSE(kept_long);
+  // Every window over budget: stopped at the fourth.
+  EXPECT_EQ(run_windows(8, [](int) { return over_budget; }, &kept_long), 3);
 }
 
 // --- in vmm_page_pool ------------------------------------------------------------------------
@@ -224,6 +289,71 @@ TEST_F(LifetimeHints, WithAReservationRequestsWithinItMakeNoDriverCall) {
   for (void* p : kv) pool.deallocate(p, kept);
   pool.deallocate(w, weights);
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
+// --- the move budget on recorded traces (sim, 2 passes) ----------------------------------------
+
+struct traced {
+  replay_result replay;
+  vmm_page_counts counts;
+};
+
+traced replay_with_hints(const trace& t, bool hints) {
+  sim_options so;
+  so.capacity = 24 * gpumem_test::GiB;
+  sim_platform sim(so);
+  pool_options o;
+  o.lifetime_hints = hints;
+  traced out;
+  vmm_page_pool pool(sim, 0, o);
+  replay_options ro;
+  ro.passes = 2;
+  out.replay = replay_trace(t, pool, ro);
+  out.counts = pool.page_counts();
+  EXPECT_FALSE(out.replay.oom) << out.replay.oom_message;
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  return out;
+}
+
+trace load_or_skip(const std::string& relative, bool& skipped) {
+  const std::string path = gpumem_test::find_in_source_tree(relative);
+  skipped = path.empty();
+  return skipped ? trace{} : load_trace(path);
+}
+
+TEST(LifetimeHintsOnTraces, ATrainingLoopWhoseLongLivedRunsTradePagesEveryStepStopsThem) {
+  // ckpt_train: activations kept for the backward pass fill the long-lived runs in each
+  // forward pass and leave them in each backward pass, while the pool is at its peak.
+  bool skipped = false;
+  const trace t = load_or_skip("data/workloads/ckpt_train.csv.gz", skipped);
+  if (skipped) GTEST_SKIP() << gpumem_test::not_in_source_tree("data/workloads/ckpt_train.csv.gz");
+  const traced off = replay_with_hints(t, false);
+  const traced on = replay_with_hints(t, true);
+  EXPECT_GT(on.counts.long_lived_allocations, 0u);
+  EXPECT_GT(on.counts.long_lived_pages_moved, 0u);
+  EXPECT_FALSE(on.counts.lifetime_hints_active);
+  EXPECT_EQ(off.counts.long_lived_pages_moved, 0u);
+  // Stopped within the first pass: the last pass grants access to new mappings about as
+  // rarely as without hints (each grant is a gather's or a growth's).
+  const auto grants = [](const traced& x) {
+    auto it = x.replay.last_pass_driver_calls.find("cuMemSetAccess");
+    return it == x.replay.last_pass_driver_calls.end() ? std::uint64_t{0} : it->second;
+  };
+  EXPECT_LE(grants(on), 2 * grants(off) + 2)
+      << "last pass: " << grants(on) << " grants with hints, " << grants(off) << " without";
+}
+
+TEST(LifetimeHintsOnTraces, ALoopWhoseLongLivedRunsStayPutKeepsThemAndSavesMemory) {
+  bool skipped = false;
+  const trace t = load_or_skip("data/train_llama.csv.gz", skipped);
+  if (skipped) GTEST_SKIP() << gpumem_test::not_in_source_tree("data/train_llama.csv.gz");
+  const traced off = replay_with_hints(t, false);
+  const traced on = replay_with_hints(t, true);
+  EXPECT_TRUE(on.counts.lifetime_hints_active);
+  EXPECT_GT(on.counts.long_lived_allocations, 0u);
+  EXPECT_LT(on.replay.peak_reserved_bytes, off.replay.peak_reserved_bytes)
+      << "fragmentation " << on.replay.fragmentation << " with hints, " << off.replay.fragmentation
+      << " without";
 }
 
 }  // namespace

@@ -250,6 +250,10 @@ class pool_base : public memory_resource {
   void use_lifetime_hints();
   // Allocations guessed long-lived so far. REQUIRES: mutex_ held.
   std::uint64_t long_lived_allocations_locked() const noexcept { return long_lived_allocations_; }
+  // Pages' bytes a growth took from the long arena's free blocks (the hints' move budget),
+  // and whether the hints still guess. REQUIRES: mutex_ held.
+  void note_long_lived_moved(std::size_t bytes) noexcept;
+  bool lifetime_hints_active_locked() const noexcept;
 
   // Tells the observer, if any. REQUIRES: mutex_ held. Segment events say stream 0: a
   // segment is not tied to a stream here (its blocks carry their own stream order).

@@ -135,6 +135,11 @@ struct vmm_page_counts {
   // Lifetime hints (pool_options::lifetime_hints): allocations guessed long-lived, placed
   // side by side in the long arena's runs.
   std::uint64_t long_lived_allocations = 0;
+  // Pages gathered out of the long arena's free blocks for other blocks (the hints' move
+  // budget, src/pool/lifetime_hints.hpp), and whether the hints still guess (false when
+  // off, or stopped by that budget).
+  std::uint64_t long_lived_pages_moved = 0;
+  bool lifetime_hints_active = false;
 };
 
 class vmm_page_pool final : public pool_base {
@@ -251,9 +256,13 @@ class vmm_page_pool final : public pool_base {
   // complete (event query) are skipped; with `wait`, every stream is synchronized first.
   // With `same_stream`, blocks freed on that stream whose last use is not yet known
   // complete are taken too, their old mapping left to retire (see above). The free block
-  // ending at `keep_end` (the run a growth extends in place) is left whole.
+  // ending at `keep_end` (the run a growth extends in place) is left whole. `for_arena`:
+  // the arena a growth gathers for (pages it takes from another arena's runs are moved
+  // pages), or arena_count for none (a loan, a release).
   std::size_t reclaim(std::size_t wanted, bool wait, const stream_handle* same_stream = nullptr,
-                      std::uintptr_t keep_end = 0);
+                      std::uintptr_t keep_end = 0, std::uint32_t for_arena = arena_count);
+  // Counts pages reclaimed from `from_arena`'s free blocks for `for_arena` (as reclaim).
+  void note_reclaimed(std::uint32_t from_arena, std::uint32_t for_arena, std::size_t pages) noexcept;
   // Unmaps the retiring runs whose work is complete (with `wait`: after synchronizing their
   // streams, all of them, the worker's failures retried here). A failed unmap keeps its run
   // mapped and is counted (unmap_failures); with `wait` it also throws gpumem::cuda_error,
