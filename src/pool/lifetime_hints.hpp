@@ -19,11 +19,11 @@
 // K is guessed long-lived while its score is positive (a saturating count in [-2, 2]), so
 // the first two requests of a key never are. A wrong guess costs placement, never safety.
 //
-// The cost, and why the hints are opt-in (pool_options::lifetime_hints): long-lived blocks
-// get runs of their own, so in a training loop (forward fills them, backward empties them
-// while other blocks grow) a memory-tight pool moves pages between those runs and the
-// others every step. H200 under PyTorch: the timed run's driver time 3-6x on four
-// workloads of six, while memory moved by -1.8 to +0.2 points (docs/RESULTS.md).
+// The cost: long-lived blocks get runs of their own, so in a training loop (forward fills
+// them, backward empties them while other blocks grow) a memory-tight pool may move pages
+// between those runs and the others every step: without a bound, under PyTorch on the
+// H200 the timed run's driver time rose 3-6x on four workloads of six. The move budget
+// (below) bounds it: the hints stop for good where the moves keep coming (docs/RESULTS.md).
 //
 // Liveness is read from the block records (records are never freed while the arena
 // lives): a record still allocated at the same address, stamped with this request's
@@ -67,6 +67,12 @@ class lifetime_hints {
   static constexpr std::size_t window_reserves = 2;
   static constexpr std::size_t move_share = 256;
   static constexpr int stop_windows = 4;
+  // Sizes that do not repeat (random sizes: nothing to learn, and a key-table look-up that
+  // misses the cache on every large request): the hints stop for good after a window of
+  // novelty_window large requests of which over max_new_percent made new keys. Recorded
+  // traces stay far below (the worst window: 68%, moe_train_seed1 on sim; most under 12%).
+  static constexpr std::uint32_t novelty_window = 4096;
+  static constexpr std::uint32_t max_new_percent = 90;
 
   // Whether guesses are still made (false once the move budget was exceeded).
   bool active() const noexcept { return active_; }
@@ -85,7 +91,9 @@ class lifetime_hints {
     for (std::size_t i = history_length - 1; i > 0; --i) history_[i] = history_[i - 1];
     history_[0] = bytes;
     if (keys_.size() >= max_keys && keys_.find(key) == nullptr) keys_.clear();
+    const std::size_t keys_before = keys_.size();
     entry& e = keys_[key];
+    if (!judge_novelty(keys_.size() != keys_before)) return {};
     if (e.blocks[1].record != nullptr) {
       if (live(e.blocks[1]))
         e.score = e.score < 2 ? e.score + 1 : 2;
@@ -131,13 +139,27 @@ class lifetime_hints {
     const bool over = window_moved_ > window_requested_ / move_share;
     recent_windows_ = (recent_windows_ << 1) | (over ? 1u : 0u);
     window_requested_ = window_moved_ = 0;
-    if (std::popcount(recent_windows_) >= stop_windows) {
-      active_ = false;
-      keys_.clear();
-    }
+    if (std::popcount(recent_windows_) >= stop_windows) stop_for_good();
+  }
+
+  void stop_for_good() {
+    active_ = false;
+    keys_ = {};  // its memory too
+  }
+
+  // Counts a request whose key was `fresh` (new); false when that stopped the hints.
+  bool judge_novelty(bool fresh) {
+    novel_ += fresh ? 1 : 0;
+    if (++seen_ < novelty_window) return true;
+    const bool stop = novel_ * 100 > novelty_window * max_new_percent;
+    seen_ = novel_ = 0;
+    if (stop) stop_for_good();
+    return !stop;
   }
 
   bool active_ = true;
+  std::uint32_t seen_ = 0;   // large requests in the novelty window so far
+  std::uint32_t novel_ = 0;  // of them, those that made a new key
   std::size_t window_requested_ = 0;
   std::size_t window_moved_ = 0;
   std::uint32_t recent_windows_ = 0;  // a bit a window, the newest lowest: 1 over budget

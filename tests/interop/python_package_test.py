@@ -116,7 +116,9 @@ class PoolTest(unittest.TestCase):
         self.assertGreaterEqual(c["cuMemMap"], 1)
         self.assertGreater(c["cuMemMap.ns"], 0)
         self.assertGreaterEqual(c["driver_ns"], c["cuMemMap.ns"] + c["cuMemSetAccess.ns"])
-        self.assertEqual(c["long_lived_allocations"], 0)  # lifetime hints are off by default
+        # Lifetime hints are on by default; one request is never guessed long-lived.
+        self.assertEqual(c["lifetime_hints_active"], 1)
+        self.assertEqual(c["long_lived_allocations"], 0)
         with self.assertRaises(gpumem.InvalidArgumentError):
             self.pool.counter("no_such_counter")
         self.pool.free(a, 3 * MiB)

@@ -422,13 +422,18 @@ TEST(c_api, counters_name_driver_calls_and_pages) {
   EXPECT_EQ(remap_ns, 0u);
   EXPECT_EQ(slack, 0u);
   EXPECT_EQ(raises, 0u);
-  uint64_t long_lived = 1;  // lifetime hints are off by default
+  // Lifetime hints (on by default): guessing, and nothing guessed long-lived from one
+  // request (a key's first two requests never are) nor moved.
+  uint64_t long_lived = 1, moved = 1, active = 0;
   EXPECT_EQ(gpumem_pool_counter(h.pool, "long_lived_allocations", &long_lived), GPUMEM_SUCCESS);
-  EXPECT_EQ(long_lived, 0u);
-  uint64_t moved = 1, active = 1;
   EXPECT_EQ(gpumem_pool_counter(h.pool, "long_lived_pages_moved", &moved), GPUMEM_SUCCESS);
   EXPECT_EQ(gpumem_pool_counter(h.pool, "lifetime_hints_active", &active), GPUMEM_SUCCESS);
+  EXPECT_EQ(long_lived, 0u);
   EXPECT_EQ(moved, 0u);
+  EXPECT_EQ(active, 1u);
+  pool_handle no_hints("platform:sim,sim_capacity:256M,lifetime_hints:off");
+  ASSERT_EQ(no_hints.status, GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(gpumem_pool_counter(no_hints.pool, "lifetime_hints_active", &active), GPUMEM_SUCCESS);
   EXPECT_EQ(active, 0u);
   EXPECT_EQ(gpumem_free(h.pool, p, 5 * MiB, nullptr), GPUMEM_SUCCESS);
   pool_handle slack_set("platform:sim,sim_capacity:256M,growth_slack:0.05");

@@ -189,6 +189,33 @@ TEST(LifetimeHintsBudget, PagesMovedStepAfterStepStopTheHintsForGood) {
   EXPECT_EQ(run_windows(8, [](int) { return over_budget; }, &kept_long), 3);
 }
 
+TEST(LifetimeHintsBudget, SizesThatNeverRepeatStopTheHints) {
+  // Random sizes (pool_bench's mixed pairs): nearly every request makes a new key, and each
+  // look-up misses the cache. One window of them stops the hints.
+  lifetime_hints h;
+  records r;
+  for (std::uint32_t i = 0; i < lifetime_hints::novelty_window; ++i) {
+    ASSERT_TRUE(h.active()) << "request " << i;
+    records::free(ask(h, r, 2 * MiB + 512 * std::size_t{i}).b);
+  }
+  EXPECT_FALSE(h.active());
+  EXPECT_FALSE(h.on_request(kept, no_window).long_lived);
+}
+
+TEST(LifetimeHintsBudget, ALoopOfManySizesKeepsThem) {
+  // 600 sizes in a loop: the first window's requests are mostly new keys, the later ones
+  // none; and a kept size in the loop is guessed long-lived.
+  lifetime_hints h;
+  records r;
+  bool kept_long = false;
+  for (int round = 0; round < 24; ++round) {
+    for (std::size_t i = 0; i < 600; ++i) records::free(ask(h, r, 2 * MiB + 512 * i).b);
+    kept_long = ask(h, r, kept).guessed_long;
+  }
+  EXPECT_TRUE(h.active());
+  EXPECT_TRUE(kept_long);
+}
+
 // --- in vmm_page_pool ------------------------------------------------------------------------
 
 class LifetimeHints : public gpumem_test::sim_pool_test {};
@@ -218,8 +245,8 @@ pool_options with_hints() {
   return o;
 }
 
-TEST_F(LifetimeHints, OffByDefaultAndParsed) {
-  EXPECT_FALSE(pool_options{}.lifetime_hints);
+TEST_F(LifetimeHints, OnByDefaultAndParsed) {
+  EXPECT_TRUE(pool_options{}.lifetime_hints);
   EXPECT_FALSE(pool_options::parse("lifetime_hints:off").lifetime_hints);
   EXPECT_TRUE(pool_options::parse("lifetime_hints:on").lifetime_hints);
   EXPECT_NE(pool_options::parse("lifetime_hints:off").to_string().find("lifetime_hints:off"),

@@ -94,7 +94,11 @@ TEST_F(RoundLarge, ARequestAtMostHalfAPagePastAMultipleIsNotRounded) {
 TEST_F(RoundLarge, RoundingNeverWastesMoreThanAThirtySecondOfTheLiveBytes) {
   // The worst case for rounding: every request just over a page and a half (a loss of
   // nearly half a page each; at most half a page past a multiple is not rounded at all).
-  vmm_page_pool pool(sim, 0);
+  // Without lifetime hints: requests of one size that all stay live are guessed
+  // long-lived after the second, and long-lived blocks are never rounded.
+  pool_options o;
+  o.lifetime_hints = false;
+  vmm_page_pool pool(sim, 0, o);
   std::vector<void*> held;
   const std::size_t n = 3 * MiB + 4 * KiB;
   for (int i = 0; i < 100; ++i) held.push_back(pool.allocate(n));

