@@ -104,7 +104,8 @@ COUNTERS = ("cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAc
             "cuMemSetAccess.ns", "cudaMalloc.ns", "driver_ns", "pages_mapped", "pages_spare",
             "pages_created", "pages_reclaimed", "pages_released", "remap_ns",
             "growth_slack_permille", "slack_raises", "long_lived_allocations",
-            "long_lived_pages_moved", "lifetime_hints_active", "plan_marks", "plans_built", "planned_steps",
+            "long_lived_pages_moved", "lifetime_hints_active", "long_lived_bytes_handed_over",
+            "plan_marks", "plans_built", "planned_steps",
             "steps_left_plan", "steps_rejoined", "planned_allocations", "plan_region_takes",
             "plan_regions_handed_over", "plan_region_bytes", "plan_lower_bound")
 

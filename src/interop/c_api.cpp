@@ -505,7 +505,8 @@ gpumem_status gpumem_pool_counter(gpumem_pool* pool, const char* name, uint64_t*
           {"slack_raises", c.slack_raises},
           {"long_lived_allocations", c.long_lived_allocations},
           {"long_lived_pages_moved", c.long_lived_pages_moved},
-          {"lifetime_hints_active", c.lifetime_hints_active ? 1u : 0u}};
+          {"lifetime_hints_active", c.lifetime_hints_active ? 1u : 0u},
+          {"long_lived_bytes_handed_over", c.long_lived_bytes_handed_over}};
       for (const auto& [key, value] : counters)
         if (key == n) {
           *out = value;

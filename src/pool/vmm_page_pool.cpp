@@ -129,6 +129,7 @@ vmm_page_counts vmm_page_pool::page_counts() const {
   c.long_lived_allocations = long_lived_allocations_locked();
   c.long_lived_pages_moved = counts_.long_lived_pages_moved;
   c.lifetime_hints_active = lifetime_hints_active_locked();
+  c.long_lived_bytes_handed_over = long_lived_bytes_handed_over_locked();
   c.spare_pages = spare_pages();
   c.mapped_pages = 0;
   c.handles = 0;

@@ -428,6 +428,9 @@ TEST(c_api, counters_name_driver_calls_and_pages) {
   EXPECT_EQ(gpumem_pool_counter(h.pool, "long_lived_allocations", &long_lived), GPUMEM_SUCCESS);
   EXPECT_EQ(gpumem_pool_counter(h.pool, "long_lived_pages_moved", &moved), GPUMEM_SUCCESS);
   EXPECT_EQ(gpumem_pool_counter(h.pool, "lifetime_hints_active", &active), GPUMEM_SUCCESS);
+  uint64_t handed = 1;
+  EXPECT_EQ(gpumem_pool_counter(h.pool, "long_lived_bytes_handed_over", &handed), GPUMEM_SUCCESS);
+  EXPECT_EQ(handed, 0u);
   EXPECT_EQ(long_lived, 0u);
   EXPECT_EQ(moved, 0u);
   EXPECT_EQ(active, 1u);

@@ -360,6 +360,8 @@ TEST(LifetimeHintsOnTraces, ATrainingLoopWhoseLongLivedRunsTradePagesEveryStepSt
   EXPECT_GT(on.counts.long_lived_pages_moved, 0u);
   EXPECT_FALSE(on.counts.lifetime_hints_active);
   EXPECT_EQ(off.counts.long_lived_pages_moved, 0u);
+  // After the stop the long-lived runs' free blocks went to the large arena.
+  EXPECT_GT(on.counts.long_lived_bytes_handed_over, 0u);
   // Stopped within the first pass: the last pass grants access to new mappings about as
   // rarely as without hints (each grant is a gather's or a growth's).
   const auto grants = [](const traced& x) {
@@ -378,6 +380,7 @@ TEST(LifetimeHintsOnTraces, ALoopWhoseLongLivedRunsStayPutKeepsThemAndSavesMemor
   const traced on = replay_with_hints(t, true);
   EXPECT_TRUE(on.counts.lifetime_hints_active);
   EXPECT_GT(on.counts.long_lived_allocations, 0u);
+  EXPECT_EQ(on.counts.long_lived_bytes_handed_over, 0u);  // only once stopped
   EXPECT_LT(on.replay.peak_reserved_bytes, off.replay.peak_reserved_bytes)
       << "fragmentation " << on.replay.fragmentation << " with hints, " << off.replay.fragmentation
       << " without";

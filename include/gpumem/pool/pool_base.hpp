@@ -254,6 +254,11 @@ class pool_base : public memory_resource {
   // and whether the hints still guess. REQUIRES: mutex_ held.
   void note_long_lived_moved(std::size_t bytes) noexcept;
   bool lifetime_hints_active_locked() const noexcept;
+  // Bytes of the long arena's free blocks handed to the large arena after the hints
+  // stopped (hand_over_long_lived_free). REQUIRES: mutex_ held.
+  std::uint64_t long_lived_bytes_handed_over_locked() const noexcept {
+    return long_lived_bytes_handed_over_;
+  }
 
   // Tells the observer, if any. REQUIRES: mutex_ held. Segment events say stream 0: a
   // segment is not tied to a stream here (its blocks carry their own stream order).
@@ -348,6 +353,10 @@ class pool_base : public memory_resource {
   std::unique_ptr<detail::block_arena> arenas_[arena_count];
   std::unique_ptr<detail::lifetime_hints> hints_;  // null: every large request in large_arena
   std::uint64_t long_lived_allocations_ = 0;       // guarded by mutex_
+  std::uint64_t long_lived_bytes_handed_over_ = 0;  // guarded by mutex_
+  // After the hints stopped: the long arena's free blocks whose last use is complete
+  // become the large arena's. REQUIRES: mutex_ held.
+  void hand_over_long_lived_free();
   // Thread caches: made under mutex_, never destroyed before the pool (a thread that
   // exits leaves its cache, drained like the others). Threads find theirs through a
   // thread-local slot naming the pool by pool_id_, unique for the process lifetime, so a

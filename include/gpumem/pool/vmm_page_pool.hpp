@@ -140,6 +140,9 @@ struct vmm_page_counts {
   // off, or stopped by that budget).
   std::uint64_t long_lived_pages_moved = 0;
   bool lifetime_hints_active = false;
+  // Once the hints stopped: bytes of the long-lived runs' free blocks handed to the large
+  // arena (no driver call: the pages stay mapped where they are).
+  std::uint64_t long_lived_bytes_handed_over = 0;
 };
 
 class vmm_page_pool final : public pool_base {
