@@ -342,20 +342,22 @@ traced replay_with_hints(const trace& t, bool hints) {
   return out;
 }
 
-trace load_or_skip(const std::string& relative, bool& skipped) {
+// Replays the trace at `relative` with the hints off and on; false when it is absent.
+bool replay_off_and_on(const std::string& relative, traced& off, traced& on) {
   const std::string path = gpumem_test::find_in_source_tree(relative);
-  skipped = path.empty();
-  return skipped ? trace{} : load_trace(path);
+  if (path.empty()) return false;
+  const trace t = load_trace(path);
+  off = replay_with_hints(t, false);
+  on = replay_with_hints(t, true);
+  return true;
 }
 
 TEST(LifetimeHintsOnTraces, ATrainingLoopWhoseLongLivedRunsTradePagesEveryStepStopsThem) {
   // ckpt_train: activations kept for the backward pass fill the long-lived runs in each
   // forward pass and leave them in each backward pass, while the pool is at its peak.
-  bool skipped = false;
-  const trace t = load_or_skip("data/workloads/ckpt_train.csv.gz", skipped);
-  if (skipped) GTEST_SKIP() << gpumem_test::not_in_source_tree("data/workloads/ckpt_train.csv.gz");
-  const traced off = replay_with_hints(t, false);
-  const traced on = replay_with_hints(t, true);
+  const std::string file = "data/workloads/ckpt_train.csv.gz";
+  traced off, on;
+  if (!replay_off_and_on(file, off, on)) GTEST_SKIP() << gpumem_test::not_in_source_tree(file);
   EXPECT_GT(on.counts.long_lived_allocations, 0u);
   EXPECT_GT(on.counts.long_lived_pages_moved, 0u);
   EXPECT_FALSE(on.counts.lifetime_hints_active);
@@ -373,11 +375,9 @@ TEST(LifetimeHintsOnTraces, ATrainingLoopWhoseLongLivedRunsTradePagesEveryStepSt
 }
 
 TEST(LifetimeHintsOnTraces, ALoopWhoseLongLivedRunsStayPutKeepsThemAndSavesMemory) {
-  bool skipped = false;
-  const trace t = load_or_skip("data/train_llama.csv.gz", skipped);
-  if (skipped) GTEST_SKIP() << gpumem_test::not_in_source_tree("data/train_llama.csv.gz");
-  const traced off = replay_with_hints(t, false);
-  const traced on = replay_with_hints(t, true);
+  const std::string file = "data/train_llama.csv.gz";
+  traced off, on;
+  if (!replay_off_and_on(file, off, on)) GTEST_SKIP() << gpumem_test::not_in_source_tree(file);
   EXPECT_TRUE(on.counts.lifetime_hints_active);
   EXPECT_GT(on.counts.long_lived_allocations, 0u);
   EXPECT_EQ(on.counts.long_lived_bytes_handed_over, 0u);  // only once stopped
