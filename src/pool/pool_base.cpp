@@ -85,6 +85,7 @@ void pool_base::hand_over_long_lived_free() {
   // complete: a region the large arena adds is free at once, for any stream.
   detail::block_arena& from = *arenas_[long_arena];
   detail::block_arena& to = *arenas_[large_arena];
+  if (from.free_bytes() == 0 && from.cached_bytes() == 0) return;  // (every large miss asks)
   from.flush();
   for (detail::block* f : from.free_blocks()) {
     if (!free_known_complete(*f)) continue;

@@ -127,7 +127,6 @@ vmm_page_counts vmm_page_pool::page_counts() const {
   vmm_page_counts c = counts_;
   c.growth_slack = slack_now();
   c.long_lived_allocations = long_lived_allocations_locked();
-  c.long_lived_pages_moved = counts_.long_lived_pages_moved;
   c.lifetime_hints_active = lifetime_hints_active_locked();
   c.long_lived_bytes_handed_over = long_lived_bytes_handed_over_locked();
   c.spare_pages = spare_pages();

@@ -137,12 +137,12 @@ GPUMEM_API gpumem_status gpumem_pool_stats(gpumem_pool* pool, gpumem_stats* out)
  * "pages_spare", "physical_handles", "pages_created", "pages_reclaimed", "pages_released",
  * and the remap budget's (pool_options remap_budget): "remap_ns" (time in growths that
  * gathered pages, on the pool's clock), "growth_slack_permille" (the slack in force, in
- * thousandths) and "slack_raises"; with lifetime_hints (on by default), "long_lived_allocations" (large
- * allocations guessed long-lived and placed side by side), "long_lived_pages_moved" (pages
- * gathered out of their runs for other blocks), "lifetime_hints_active" (1 while the
- * hints guess, 0 when off or stopped by their move budget) and
- * "long_lived_bytes_handed_over" (once stopped, free bytes of those runs given to the
- * other large blocks).
+ * thousandths) and "slack_raises"; with lifetime_hints (on by default),
+ * "long_lived_allocations" (large allocations guessed long-lived and placed side by side),
+ * "long_lived_pages_moved" (pages gathered out of their runs for other blocks),
+ * "lifetime_hints_active" (1 while the hints guess, 0 when off or stopped by their move
+ * budget) and "long_lived_bytes_handed_over" (once stopped, free bytes of those runs given
+ * to the other large blocks).
  * With step_plan:on also "plan_marks", "plans_built", "planned_steps", "steps_left_plan",
  * "steps_rejoined", "planned_allocations", "plan_region_failures", "plan_region_takes",
  * "plan_regions_handed_over", "plan_region_bytes", "plan_lower_bound", "planned_per_step".
