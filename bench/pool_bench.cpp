@@ -23,8 +23,9 @@
 //               (4 MiB), which take the pool's mutex either way (their blocks merge at once,
 //               never held in a thread's cache: src/pool/thread_cache.hpp)
 //
-// The pools run with their defaults, with small_classes:4 (small requests in size classes,
-// four to an octave: see pool_options.hpp) and with thread_cache:off, in the same process.
+// The pools run with their defaults (small requests in size classes, four to an octave: see
+// pool_options.hpp), with small_classes:0 (`/units`: 512-byte units, the defaults before
+// 2026-12-03) and with thread_cache:off (`/locked`), in the same process.
 //
 // Allocation speed is timed in rounds (--rounds, default 5): each round runs every allocator
 // once, in turn, and each ratio to cudaMallocAsync is taken within a round; the table gives
@@ -127,11 +128,11 @@ int main(int argc, char** argv) {
   vmm_page_pool vmm_pool(p, 0);
   pool_options locked_options;
   locked_options.thread_cache = false;
-  pool_options classes_options;
-  classes_options.small_classes = 4;
-  runtime_resource classes_upstream(p, 0);
-  caching_pool caching_classes(classes_upstream, classes_options);
-  vmm_page_pool vmm_classes(p, 0, classes_options);
+  pool_options units_options;
+  units_options.small_classes = 0;
+  runtime_resource units_upstream(p, 0);
+  caching_pool caching_units(units_upstream, units_options);
+  vmm_page_pool vmm_units(p, 0, units_options);
   runtime_resource locked_upstream(p, 0);
   caching_pool caching_locked(locked_upstream, locked_options);
   vmm_page_pool vmm_locked(p, 0, locked_options);
@@ -146,12 +147,12 @@ int main(int argc, char** argv) {
                         [&](void* q, std::size_t n) { vmm_pool.deallocate(q, n); }});
   allocators.push_back({"caching_pool", [&](std::size_t n) { return caching.allocate(n); },
                         [&](void* q, std::size_t n) { caching.deallocate(q, n); }});
-  allocators.push_back({"vmm_page_pool/classes",
-                        [&](std::size_t n) { return vmm_classes.allocate(n); },
-                        [&](void* q, std::size_t n) { vmm_classes.deallocate(q, n); }});
-  allocators.push_back({"caching_pool/classes",
-                        [&](std::size_t n) { return caching_classes.allocate(n); },
-                        [&](void* q, std::size_t n) { caching_classes.deallocate(q, n); }});
+  allocators.push_back({"vmm_page_pool/units",
+                        [&](std::size_t n) { return vmm_units.allocate(n); },
+                        [&](void* q, std::size_t n) { vmm_units.deallocate(q, n); }});
+  allocators.push_back({"caching_pool/units",
+                        [&](std::size_t n) { return caching_units.allocate(n); },
+                        [&](void* q, std::size_t n) { caching_units.deallocate(q, n); }});
   allocators.push_back({"vmm_page_pool/locked",
                         [&](std::size_t n) { return vmm_locked.allocate(n); },
                         [&](void* q, std::size_t n) { vmm_locked.deallocate(q, n); }});

@@ -220,7 +220,7 @@ inline std::size_t pool_base::block_size_for(std::size_t bytes,
   constexpr std::size_t unit = 512;
   const std::size_t units = (bytes + unit - 1) / unit;
   if (bytes <= options_.small_threshold) {
-    if (const std::size_t n = options_.small_classes; n != 0 && units > n) {
+    if (const std::size_t n = options_.small_classes; units > n && small_classes_on()) {
       // Its class: the octave (2^(b-1), 2^b] of units cut in n equal steps. Always (no
       // allowance): a freed block then serves every later request of its class.
       // n is a power of two (the constructor checks), and units > n puts the octave at
@@ -357,17 +357,21 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
   // Before merging: what the thread caches keep freed. With small size classes, a small
   // request leaves their small blocks there (each cache keeps at most small_cache bytes of
   // them, the classes its next requests take: emptying them on every small miss would
-  // leave the caches cold) and grows first; they go back if growing fails.
-  const bool keep_small = id == small_arena && options_.small_classes != 0;
+  // leave the caches cold) and grows from the pages the pool keeps unmapped first. They
+  // go back before the pool makes or gathers pages, so they never raise its peak (sim,
+  // infer_llama: 1.0044, against 1.0063 when growing first).
+  const bool keep_small = id == small_arena && small_classes_on();
   drain_thread_caches(keep_small);
   if (auto* b = find_free()) return b;
-  if (grow(a, id, size, alignment, stream)) {
-    if (auto* b = a.allocate(size, alignment, stream.value, requested))
-      return b;
-  }
   if (keep_small) {
+    if (grow(a, id, size, alignment, stream, growth::kept_pages_only))
+      if (auto* b = a.allocate(size, alignment, stream.value, requested)) return b;
     drain_thread_caches();
     if (auto* b = find_free()) return b;
+  }
+  if (grow(a, id, size, alignment, stream, growth::any)) {
+    if (auto* b = a.allocate(size, alignment, stream.value, requested))
+      return b;
   }
   // A large free run kept whole above (split_limit), or one the arena keeps for larger
   // requests (block_arena::restrict_segment), is split after all, before anything is
@@ -378,7 +382,7 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
   // Memory pressure: give back everything cached, then try once more.
   stats_.alloc_retries += 1;
   release_cached();
-  if (grow(a, id, size, alignment, stream)) {
+  if (grow(a, id, size, alignment, stream, growth::any)) {
     if (auto* b = a.allocate(size, alignment, stream.value, requested))
       return b;
   }

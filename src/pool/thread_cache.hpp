@@ -18,9 +18,9 @@
 // against 1.0095 fragmentation (geomean); keeping even one a thread cost 9.5 s and 44,011
 // maps (docs/RESULTS.md).
 //
-// With size classes for small requests (pool_options::small_classes), the small blocks a
-// cache keeps are bounded by bytes (small_bytes_limit) instead of being drained back on
-// every miss of the small arena.
+// With size classes for small requests (pool_options::small_classes, the default), the
+// small blocks a cache keeps are bounded by bytes (small_bytes_limit) and stay through a
+// miss of the small arena that the pool's kept pages serve (pool_base::allocate_slow).
 //
 // Blocks kept here stay `allocated` in their arena: the arena does not see them, and
 // nothing here writes a block field the arena reads for an allocated block (only the bin

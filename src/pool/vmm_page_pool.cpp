@@ -86,7 +86,7 @@ vmm_page_pool::vmm_page_pool(platform& platform, int device, pool_options option
       bool mapped = false;
       try {
         mapped = grow(arena(large_arena), large_arena, (reserve + page_ - 1) / page_ * page_,
-                      arena(large_arena).unit(), stream_handle{});
+                      arena(large_arena).unit(), stream_handle{}, growth::any);
       } catch (...) {
         give_back();  // grow unmapped what it had mapped
         throw;
@@ -634,7 +634,7 @@ void vmm_page_pool::note_gather_time(std::uint64_t started_ns, std::size_t reque
 }
 
 bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
-                         std::size_t alignment, stream_handle stream) {
+                         std::size_t alignment, stream_handle stream, growth kind) {
   // A growth that gathers pages is timed for the remap budget, however it ends.
   struct gather_timer {
     vmm_page_pool& pool;
@@ -645,11 +645,11 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std
       if (pool.counts_.pages_reclaimed != reclaimed_before) pool.note_gather_time(started_ns, request);
     }
   } timer{*this, now_ns(), counts_.pages_reclaimed, size};
-  return grow_untimed(arena, arena_id, size, alignment, stream);
+  return grow_untimed(arena, arena_id, size, alignment, stream, kind);
 }
 
 bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
-                                 std::size_t alignment, stream_handle stream) {
+                                 std::size_t alignment, stream_handle stream, growth kind) {
   const std::size_t pad = alignment > arena.unit() ? alignment - arena.unit() : 0;
   const std::size_t pages = (size + pad + page_ - 1) / page_;
   // Old mappings whose work is done give their address space back first.
@@ -731,10 +731,14 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
   const std::size_t first_new = chunks_.size();
   // Within the growth slack: new pages rather than a gather of scattered free ones (at
   // the limit or on a full device, the gather after all).
-  if (have < wanted && split_limit(size) != static_cast<std::size_t>(-1) &&
+  // kept_pages_only: neither new pages nor pages gathered from free runs (gathered for a
+  // small arena while thread caches hold small blocks, they left infer_llama at 1.0063
+  // against 1.0044 with the blocks drained first: sim, small_classes:4).
+  const bool may_create = kind == growth::any, may_gather = kind == growth::any;
+  if (have < wanted && may_create && split_limit(size) != static_cast<std::size_t>(-1) &&
       create_chunks(wanted - have, handle_sizes::growth))
     have = spare_pages_for(stream.value);
-  if (have < wanted) {
+  if (have < wanted && may_gather) {
     reclaim(wanted - have, false, &stream, ext.block_end, arena_id);
     // Counted again: a reclaimed chunk may still be retiring for another stream.
     have = spare_pages_for(stream.value);
@@ -743,7 +747,8 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
       wanted = ext.first_page != no_page ? ext.pages : pages;
     }
   }
-  if (have < wanted && !create_chunks(wanted - have, handle_sizes::growth)) return false;
+  if (have < wanted && (!may_create || !create_chunks(wanted - have, handle_sizes::growth)))
+    return false;
   // Undoes this call's new chunks (all spare) when the rest fails.
   auto release_new_chunks = [&] {
     for (std::uint32_t id = static_cast<std::uint32_t>(first_new); id < chunks_.size(); ++id) {

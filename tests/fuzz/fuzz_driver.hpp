@@ -100,8 +100,8 @@ enum class pool_target : std::uint8_t {
   caching_release_idle,   // caching_pool over runtime, release_idle:on (idle segments freed
                           // before a new peak)
   vmm_page_small_classes,     // vmm_page_pool, small_classes:4, small_cache:256K (small
-  caching_small_classes,      // blocks kept apart, a small miss grows first); caching_pool
-                              // over runtime, the same
+  caching_small_classes,      // blocks kept apart and often drained); caching_pool over
+                              // runtime, the same
   count_
 };
 inline constexpr std::size_t pool_target_count = static_cast<std::size_t>(pool_target::count_);

@@ -169,23 +169,23 @@ TEST(gpu_stress, caching_pool_cross_stream_wait_threads_never_share_a_byte) {
   expect_clean("caching_pool (cross_stream wait)", run_gpu_stress(*cuda(), pool), pool);
 }
 
-// Small requests in size classes (small_classes:4): blocks of one class go from request to
-// request of varied sizes through the thread caches, which keep small blocks apart.
-TEST(gpu_stress, vmm_page_pool_small_classes_threads_and_streams_never_share_a_byte) {
+// Small requests in 512-byte units (small_classes:0; the defaults round them to size
+// classes): near fits from the thread caches, and the caches' keep-or-pass rule.
+TEST(gpu_stress, vmm_page_pool_units_threads_and_streams_never_share_a_byte) {
   REQUIRE_GPU();
   pool_options o;
-  o.small_classes = 4;
+  o.small_classes = 0;
   vmm_page_pool pool(*cuda(), 0, o);
-  expect_clean("vmm_page_pool (small_classes:4)", run_gpu_stress(*cuda(), pool), pool);
+  expect_clean("vmm_page_pool (small_classes:0)", run_gpu_stress(*cuda(), pool), pool);
 }
 
-TEST(gpu_stress, caching_pool_small_classes_threads_and_streams_never_share_a_byte) {
+TEST(gpu_stress, caching_pool_units_threads_and_streams_never_share_a_byte) {
   REQUIRE_GPU();
   runtime_resource upstream(*cuda());
   pool_options o;
-  o.small_classes = 4;
+  o.small_classes = 0;
   caching_pool pool(upstream, o);
-  expect_clean("caching_pool (small_classes:4)", run_gpu_stress(*cuda(), pool), pool);
+  expect_clean("caching_pool (small_classes:0)", run_gpu_stress(*cuda(), pool), pool);
 }
 
 }  // namespace

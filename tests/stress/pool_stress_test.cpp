@@ -1,7 +1,7 @@
 // Stress on sim: many threads x several streams x mixed sizes, for a fixed number of
 // operations per thread (deterministic counts, no timing), on every thread-safe pool:
 // caching_pool over runtime and over vmm, vmm_page_pool (default, big_chunk, lifetime hints
-// on sizes that repeat), both with small_classes, and pinned_host_pool. Each thread allocates on its own two streams and the default stream,
+// on sizes that repeat, 512-byte units), both with a small small_cache, and pinned_host_pool. Each thread allocates on its own two streams and the default stream,
 // frees on the block's stream or another, releases and replaces its streams now and then,
 // and trims; every block carries a pattern of its own (fuzz_driver.hpp's) checked in full
 // before its free, so a block handed to two threads at once, or reused while live, shows.
@@ -254,6 +254,14 @@ TEST(pool_stress, vmm_page_pool_lifetime_hints) {
   expect_nothing_left(sim);
 }
 
+// Small requests in 512-byte units (the defaults round them to size classes): near fits
+// from the thread caches, and the caches' keep-or-pass rule, under all threads.
+TEST(pool_stress, vmm_page_pool_units) {
+  pool_options o;
+  o.small_classes = 0;
+  stress([&](sim_platform& sim) { return std::make_unique<vmm_page_pool>(sim, 0, o); });
+}
+
 TEST(pool_stress, vmm_page_pool_big_chunk) {
   pool_options o;
   o.big_chunk_pages = 2;
@@ -261,8 +269,8 @@ TEST(pool_stress, vmm_page_pool_big_chunk) {
 }
 
 // Small requests in size classes, each thread keeping at most 256 KiB of small blocks: the
-// kept blocks are taken back (drained) by other threads' misses that fail to grow and by
-// trims, while their owners use them.
+// kept blocks are taken back (drained) by other threads' misses that find no kept page and
+// by trims, while their owners use them.
 TEST(pool_stress, vmm_page_pool_small_classes) {
   stress([](sim_platform& sim) {
     return std::make_unique<vmm_page_pool>(sim, 0, small_classes_options());

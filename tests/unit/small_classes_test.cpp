@@ -1,6 +1,7 @@
 // pool_options::small_classes / small_cache: small requests rounded up to size classes (N to
-// an octave), and each thread's cache keeping up to small_cache bytes of small blocks, which
-// a small miss leaves in place (the pool grows first) and takes back only when growing fails.
+// an octave; 4 by default), and each thread's cache keeping up to small_cache bytes of small
+// blocks, which a small miss leaves in place while the pool grows from pages it keeps
+// unmapped, and takes back before the pool makes or gathers pages.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -9,6 +10,7 @@
 
 #include "gpumem/errors.hpp"
 #include "gpumem/pool/caching_pool.hpp"
+#include "gpumem/pool/pool_observer.hpp"
 #include "gpumem/pool/pool_options.hpp"
 #include "gpumem/pool/vmm_page_pool.hpp"
 #include "gpumem/backend/backends.hpp"
@@ -30,7 +32,7 @@ pool_options with_classes(unsigned n, std::size_t cache = 16 * MiB) {
 }
 
 TEST_F(SmallClasses, ParsesZeroOrPowersOfTwoUpTo64) {
-  EXPECT_EQ(pool_options{}.small_classes, 0u) << "off by default";
+  EXPECT_EQ(pool_options{}.small_classes, 4u) << "four to an octave by default";
   EXPECT_EQ(pool_options::parse("small_classes:4").small_classes, 4u);
   EXPECT_EQ(pool_options::parse("small_classes:0").small_classes, 0u);
   EXPECT_EQ(pool_options::parse("small_classes:64").small_classes, 64u);
@@ -99,11 +101,37 @@ TEST_F(SmallClasses, ABlockExceedsItsRequestByUnderOneNth) {
   }
 }
 
-TEST_F(SmallClasses, OffByDefaultRequestsKeep512ByteUnits) {
-  vmm_page_pool pool(sim, 0);
+TEST_F(SmallClasses, ZeroKeeps512ByteUnits) {
+  vmm_page_pool pool(sim, 0, with_classes(0));
   EXPECT_EQ(block_for(pool, 9 * 512 + 1), 10 * 512u);
   EXPECT_EQ(block_for(pool, 16 * 512 + 1), 17 * 512u);
   EXPECT_EQ(block_for(pool, 1024 * 512 + 1), 1025 * 512u);
+}
+
+TEST_F(SmallClasses, TheDefaultsRoundToFourClassesAnOctave) {
+  vmm_page_pool pool(sim, 0);
+  EXPECT_EQ(block_for(pool, 3 * 512), 3 * 512u) << "up to 4 units: units";
+  EXPECT_EQ(block_for(pool, 9 * 512 + 1), 10 * 512u) << "octave (8, 16]: steps of 2 units";
+  EXPECT_EQ(block_for(pool, 16 * 512 + 1), 20 * 512u) << "octave (16, 32]: steps of 4";
+  EXPECT_EQ(block_for(pool, 1024 * 512 + 1), 1280 * 512u) << "octave (1024, 2048]: of 256";
+}
+
+// The classes serve the thread caches; where the caches are off, a freed block merges at
+// once and a rounded one would only waste its excess.
+struct silent_observer final : pool_observer {
+  void on_event(const pool_event&) noexcept override {}
+};
+
+TEST_F(SmallClasses, WithTheThreadCachesOffRequestsKeep512ByteUnits) {
+  vmm_page_pool locked(sim, 0, pool_options::parse("thread_cache:off"));
+  EXPECT_EQ(block_for(locked, 16 * 512 + 1), 17 * 512u);
+  vmm_page_pool pool(sim, 0);
+  silent_observer watch;
+  pool.set_observer(&watch);
+  EXPECT_EQ(block_for(pool, 16 * 512 + 1), 17 * 512u) << "an observer turns the caches off";
+  pool.set_observer(nullptr);
+  EXPECT_EQ(block_for(pool, 16 * 512 + 1), 20 * 512u) << "detached: classes again";
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
 }
 
 TEST_F(SmallClasses, AFreedBlockServesEveryRequestOfItsClass) {
@@ -134,17 +162,42 @@ TEST_F(SmallClasses, EachThreadKeepsAtMostSmallCacheBytesOfSmallBlocks) {
 
 // Four 512 KiB blocks fill one 2 MiB page of the small arena; the first two are freed into
 // the thread cache; a 1 MiB request finds no free block in the arena.
-TEST_F(SmallClasses, ASmallMissGrowsAndLeavesTheCachedBlocks) {
+TEST_F(SmallClasses, ASmallMissGrowsFromKeptPagesAndLeavesTheCachedBlocks) {
+  vmm_page_pool pool(sim, 0, with_classes(4));
+  void* q[4];
+  for (auto& p : q) p = pool.allocate(512 * KiB);
+  pool.return_pages(pool.lend_pages(1));  // one page made and kept unmapped
+  ASSERT_EQ(pool.page_counts().spare_pages, 1u);
+  ASSERT_EQ(pool.stats().reserved_bytes, 4 * MiB);
+  pool.deallocate(q[0], 512 * KiB);
+  pool.deallocate(q[1], 512 * KiB);
+  ASSERT_EQ(pool.bytes_in_arena(true).cached, MiB);
+  void* big = pool.allocate(MiB);
+  EXPECT_NE(big, q[0]) << "grown on the kept page, not merged from the cache";
+  EXPECT_EQ(pool.page_counts().spare_pages, 0u);
+  EXPECT_EQ(pool.bytes_in_arena(true).cached, MiB) << "the cached blocks stay for this thread";
+  EXPECT_EQ(pool.stats().reserved_bytes, 4 * MiB) << "no page made";
+  pool.deallocate(big, MiB);
+  pool.deallocate(q[2], 512 * KiB);
+  pool.deallocate(q[3], 512 * KiB);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
+// As above, with no page kept: the cached blocks go back and merge before the pool makes
+// a page, so they never raise its peak.
+TEST_F(SmallClasses, ASmallMissTakesTheCachedBlocksBackBeforeMakingPages) {
   vmm_page_pool pool(sim, 0, with_classes(4));
   void* q[4];
   for (auto& p : q) p = pool.allocate(512 * KiB);
   pool.deallocate(q[0], 512 * KiB);
   pool.deallocate(q[1], 512 * KiB);
   ASSERT_EQ(pool.bytes_in_arena(true).cached, MiB);
+  const auto creates = calls(platform_op::create_physical);
   void* big = pool.allocate(MiB);
-  EXPECT_NE(big, q[0]) << "grown, not merged from the cache";
-  EXPECT_EQ(pool.bytes_in_arena(true).cached, MiB) << "the cached blocks stay for this thread";
-  EXPECT_EQ(pool.stats().reserved_bytes, 4 * MiB);
+  EXPECT_EQ(big, q[0]) << "the two cached neighbours, merged";
+  EXPECT_EQ(calls(platform_op::create_physical), creates);
+  EXPECT_EQ(pool.bytes_in_arena(true).cached, 0u);
+  EXPECT_EQ(pool.stats().reserved_bytes, 2 * MiB);
   pool.deallocate(big, MiB);
   pool.deallocate(q[2], 512 * KiB);
   pool.deallocate(q[3], 512 * KiB);
@@ -170,7 +223,7 @@ TEST_F(SmallClasses, WhenGrowingFailsTheCachedBlocksMergeAndServe) {
 }
 
 TEST_F(SmallClasses, WithoutClassesASmallMissMergesTheCachedBlocksFirst) {
-  vmm_page_pool pool(sim, 0);
+  vmm_page_pool pool(sim, 0, with_classes(0));
   void* q[4];
   for (auto& p : q) p = pool.allocate(512 * KiB);
   pool.deallocate(q[0], 512 * KiB);

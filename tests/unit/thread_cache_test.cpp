@@ -96,7 +96,7 @@ TEST_F(ThreadCache, ABlockInAThreadCacheIsReusedOnlyOnTheStreamThatFreedIt) {
 // cache, on its own stream only, while the bytes handed out beyond the live bytes stay
 // within 1/32 of them (pool_base::near_fit_limit).
 TEST_F(ThreadCache, ASlightlyLargerKeptBlockServesARequestOnItsStream) {
-  vmm_page_pool pool(sim, 0);
+  vmm_page_pool pool(sim, 0, pool_options::parse("small_classes:0"));  // 512-byte units
   void* ballast = pool.allocate(64 * MiB);  // live bytes, so the waste allowance is not the limit
   void* p = pool.allocate(100 * KiB);
   pool.deallocate(p, 100 * KiB);
@@ -179,7 +179,8 @@ TEST_F(ThreadCache, LargeBlocksMergeAtOnceInsteadOfWaitingInTheCache) {
 // A thread whose requests its kept blocks rarely serve (sizes at random) stops keeping
 // blocks for a while: its frees go to the arena, under the pool lock, like thread_cache:off.
 TEST_F(ThreadCache, AThreadWhoseKeptBlocksRarelyFitStopsKeepingThem) {
-  vmm_page_pool pool(sim, 0);
+  // 512-byte units: with size classes, the sizes below would share classes and fit.
+  vmm_page_pool pool(sim, 0, pool_options::parse("small_classes:0"));
   std::promise<void> ready, go, freed;
   std::thread worker([&] {
     // 300 small requests, each a size no kept block can serve (each larger than every

@@ -26,7 +26,7 @@ class caching_pool final : public pool_base {
 
  protected:
   bool grow(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
-            std::size_t alignment, stream_handle stream) override;
+            std::size_t alignment, stream_handle stream, growth kind) override;
   std::size_t release_cached() override;
   std::string describe_holdings() const override;
   std::string advice_when_free_is_split() const override;

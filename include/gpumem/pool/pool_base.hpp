@@ -158,11 +158,15 @@ class pool_base : public memory_resource {
   void* do_allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) final;
   void do_deallocate(void* ptr, std::size_t bytes, stream_handle stream) final;
 
+  // What a growth may use: any memory, or only physical pages the pool keeps unmapped
+  // (none new, none taken from free runs; a pool without kept pages cannot grow so).
+  enum class growth { any, kept_pages_only };
   // Adds memory to `arena` so a block of `size` bytes aligned to `alignment` fits on
-  // `stream`. Returns false when the device (or the limit) has no more; throws
-  // gpumem::cuda_error on other driver failures, after undoing partial work.
+  // `stream`. Returns false when the device (or the limit) has no more, or when `kind`
+  // forbids what it would take; throws gpumem::cuda_error on other driver failures, after
+  // undoing partial work.
   virtual bool grow(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
-                    std::size_t alignment, stream_handle stream) = 0;
+                    std::size_t alignment, stream_handle stream, growth kind) = 0;
   // Gives back what can be given; returns bytes released. REQUIRES: mutex_ held.
   virtual std::size_t release_cached() = 0;
   // Subclass-specific lines for the report (segments, pages...). REQUIRES: mutex_ held.
@@ -307,7 +311,8 @@ class pool_base : public memory_resource {
   std::string diagnose_locked(std::uintptr_t addr) const;
   static std::string hex_address(std::uintptr_t addr);
 
-  // The block size serving a request: 512-byte units; with pool_options::round_large, a large
+  // The block size serving a request: 512-byte units; a small request's size class while
+  // small_classes_on(); with pool_options::round_large, a large
   // request (over small_threshold) whose tail past a multiple of it is over half of one is
   // rounded up to the next multiple (a loss under half a unit), while the bytes lost to
   // rounding stay within 1/round_waste_share of the live bytes (so a workload of requests
@@ -315,6 +320,13 @@ class pool_base : public memory_resource {
   // calling thread's cache, whose unpublished bytes count too.
   static constexpr std::size_t round_waste_share = 32;
   std::size_t block_size_for(std::size_t bytes, const detail::thread_cache* mine) const noexcept;
+  // Whether small requests are rounded to size classes: pool_options::small_classes, while
+  // the thread caches are on. The classes serve the caches; with the caches off
+  // (thread_cache:off, guard, scrub, an observer attached) a block merges at once when
+  // freed and the rounding would only waste its excess.
+  bool small_classes_on() const noexcept {
+    return options_.small_classes != 0 && fast_path_.load(std::memory_order_relaxed);
+  }
   // The largest block a thread cache may hand out for a request of `bytes` served by blocks
   // of `size`: up to 1/near_fit_share larger (no split, no pool lock when sizes vary),
   // while the bytes handed out beyond the live bytes stay within 1/round_waste_share of them.

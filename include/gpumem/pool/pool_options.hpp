@@ -43,18 +43,23 @@
 //                            takes the pool lock). Large requests always take the pool lock
 //                            (their blocks merge at once; see thread_cache.hpp)
 //   small_classes:N          round small requests (up to small_threshold) up to size classes,
-//                            N to an octave (a power of two up to 64; default 0: 512-byte
-//                            units only). A block then exceeds its request by under 1/N,
-//                            every freed block serves all later requests of its class, and
-//                            each thread's cache keeps and reuses small blocks on its own
-//                            (below). For many small requests of varied sizes: with N = 4,
-//                            vmm_page_pool's mixed-size pairs took 19-36% less time on the
-//                            H200 (caching_pool's none); the LLM traces' fragmentation moves
-//                            by up to +/-0.3 points either way (docs/RESULTS.md)
+//                            N to an octave (a power of two up to 64; default 4, as jemalloc's
+//                            classes; 0: 512-byte units only). A block then exceeds its request
+//                            by under 1/N, every freed block serves all later requests of its
+//                            class, and each thread's cache keeps and reuses small blocks on
+//                            its own (below). Applied while the thread caches are on (not with
+//                            thread_cache:off, guard, scrub or an observer attached: there a
+//                            freed block merges at once and the rounding only wastes). With 0,
+//                            pool_bench's mixed-size pairs take the pool lock on most calls
+//                            (sim: ~120-140 ns against ~75-95 ns a pair); over 46 recorded
+//                            traces the geomean fragmentation is 1.0069 with 0 and 1.0072
+//                            with 4, the LLM traces the same (sim; docs/RESULTS.md)
 //   small_cache:BYTES        with small_classes: the bytes of small blocks each thread's cache
 //                            keeps (default 16M). A small request that finds no free block
-//                            grows the pool before it takes them back (they go back when
-//                            growing fails, and before memory is given back)
+//                            first grows the small arena with pages the pool keeps unmapped;
+//                            the kept blocks go back before the pool makes pages or gathers
+//                            them from free runs (so they never raise its peak), and before
+//                            memory is given back
 //   map_worker:auto|on|off   vmm_page_pool: unmap the old mappings of remapped pages on a
 //                            helper thread, so the allocating thread does not pay ~40 us per
 //                            mapping while the GPU is busy (auto: on for the cuda platform, off
@@ -130,7 +135,7 @@ struct pool_options {
   bool guard = false;
   bool thread_cache = true;
   std::size_t round_large = 0;
-  unsigned small_classes = 0;
+  unsigned small_classes = 4;
   std::size_t small_cache = std::size_t{16} << 20;
   map_worker_mode map_worker = map_worker_mode::automatic;
   double growth_slack = 0.0;

@@ -169,10 +169,10 @@ class vmm_page_pool final : public pool_base {
 
  protected:
   bool grow(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
-            std::size_t alignment, stream_handle stream) override;
+            std::size_t alignment, stream_handle stream, growth kind) override;
   // grow() without the remap budget's timing.
   bool grow_untimed(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
-                    std::size_t alignment, stream_handle stream);
+                    std::size_t alignment, stream_handle stream, growth kind);
   std::size_t release_cached() override;
   std::string describe_holdings() const override;
   page_holdings page_holdings_locked() const override;
