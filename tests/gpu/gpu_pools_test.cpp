@@ -229,16 +229,16 @@ TEST(gpu_pools, cross_stream_reuse_waits_for_the_free) {
     pool_options options;
     options.cross_stream = cross_stream_policy::wait;
     vmm_page_pool pool(p, 0, options);
-    void* a = pool.allocate(1 << 20, 256, s1.value());
-    ASSERT_TRUE(p.memset_async(a, 1, 1 << 20, s1.value()));
-    pool.deallocate(a, 1 << 20, s1.value());
+    void* a = pool.allocate(4 << 20, 256, s1.value());  // large: no thread cache keeps it
+    ASSERT_TRUE(p.memset_async(a, 1, 4 << 20, s1.value()));
+    pool.deallocate(a, 4 << 20, s1.value());
     const auto waits = p.calls_made(platform_op::stream_wait_event);
-    void* b = pool.allocate(1 << 20, 256, s2.value());
+    void* b = pool.allocate(4 << 20, 256, s2.value());
     EXPECT_EQ(a, b);
     EXPECT_GT(p.calls_made(platform_op::stream_wait_event), waits);
-    ASSERT_TRUE(p.memset_async(b, 2, 1 << 20, s2.value()));
+    ASSERT_TRUE(p.memset_async(b, 2, 4 << 20, s2.value()));
     ASSERT_TRUE(p.stream_synchronize(s2.value()));
-    pool.deallocate(b, 1 << 20, s2.value());
+    pool.deallocate(b, 4 << 20, s2.value());
   }
   EXPECT_TRUE(p.stream_destroy(s1.value()));
   EXPECT_TRUE(p.stream_destroy(s2.value()));
