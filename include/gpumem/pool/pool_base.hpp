@@ -26,7 +26,8 @@
 // never the pool's: threads do not serialize on the pool in the steady state. Everything
 // else takes the pool lock, large requests always (their blocks merge at once, never held
 // back); there, every cache is drained into the arenas (where its blocks merge) when an arena
-// cannot serve a request, before the pool grows, trims or gives memory back, and reports
+// cannot serve a request, before the pool grows, trims or gives memory back (with size
+// classes, a small request first grows its arena from pages kept unmapped), and reports
 // count cached blocks as cached. The fast path is off with guard, scrub, a release
 // threshold or an observer attached (each needs every call).
 // validate() and the reports are exact when no call is in flight on another thread.
