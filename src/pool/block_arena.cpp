@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <stdexcept>
 #include <unordered_set>
 
 namespace gpumem::detail {
@@ -13,7 +14,16 @@ namespace gpumem::detail {
 // -> 1,043 instructions a pair, with the cache look-up change in pool_base.cpp).
 
 block_arena::block_arena(std::uint8_t id, std::size_t unit, std::size_t max_cached_blocks)
-    : id_(id), unit_(unit), max_cached_blocks_(max_cached_blocks) {}
+    : id_(id), unit_(unit), max_cached_blocks_(max_cached_blocks) {
+  if (!std::has_single_bit(unit)) throw std::invalid_argument("block_arena: the unit must be a power of two");
+}
+
+namespace {
+// addr rounded up to a multiple of alignment, a power of two (no division: see round()).
+inline std::uintptr_t align_up(std::uintptr_t addr, std::size_t alignment) noexcept {
+  return (addr + alignment - 1) & ~(std::uintptr_t{alignment} - 1);
+}
+}  // namespace
 
 block_arena::~block_arena() {
   for (block* b : all_records_) delete b;
@@ -186,7 +196,7 @@ void block_arena::insert_merged(block* b) {
 
 inline block* block_arena::take(block* b, std::size_t size, std::size_t alignment,
                          std::uintptr_t stream, std::size_t requested) {
-  const std::uintptr_t aligned = (b->addr + alignment - 1) / alignment * alignment;
+  const std::uintptr_t aligned = align_up(b->addr, alignment);
   if (aligned > b->addr) {
     // Front padding stays free, as its own block.
     erase_free(b);
@@ -243,7 +253,7 @@ block* block_arena::allocate(std::size_t size, std::size_t alignment, std::uintp
     // `need` assumed the worst padding; an already aligned block may fit with less.
     for_each_free([&](block* c) {
       if (c->stream != stream || (!any_segment && !serves(*c, size))) return;
-      const std::uintptr_t start = (c->addr + alignment - 1) / alignment * alignment;
+      const std::uintptr_t start = align_up(c->addr, alignment);
       if (start + size > c->addr + c->size) return;
       if (b == nullptr || c->size < b->size || (c->size == b->size && c->addr < b->addr)) b = c;
     });

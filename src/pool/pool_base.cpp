@@ -49,6 +49,9 @@ pool_base::pool_base(platform& platform, int device, pool_options options,
   if (!pool_options::valid_small_classes(options.small_classes))
     throw invalid_argument("pool: small_classes must be 0 or a power of two up to 64, not " +
                            std::to_string(options.small_classes));
+  if ((options.round_large & (options.round_large - 1)) != 0)  // block_size_for masks by it
+    throw invalid_argument("pool: round_large must be 0 or a power of two, not " +
+                           std::to_string(options.round_large));
   // With thread caches in front, the arenas keep no quick lists of their own: a block a
   // cache gives back is merged at once, so best fit sees every free byte (fragmentation on
   // the shared traces: train_llama 1.0011 -> 1.0006, infer_llama 1.0139 -> 1.0120 for
@@ -236,7 +239,7 @@ inline std::size_t pool_base::block_size_for(std::size_t bytes,
     // nothing while both live, and no more than the loss would when the next one dies
     // first. So a request just over a multiple (a flat buffer and a few KiB more) keeps
     // its 512-byte units instead of taking most of a page it will never use.
-    if (const std::size_t tail = bytes % g; tail > g / 2) {
+    if (const std::size_t tail = bytes & (g - 1); tail > g / 2) {  // g: a power of two
       const std::size_t r = bytes - tail + g;
       const live_and_held t = totals(live_bytes_, block_bytes_, mine);
       const std::size_t live = t.live + bytes;

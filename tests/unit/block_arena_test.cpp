@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <random>
+#include <stdexcept>
 #include <vector>
 
 namespace {
@@ -28,6 +29,27 @@ std::vector<const block*> sorted_free(const block_arena& a) {
 }
 
 #define EXPECT_ARENA_VALID(a) EXPECT_EQ((a).validate(), "")
+
+TEST(BlockArena, TheUnitMustBeAPowerOfTwo) {
+  // Sizes and addresses are rounded with masks.
+  EXPECT_THROW(block_arena(0, 768), std::invalid_argument);
+  EXPECT_THROW(block_arena(0, 0), std::invalid_argument);
+  block_arena a(0, 1024);
+  EXPECT_EQ(a.round(1), 1024u);
+  EXPECT_EQ(a.round(1025), 2048u);
+}
+
+// Alignment inside a block: the padding in front stays a free block of its own.
+TEST(BlockArena, AnAlignedRequestLeavesTheFrontPaddingFree) {
+  block_arena a(0, 512, 0);
+  a.add_region(0x100000 + 512, 8 * 4096, 1, 0);
+  block* b = a.allocate(4096, 4096, 0, 4096);
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(b->addr % 4096, 0u);
+  EXPECT_EQ(b->addr, 0x100000u + 4096);
+  EXPECT_EQ(a.free_bytes(), 8 * 4096u - 4096);
+  EXPECT_EQ(a.validate(), "");
+}
 
 TEST(BlockArena, AddRegionThenAllocateSplitsFromTheFront) {
   block_arena a;

@@ -30,6 +30,15 @@ TEST_F(RoundLarge, ParsesPowersOfTwoOnly) {
             std::string::npos);
 }
 
+TEST_F(RoundLarge, APoolRefusesANonPowerOfTwoSetInCode) {
+  // Options built in code skip parse(): the pool checks (block_size_for masks by it).
+  pool_options o;
+  o.round_large = 3 * MiB;
+  EXPECT_THROW(vmm_page_pool(sim, 0, o), invalid_argument);
+  o.round_large = 2 * MiB;
+  EXPECT_NO_THROW(vmm_page_pool(sim, 0, o));
+}
+
 TEST_F(RoundLarge, LargeBlocksOwnWholePagesAndSmallOnesDoNot) {
   pool_options o;
   o.round_large = 2 * MiB;
