@@ -54,6 +54,7 @@
 #include "gpumem/errors.hpp"
 #include "gpumem/pool/overhead.hpp"
 #include "gpumem/pool/pool_clock.hpp"
+#include "gpumem/pool/pool_mutex.hpp"
 #include "gpumem/pool/pool_observer.hpp"
 #include "gpumem/pool/pool_options.hpp"
 
@@ -273,7 +274,7 @@ class pool_base : public memory_resource {
       observer_->on_event(pool_event{kind, address, size, stream});
   }
 
-  mutable std::mutex mutex_;
+  mutable pool_mutex mutex_;
   pool_options options_;
 
  private:
