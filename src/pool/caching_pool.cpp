@@ -70,7 +70,7 @@ bool caching_pool::add_segment(detail::block_arena& arena, std::uint32_t arena_i
 
 bool caching_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
                         std::size_t alignment, stream_handle stream, growth kind) {
-  if (kind == growth::kept_pages_only) return false;  // every growth is a new upstream segment
+  if (kind == growth::held_pages_only) return false;  // every growth is a new upstream segment
   // Upstream aligns the segment itself, so an aligned request fits at its start.
   const std::size_t need = arena_id == small_arena && size <= small_segment
                                ? small_segment

@@ -360,14 +360,16 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
   // Before merging: what the thread caches keep freed. With small size classes, a small
   // request leaves their small blocks there (each cache keeps at most small_cache bytes of
   // them, the classes its next requests take: emptying them on every small miss would
-  // leave the caches cold) and grows from the pages the pool keeps unmapped first. They
-  // go back before the pool makes or gathers pages, so they never raise its peak (sim,
-  // infer_llama: 1.0044, against 1.0063 when growing first).
+  // leave the caches cold) and grows first from the pages the pool holds (kept unmapped or
+  // gathered from free runs). They go back before the pool makes new pages. Draining them
+  // before gathering too kept two more pages of infer_llama's 2 GiB (1.0044 against 1.0063)
+  // but cost 13% more instructions a mixed pair (sim) and a sixth of the speed against
+  // cudaMallocAsync on the H200 (docs/RESULTS.md).
   const bool keep_small = id == small_arena && small_classes_on();
   drain_thread_caches(keep_small);
   if (auto* b = find_free()) return b;
   if (keep_small) {
-    if (grow(a, id, size, alignment, stream, growth::kept_pages_only))
+    if (grow(a, id, size, alignment, stream, growth::held_pages_only))
       if (auto* b = a.allocate(size, alignment, stream.value, requested)) return b;
     drain_thread_caches();
     if (auto* b = find_free()) return b;

@@ -20,7 +20,7 @@
 //
 // With size classes for small requests (pool_options::small_classes, the default), the
 // small blocks a cache keeps are bounded by bytes (small_bytes_limit) and stay through a
-// miss of the small arena that the pool's kept pages serve (pool_base::allocate_slow).
+// miss of the small arena that pages the pool holds serve (pool_base::allocate_slow).
 //
 // Blocks kept here stay `allocated` in their arena: the arena does not see them, and
 // nothing here writes a block field the arena reads for an allocated block (only the bin

@@ -731,14 +731,11 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
   const std::size_t first_new = chunks_.size();
   // Within the growth slack: new pages rather than a gather of scattered free ones (at
   // the limit or on a full device, the gather after all).
-  // kept_pages_only: neither new pages nor pages gathered from free runs (gathered for a
-  // small arena while thread caches hold small blocks, they left infer_llama at 1.0063
-  // against 1.0044 with the blocks drained first: sim, small_classes:4).
-  const bool may_create = kind == growth::any, may_gather = kind == growth::any;
+  const bool may_create = kind == growth::any;  // held_pages_only: kept and gathered pages
   if (have < wanted && may_create && split_limit(size) != static_cast<std::size_t>(-1) &&
       create_chunks(wanted - have, handle_sizes::growth))
     have = spare_pages_for(stream.value);
-  if (have < wanted && may_gather) {
+  if (have < wanted) {
     reclaim(wanted - have, false, &stream, ext.block_end, arena_id);
     // Counted again: a reclaimed chunk may still be retiring for another stream.
     have = spare_pages_for(stream.value);

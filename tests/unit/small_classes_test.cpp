@@ -1,7 +1,7 @@
 // pool_options::small_classes / small_cache: small requests rounded up to size classes (N to
 // an octave; 4 by default), and each thread's cache keeping up to small_cache bytes of small
-// blocks, which a small miss leaves in place while the pool grows from pages it keeps
-// unmapped, and takes back before the pool makes or gathers pages.
+// blocks, which a small miss leaves in place while the pool grows from pages it holds
+// (kept unmapped, or gathered from free runs), and takes back before it makes pages.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -183,8 +183,32 @@ TEST_F(SmallClasses, ASmallMissGrowsFromKeptPagesAndLeavesTheCachedBlocks) {
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
 }
 
-// As above, with no page kept: the cached blocks go back and merge before the pool makes
-// a page, so they never raise its peak.
+// As above, with a free run of the large arena instead: its page is gathered, and the
+// cached blocks stay.
+TEST_F(SmallClasses, ASmallMissGathersAFreePageAndLeavesTheCachedBlocks) {
+  vmm_page_pool pool(sim, 0, with_classes(4));
+  void* q[4];
+  for (auto& p : q) p = pool.allocate(512 * KiB);
+  void* run = pool.allocate(4 * MiB);
+  pool.deallocate(run, 4 * MiB);  // two free pages, mapped, in the large arena
+  pool.deallocate(q[0], 512 * KiB);
+  pool.deallocate(q[1], 512 * KiB);
+  ASSERT_EQ(pool.bytes_in_arena(true).cached, MiB);
+  const auto reserved = pool.stats().reserved_bytes;
+  const auto creates = calls(platform_op::create_physical);
+  void* big = pool.allocate(MiB);
+  EXPECT_NE(big, q[0]) << "gathered, not merged from the cache";
+  EXPECT_EQ(pool.bytes_in_arena(true).cached, MiB) << "the cached blocks stay for this thread";
+  EXPECT_EQ(calls(platform_op::create_physical), creates) << "no page made";
+  EXPECT_EQ(pool.stats().reserved_bytes, reserved);
+  pool.deallocate(big, MiB);
+  pool.deallocate(q[2], 512 * KiB);
+  pool.deallocate(q[3], 512 * KiB);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
+// With no page held beyond the live ones: the cached blocks go back and merge before the
+// pool makes a page, so they never make it reserve more.
 TEST_F(SmallClasses, ASmallMissTakesTheCachedBlocksBackBeforeMakingPages) {
   vmm_page_pool pool(sim, 0, with_classes(4));
   void* q[4];

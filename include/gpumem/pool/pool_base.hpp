@@ -27,7 +27,7 @@
 // else takes the pool lock, large requests always (their blocks merge at once, never held
 // back); there, every cache is drained into the arenas (where its blocks merge) when an arena
 // cannot serve a request, before the pool grows, trims or gives memory back (with size
-// classes, a small request first grows its arena from pages kept unmapped), and reports
+// classes, a small request first grows its arena from pages the pool holds), and reports
 // count cached blocks as cached. The fast path is off with guard, scrub, a release
 // threshold or an observer attached (each needs every call).
 // validate() and the reports are exact when no call is in flight on another thread.
@@ -160,9 +160,10 @@ class pool_base : public memory_resource {
   void* do_allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) final;
   void do_deallocate(void* ptr, std::size_t bytes, stream_handle stream) final;
 
-  // What a growth may use: any memory, or only physical pages the pool keeps unmapped
-  // (none new, none taken from free runs; a pool without kept pages cannot grow so).
-  enum class growth { any, kept_pages_only };
+  // What a growth may use: any memory, or only physical pages the pool holds (kept
+  // unmapped, or gathered from other arenas' free runs): no new ones, so the reserved bytes
+  // stay (a pool whose every growth is new memory cannot grow so).
+  enum class growth { any, held_pages_only };
   // Adds memory to `arena` so a block of `size` bytes aligned to `alignment` fits on
   // `stream`. Returns false when the device (or the limit) has no more, or when `kind`
   // forbids what it would take; throws gpumem::cuda_error on other driver failures, after

@@ -52,14 +52,13 @@
 //                            freed block merges at once and the rounding only wastes). With 0,
 //                            pool_bench's mixed-size pairs take the pool lock on most calls
 //                            (sim: ~120-140 ns against ~75-95 ns a pair); over 46 recorded
-//                            traces the geomean fragmentation is 1.0069 with 0 and 1.0072
-//                            with 4, the LLM traces the same (sim; docs/RESULTS.md)
+//                            traces the geomean fragmentation is 1.0069 with 0 and 1.0076
+//                            with 4; infer_llama 1.0044 and 1.0063 (sim; docs/RESULTS.md)
 //   small_cache:BYTES        with small_classes: the bytes of small blocks each thread's cache
 //                            keeps (default 16M). A small request that finds no free block
-//                            first grows the small arena with pages the pool keeps unmapped;
-//                            the kept blocks go back before the pool makes pages or gathers
-//                            them from free runs (so they never raise its peak), and before
-//                            memory is given back
+//                            first grows the small arena from the pages the pool holds (kept
+//                            unmapped, or gathered from free runs); the kept blocks go back
+//                            before the pool makes new pages, and before memory is given back
 //   map_worker:auto|on|off   vmm_page_pool: unmap the old mappings of remapped pages on a
 //                            helper thread, so the allocating thread does not pay ~40 us per
 //                            mapping while the GPU is busy (auto: on for the cuda platform, off
