@@ -1,8 +1,10 @@
-// pool_mutex: the pools' lock. A futex mutex (U. Drepper, "Futexes Are Tricky", mutex 3):
-// uncontended, lock and unlock are one atomic operation each, inline, where std::mutex
-// calls into libc for each (pthread_mutex_lock and unlock took 35 instructions of a
-// mixed-size pair, sim, callgrind). Contended, a waiter sleeps in the kernel
-// (std::atomic::wait), as on std::mutex; it is not fair, nor is std::mutex.
+// pool_mutex: the pools' lock. A futex mutex (U. Drepper, "Futexes Are Tricky", mutex 3;
+// glibc's own lock is the same): uncontended, lock and unlock are one atomic operation each,
+// inline, where std::mutex calls into libc for each (pthread_mutex_lock and unlock took 35
+// instructions of a mixed-size pair, sim, callgrind). Contended, a waiter sleeps in the
+// kernel on the futex at once, as in glibc (std::atomic::wait, tried first, spins and yields
+// before sleeping: with 4 threads on one pool the locked pairs took 2-4x longer on the
+// H200's 16-core host). Not fair, as std::mutex is not.
 // Lockable: for std::lock_guard, std::unique_lock and std::scoped_lock.
 #pragma once
 
@@ -28,21 +30,18 @@ class pool_mutex {
                                           std::memory_order_relaxed);
   }
   void unlock() noexcept {
-    if (state_.exchange(unlocked, std::memory_order_release) == contended) state_.notify_one();
+    if (state_.exchange(unlocked, std::memory_order_release) == contended) wake_one();
   }
 
  private:
   // unlocked; locked with no waiter; locked, and a thread may wait (unlock wakes one).
   static constexpr int unlocked = 0, locked = 1, contended = 2;
-  void lock_contended(int seen) noexcept {
-    // From here on the state says `contended` while this thread holds or waits, so an
-    // unlock never misses a sleeper (at the price of a spare wake-up).
-    if (seen != contended) seen = state_.exchange(contended, std::memory_order_acquire);
-    while (seen != unlocked) {
-      state_.wait(contended, std::memory_order_relaxed);
-      seen = state_.exchange(contended, std::memory_order_acquire);
-    }
-  }
+  // From here on the state says `contended` while this thread holds or waits, so an
+  // unlock never misses a sleeper (at the price of a spare wake-up).
+  void lock_contended(int seen) noexcept;
+  // Sleeps while the state is `contended`; wakes one sleeper.
+  void sleep_while_contended() noexcept;
+  void wake_one() noexcept;
   std::atomic<int> state_{unlocked};
 };
 
