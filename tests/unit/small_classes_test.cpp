@@ -160,104 +160,96 @@ TEST_F(SmallClasses, EachThreadKeepsAtMostSmallCacheBytesOfSmallBlocks) {
   EXPECT_EQ(pool.bytes_in_arena(true).cached, 0u) << "trim takes them back";
 }
 
-// Four 512 KiB blocks fill one 2 MiB page of the small arena; the first two are freed into
-// the thread cache; a 1 MiB request finds no free block in the arena.
+// Four 512 KiB blocks fill one 2 MiB page of the small arena; `between` runs; the first two
+// are freed into the thread cache, so a 1 MiB request finds no free block in the arena.
+struct four_quarters {
+  vmm_page_pool& pool;
+  void* q[4];
+  template <class F>
+  four_quarters(vmm_page_pool& p, F&& between) : pool(p) {
+    for (auto& b : q) b = pool.allocate(512 * KiB);
+    between();
+    pool.deallocate(q[0], 512 * KiB);
+    pool.deallocate(q[1], 512 * KiB);
+  }
+  explicit four_quarters(vmm_page_pool& p) : four_quarters(p, [] {}) {}
+  // Frees the 1 MiB block and the two live quarters; the pool must be valid.
+  void finish(void* big) {
+    pool.deallocate(big, MiB);
+    pool.deallocate(q[2], 512 * KiB);
+    pool.deallocate(q[3], 512 * KiB);
+    EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  }
+};
+
 TEST_F(SmallClasses, ASmallMissGrowsFromKeptPagesAndLeavesTheCachedBlocks) {
   vmm_page_pool pool(sim, 0, with_classes(4));
-  void* q[4];
-  for (auto& p : q) p = pool.allocate(512 * KiB);
-  pool.return_pages(pool.lend_pages(1));  // one page made and kept unmapped
+  four_quarters page(pool, [&] {
+    pool.return_pages(pool.lend_pages(1));  // one page made and kept unmapped
+  });
   ASSERT_EQ(pool.page_counts().spare_pages, 1u);
   ASSERT_EQ(pool.stats().reserved_bytes, 4 * MiB);
-  pool.deallocate(q[0], 512 * KiB);
-  pool.deallocate(q[1], 512 * KiB);
   ASSERT_EQ(pool.bytes_in_arena(true).cached, MiB);
   void* big = pool.allocate(MiB);
-  EXPECT_NE(big, q[0]) << "grown on the kept page, not merged from the cache";
+  EXPECT_NE(big, page.q[0]) << "grown on the kept page, not merged from the cache";
   EXPECT_EQ(pool.page_counts().spare_pages, 0u);
   EXPECT_EQ(pool.bytes_in_arena(true).cached, MiB) << "the cached blocks stay for this thread";
   EXPECT_EQ(pool.stats().reserved_bytes, 4 * MiB) << "no page made";
-  pool.deallocate(big, MiB);
-  pool.deallocate(q[2], 512 * KiB);
-  pool.deallocate(q[3], 512 * KiB);
-  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  page.finish(big);
 }
 
 // As above, with a free run of the large arena instead: its page is gathered, and the
 // cached blocks stay.
 TEST_F(SmallClasses, ASmallMissGathersAFreePageAndLeavesTheCachedBlocks) {
   vmm_page_pool pool(sim, 0, with_classes(4));
-  void* q[4];
-  for (auto& p : q) p = pool.allocate(512 * KiB);
-  void* run = pool.allocate(4 * MiB);
-  pool.deallocate(run, 4 * MiB);  // two free pages, mapped, in the large arena
-  pool.deallocate(q[0], 512 * KiB);
-  pool.deallocate(q[1], 512 * KiB);
+  four_quarters page(pool, [&] {
+    pool.deallocate(pool.allocate(4 * MiB), 4 * MiB);  // two free pages, mapped, large arena
+  });
   ASSERT_EQ(pool.bytes_in_arena(true).cached, MiB);
   const auto reserved = pool.stats().reserved_bytes;
   const auto creates = calls(platform_op::create_physical);
   void* big = pool.allocate(MiB);
-  EXPECT_NE(big, q[0]) << "gathered, not merged from the cache";
+  EXPECT_NE(big, page.q[0]) << "gathered, not merged from the cache";
   EXPECT_EQ(pool.bytes_in_arena(true).cached, MiB) << "the cached blocks stay for this thread";
   EXPECT_EQ(calls(platform_op::create_physical), creates) << "no page made";
   EXPECT_EQ(pool.stats().reserved_bytes, reserved);
-  pool.deallocate(big, MiB);
-  pool.deallocate(q[2], 512 * KiB);
-  pool.deallocate(q[3], 512 * KiB);
-  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  page.finish(big);
 }
 
 // With no page held beyond the live ones: the cached blocks go back and merge before the
 // pool makes a page, so they never make it reserve more.
 TEST_F(SmallClasses, ASmallMissTakesTheCachedBlocksBackBeforeMakingPages) {
   vmm_page_pool pool(sim, 0, with_classes(4));
-  void* q[4];
-  for (auto& p : q) p = pool.allocate(512 * KiB);
-  pool.deallocate(q[0], 512 * KiB);
-  pool.deallocate(q[1], 512 * KiB);
+  four_quarters page(pool);
   ASSERT_EQ(pool.bytes_in_arena(true).cached, MiB);
   const auto creates = calls(platform_op::create_physical);
   void* big = pool.allocate(MiB);
-  EXPECT_EQ(big, q[0]) << "the two cached neighbours, merged";
+  EXPECT_EQ(big, page.q[0]) << "the two cached neighbours, merged";
   EXPECT_EQ(calls(platform_op::create_physical), creates);
   EXPECT_EQ(pool.bytes_in_arena(true).cached, 0u);
   EXPECT_EQ(pool.stats().reserved_bytes, 2 * MiB);
-  pool.deallocate(big, MiB);
-  pool.deallocate(q[2], 512 * KiB);
-  pool.deallocate(q[3], 512 * KiB);
-  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  page.finish(big);
 }
 
 TEST_F(SmallClasses, WhenGrowingFailsTheCachedBlocksMergeAndServe) {
   pool_options o = with_classes(4);
   o.limit_bytes = 2 * MiB;  // one page: no growth past it
   vmm_page_pool pool(sim, 0, o);
-  void* q[4];
-  for (auto& p : q) p = pool.allocate(512 * KiB);
-  pool.deallocate(q[0], 512 * KiB);
-  pool.deallocate(q[1], 512 * KiB);
+  four_quarters page(pool);
   void* big = pool.allocate(MiB);
-  EXPECT_EQ(big, q[0]) << "the two cached neighbours, merged";
+  EXPECT_EQ(big, page.q[0]) << "the two cached neighbours, merged";
   EXPECT_EQ(pool.stats().reserved_bytes, 2 * MiB);
   EXPECT_EQ(pool.stats().oom_count, 0u);
-  pool.deallocate(big, MiB);
-  pool.deallocate(q[2], 512 * KiB);
-  pool.deallocate(q[3], 512 * KiB);
-  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  page.finish(big);
 }
 
 TEST_F(SmallClasses, WithoutClassesASmallMissMergesTheCachedBlocksFirst) {
   vmm_page_pool pool(sim, 0, with_classes(0));
-  void* q[4];
-  for (auto& p : q) p = pool.allocate(512 * KiB);
-  pool.deallocate(q[0], 512 * KiB);
-  pool.deallocate(q[1], 512 * KiB);
+  four_quarters page(pool);
   void* big = pool.allocate(MiB);
-  EXPECT_EQ(big, q[0]);
+  EXPECT_EQ(big, page.q[0]);
   EXPECT_EQ(pool.stats().reserved_bytes, 2 * MiB);
-  pool.deallocate(big, MiB);
-  pool.deallocate(q[2], 512 * KiB);
-  pool.deallocate(q[3], 512 * KiB);
+  page.finish(big);
 }
 
 TEST_F(SmallClasses, TheCachingPoolRoundsAlike) {
