@@ -138,7 +138,7 @@ void block_arena::add_region(std::uintptr_t addr, std::size_t size, std::uint32_
   insert_merged(b);
 }
 
-inline void block_arena::rebin(block* b) {
+[[gnu::always_inline]] inline void block_arena::rebin(block* b) {
   int f, sb;
   size_bins::index(b->size, f, sb);
   if (f == b->bin_level && sb == b->bin_sub) return;

@@ -119,7 +119,8 @@ detail::thread_cache& pool_base::cache_for_this_thread_locked() {
   if (c == nullptr) {
     caches_.push_back(std::make_unique<detail::thread_cache>());
     c = caches_.back().get();
-    if (options_.small_classes != 0) c->limit_small_bytes(options_.small_cache);
+    if (options_.small_classes != 0)
+      c->use_classes(options_.small_classes, options_.small_threshold, options_.small_cache);
   }
   t_cache_slots[t_next_slot++ % t_cache_slots.size()] = {pool_id_, c};
   return *c;
@@ -267,7 +268,9 @@ void* pool_base::do_allocate(std::size_t bytes, std::size_t alignment, stream_ha
     if (c != nullptr && c->keeping()) {
       std::lock_guard cache_lock(c->mutex);
       const std::size_t size = block_size_for(bytes, c);
-      detail::block* b = c->pop(stream.value, size, near_fit_limit(bytes, size, *c));
+      // With classes (on while the fast path is), a block serves its class alone: no near fit.
+      detail::block* b = c->classed() ? c->pop_class(stream.value, size)
+                                      : c->pop(stream.value, size, near_fit_limit(bytes, size, *c));
       c->note_request(b != nullptr);
       if (b != nullptr) {
         c->live.insert_new(b->addr, {b, bytes});
@@ -436,7 +439,7 @@ bool pool_base::free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch,
   return s.completed_epoch >= epoch;
 }
 
-inline detail::block* pool_base::forget_live(detail::thread_cache& c, std::uintptr_t addr,
+[[gnu::always_inline]] inline detail::block* pool_base::forget_live(detail::thread_cache& c, std::uintptr_t addr,
                                       std::size_t bytes) noexcept {
   const std::size_t slot = c.live.slot_of(addr);
   if (slot == c.live.npos || c.live.value_at(slot).requested != bytes) return nullptr;

@@ -21,6 +21,12 @@
 // With size classes for small requests (pool_options::small_classes, the default), the
 // small blocks a cache keeps are bounded by bytes (small_bytes_limit) and stay through a
 // miss of the small arena that pages the pool holds serve (pool_base::allocate_slow).
+// Every block a small request gets is then of a class size, and a block serves only its
+// own class (neighbouring classes are more than 1/near_fit_share apart), so the cache keeps
+// one LIFO list per class instead of size bins: a push or a pop is a few loads and stores,
+// where the bins recompute a bin, keep back links and two bitmaps (callgrind, sim, mixed
+// pairs: see docs/RESULTS.md). A block of another size (made while the classes were off,
+// an observer attached) is not kept: it goes to its arena.
 //
 // Blocks kept here stay `allocated` in their arena: the arena does not see them, and
 // nothing here writes a block field the arena reads for an allocated block (only the bin
@@ -90,9 +96,16 @@ struct alignas(64) thread_cache {
   cache_lock_word mutex;
   flat_map<std::uintptr_t, live_record, mix_hash, 8> live;  // at most 1/8 full: flat_map.hpp
   std::size_t free_blocks = 0;
-  // Called once by the pool, before first use, with size classes: at most small_bytes of
-  // small arena blocks are kept.
-  void limit_small_bytes(std::size_t small_bytes) noexcept { small_bytes_limit = small_bytes; }
+  // Called once by the pool, before first use, with size classes: `per_octave` classes an
+  // octave (a power of two), for sizes up to largest_bytes; at most small_bytes of small
+  // arena blocks are kept.
+  void use_classes(unsigned per_octave, std::size_t largest_bytes, std::size_t small_bytes) {
+    per_octave_ = per_octave;
+    per_octave_log2_ = std::countr_zero(per_octave);
+    class_count_ = class_above(largest_bytes) + 1;
+    small_bytes_limit = small_bytes;
+  }
+  bool classed() const noexcept { return per_octave_ != 0; }
   std::size_t small_bytes_limit = static_cast<std::size_t>(-1);
   std::array<std::size_t, 2> free_bytes{};  // by arena id
   std::uint64_t allocations = 0;            // made or freed by this thread, for stats
@@ -127,12 +140,44 @@ struct alignas(64) thread_cache {
     free_bytes[best->arena_id] -= best->size;
     return best;
   }
-  // Keeps b for reuse on `stream`; false when the cache is full (the caller gives b to
-  // its arena instead).
-  bool push(block* b, std::uintptr_t stream) {
+  // With classes: a kept block of exactly `size` (a class size) freed on `stream`, or
+  // nullptr. The small arena's blocks first, then the large arena's when the cache holds any.
+  block* pop_class(std::uintptr_t stream, std::size_t size) noexcept {
+    const int c = class_of(size);
+    if (c < 0) return nullptr;
+    class_lists* l = lists_for(stream, 0);
+    block* b = l != nullptr ? l->head[c] : nullptr;
+    if (b == nullptr && free_bytes[1] != 0) [[unlikely]] {
+      l = lists_for(stream, 1);
+      b = l != nullptr ? l->head[c] : nullptr;
+    }
+    if (b == nullptr) return nullptr;
+    l->head[c] = b->bin_next;
+    b->bin_next = nullptr;
+    free_blocks -= 1;
+    free_bytes[b->arena_id] -= b->size;
+    return b;
+  }
+  // Keeps b for reuse on `stream`; false when the cache is full, or with classes when b's
+  // size is not a class (the caller gives b to its arena instead).
+  [[gnu::always_inline]] bool push(block* b, std::uintptr_t stream) {
     if (free_blocks >= max_free_blocks) return false;
     if (b->arena_id == 0 && free_bytes[0] + b->size > small_bytes_limit) return false;
     const int arena = b->arena_id;  // 0 or 1
+    if (classed()) {
+      const int c = class_of(b->size);
+      if (c < 0) return false;
+      class_lists* l = lists_for(stream, arena);
+      if (l == nullptr) {
+        lists_[arena].push_back(std::make_unique<class_lists>(stream, class_count_));
+        l = last_lists_[arena] = lists_[arena].back().get();
+      }
+      b->bin_next = l->head[c];
+      l->head[c] = b;
+      free_blocks += 1;
+      free_bytes[arena] += b->size;
+      return true;
+    }
     size_bins* bins = bins_for(stream, arena);
     if (bins == nullptr) {
       bins_[arena].push_back(std::make_unique<size_bins>());
@@ -169,6 +214,10 @@ struct alignas(64) thread_cache {
     for (const auto& arena_bins : bins_)
       for (const auto& bins : arena_bins)
         bins->for_each([&](const block* b) { f(b, bins->stream); });
+    for (const auto& arena_lists : lists_)
+      for (const auto& l : arena_lists)
+        for (const block* head : l->head)
+          for (const block* b = head; b != nullptr; b = b->bin_next) f(b, l->stream);
   }
   // Whether frees of small requests keep their blocks here. A cache whose blocks rarely
   // serve this thread's small requests (sizes that vary at random: under min_hit_percent of
@@ -220,8 +269,8 @@ struct alignas(64) thread_cache {
     }
     return best;
   }
-  // Gives back every kept block of `arena` (0 small, 1 large) and empties its bins;
-  // returns how many. The caller fixes the counts.
+  // Gives back every kept block of `arena` (0 small, 1 large) and empties its bins and
+  // lists; returns how many. The caller fixes the counts.
   template <class F>
   std::size_t drain_arena(int arena, F&& give_back) {
     std::size_t given = 0;
@@ -233,8 +282,60 @@ struct alignas(64) thread_cache {
       });
       bins->clear();
     }
+    for (auto& l : lists_[arena])
+      for (block*& head : l->head)
+        while (head != nullptr) {
+          block* b = head;
+          head = b->bin_next;
+          b->bin_next = nullptr;
+          give_back(b, l->stream);
+          ++given;
+        }
     return given;
   }
+  // Class c holds the sizes (in 512-byte units) u with u <= 2n: c = u - 1 (one unit a step);
+  // above, octave (2^o, 2^(o+1)] cut in n steps of 2^shift units, shift = o - log2(n):
+  // c = shift * n + u / 2^shift - 1, which continues the first formula.
+  static constexpr std::size_t class_unit = 512;
+  // The class of `bytes`, a class size; -1 when it is not one (or past the largest).
+  int class_of(std::size_t bytes) const noexcept {
+    const std::size_t u = bytes / class_unit;
+    if (u == 0 || bytes % class_unit != 0) return -1;
+    int c;
+    if (u <= 2 * std::size_t{per_octave_}) {
+      c = static_cast<int>(u) - 1;
+    } else {
+      const int shift = std::bit_width(u - 1) - 1 - per_octave_log2_;
+      if ((u & ((std::size_t{1} << shift) - 1)) != 0) return -1;
+      c = shift * static_cast<int>(per_octave_) + static_cast<int>(u >> shift) - 1;
+    }
+    return c < class_count_ ? c : -1;
+  }
+  // The class of the smallest class size at or above `bytes` (no bound: for sizing).
+  int class_above(std::size_t bytes) const noexcept {
+    const std::size_t u = std::max<std::size_t>((bytes + class_unit - 1) / class_unit, 1);
+    if (u <= 2 * std::size_t{per_octave_}) return static_cast<int>(u) - 1;
+    const int shift = std::bit_width(u - 1) - 1 - per_octave_log2_;
+    const std::size_t steps = (u + (std::size_t{1} << shift) - 1) >> shift;
+    return shift * static_cast<int>(per_octave_) + static_cast<int>(steps) - 1;
+  }
+  // The kept blocks of one stream and arena, a LIFO list per class, linked through bin_next.
+  struct class_lists {
+    class_lists(std::uintptr_t s, int classes) : stream(s), head(static_cast<std::size_t>(classes), nullptr) {}
+    std::uintptr_t stream;
+    std::vector<block*> head;
+  };
+  class_lists* lists_for(std::uintptr_t stream, int arena) noexcept {
+    if (last_lists_[arena] != nullptr && last_lists_[arena]->stream == stream) return last_lists_[arena];
+    for (auto& l : lists_[arena])
+      if (l->stream == stream) return last_lists_[arena] = l.get();
+    return nullptr;
+  }
+  unsigned per_octave_ = 0;  // 0: no classes (size bins)
+  int per_octave_log2_ = 0;
+  int class_count_ = 0;
+  std::array<std::vector<std::unique_ptr<class_lists>>, 2> lists_;
+  std::array<class_lists*, 2> last_lists_{};
   // The kept blocks of `arena` freed on `stream` (a size_bins per stream the thread freed
   // on), or nullptr.
   size_bins* bins_for(std::uintptr_t stream, int arena) noexcept {

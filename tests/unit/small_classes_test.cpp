@@ -134,6 +134,44 @@ TEST_F(SmallClasses, WithTheThreadCachesOffRequestsKeep512ByteUnits) {
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
 }
 
+// The thread caches keep one list per class (thread_cache.hpp): every class size of every
+// allowed n finds its list, and the block comes back for the same request.
+TEST_F(SmallClasses, EveryClassIsKeptAndServedAgainForEveryN) {
+  for (unsigned n : {1u, 2u, 4u, 8u, 64u}) {
+    vmm_page_pool pool(sim, 0, with_classes(n));
+    for (std::size_t bytes = 1; bytes <= MiB; bytes = bytes * 5 / 4 + 511) {
+      void* p = pool.allocate(bytes);
+      const std::size_t block = pool.bytes_in_arena(true).allocated;
+      const std::size_t cached = pool.bytes_in_arena(true).cached;
+      pool.deallocate(p, bytes);
+      ASSERT_EQ(pool.bytes_in_arena(true).cached, cached + block)
+          << n << " classes, " << bytes << " bytes: kept in the thread's cache";
+      ASSERT_TRUE(pool.is_valid()) << n << " classes, " << bytes << " bytes: " << pool.validate();
+      void* q = pool.allocate(bytes);
+      ASSERT_EQ(q, p) << n << " classes, " << bytes << " bytes";
+      ASSERT_EQ(pool.bytes_in_arena(true).cached, cached);
+      pool.deallocate(q, bytes);
+    }
+  }
+}
+
+TEST_F(SmallClasses, ABlockMadeWhileTheClassesWereOffGoesBackToItsArena) {
+  vmm_page_pool pool(sim, 0);
+  silent_observer watch;
+  pool.set_observer(&watch);
+  void* odd = pool.allocate(17 * 512);  // 17 units: not a class of four an octave
+  pool.set_observer(nullptr);
+  pool.deallocate(odd, 17 * 512);  // no class list for it: merged in its arena at once
+  EXPECT_EQ(pool.bytes_in_arena(true).allocated, 0u);
+  EXPECT_EQ(pool.bytes_in_arena(true).cached, 0u);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  void* p = pool.allocate(17 * 512);  // a class block (20 units) from the merged run
+  EXPECT_EQ(p, odd);
+  pool.deallocate(p, 17 * 512);
+  EXPECT_EQ(pool.bytes_in_arena(true).cached, 20 * 512u) << "a class block is kept";
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
 TEST_F(SmallClasses, AFreedBlockServesEveryRequestOfItsClass) {
   vmm_page_pool pool(sim, 0, with_classes(4));
   void* a = pool.allocate(12 * 512);  // class 12 units

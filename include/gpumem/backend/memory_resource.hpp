@@ -63,6 +63,8 @@ class memory_resource {
 
   // Short telling name: "runtime", "driver", "vmm", "caching_pool", ...
   virtual std::string_view name() const noexcept = 0;
+  // The largest alignment allocate() accepts: default_alignment or more (allocate() takes
+  // alignments up to default_alignment without asking).
   virtual std::size_t max_alignment() const noexcept = 0;
   virtual resource_stats stats() const = 0;
   // The caller is about to destroy `stream`: forget it, so nothing later records events on
@@ -85,6 +87,8 @@ class memory_resource {
   [[noreturn]] void throw_cuda_error(const status& cause, const char* where) const;
 
  private:
+  // allocate() for an alignment over default_alignment, or a request it refuses.
+  [[gnu::noinline]] void* allocate_aligned(std::size_t bytes, std::size_t alignment, stream_handle stream);
   platform& platform_;
   int device_;
   std::size_t device_total_ = 0;
