@@ -29,7 +29,7 @@ block_arena::~block_arena() {
   for (block* b : all_records_) delete b;
 }
 
-inline block* block_arena::new_block() {
+[[gnu::always_inline]] inline block* block_arena::new_block() {
   if (!spare_blocks_.empty()) {
     block* b = spare_blocks_.back();
     spare_blocks_.pop_back();
@@ -194,7 +194,7 @@ void block_arena::insert_merged(block* b) {
   rebin(keep);
 }
 
-inline block* block_arena::take(block* b, std::size_t size, std::size_t alignment,
+[[gnu::always_inline]] inline block* block_arena::take(block* b, std::size_t size, std::size_t alignment,
                          std::uintptr_t stream, std::size_t requested) {
   const std::uintptr_t aligned = align_up(b->addr, alignment);
   if (aligned > b->addr) {

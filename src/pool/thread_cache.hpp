@@ -140,11 +140,12 @@ struct alignas(64) thread_cache {
     free_bytes[best->arena_id] -= best->size;
     return best;
   }
-  // With classes: a kept block of exactly `size` (a class size) freed on `stream`, or
-  // nullptr. The small arena's blocks first, then the large arena's when the cache holds any.
-  block* pop_class(std::uintptr_t stream, std::size_t size) noexcept {
-    const int c = class_of(size);
-    if (c < 0) return nullptr;
+  // With classes: the class of a small request of `bytes` (the pool rounds its block to
+  // that class's size: pool_base::block_size_for, the same steps).
+  int request_class(std::size_t bytes) const noexcept { return class_above(bytes); }
+  // With classes: a kept block of class c (request_class) freed on `stream`, or nullptr.
+  // The small arena's blocks first, then the large arena's when the cache holds any.
+  block* pop_class(std::uintptr_t stream, int c) noexcept {
     class_lists* l = lists_for(stream, 0);
     block* b = l != nullptr ? l->head[c] : nullptr;
     if (b == nullptr && free_bytes[1] != 0) [[unlikely]] {

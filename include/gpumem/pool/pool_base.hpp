@@ -342,6 +342,9 @@ class pool_base : public memory_resource {
   detail::thread_cache& cache_for_this_thread_locked();
   // An allocated block handed back: it is reusable in `stream`'s order. REQUIRES: mutex_.
   void release_to_arena_locked(detail::block* b, std::uintptr_t stream);
+  void release_to_arena(detail::block* b, std::uintptr_t stream);  // takes the pool mutex
+  // A free of a block `c` (this thread's cache) holds the record of, to the arena.
+  void free_to_arena(detail::thread_cache& c, std::uintptr_t addr, std::size_t bytes, stream_handle stream);
   // The block of live allocation `addr` recorded in c, if freed with the size it was
   // allocated with: removed from c's records and counted as freed; else nullptr, c intact.
   // REQUIRES: c.mutex held, or c's owner holding mutex_.
