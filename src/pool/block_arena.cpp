@@ -147,7 +147,7 @@ void block_arena::add_region(std::uintptr_t addr, std::size_t size, std::uint32_
   bins->insert_at(b, f, sb);
 }
 
-void block_arena::insert_merged(block* b) {
+[[gnu::always_inline]] inline void block_arena::insert_merged(block* b) {
   block* p = b->prev;
   block* n = b->next;
   const bool merge_prev = p != nullptr && p->st == block::state::free && p->stream == b->stream;
