@@ -134,15 +134,28 @@ void pool_base::publish(std::int64_t requested, std::int64_t block) noexcept {
   const auto held = block_bytes_.fetch_add(static_cast<std::size_t>(block),
                                            std::memory_order_relaxed) +
                     static_cast<std::size_t>(block);
-  if (requested > 0) raise_to(peak_live_bytes_, live);
-  if (block > 0) raise_to(peak_block_bytes_, held);
+  if (requested > 0) raise_to(peak_live_bytes_, live + locked_counts().live);
+  if (block > 0) raise_to(peak_block_bytes_, held + locked_counts().held);
 }
 
-template <bool allocated>
+template <bool allocated, bool locked>
 inline void pool_base::count(detail::thread_cache& c, std::size_t requested,
                              std::size_t block) noexcept {
   constexpr auto relaxed = std::memory_order_relaxed;
   const auto r = static_cast<std::int64_t>(requested), k = static_cast<std::int64_t>(block);
+  if constexpr (locked) {
+    const std::int64_t live = locked_live_.load(relaxed) + (allocated ? r : -r);
+    const std::int64_t held = locked_blocks_.load(relaxed) + (allocated ? k : -k);
+    locked_live_.store(live, relaxed);
+    locked_blocks_.store(held, relaxed);
+    if constexpr (allocated) {
+      raise_to(peak_live_bytes_, live_bytes_.load(relaxed) + static_cast<std::size_t>(live) +
+                                     static_cast<std::size_t>(c.pending_live.load(relaxed)));
+      raise_to(peak_block_bytes_, block_bytes_.load(relaxed) + static_cast<std::size_t>(held) +
+                                      static_cast<std::size_t>(c.pending_blocks.load(relaxed)));
+    }
+    return;
+  }
   const std::int64_t live = c.pending_live.load(relaxed) + (allocated ? r : -r);
   const std::int64_t held = c.pending_blocks.load(relaxed) + (allocated ? k : -k);
   // Each pending total was within (-stats_slack, stats_slack) before this call, and moves
@@ -160,8 +173,9 @@ inline void pool_base::count(detail::thread_cache& c, std::size_t requested,
   // The peaks see this thread's pending bytes at once: exact while one thread uses the
   // pool, and no shared write unless a peak rises.
   if constexpr (allocated) {
-    raise_to(peak_live_bytes_, live_bytes_.load(relaxed) + static_cast<std::size_t>(live));
-    raise_to(peak_block_bytes_, block_bytes_.load(relaxed) + static_cast<std::size_t>(held));
+    const live_and_held l = locked_counts();
+    raise_to(peak_live_bytes_, live_bytes_.load(relaxed) + l.live + static_cast<std::size_t>(live));
+    raise_to(peak_block_bytes_, block_bytes_.load(relaxed) + l.held + static_cast<std::size_t>(held));
   }
 }
 
@@ -178,11 +192,11 @@ std::size_t with_pending(const std::atomic<std::size_t>& shared,
 }  // namespace
 
 std::size_t pool_base::live_bytes_locked() const {
-  return with_pending(live_bytes_, caches_, &detail::thread_cache::pending_live);
+  return with_pending(live_bytes_, caches_, &detail::thread_cache::pending_live) + locked_counts().live;
 }
 
 std::size_t pool_base::block_bytes_locked() const {
-  return with_pending(block_bytes_, caches_, &detail::thread_cache::pending_blocks);
+  return with_pending(block_bytes_, caches_, &detail::thread_cache::pending_blocks) + locked_counts().held;
 }
 
 void pool_base::release_to_arena_locked(detail::block* b, std::uintptr_t stream) {
@@ -201,23 +215,16 @@ void pool_base::drain_thread_caches(bool keep_small) {
   }
 }
 
-namespace {
-// Live (requested) and handed-out block bytes: the shared totals plus what `mine` (may be
-// null) has not published. An estimate while other threads run (their pending is left out).
-struct live_and_held {
-  std::size_t live, held;
-};
-live_and_held totals(const std::atomic<std::size_t>& live, const std::atomic<std::size_t>& held,
-                     const detail::thread_cache* mine) noexcept {
+inline pool_base::live_and_held pool_base::totals(const detail::thread_cache* mine) const noexcept {
   constexpr auto relaxed = std::memory_order_relaxed;
-  live_and_held t{live.load(relaxed), held.load(relaxed)};
+  const live_and_held l = locked_counts();
+  live_and_held t{live_bytes_.load(relaxed) + l.live, block_bytes_.load(relaxed) + l.held};
   if (mine != nullptr) {
     t.live += static_cast<std::size_t>(mine->pending_live.load(relaxed));
     t.held += static_cast<std::size_t>(mine->pending_blocks.load(relaxed));
   }
   return t;
 }
-}  // namespace
 
 inline std::size_t pool_base::block_size_for(std::size_t bytes,
                                       const detail::thread_cache* mine) const noexcept {
@@ -242,7 +249,7 @@ inline std::size_t pool_base::block_size_for(std::size_t bytes,
     // its 512-byte units instead of taking most of a page it will never use.
     if (const std::size_t tail = bytes & (g - 1); tail > g / 2) {  // g: a power of two
       const std::size_t r = bytes - tail + g;
-      const live_and_held t = totals(live_bytes_, block_bytes_, mine);
+      const live_and_held t = totals(mine);
       const std::size_t live = t.live + bytes;
       if (t.held + r <= live + live / round_waste_share) return r;
     }
@@ -252,7 +259,7 @@ inline std::size_t pool_base::block_size_for(std::size_t bytes,
 
 inline std::size_t pool_base::near_fit_limit(std::size_t bytes, std::size_t size,
                                       const detail::thread_cache& mine) const noexcept {
-  const live_and_held t = totals(live_bytes_, block_bytes_, &mine);
+  const live_and_held t = totals(&mine);
   const std::size_t live = t.live + bytes, held = t.held + size;
   const std::size_t allowed = live + live / round_waste_share;
   if (held >= allowed) return size;
@@ -325,7 +332,7 @@ void* pool_base::allocate_locked(std::size_t bytes, std::size_t alignment, strea
   // Its owner holding the pool mutex: no other thread can touch `mine` (thread_cache.hpp).
   mine.live.insert_new(b->addr, {b, bytes});
   mine.allocations += 1;
-  count<true>(mine, bytes, b->size);
+  count<true, true>(mine, bytes, b->size);
   notify(pool_event_kind::alloc, b->addr, bytes, stream.value);
   return reinterpret_cast<void*>(b->addr);
 }
@@ -444,6 +451,7 @@ bool pool_base::free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch,
   return s.completed_epoch >= epoch;
 }
 
+template <bool locked>
 [[gnu::always_inline]] inline detail::block* pool_base::forget_live(detail::thread_cache& c, std::uintptr_t addr,
                                       std::size_t bytes) noexcept {
   const std::size_t slot = c.live.slot_of(addr);
@@ -451,7 +459,7 @@ bool pool_base::free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch,
   detail::block* b = c.live.value_at(slot).b;
   c.live.erase_slot(slot);
   c.note_free(addr);
-  count<false>(c, bytes, b->size);
+  count<false, locked>(c, bytes, b->size);
   return b;
 }
 
@@ -462,7 +470,7 @@ bool pool_base::free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch,
   // Its owner holding the pool mutex, no other thread can touch c (thread_cache.hpp): no
   // cache lock.
   std::unique_lock lock(mutex_);
-  if (detail::block* b = forget_live(c, addr, bytes)) {
+  if (detail::block* b = forget_live<true>(c, addr, bytes)) {
     if (arena_for(bytes) == small_arena) c.note_passed_free();
     release_to_arena_locked(b, stream.value);
     return;
@@ -485,7 +493,7 @@ void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream
       // A large block, or a cache not keeping: the free goes to the arena anyway.
       if (arena_for(bytes) != small_arena || !c->keeping()) return free_to_arena(*c, addr, bytes, stream);
       std::unique_lock cache_lock(c->mutex);
-      if (detail::block* b = forget_live(*c, addr, bytes)) {
+      if (detail::block* b = forget_live<false>(*c, addr, bytes)) {
         if (c->push(b, stream.value)) return;
         c->note_passed_free();
         cache_lock.unlock();  // full: to its arena, under the pool lock
@@ -526,7 +534,7 @@ detail::block* pool_base::take_live_locked(std::uintptr_t addr, std::size_t byte
     detail::block* b = r->b;
     c->live.erase(addr);
     c->note_free(addr);
-    count<false>(*c, bytes, b->size);
+    count<false, true>(*c, bytes, b->size);
     return b;
   }
   return nullptr;
@@ -604,7 +612,7 @@ bool pool_base::free_except(void* ptr, std::size_t bytes, stream_handle stream,
     arena.set_requested(kept, k.bytes);
     mine.live[kept->addr] = {kept, k.bytes};
     mine.allocations += 1;
-    count<true>(mine, k.bytes, kept->size);
+    count<true, true>(mine, k.bytes, kept->size);
     notify(pool_event_kind::alloc, kept->addr, k.bytes, stream.value);
     if (rest == nullptr) break;  // the last range ends the block (the checks above)
   }

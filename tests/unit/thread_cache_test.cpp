@@ -325,6 +325,27 @@ TEST_F(ThreadCache, PeaksAreExactWhileOneThreadUsesThePool) {
   pool.deallocate(c, KiB);
 }
 
+// A cache hit counts in the cache (pending bytes); a call holding the pool lock counts in
+// the pool's own locked totals (pool_base::count): one block may be counted in both.
+TEST_F(ThreadCache, TotalsStayExactWhereTheCacheAndTheLockedPathCountOneBlock) {
+  vmm_page_pool pool(sim, 0);
+  void* warm = pool.allocate(256 * KiB);
+  pool.deallocate(warm, 256 * KiB);
+  void* small = pool.allocate(256 * KiB);  // from this thread's cache
+  EXPECT_EQ(small, warm);
+  void* large = pool.allocate(6 * MiB);  // under the pool lock
+  EXPECT_EQ(pool.stats().live_bytes, 6 * MiB + 256 * KiB);
+  EXPECT_EQ(pool.stats().peak_live_bytes, 6 * MiB + 256 * KiB);
+  on_another_thread([&] { pool.deallocate(small, 256 * KiB); });  // the locked path
+  EXPECT_EQ(pool.stats().live_bytes, 6 * MiB);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.deallocate(large, 6 * MiB);
+  EXPECT_EQ(pool.stats().live_bytes, 0u);
+  EXPECT_EQ(pool.stats().peak_live_bytes, 6 * MiB + 256 * KiB);
+  EXPECT_EQ(pool.peak_allocated_block_bytes(), 6 * MiB + 256 * KiB);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
 TEST_F(ThreadCache, BlocksFreedAcrossThreadsStayIntact) {
   // Threads allocate into a shared list and free entries that others allocated, checking
   // each block's pattern first: a block handed out twice breaks some pattern.

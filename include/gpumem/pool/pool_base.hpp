@@ -348,6 +348,7 @@ class pool_base : public memory_resource {
   // The block of live allocation `addr` recorded in c, if freed with the size it was
   // allocated with: removed from c's records and counted as freed; else nullptr, c intact.
   // REQUIRES: c.mutex held, or c's owner holding mutex_.
+  template <bool locked>
   detail::block* forget_live(detail::thread_cache& c, std::uintptr_t addr, std::size_t bytes) noexcept;
   // Counts an allocation (`allocated`) or a free of live bytes (requested, rounded block)
   // in c. A cache publishes to the shared totals once its unpublished bytes pass
@@ -355,8 +356,9 @@ class pool_base : public memory_resource {
   // unpublished bytes at once, so they are exact while one thread uses the pool and can
   // miss up to stats_slack per other thread with more. The direction is a template
   // argument: each call site then has no branch on it (with mixed sizes a branch on the
-  // sign, at the shared call, was mispredicted ~1 pair in 2). REQUIRES: c.mutex held.
-  template <bool allocated>
+  // sign, at the shared call, was mispredicted ~1 pair in 2). REQUIRES: c.mutex held, or
+  // with `locked` mutex_ held: then the bytes go to locked_live_ / locked_blocks_ instead.
+  template <bool allocated, bool locked = false>
   void count(detail::thread_cache& c, std::size_t requested, std::size_t block) noexcept;
   // Adds to the shared totals and raises the peaks.
   void publish(std::int64_t requested, std::int64_t block) noexcept;
@@ -390,7 +392,25 @@ class pool_base : public memory_resource {
   alignas(64) std::atomic<std::size_t> live_bytes_{0};
   std::atomic<std::size_t> peak_live_bytes_{0};
   std::atomic<std::size_t> block_bytes_{0}, peak_block_bytes_{0};
-  // Sums of the totals and every cache's pending bytes. REQUIRES: mutex_ held.
+  // What the calls holding mutex_ counted (the locked paths: large blocks, misses): written
+  // only with mutex_ held, by a load and a store (the mutex orders them: no atomic
+  // read-modify-write, where publishing a large block's bytes took two), read without it
+  // where an estimate will do. Signed: a block a cache counted may be freed here.
+  std::atomic<std::int64_t> locked_live_{0}, locked_blocks_{0};
+  struct live_and_held {
+    std::size_t live, held;
+  };
+  // locked_live_ and locked_blocks_, to add to the unsigned totals (two's complement).
+  live_and_held locked_counts() const noexcept {
+    return {static_cast<std::size_t>(locked_live_.load(std::memory_order_relaxed)),
+            static_cast<std::size_t>(locked_blocks_.load(std::memory_order_relaxed))};
+  }
+  // Live (requested) and handed-out block bytes: the shared totals, the locked paths'
+  // counts and what `mine` (may be null) has not published. An estimate while other
+  // threads run (their pending bytes are left out).
+  live_and_held totals(const detail::thread_cache* mine) const noexcept;
+  // Sums of the totals, the locked paths' counts and every cache's pending bytes.
+  // REQUIRES: mutex_ held.
   std::size_t live_bytes_locked() const;
   std::size_t block_bytes_locked() const;
   std::size_t guarded_live_bytes_ = 0;  // requested bytes of live guarded allocations
