@@ -112,6 +112,9 @@ void block_arena::for_each_free(F&& fn) const {
 
 void block_arena::add_region(std::uintptr_t addr, std::size_t size, std::uint32_t segment,
                              std::uintptr_t stream) {
+  // 0 is the region maps' empty key (flat_map); no device memory starts or ends there.
+  if (addr == 0 || size == 0 || addr + size < addr)
+    throw std::invalid_argument("block_arena: a region must be non-empty, away from address 0");
   block* b = new_block();
   b->addr = addr;
   b->size = size;
@@ -119,19 +122,18 @@ void block_arena::add_region(std::uintptr_t addr, std::size_t size, std::uint32_
   b->stream = stream;
   b->st = block::state::free;
   // Link with the regions that end where this one starts and start where it ends.
-  if (auto left = region_end_.find(addr);
-      left != region_end_.end() && left->second->segment == segment) {
-    b->prev = left->second;
-    left->second->next = b;
-    region_end_.erase(left);
+  if (block** left = region_end_.find(addr); left != nullptr && (*left)->segment == segment) {
+    b->prev = *left;
+    b->prev->next = b;
+    region_end_.erase(addr);
   } else {
     region_start_[addr] = b;
   }
-  if (auto right = region_start_.find(addr + size);
-      right != region_start_.end() && right->second->segment == segment) {
-    b->next = right->second;
-    right->second->prev = b;
-    region_start_.erase(right);
+  if (block** right = region_start_.find(addr + size);
+      right != nullptr && (*right)->segment == segment) {
+    b->next = *right;
+    b->next->prev = b;
+    region_start_.erase(addr + size);
   } else {
     region_end_[addr + size] = b;
   }

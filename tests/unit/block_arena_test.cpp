@@ -39,6 +39,30 @@ TEST(BlockArena, TheUnitMustBeAPowerOfTwo) {
   EXPECT_EQ(a.round(1025), 2048u);
 }
 
+// The region maps are hash maps keyed by address, 0 their empty key: no region at 0.
+TEST(BlockArena, ARegionAtAddressZeroEmptyOrWrappingIsRefused) {
+  block_arena a;
+  EXPECT_THROW(a.add_region(0, MiB, 1, 0), std::invalid_argument);
+  EXPECT_THROW(a.add_region(base, 0, 1, 0), std::invalid_argument);
+  EXPECT_THROW(a.add_region(~std::uintptr_t{0} - 4095, 8192, 1, 0), std::invalid_argument);
+  EXPECT_EQ(a.free_bytes(), 0u);
+  EXPECT_ARENA_VALID(a);
+}
+
+// Regions are visited by address, whatever order they came in; neighbours of one segment
+// link into one region.
+TEST(BlockArena, RegionsAreVisitedByAddress) {
+  block_arena a;
+  a.add_region(base + 8 * MiB, MiB, 1, 0);
+  a.add_region(base, MiB, 2, 0);
+  a.add_region(base + 4 * MiB, MiB, 3, 0);
+  a.add_region(base + 5 * MiB, MiB, 3, 0);  // ends where the one before starts: linked
+  std::vector<std::uintptr_t> starts;
+  a.for_each_region([&](const block* first) { starts.push_back(first->addr); });
+  EXPECT_EQ(starts, (std::vector<std::uintptr_t>{base, base + 4 * MiB, base + 8 * MiB}));
+  EXPECT_ARENA_VALID(a);
+}
+
 // Alignment inside a block: the padding in front stays a free block of its own.
 TEST(BlockArena, AnAlignedRequestLeavesTheFrontPaddingFree) {
   block_arena a(0, 512, 0);
