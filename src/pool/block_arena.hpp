@@ -106,10 +106,11 @@ struct size_bins {
       heads[f][sb] = b->bin_next;
     if (b->bin_next != nullptr) b->bin_next->bin_prev = b->bin_prev;
     b->bin_prev = b->bin_next = nullptr;
-    if (heads[f][sb] == nullptr) {
-      bin_mask[f] &= ~(1u << sb);
-      if (bin_mask[f] == 0) level_mask &= ~(std::uint64_t{1} << f);
-    }
+    // The bin's bit goes when it is empty, the level's when its last bin went: computed,
+    // not branched on (whether a bin empties is data-dependent: ~0.2 mispredicts a mixed
+    // pair, cachegrind).
+    bin_mask[f] &= ~(static_cast<std::uint32_t>(heads[f][sb] == nullptr) << sb);
+    level_mask &= ~(static_cast<std::uint64_t>(bin_mask[f] == 0) << f);
   }
   // The head of the first non-empty bin above bin (level, sub): every block there is larger
   // than any block of (level, sub). nullptr when none.
