@@ -138,24 +138,23 @@ void pool_base::publish(std::int64_t requested, std::int64_t block) noexcept {
   if (block > 0) raise_to(peak_block_bytes_, held + locked_counts().held);
 }
 
+void pool_base::publish_locked(std::int64_t requested, std::int64_t block) noexcept {
+  constexpr auto relaxed = std::memory_order_relaxed;
+  const std::int64_t live = locked_live_.load(relaxed) + requested;
+  const std::int64_t held = locked_blocks_.load(relaxed) + block;
+  locked_live_.store(live, relaxed);
+  locked_blocks_.store(held, relaxed);
+  if (requested > 0)
+    raise_to(peak_live_bytes_, live_bytes_.load(relaxed) + static_cast<std::size_t>(live));
+  if (block > 0)
+    raise_to(peak_block_bytes_, block_bytes_.load(relaxed) + static_cast<std::size_t>(held));
+}
+
 template <bool allocated, bool locked>
 inline void pool_base::count(detail::thread_cache& c, std::size_t requested,
                              std::size_t block) noexcept {
   constexpr auto relaxed = std::memory_order_relaxed;
   const auto r = static_cast<std::int64_t>(requested), k = static_cast<std::int64_t>(block);
-  if constexpr (locked) {
-    const std::int64_t live = locked_live_.load(relaxed) + (allocated ? r : -r);
-    const std::int64_t held = locked_blocks_.load(relaxed) + (allocated ? k : -k);
-    locked_live_.store(live, relaxed);
-    locked_blocks_.store(held, relaxed);
-    if constexpr (allocated) {
-      raise_to(peak_live_bytes_, live_bytes_.load(relaxed) + static_cast<std::size_t>(live) +
-                                     static_cast<std::size_t>(c.pending_live.load(relaxed)));
-      raise_to(peak_block_bytes_, block_bytes_.load(relaxed) + static_cast<std::size_t>(held) +
-                                      static_cast<std::size_t>(c.pending_blocks.load(relaxed)));
-    }
-    return;
-  }
   const std::int64_t live = c.pending_live.load(relaxed) + (allocated ? r : -r);
   const std::int64_t held = c.pending_blocks.load(relaxed) + (allocated ? k : -k);
   // Each pending total was within (-stats_slack, stats_slack) before this call, and moves
@@ -165,7 +164,11 @@ inline void pool_base::count(detail::thread_cache& c, std::size_t requested,
   if (passed) {
     c.pending_live.store(0, relaxed);
     c.pending_blocks.store(0, relaxed);
-    publish(live, held);
+    // Holding the pool mutex: into the totals it guards, with no atomic read-modify-write.
+    if constexpr (locked)
+      publish_locked(live, held);
+    else
+      publish(live, held);
     return;
   }
   c.pending_live.store(live, relaxed);

@@ -356,12 +356,14 @@ class pool_base : public memory_resource {
   // unpublished bytes at once, so they are exact while one thread uses the pool and can
   // miss up to stats_slack per other thread with more. The direction is a template
   // argument: each call site then has no branch on it (with mixed sizes a branch on the
-  // sign, at the shared call, was mispredicted ~1 pair in 2). REQUIRES: c.mutex held, or
-  // with `locked` mutex_ held: then the bytes go to locked_live_ / locked_blocks_ instead.
+  // sign, at the shared call, was mispredicted ~1 pair in 2). REQUIRES: c.mutex held;
+  // `locked`: mutex_ held too, and a publish goes to locked_live_ / locked_blocks_.
   template <bool allocated, bool locked = false>
   void count(detail::thread_cache& c, std::size_t requested, std::size_t block) noexcept;
   // Adds to the shared totals and raises the peaks.
   void publish(std::int64_t requested, std::int64_t block) noexcept;
+  // publish(), into the totals mutex_ guards. REQUIRES: mutex_ held.
+  void publish_locked(std::int64_t requested, std::int64_t block) noexcept;
   static constexpr std::int64_t stats_slack = std::int64_t{4} << 20;
   // Bytes of blocks allocated in all arenas (live, or freed into thread caches), and the
   // largest free block of any arena. REQUIRES: mutex_ held.
@@ -392,10 +394,11 @@ class pool_base : public memory_resource {
   alignas(64) std::atomic<std::size_t> live_bytes_{0};
   std::atomic<std::size_t> peak_live_bytes_{0};
   std::atomic<std::size_t> block_bytes_{0}, peak_block_bytes_{0};
-  // What the calls holding mutex_ counted (the locked paths: large blocks, misses): written
-  // only with mutex_ held, by a load and a store (the mutex orders them: no atomic
-  // read-modify-write, where publishing a large block's bytes took two), read without it
-  // where an estimate will do. Signed: a block a cache counted may be freed here.
+  // What calls holding mutex_ published (the locked paths: large blocks, misses; see
+  // count()): written only with mutex_ held, by a load and a store (the mutex orders them:
+  // no atomic read-modify-write, where publishing a large block's bytes took two), read
+  // without it where an estimate will do. Signed: what one thread published here may be
+  // freed by another, which publishes to the shared totals.
   std::atomic<std::int64_t> locked_live_{0}, locked_blocks_{0};
   struct live_and_held {
     std::size_t live, held;
