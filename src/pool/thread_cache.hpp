@@ -4,9 +4,10 @@
 //  - the live allocations this thread made, address -> (block, requested bytes), so a free
 //    on the same thread finds its block without the pool's lock; and
 //  - blocks of small requests (up to pool_options::small_threshold) this thread freed, per
-//    stream and arena, binned by size (a size_bins, the index behind the arena's best fit). A block
-//    freed on stream S is handed out again only for S, at once (stream order makes that
-//    safe), never for another stream. A request takes the smallest kept block that fits
+//    stream and arena: in one list per size class with classes on (below), else binned by
+//    size (a size_bins, the index behind the arena's best fit). A block freed on stream S
+//    is handed out again only for S, at once (stream order makes that safe), never for
+//    another stream. Without classes, a request takes the smallest kept block that fits
 //    within `max_size` (exact sizes first): a near fit saves the pool's locked path when
 //    sizes vary, and the caller bounds the waste.
 //
@@ -119,7 +120,8 @@ struct alignas(64) thread_cache {
   std::array<std::uintptr_t, 64> recent_frees{};  // to tell a double free from a stranger
   std::size_t recent_next = 0;
 
-  // The smallest kept block freed on `stream` with size in [size, max_size], or nullptr.
+  // Without classes: the smallest kept block freed on `stream` with size in
+  // [size, max_size], or nullptr.
   // Looks at a few blocks of size's own bin (exact sizes win), then at the first non-empty
   // bin above, whose blocks all fit; in the small arena's blocks, and in the large arena's
   // when the cache holds any (a small request's block may come from there).

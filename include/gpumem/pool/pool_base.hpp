@@ -330,9 +330,11 @@ class pool_base : public memory_resource {
   bool small_classes_on() const noexcept {
     return options_.small_classes != 0 && fast_path_.load(std::memory_order_relaxed);
   }
-  // The largest block a thread cache may hand out for a request of `bytes` served by blocks
-  // of `size`: up to 1/near_fit_share larger (no split, no pool lock when sizes vary),
-  // while the bytes handed out beyond the live bytes stay within 1/round_waste_share of them.
+  // Without size classes: the largest block a thread cache may hand out for a request of
+  // `bytes` served by blocks of `size`: up to 1/near_fit_share larger (no split, no pool
+  // lock when sizes vary), while the bytes handed out beyond the live bytes stay within
+  // 1/round_waste_share of them. (Classes are further apart than 1/near_fit_share: with
+  // them a block serves its own class only.)
   static constexpr std::size_t near_fit_share = 16;
   std::size_t near_fit_limit(std::size_t bytes, std::size_t size,
                              const detail::thread_cache& mine) const noexcept;
