@@ -20,6 +20,7 @@
 
 #include "gpumem/platform/sim_platform.hpp"
 #include "gpumem/pool.hpp"
+#include "gpumem/telemetry.hpp"
 
 using namespace gpumem;
 
@@ -95,9 +96,30 @@ int main(int argc, char** argv) {
   empty(pool, warm);
   loop measured = draw(lo, hi, count, 42);
   fill(pool, measured);
+  const memory_stats before = collect_memory_stats(pool);
+  const vmm_page_counts pages_before = pool.page_counts();
   measured_pairs(pool, measured);
+  const memory_stats after = collect_memory_stats(pool);
+  const vmm_page_counts pages_after = pool.page_counts();
   empty(pool, measured);
   std::printf("pair_loop: %d pairs of %.0f-%.0f bytes, vmm_page_pool%s%s\n", count, lo, hi,
               config.empty() ? "" : " ", config.c_str());
+  // The driver calls the measured pairs made (on a GPU, each costs microseconds: a pair's
+  // cost in instructions leaves them out).
+  std::printf("driver calls in the measured pairs:");
+  bool any = false;
+  for (const auto& [name, n] : after.driver_calls) {
+    const auto it = before.driver_calls.find(name);
+    const std::uint64_t made = n - (it == before.driver_calls.end() ? 0 : it->second);
+    if (made != 0) std::printf(" %s %llu", name.c_str(), static_cast<unsigned long long>(made));
+    any = any || made != 0;
+  }
+  std::printf("%s\n", any ? "" : " none");
+  std::printf("pages in the measured pairs: %llu gathered (remapped), %llu created; %zu mapped at the end, "
+              "peak live %.1f MiB, peak reserved %.1f MiB\n",
+              static_cast<unsigned long long>(pages_after.pages_reclaimed - pages_before.pages_reclaimed),
+              static_cast<unsigned long long>(pages_after.pages_created - pages_before.pages_created),
+              pages_after.mapped_pages, static_cast<double>(after.requested_bytes.peak) / (1 << 20),
+              static_cast<double>(after.reserved_bytes.peak) / (1 << 20));
   return 0;
 }

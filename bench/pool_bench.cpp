@@ -6,6 +6,9 @@
 //   mixed_64    64 live blocks of random sizes 512 B - 8 MiB (log-uniform); each step frees
 //               one at random and allocates a new random size (BASELINES.md's cudaMallocAsync
 //               figure uses the same shape)
+//               Each pool runs over a timed_platform: the table's last column is the
+//               time a mixed pair spent inside the pool's driver calls (growths, remaps,
+//               releases), part of its ns a pair.
 //   block_arena the pools' shared best-fit arena alone, over a 1 TiB address range it only
 //               bookkeeps (no memory, no lock, no pointer map, no stats): the floor under
 //               both pools' locked paths, since best fit with splitting and merging on every
@@ -63,6 +66,7 @@ struct allocator_fns {
   std::function<void*(std::size_t)> alloc;
   std::function<void(void*, std::size_t)> free;
   int iterations_scale = 1;  // slow allocators run fewer steps
+  const timed_platform* driver = nullptr;  // the platform under a pool, timing its calls
 };
 
 double median(std::vector<double> v) {
@@ -123,19 +127,29 @@ int main(int argc, char** argv) {
               sim ? " -- sim: host-only figures, not GPU measurements" : "");
 
   runtime_resource raw_runtime(p, 0);
-  runtime_resource pool_upstream(p, 0);
+  // Every pool over a timed_platform of its own: the time its driver calls took inside
+  // the mixed loop (growths, remaps, releases) is reported beside the pair's cost.
+  std::vector<std::unique_ptr<timed_platform>> timed;
+  auto timed_for_pool = [&]() -> timed_platform& { return *timed.emplace_back(std::make_unique<timed_platform>(p)); };
+  timed_platform& t_caching = timed_for_pool();
+  timed_platform& t_vmm = timed_for_pool();
+  timed_platform& t_caching_units = timed_for_pool();
+  timed_platform& t_vmm_units = timed_for_pool();
+  timed_platform& t_caching_locked = timed_for_pool();
+  timed_platform& t_vmm_locked = timed_for_pool();
+  runtime_resource pool_upstream(t_caching, 0);
   caching_pool caching(pool_upstream);
-  vmm_page_pool vmm_pool(p, 0);
+  vmm_page_pool vmm_pool(t_vmm, 0);
   pool_options locked_options;
   locked_options.thread_cache = false;
   pool_options units_options;
   units_options.small_classes = 0;
-  runtime_resource units_upstream(p, 0);
+  runtime_resource units_upstream(t_caching_units, 0);
   caching_pool caching_units(units_upstream, units_options);
-  vmm_page_pool vmm_units(p, 0, units_options);
-  runtime_resource locked_upstream(p, 0);
+  vmm_page_pool vmm_units(t_vmm_units, 0, units_options);
+  runtime_resource locked_upstream(t_caching_locked, 0);
   caching_pool caching_locked(locked_upstream, locked_options);
-  vmm_page_pool vmm_locked(p, 0, locked_options);
+  vmm_page_pool vmm_locked(t_vmm_locked, 0, locked_options);
 
   // The arena alone (see the top): a block's record stands in for its pointer.
   detail::block_arena bare_arena(0, 512, 0);
@@ -144,21 +158,23 @@ int main(int argc, char** argv) {
 
   std::vector<allocator_fns> allocators;
   allocators.push_back({"vmm_page_pool", [&](std::size_t n) { return vmm_pool.allocate(n); },
-                        [&](void* q, std::size_t n) { vmm_pool.deallocate(q, n); }});
+                        [&](void* q, std::size_t n) { vmm_pool.deallocate(q, n); }, 1, &t_vmm});
   allocators.push_back({"caching_pool", [&](std::size_t n) { return caching.allocate(n); },
-                        [&](void* q, std::size_t n) { caching.deallocate(q, n); }});
+                        [&](void* q, std::size_t n) { caching.deallocate(q, n); }, 1, &t_caching});
   allocators.push_back({"vmm_page_pool/units",
                         [&](std::size_t n) { return vmm_units.allocate(n); },
-                        [&](void* q, std::size_t n) { vmm_units.deallocate(q, n); }});
+                        [&](void* q, std::size_t n) { vmm_units.deallocate(q, n); }, 1, &t_vmm_units});
   allocators.push_back({"caching_pool/units",
                         [&](std::size_t n) { return caching_units.allocate(n); },
-                        [&](void* q, std::size_t n) { caching_units.deallocate(q, n); }});
+                        [&](void* q, std::size_t n) { caching_units.deallocate(q, n); }, 1,
+                        &t_caching_units});
   allocators.push_back({"vmm_page_pool/locked",
                         [&](std::size_t n) { return vmm_locked.allocate(n); },
-                        [&](void* q, std::size_t n) { vmm_locked.deallocate(q, n); }});
+                        [&](void* q, std::size_t n) { vmm_locked.deallocate(q, n); }, 1, &t_vmm_locked});
   allocators.push_back({"caching_pool/locked",
                         [&](std::size_t n) { return caching_locked.allocate(n); },
-                        [&](void* q, std::size_t n) { caching_locked.deallocate(q, n); }});
+                        [&](void* q, std::size_t n) { caching_locked.deallocate(q, n); }, 1,
+                        &t_caching_locked});
   allocators.push_back({"block_arena (floor)",
                         [&](std::size_t n) -> void* {
                           detail::block* b = bare_arena.allocate(n, 512, 0, n);
@@ -188,6 +204,7 @@ int main(int argc, char** argv) {
     double same, mixed;                      // medians over rounds, ns a pair
     double vs_async_same, vs_async_mixed;    // medians of the rounds' ratios
     double mixed_ratio_low, mixed_ratio_high;
+    double mixed_driver = -1;                // median ns a pair inside driver calls (pools)
   };
   const std::size_t async_index = static_cast<std::size_t>(
       std::find_if(allocators.begin(), allocators.end(),
@@ -198,12 +215,17 @@ int main(int argc, char** argv) {
     run_same_size(a, steps / 10);  // warm up: pools and cudaMemPool fill
     run_mixed(a, steps / 10, 7);
   }
-  std::vector<std::vector<double>> same(allocators.size()), mixed(allocators.size());
+  std::vector<std::vector<double>> same(allocators.size()), mixed(allocators.size()),
+      mixed_driver(allocators.size());
   for (int round = 0; round < rounds; ++round)
     for (std::size_t k = 0; k < allocators.size(); ++k) {
       const int steps = 200000 / allocators[k].iterations_scale;
       same[k].push_back(run_same_size(allocators[k], steps));
+      const timed_platform* driver = allocators[k].driver;
+      const std::uint64_t driver_ns = driver != nullptr ? driver->measured_ns() : 0;
       mixed[k].push_back(run_mixed(allocators[k], steps, 42));
+      if (driver != nullptr)
+        mixed_driver[k].push_back(static_cast<double>(driver->measured_ns() - driver_ns) / steps);
     }
   (void)p.stream_synchronize({});
   std::vector<row> rows;
@@ -216,6 +238,7 @@ int main(int argc, char** argv) {
     rows.push_back({allocators[k].name, median(same[k]), median(mixed[k]), median(same_ratio),
                     median(mixed_ratio), *std::min_element(mixed_ratio.begin(), mixed_ratio.end()),
                     *std::max_element(mixed_ratio.begin(), mixed_ratio.end())});
+    if (!mixed_driver[k].empty()) rows.back().mixed_driver = median(mixed_driver[k]);
   }
 
   // Growth by 512 pages (one 1 GiB request): on fresh pools with the defaults (a huge
@@ -317,11 +340,16 @@ int main(int argc, char** argv) {
 
   std::printf("\n%d rounds, each allocator once a round in turn: medians over rounds; the ratios "
               "to cudaMallocAsync are taken within each round\n", rounds);
-  std::printf("%-22s %16s %16s %14s %14s %18s\n", "allocator", "same_size ns/pair", "mixed_64 ns/pair",
-              "vs async same", "vs async mixed", "mixed ratio range");
-  for (auto& r : rows)
-    std::printf("%-22s %16.1f %16.1f %13.1fx %13.1fx %8.1fx - %5.1fx\n", r.name.c_str(), r.same,
+  std::printf("(driver: of mixed_64's ns a pair, the time inside the pool's driver calls: growths, remaps, "
+              "releases)\n");
+  std::printf("%-22s %16s %16s %14s %14s %18s %8s\n", "allocator", "same_size ns/pair", "mixed_64 ns/pair",
+              "vs async same", "vs async mixed", "mixed ratio range", "driver");
+  for (auto& r : rows) {
+    std::printf("%-22s %16.1f %16.1f %13.1fx %13.1fx %8.1fx - %5.1fx", r.name.c_str(), r.same,
                 r.mixed, r.vs_async_same, r.vs_async_mixed, r.mixed_ratio_low, r.mixed_ratio_high);
+    if (r.mixed_driver >= 0) std::printf(" %8.1f", r.mixed_driver);
+    std::printf("\n");
+  }
   for (const growth& g : growths)
     std::printf("\ngrow_512 (%s): %.0f ns per page, median of 5; driver time per page: create %.0f, "
                 "map %.0f, set access %.0f ns (%llu cuMemCreate, %llu cuMemMap, %llu cuMemSetAccess "
@@ -339,11 +367,15 @@ int main(int argc, char** argv) {
     if (f != nullptr) {
       std::fprintf(f, "{\"platform\": \"%s\", \"device\": \"%s\", \"rounds\": %d, \"rows\": [",
                    std::string(p.kind()).c_str(), props ? props.value().name.c_str() : "?", rounds);
-      for (std::size_t i = 0; i < rows.size(); ++i)
+      for (std::size_t i = 0; i < rows.size(); ++i) {
         std::fprintf(f, "%s{\"allocator\": \"%s\", \"same_size_ns_per_pair\": %.2f, \"mixed_64_ns_per_pair\": %.2f, "
-                     "\"vs_async_same\": %.2f, \"vs_async_mixed\": %.2f}",
+                     "\"vs_async_same\": %.2f, \"vs_async_mixed\": %.2f",
                      i ? ", " : "", rows[i].name.c_str(), rows[i].same, rows[i].mixed,
                      rows[i].vs_async_same, rows[i].vs_async_mixed);
+        if (rows[i].mixed_driver >= 0)
+          std::fprintf(f, ", \"mixed_64_driver_ns_per_pair\": %.2f", rows[i].mixed_driver);
+        std::fprintf(f, "}");
+      }
       std::fprintf(f, "], \"grow_512_ns_per_page\": %.1f, \"grow_512_one_page_handles_ns_per_page\": %.1f, "
                    "\"grow_512_reserved_ns_per_page\": %.1f}\n",
                    growths[0].ns_per_page, growths[1].ns_per_page, growths[2].ns_per_page);
