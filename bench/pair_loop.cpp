@@ -9,7 +9,10 @@
 // inside measured_pairs(), the function the script tells valgrind to count.
 //
 // Usage: pair_loop [--lo BYTES] [--hi BYTES] [--pairs N] [--config K:V,...]
+//                  [--pool vmm_page_pool|caching_pool]   (default vmm_page_pool; the
+//                  caching pool over cudaMalloc's sim stand-in)
 #include <cmath>
+#include <memory>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -19,6 +22,7 @@
 #include <vector>
 
 #include "gpumem/platform/sim_platform.hpp"
+#include "gpumem/backend.hpp"
 #include "gpumem/pool.hpp"
 #include "gpumem/telemetry.hpp"
 
@@ -69,15 +73,18 @@ void pairs(memory_resource& pool, loop& l) {
 int main(int argc, char** argv) {
   double lo = 512, hi = 8.0 * (1 << 20);
   int count = 200000;
-  std::string config;
+  std::string config, pool_name = "vmm_page_pool";
   for (int i = 1; i < argc; ++i) {
     const bool has_value = i + 1 < argc;
     if (!std::strcmp(argv[i], "--lo") && has_value) lo = std::atof(argv[++i]);
     else if (!std::strcmp(argv[i], "--hi") && has_value) hi = std::atof(argv[++i]);
     else if (!std::strcmp(argv[i], "--pairs") && has_value) count = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--config") && has_value) config = argv[++i];
+    else if (!std::strcmp(argv[i], "--pool") && has_value &&
+             (!std::strcmp(argv[i + 1], "vmm_page_pool") || !std::strcmp(argv[i + 1], "caching_pool")))
+      pool_name = argv[++i];
     else {
-      std::fprintf(stderr, "usage: pair_loop [--lo BYTES] [--hi BYTES] [--pairs N] [--config K:V,...]\n");
+      std::fprintf(stderr, "usage: pair_loop [--lo BYTES] [--hi BYTES] [--pairs N] [--config K:V,...] [--pool vmm_page_pool|caching_pool]\n");
       return 2;
     }
   }
@@ -89,7 +96,14 @@ int main(int argc, char** argv) {
   sim_options so;
   so.capacity = std::size_t{8} << 30;
   sim_platform sim(so);
-  vmm_page_pool pool(sim, 0, pool_options::parse(config));
+  runtime_resource upstream(sim, 0);
+  std::unique_ptr<pool_base> owned;
+  if (pool_name == "vmm_page_pool")
+    owned = std::make_unique<vmm_page_pool>(sim, 0, pool_options::parse(config));
+  else
+    owned = std::make_unique<caching_pool>(upstream, pool_options::parse(config));
+  pool_base& pool = *owned;
+  auto* vmm = dynamic_cast<vmm_page_pool*>(&pool);
   loop warm = draw(lo, hi, 20000, 7);
   fill(pool, warm);
   pairs(pool, warm);
@@ -97,12 +111,12 @@ int main(int argc, char** argv) {
   loop measured = draw(lo, hi, count, 42);
   fill(pool, measured);
   const memory_stats before = collect_memory_stats(pool);
-  const vmm_page_counts pages_before = pool.page_counts();
+  const vmm_page_counts pages_before = vmm != nullptr ? vmm->page_counts() : vmm_page_counts{};
   measured_pairs(pool, measured);
   const memory_stats after = collect_memory_stats(pool);
-  const vmm_page_counts pages_after = pool.page_counts();
+  const vmm_page_counts pages_after = vmm != nullptr ? vmm->page_counts() : vmm_page_counts{};
   empty(pool, measured);
-  std::printf("pair_loop: %d pairs of %.0f-%.0f bytes, vmm_page_pool%s%s\n", count, lo, hi,
+  std::printf("pair_loop: %d pairs of %.0f-%.0f bytes, %s%s%s\n", count, lo, hi, pool_name.c_str(),
               config.empty() ? "" : " ", config.c_str());
   // The driver calls the measured pairs made (on a GPU, each costs microseconds: a pair's
   // cost in instructions leaves them out).
@@ -115,7 +129,8 @@ int main(int argc, char** argv) {
     any = any || made != 0;
   }
   std::printf("%s\n", any ? "" : " none");
-  std::printf("pages in the measured pairs: %llu gathered (remapped), %llu created; %zu mapped at the end, "
+  if (vmm != nullptr)
+    std::printf("pages in the measured pairs: %llu gathered (remapped), %llu created; %zu mapped at the end, "
               "peak live %.1f MiB, peak reserved %.1f MiB\n",
               static_cast<unsigned long long>(pages_after.pages_reclaimed - pages_before.pages_reclaimed),
               static_cast<unsigned long long>(pages_after.pages_created - pages_before.pages_created),

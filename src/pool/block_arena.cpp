@@ -111,7 +111,7 @@ void block_arena::for_each_free(F&& fn) const {
 }
 
 void block_arena::add_region(std::uintptr_t addr, std::size_t size, std::uint32_t segment,
-                             std::uintptr_t stream) {
+                             std::uintptr_t stream, std::uint64_t free_epoch) {
   // 0 is the region maps' empty key (flat_map); no device memory starts or ends there.
   if (addr == 0 || size == 0 || addr + size < addr)
     throw std::invalid_argument("block_arena: a region must be non-empty, away from address 0");
@@ -120,6 +120,7 @@ void block_arena::add_region(std::uintptr_t addr, std::size_t size, std::uint32_
   b->size = size;
   b->segment = segment;
   b->stream = stream;
+  b->free_epoch = free_epoch;
   b->st = block::state::free;
   // Link with the regions that end where this one starts and start where it ends.
   if (block** left = region_end_.find(addr); left != nullptr && (*left)->segment == segment) {

@@ -169,9 +169,11 @@ class block_arena {
   std::size_t round(std::size_t bytes) const noexcept { return (bytes + unit_ - 1) & ~(unit_ - 1); }
 
   // Adds [addr, addr+size) as free memory of `segment` for `stream`, merging with free
-  // neighbours that are address-adjacent in the same segment and stream.
+  // neighbours that are address-adjacent in the same segment and stream. free_epoch: as
+  // release()'s (0: safe for any stream at once; memory moved from another arena keeps
+  // the epoch it was freed at there).
   void add_region(std::uintptr_t addr, std::size_t size, std::uint32_t segment,
-                  std::uintptr_t stream);
+                  std::uintptr_t stream, std::uint64_t free_epoch = 0);
 
   // A block of at least `size` bytes (rounded) aligned to `alignment`, on `stream`:
   // quick list first, then best fit. nullptr when nothing fits, or when the best fit is a

@@ -109,6 +109,10 @@ std::size_t caching_pool::release_cached() {
 }
 
 std::size_t caching_pool::release_idle_segments(std::size_t bytes) {
+  // Pieces of large segments that small misses moved to the small arena (move_free_piece)
+  // go back to the large arena once wholly free, merging there with the rest of their
+  // segment: a segment goes upstream only whole, from one arena.
+  return_free_small_regions();
   struct idle {
     detail::block* b;
     std::uint32_t arena_id;

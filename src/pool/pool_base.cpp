@@ -78,6 +78,41 @@ bool pool_base::lifetime_hints_active_locked() const noexcept {
   return hints_ != nullptr && hints_->active();
 }
 
+bool pool_base::move_free_piece(std::uint32_t from, std::uint32_t to, std::size_t bytes,
+                                stream_handle stream) {
+  detail::block_arena& source = *arenas_[from];
+  detail::block* best = nullptr;
+  for (detail::block* b : source.free_blocks()) {  // by (stream, size, address)
+    if (b->stream != stream.value || b->size < bytes || !source.serves(*b, bytes)) continue;
+    best = b;
+    break;
+  }
+  if (best == nullptr) return false;
+  const std::uintptr_t addr = best->addr;  // its bottom, as a split by best fit
+  const std::uint32_t segment = best->segment;
+  const std::uint64_t epoch = best->free_epoch;
+  source.carve(best, addr, bytes);
+  arenas_[to]->add_region(addr, bytes, segment, stream.value, epoch);
+  return true;
+}
+
+bool pool_base::return_free_small_regions() {
+  detail::block_arena& small = *arenas_[small_arena];
+  bool moved = false;
+  for (detail::block* b : small.free_blocks()) {
+    if (b->prev != nullptr || b->next != nullptr) continue;  // part of a region in use
+    const std::uintptr_t addr = b->addr;
+    const std::size_t size = b->size;
+    const std::uint32_t segment = b->segment;
+    const std::uintptr_t stream = b->stream;
+    const std::uint64_t epoch = b->free_epoch;
+    small.carve(b, addr, size);
+    arenas_[large_arena]->add_region(addr, size, segment, stream, epoch);
+    moved = true;
+  }
+  return moved;
+}
+
 void pool_base::hand_over_long_lived_free() {
   // Once the hints stopped, no block is placed in the long arena any more, but its free
   // blocks stayed there: the large arena took them block by block, and a growth gathered
@@ -370,6 +405,15 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
     if (id == small_arena && small_may_use_large_arena()) {
       detail::block_arena& large = *arenas_[large_arena];
       large.flush();
+      // A piece of the large arena's free space becomes the small arena's: the small
+      // requests that follow are served there, cached in the thread caches' class lists.
+      // A small block taken from the large arena itself goes back there on every small
+      // miss (drain_thread_caches), a third of all requests in pool_bench's mixed loop on
+      // sim, at ~330 instructions each (callgrind).
+      const std::size_t fits = size + (alignment > a.unit() ? alignment - a.unit() : 0);
+      if (const std::size_t piece = a.round(std::max(small_piece_bytes(), fits));
+          small_piece_bytes() != 0 && move_free_piece(large_arena, small_arena, piece, stream))
+        if (auto* b = a.allocate(size, alignment, stream.value, requested, max_split)) return b;
       if (auto* b = large.allocate(size, alignment, stream.value, requested)) return b;
       if (auto* b = from_other_streams(large)) return b;
     }
@@ -392,6 +436,10 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
     drain_thread_caches();
     if (auto* b = find_free()) return b;
   }
+  // The small arena's wholly free pieces (small_piece_bytes) go back before a large request
+  // grows the pool (the thread caches were drained above).
+  if (id == large_arena && small_piece_bytes() != 0 && return_free_small_regions())
+    if (auto* b = find_free()) return b;
   if (grow(a, id, size, alignment, stream, growth::any)) {
     if (auto* b = a.allocate(size, alignment, stream.value, requested))
       return b;
@@ -861,13 +909,17 @@ std::vector<memory_segment> pool_base::segments_locked() const {
             [](const chain& x, const chain& y) { return x.first->addr < y.first->addr; });
   // Segment ids 0 and whole_chunk_segment mark memory mapped on demand (vmm_page_pool):
   // one run of mapped pages is one segment, even where its pages serve both arenas. Other
-  // ids are upstream segments (caching_pool), which never merge.
+  // ids are upstream segments (caching_pool), which never merge with each other; one whose
+  // pieces serve both arenas (move_free_piece) is one segment again here.
   std::vector<memory_segment> out;
+  std::uint32_t last_segment = 0;
   for (const chain& c : chains) {
     const bool expandable =
         c.first->segment == 0 || c.first->segment == detail::whole_chunk_segment;
-    const bool joins = !out.empty() && expandable && out.back().expandable &&
-                       out.back().address + out.back().size == c.first->addr;
+    const bool adjacent = !out.empty() && out.back().address + out.back().size == c.first->addr;
+    const bool joins = adjacent && (expandable ? out.back().expandable
+                                               : !out.back().expandable && last_segment == c.first->segment);
+    last_segment = c.first->segment;
     if (!joins) {
       out.push_back({});
       out.back().address = c.first->addr;

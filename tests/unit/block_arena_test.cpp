@@ -39,6 +39,22 @@ TEST(BlockArena, TheUnitMustBeAPowerOfTwo) {
   EXPECT_EQ(a.round(1025), 2048u);
 }
 
+// Memory moved from another arena (pool_base::move_free_piece) keeps the epoch it was
+// freed at: free at once for another stream only if it was there. Merged, the newer epoch.
+TEST(BlockArena, ARegionKeepsTheFreeEpochItIsGiven) {
+  block_arena a;
+  a.add_region(base, 2 * MiB, 1, 7, 5);
+  ASSERT_EQ(sorted_free(a).size(), 1u);
+  EXPECT_EQ(sorted_free(a)[0]->free_epoch, 5u);
+  a.add_region(base + 2 * MiB, 2 * MiB, 1, 7, 9);
+  ASSERT_EQ(sorted_free(a).size(), 1u);  // merged
+  EXPECT_EQ(sorted_free(a)[0]->size, 4 * MiB);
+  EXPECT_EQ(sorted_free(a)[0]->free_epoch, 9u);
+  a.add_region(base + 8 * MiB, 2 * MiB, 1, 7);
+  EXPECT_EQ(sorted_free(a)[1]->free_epoch, 0u);  // the default: safe at once
+  EXPECT_ARENA_VALID(a);
+}
+
 // The region maps are hash maps keyed by address, 0 their empty key: no region at 0.
 TEST(BlockArena, ARegionAtAddressZeroEmptyOrWrappingIsRefused) {
   block_arena a;

@@ -361,6 +361,68 @@ TEST_F(CachingPool, ReserveUpFrontServesSmallAllocationsToo) {
   pool.deallocate(a, 64 * KiB);
 }
 
+// A small miss moves 2 MiB of the large arena's free space into the small arena
+// (pool_base::move_free_piece), and the small requests after it are served there: before,
+// each small miss took its block from the large arena itself, and the thread caches gave
+// those blocks back on every small miss, a third of pool_bench's mixed requests.
+TEST_F(CachingPool, ASmallMissMovesAPieceOfTheLargeFreeSpaceThatServesTheNextSmallRequests) {
+  pool_options o;
+  o.reserve_bytes = 32 * MiB;
+  runtime_caching_pool env(sim, o);
+  caching_pool& pool = env.pool;
+  auto total = [](const pool_base::arena_bytes& a) { return a.allocated + a.cached + a.free; };
+  std::vector<void*> small;
+  small.push_back(pool.allocate(64 * KiB));
+  EXPECT_EQ(total(pool.bytes_in_arena(true)), 2 * MiB);
+  EXPECT_EQ(total(pool.bytes_in_arena(false)), 30 * MiB);
+  for (int i = 1; i < 16; ++i) small.push_back(pool.allocate(64 * KiB));  // 1 MiB in all
+  EXPECT_EQ(total(pool.bytes_in_arena(true)), 2 * MiB) << "each small request moved a piece of its own";
+  EXPECT_EQ(pool.bytes_in_arena(true).allocated, 1 * MiB);
+  EXPECT_EQ(calls(platform_op::runtime_malloc), 1u);  // the reserve only
+  // Still one upstream segment, in the snapshot too: its pieces serve both arenas.
+  const std::vector<memory_segment> segments = pool.memory_segments();
+  ASSERT_EQ(segments.size(), 1u);
+  EXPECT_EQ(segments[0].size, 32 * MiB);
+  std::size_t tiled = 0;
+  for (const memory_block& b : segments[0].blocks) tiled += b.size;
+  EXPECT_EQ(tiled, 32 * MiB);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  for (void* p : small) pool.deallocate(p, 64 * KiB);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
+// Before a large request grows the pool, the small arena's wholly free pieces go back to
+// the large arena and merge with the rest of their segment.
+TEST_F(CachingPool, ALargeRequestTakesBackAFreePieceBeforeGrowing) {
+  pool_options o;
+  o.reserve_bytes = 8 * MiB;
+  runtime_caching_pool env(sim, o);
+  caching_pool& pool = env.pool;
+  void* s = pool.allocate(64 * KiB);  // moves 2 MiB of the 8 into the small arena
+  pool.deallocate(s, 64 * KiB);       // kept by this thread's cache
+  void* whole = pool.allocate(8 * MiB);
+  EXPECT_EQ(calls(platform_op::runtime_malloc), 1u) << "the 8 MiB request grew a segment beside a free piece";
+  EXPECT_EQ(pool.stats().reserved_bytes, 8 * MiB);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.deallocate(whole, 8 * MiB);
+}
+
+// A segment whose piece served small requests goes upstream whole once all is free.
+TEST_F(CachingPool, TrimGivesBackAReserveWhosePieceServedSmallRequests) {
+  pool_options o;
+  o.reserve_bytes = 32 * MiB;
+  runtime_caching_pool env(sim, o);
+  caching_pool& pool = env.pool;
+  void* s = pool.allocate(64 * KiB);
+  void* l = pool.allocate(4 * MiB);
+  pool.deallocate(s, 64 * KiB);
+  pool.deallocate(l, 4 * MiB);
+  EXPECT_EQ(pool.trim(), 32 * MiB);
+  EXPECT_EQ(pool.stats().reserved_bytes, 0u);
+  EXPECT_EQ(sim.live_objects().device_allocations, 0u);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
 TEST_F(CachingPool, AReserveTheDeviceCannotHoldThrowsOutOfMemoryAndLeavesNothing) {
   pool_options o;
   o.reserve_bytes = 768 * MiB;

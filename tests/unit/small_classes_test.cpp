@@ -302,18 +302,29 @@ TEST_F(SmallClasses, TheCachingPoolRoundsAlike) {
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
 }
 
-// caching_pool lets a small request use the large arena's free space, so a thread cache can
-// hold small requests' blocks of both arenas: a small request finds either (the fast path),
-// and a small miss gives back the large arena's only, leaving the small ones kept.
+// caching_pool lets a small request use the large arena's free space: a small miss moves
+// a 2 MiB piece of it into the small arena (pool_base::move_free_piece), where the next
+// small requests are served. Where less than a piece is free there, the request takes its
+// block from the large arena itself, so a thread cache can hold small requests' blocks of
+// both arenas: a small request finds either (the fast path), and a small miss gives back
+// the large arena's only, leaving the small ones kept.
 TEST_F(SmallClasses, TheCachingPoolKeepsSmallBlocksOfBothArenasAndASmallMissDrainsOnlyTheLarge) {
   runtime_resource upstream(sim, 0);
   caching_pool pool(upstream, with_classes(4));
+  auto total = [](const pool_base::arena_bytes& a) { return a.allocated + a.cached + a.free; };
   void* q[4];
   for (auto& p : q) p = pool.allocate(512 * KiB);  // fill one 2 MiB small segment
   void* big = pool.allocate(8 * MiB);
-  pool.deallocate(big, 8 * MiB);  // the large arena now has free space
+  pool.deallocate(big, 8 * MiB);  // the large arena now has 8 MiB free
+  const std::size_t reserved = pool.stats().reserved_bytes;
+  void* in_piece[4];
+  for (auto& p : in_piece) p = pool.allocate(512 * KiB);
+  EXPECT_EQ(pool.bytes_in_arena(false).allocated, 0u) << "a small block in the large arena";
+  EXPECT_EQ(total(pool.bytes_in_arena(true)), 4 * MiB) << "the segment and one piece";
+  EXPECT_EQ(pool.stats().reserved_bytes, reserved) << "served without growing";
+  void* most = pool.allocate(5 * MiB);  // 1 MiB of the large arena left free: no piece
   void* from_large = pool.allocate(512 * KiB);
-  ASSERT_EQ(pool.bytes_in_arena(false).allocated, 512 * KiB) << "served by the large arena";
+  ASSERT_EQ(pool.bytes_in_arena(false).allocated, 5 * MiB + 512 * KiB) << "served by the large arena";
   pool.deallocate(from_large, 512 * KiB);
   pool.deallocate(q[0], 512 * KiB);
   EXPECT_EQ(pool.bytes_in_arena(true).cached, 512 * KiB);
@@ -326,17 +337,19 @@ TEST_F(SmallClasses, TheCachingPoolKeepsSmallBlocksOfBothArenasAndASmallMissDrai
 
   // Another class: no kept block fits, the small arena is full, so the miss gives back the
   // large arena's kept block (merged there) and takes its space; the small one stays.
-  const std::size_t reserved = pool.stats().reserved_bytes;
   void* other = pool.allocate(256 * KiB);
   EXPECT_EQ(other, from_large) << "the large arena's merged free run, from its start";
   EXPECT_EQ(pool.bytes_in_arena(false).cached, 0u);
   EXPECT_EQ(pool.bytes_in_arena(true).cached, 512 * KiB) << "the small arena's block stays kept";
   EXPECT_EQ(pool.stats().reserved_bytes, reserved) << "served without growing";
   pool.deallocate(other, 256 * KiB);
+  pool.deallocate(most, 5 * MiB);
+  for (void* p : in_piece) pool.deallocate(p, 512 * KiB);
   for (int i = 1; i < 4; ++i) pool.deallocate(q[i], 512 * KiB);
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
   pool.trim();
   EXPECT_EQ(pool.bytes_in_arena(true).cached + pool.bytes_in_arena(false).cached, 0u);
+  EXPECT_EQ(pool.stats().reserved_bytes, 0u) << "every segment went back whole";
 }
 
 }  // namespace

@@ -218,6 +218,20 @@ class pool_base : public memory_resource {
   // Small requests may take free space of the large arena before the pool grows
   // (caching_pool: so an up-front reservation serves every size).
   virtual bool small_may_use_large_arena() const noexcept { return false; }
+  // Where small requests may use the large arena: the piece of a large free block a small
+  // miss moves into the small arena (move_free_piece), so the small requests after it are
+  // served there, through the thread caches' class lists; 0: none moved, each small miss
+  // takes its block from the large arena itself.
+  virtual std::size_t small_piece_bytes() const noexcept { return 0; }
+  // Moves the first `bytes` of the smallest free block of arena `from` on `stream` that holds
+  // them (and that a request of `bytes` may split: block_arena::restrict_segment) into
+  // arena `to`, as a free region of the same segment, freed at the same epoch. false when
+  // no such block. REQUIRES: mutex_ held.
+  bool move_free_piece(std::uint32_t from, std::uint32_t to, std::size_t bytes, stream_handle stream);
+  // Moves every wholly free region of the small arena (a piece moved there, or a small
+  // segment) to the large arena, merged there with its free neighbours of the same
+  // segment. Whether any moved. REQUIRES: mutex_ held.
+  bool return_free_small_regions();
   // The largest free block a request for a block of `size` bytes may split; past it the
   // pool grows instead (vmm_page_pool's growth_slack), and splits only when growing fails.
   // REQUIRES: mutex_ held.
