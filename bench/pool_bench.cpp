@@ -38,6 +38,7 @@
 //
 // Usage: pool_bench [--device auto|cuda|sim] [--rounds N] [--json FILE]
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -217,15 +218,25 @@ int main(int argc, char** argv) {
   }
   std::vector<std::vector<double>> same(allocators.size()), mixed(allocators.size()),
       mixed_driver(allocators.size());
+  // Per pool, the driver time of its mixed runs by call kind, and their pairs (all rounds).
+  std::vector<std::array<std::uint64_t, platform_op_count>> mixed_driver_by_op(allocators.size());
+  std::vector<std::uint64_t> mixed_pairs(allocators.size());
   for (int round = 0; round < rounds; ++round)
     for (std::size_t k = 0; k < allocators.size(); ++k) {
       const int steps = 200000 / allocators[k].iterations_scale;
       same[k].push_back(run_same_size(allocators[k], steps));
       const timed_platform* driver = allocators[k].driver;
       const std::uint64_t driver_ns = driver != nullptr ? driver->measured_ns() : 0;
+      std::array<std::uint64_t, platform_op_count> by_op{};
+      for (std::size_t op = 0; driver != nullptr && op < platform_op_count; ++op)
+        by_op[op] = driver->measured_ns(static_cast<platform_op>(op));
       mixed[k].push_back(run_mixed(allocators[k], steps, 42));
-      if (driver != nullptr)
+      if (driver != nullptr) {
         mixed_driver[k].push_back(static_cast<double>(driver->measured_ns() - driver_ns) / steps);
+        for (std::size_t op = 0; op < platform_op_count; ++op)
+          mixed_driver_by_op[k][op] += driver->measured_ns(static_cast<platform_op>(op)) - by_op[op];
+        mixed_pairs[k] += static_cast<std::uint64_t>(steps);
+      }
     }
   (void)p.stream_synchronize({});
   std::vector<row> rows;
@@ -349,6 +360,23 @@ int main(int argc, char** argv) {
                 r.mixed, r.vs_async_same, r.vs_async_mixed, r.mixed_ratio_low, r.mixed_ratio_high);
     if (r.mixed_driver >= 0) std::printf(" %8.1f", r.mixed_driver);
     std::printf("\n");
+  }
+  // Which calls: with the map worker (on for cuda), unmaps run on its thread, beside the
+  // allocating one; the others are the allocating thread's.
+  for (std::size_t k = 0; k < allocators.size(); ++k) {
+    if (mixed_pairs[k] == 0) continue;
+    std::string parts;
+    for (std::size_t op = 0; op < platform_op_count; ++op) {
+      const double ns = static_cast<double>(mixed_driver_by_op[k][op]) / static_cast<double>(mixed_pairs[k]);
+      if (ns < 0.05) continue;
+      char part[96];
+      std::snprintf(part, sizeof part, "%s%s %.1f", parts.empty() ? "" : ", ",
+                    std::string(platform_op_name(static_cast<platform_op>(op))).c_str(), ns);
+      parts += part;
+    }
+    if (!parts.empty())
+      std::printf("  %s, mixed_64 driver ns a pair by call (mean over rounds): %s\n",
+                  allocators[k].name.c_str(), parts.c_str());
   }
   for (const growth& g : growths)
     std::printf("\ngrow_512 (%s): %.0f ns per page, median of 5; driver time per page: create %.0f, "
