@@ -10,7 +10,9 @@
 //
 // Usage: pair_loop [--lo BYTES] [--hi BYTES] [--pairs N] [--config K:V,...]
 //                  [--pool vmm_page_pool|caching_pool]   (default vmm_page_pool; the
-//                  caching pool over cudaMalloc's sim stand-in)
+//                  caching pool over cudaMalloc's sim stand-in)   [--overhead]
+//   --overhead: where the pool's reserved bytes are after the measured pairs
+//   (pool_base::overhead()).
 #include <cmath>
 #include <memory>
 #include <cstdio>
@@ -74,17 +76,19 @@ int main(int argc, char** argv) {
   double lo = 512, hi = 8.0 * (1 << 20);
   int count = 200000;
   std::string config, pool_name = "vmm_page_pool";
+  bool show_overhead = false;
   for (int i = 1; i < argc; ++i) {
     const bool has_value = i + 1 < argc;
     if (!std::strcmp(argv[i], "--lo") && has_value) lo = std::atof(argv[++i]);
     else if (!std::strcmp(argv[i], "--hi") && has_value) hi = std::atof(argv[++i]);
     else if (!std::strcmp(argv[i], "--pairs") && has_value) count = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--config") && has_value) config = argv[++i];
+    else if (!std::strcmp(argv[i], "--overhead")) show_overhead = true;
     else if (!std::strcmp(argv[i], "--pool") && has_value &&
              (!std::strcmp(argv[i + 1], "vmm_page_pool") || !std::strcmp(argv[i + 1], "caching_pool")))
       pool_name = argv[++i];
     else {
-      std::fprintf(stderr, "usage: pair_loop [--lo BYTES] [--hi BYTES] [--pairs N] [--config K:V,...] [--pool vmm_page_pool|caching_pool]\n");
+      std::fprintf(stderr, "usage: pair_loop [--lo BYTES] [--hi BYTES] [--pairs N] [--config K:V,...] [--pool vmm_page_pool|caching_pool] [--overhead]\n");
       return 2;
     }
   }
@@ -115,7 +119,9 @@ int main(int argc, char** argv) {
   measured_pairs(pool, measured);
   const memory_stats after = collect_memory_stats(pool);
   const vmm_page_counts pages_after = vmm != nullptr ? vmm->page_counts() : vmm_page_counts{};
+  const std::string where = show_overhead ? pool.overhead().to_string("  ") : "";
   empty(pool, measured);
+  if (!where.empty()) std::printf("after the measured pairs:\n%s", where.c_str());
   std::printf("pair_loop: %d pairs of %.0f-%.0f bytes, %s%s%s\n", count, lo, hi, pool_name.c_str(),
               config.empty() ? "" : " ", config.c_str());
   // The driver calls the measured pairs made (on a GPU, each costs microseconds: a pair's
