@@ -261,6 +261,11 @@ bool vmm_page_pool::queue_unmap(retiring_run& r) {
   return true;
 }
 
+void vmm_page_pool::queue_held_unmaps() {
+  for (retiring_run& r : retiring_)
+    if (!r.queued && !r.work_pending && !r.worker_failed) (void)queue_unmap(r);
+}
+
 void vmm_page_pool::collect_worker() {
   if (worker_ == nullptr) return;
   std::vector<detail::vmm_worker::finished_unmap> finished;
@@ -506,8 +511,8 @@ std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait, const stream_h
         spare_.push_back(c.chunks[i]);
       }
       // (Not queued when the driver wants one unmap per mapping: the next retire_completed
-      // unmaps it on the caller's thread.)
-      if (!c.deferred) (void)queue_unmap(r);
+      // unmaps it on the caller's thread. Held while a growth maps: queue_held_unmaps.)
+      if (!c.deferred && !hold_unmaps_) (void)queue_unmap(r);
       retiring_.push_back(std::move(r));
       got += pages;
       note_reclaimed(c.arena_id, for_arena, pages);
@@ -645,6 +650,20 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std
       if (pool.counts_.pages_reclaimed != reclaimed_before) pool.note_gather_time(started_ns, request);
     }
   } timer{*this, now_ns(), counts_.pages_reclaimed, size};
+  // The unmaps a gather held back go to the worker once this growth's maps and access
+  // grant are made (hold_unmaps_), however it ends. Not thrown from here: a run left
+  // unqueued is queued or unmapped by the next retire_completed.
+  struct held_unmaps {
+    vmm_page_pool& pool;
+    ~held_unmaps() {
+      if (!pool.hold_unmaps_) return;
+      pool.hold_unmaps_ = false;
+      try {
+        pool.queue_held_unmaps();
+      } catch (...) {
+      }
+    }
+  } unmaps{*this};
   return grow_untimed(arena, arena_id, size, alignment, stream, kind);
 }
 
@@ -736,6 +755,7 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
       create_chunks(wanted - have, handle_sizes::growth))
     have = spare_pages_for(stream.value);
   if (have < wanted) {
+    hold_unmaps_ = worker_ != nullptr;
     reclaim(wanted - have, false, &stream, ext.block_end, arena_id);
     // Counted again: a reclaimed chunk may still be retiring for another stream.
     have = spare_pages_for(stream.value);
@@ -786,6 +806,7 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
     if (!big.lent && big.waiting == 0 && big.retiring != 0 && worker_ != nullptr) {
       // Its old mapping is on its way out on the map worker (a handle just reclaimed):
       // waited for, it can be released instead of mapped whole and pinned.
+      queue_held_unmaps();
       worker_->drain();
       collect_worker();
     }

@@ -114,6 +114,15 @@ class gated_platform final : public platform {
     std::lock_guard lock(mutex_);
     return unmap_threads_;
   }
+  // From now on each access grant first gives the worker 100 ms to reach the gate with an
+  // unmap already queued (a thread's wake-up takes far less).
+  void let_unmaps_catch_up() { catch_up_.store(true); }
+  // For each access grant, in order: whether an unmap was blocked in the gate meanwhile
+  // (on the H200, the driver makes the grant wait for it).
+  std::vector<bool> grants_beside_an_unmap() const {
+    std::lock_guard lock(mutex_);
+    return grants_beside_unmap_;
+  }
 
   std::string_view kind() const noexcept override { return inner_.kind(); }
   result<int> device_count() override { return inner_.device_count(); }
@@ -135,7 +144,15 @@ class gated_platform final : public platform {
     unmap_waiting_.store(false);
     return inner_.unmap(va, s);
   }
-  status set_access(int d, std::uintptr_t va, std::size_t s) override { return inner_.set_access(d, va, s); }
+  status set_access(int d, std::uintptr_t va, std::size_t s) override {
+    for (int i = 0; catch_up_.load() && i < 100 && !unmap_waiting_.load(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    {
+      std::lock_guard lock(mutex_);
+      grants_beside_unmap_.push_back(unmap_waiting_.load());
+    }
+    return inner_.set_access(d, va, s);
+  }
   result<void*> runtime_malloc(int d, std::size_t s) override { return inner_.runtime_malloc(d, s); }
   status runtime_free(int d, void* p) override { return inner_.runtime_free(d, p); }
   result<void*> driver_alloc(int d, std::size_t s) override { return inner_.driver_alloc(d, s); }
@@ -162,8 +179,10 @@ class gated_platform final : public platform {
   sim_platform& inner_;
   std::atomic<bool> open_{false};
   std::atomic<bool> unmap_waiting_{false};
+  std::atomic<bool> catch_up_{false};
   mutable std::mutex mutex_;
   std::vector<std::thread::id> unmap_threads_;
+  std::vector<bool> grants_beside_unmap_;
 };
 
 // Frees every other one of eight 4 MiB blocks, then asks for 16 MiB: a remap of the freed
@@ -224,6 +243,41 @@ TEST_F(MapWorker, ARemapReturnsBeforeTheOldMappingIsUnmapped) {
     EXPECT_TRUE(pool.is_valid()) << pool.validate();
     EXPECT_GT(sim.live_objects().mappings, pool.page_counts().mapped_pages)
         << "old mappings should still exist beside the new ones";
+    gated.open();
+    free_remap_and_expect_nothing_held(pool, big, blocks);
+    EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  }
+}
+
+// A growth that gathers pages maps them and grants access before the worker is given the
+// old mappings' unmaps: the driver serializes the calls, and a map beside the worker's
+// unmaps took ~21-25 us on the H200 against ~1 us alone (vmm_worker.hpp). Here the worker's
+// unmap blocks in the gate until the test opens it, so a grant made after the job was
+// queued would find it waiting.
+TEST_F(MapWorker, AGrowthGrantsAccessBeforeTheWorkerUnmapsTheOldMappings) {
+  gated_platform gated(sim);
+  {
+    struct opener {
+      gated_platform& g;
+      ~opener() { g.open(); }
+    };
+    vmm_page_pool pool(gated, 0, with_worker());
+    opener open_at_exit{gated};
+    std::vector<void*> blocks;
+    for (int i = 0; i < 8; ++i) blocks.push_back(pool.allocate(4 * MiB));
+    for (int i = 0; i < 8; i += 2) pool.deallocate(blocks[static_cast<std::size_t>(i)], 4 * MiB);
+    const std::size_t grants_before = gated.grants_beside_an_unmap().size();
+    gated.let_unmaps_catch_up();
+    void* big = pool.allocate(16 * MiB);  // gathers the four freed blocks' pages
+    EXPECT_GT(pool.page_counts().pages_reclaimed, 0u) << "no remap";
+    const std::vector<bool> grants = gated.grants_beside_an_unmap();
+    ASSERT_GT(grants.size(), grants_before) << "the remap granted no access";
+    for (std::size_t i = grants_before; i < grants.size(); ++i)
+      EXPECT_FALSE(grants[i]) << "access grant " << i << " ran while the worker unmapped";
+    // Queued once the growth ended: the worker is in the gate now.
+    for (int i = 0; i < 1000 && !gated.unmap_waiting(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    EXPECT_TRUE(gated.unmap_waiting()) << "the old mappings' unmaps were never queued";
     gated.open();
     free_remap_and_expect_nothing_held(pool, big, blocks);
     EXPECT_TRUE(pool.is_valid()) << pool.validate();
