@@ -18,6 +18,7 @@ summary() {
   python3 - "$1" <<'EOF'
 import glob, os, re, statistics, sys
 runs = {}  # (allocator, side) -> [(same ns, mixed ns, mixed ratio)]
+driver = {}  # (allocator, side) -> [mixed driver ns a pair] (pool_bench from 2026-12-03 on)
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.txt"))):
     m = re.match(r"(base|new)(\d+)\.txt$", os.path.basename(path))
     if not m:
@@ -27,25 +28,45 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.txt"))):
         if line.startswith("allocator "):
             table = True
             continue
-        if table and not line.strip():
-            break
+        if table and (not line.strip() or line.startswith("  ")):
+            break  # the table ends at a blank line or the driver time by call below it
         if table:
             name, rest = line[:22].strip(), line[22:].split()
             runs.setdefault((name, m.group(1)), []).append(
                 (float(rest[0]), float(rest[1]), float(rest[3].rstrip("x"))))
+            if len(rest) == 8:
+                driver.setdefault((name, m.group(1)), []).append(float(rest[7]))
 names = []
 for name, _ in runs:
     if name not in names and name not in ("cudaMallocAsync", "cudaMalloc"):
         names.append(name)
-print(f"{'allocator':22} {'side':5} {'runs':>4} {'mixed ns (median)':>18} {'vs async (median)':>18} {'range over runs':>16}")
+print(f"{'allocator':22} {'side':5} {'runs':>4} {'mixed ns (median)':>18} {'vs async (median)':>18} {'range over runs':>16} {'driver ns':>9}")
 for name in names:
     for side in ("base", "new"):
         v = runs.get((name, side), [])
         if not v:
             continue
         ratios = [r for _, _, r in v]
+        d = driver.get((name, side), [])
         print(f"{name:22} {side:5} {len(v):4d} {statistics.median(n for _, n, _ in v):18.1f} "
-              f"{statistics.median(ratios):17.1f}x {min(ratios):7.1f}x-{max(ratios):5.1f}x")
+              f"{statistics.median(ratios):17.1f}x {min(ratios):7.1f}x-{max(ratios):5.1f}x"
+              + (f" {statistics.median(d):9.1f}" if d else ""))
+# The pools' mixed-loop driver time by call kind (the lines under the table): median over runs.
+by_call = {}  # (allocator, side, call) -> [ns a pair]
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.txt"))):
+    m = re.match(r"(base|new)(\d+)\.txt$", os.path.basename(path))
+    if not m:
+        continue
+    for line in open(path):
+        c = re.match(r"  (\S+), mixed_64 driver ns a pair by call \(mean over rounds\): (.*)", line)
+        if c:
+            for part in c.group(2).split(", "):
+                call, ns = part.rsplit(" ", 1)
+                by_call.setdefault((c.group(1), m.group(1), call), []).append(float(ns))
+if by_call:
+    print(f"\n{'mixed driver ns a pair by call':34} {'side':5} {'median':>8} {'range over runs':>18}")
+    for (name, side, call), v in sorted(by_call.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
+        print(f"{name + ' ' + call:34} {side:5} {statistics.median(v):8.1f} {min(v):8.1f}-{max(v):8.1f}")
 # Threads sharing one pool: wall ns a pair, all threads together (no ratio: cudaMallocAsync
 # is not run threaded), the median over runs and the range.
 threaded = {}  # (case, threads, side) -> [ns]
