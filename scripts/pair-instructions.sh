@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one allocate+free pair of pool_bench's mixed loop costs, in counts that do not drift
-# with the host (bench/pair_loop: sim, vmm_page_pool, a Release build):
+# with the host (bench/pair_loop: sim, vmm_page_pool or --pool caching_pool, a Release build):
 #  - instructions, by callgrind: inclusive in memory_resource::allocate and ::deallocate,
 #    collected inside the measured pairs only;
 #  - mispredicted conditional branches in gpumem's functions, by cachegrind's branch model
@@ -9,6 +9,7 @@
 #    cancel.
 # Needs valgrind. Arguments go to pair_loop:
 #   scripts/pair-instructions.sh [--lo BYTES] [--hi BYTES] [--pairs N] [--config K:V,...]
+#                                [--pool vmm_page_pool|caching_pool]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v valgrind >/dev/null || { echo "pair-instructions: valgrind is not installed" >&2; exit 1; }
