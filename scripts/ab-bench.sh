@@ -17,14 +17,19 @@ cd "$(dirname "$0")/.."
 summary() {
   python3 - "$1" <<'EOF'
 import glob, os, re, statistics, sys
+
+def logs():
+    """(side, lines) of each run's pool_bench output: base1.txt, new1.txt, ..."""
+    for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.txt"))):
+        m = re.match(r"(base|new)(\d+)\.txt$", os.path.basename(path))
+        if m:
+            yield m.group(1), open(path).read().splitlines()
+
 runs = {}  # (allocator, side) -> [(same ns, mixed ns, mixed ratio)]
 driver = {}  # (allocator, side) -> [mixed driver ns a pair] (pool_bench from 2026-12-03 on)
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.txt"))):
-    m = re.match(r"(base|new)(\d+)\.txt$", os.path.basename(path))
-    if not m:
-        continue
+for side, lines in logs():
     table = False
-    for line in open(path):
+    for line in lines:
         if line.startswith("allocator "):
             table = True
             continue
@@ -32,10 +37,10 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.txt"))):
             break  # the table ends at a blank line or the driver time by call below it
         if table:
             name, rest = line[:22].strip(), line[22:].split()
-            runs.setdefault((name, m.group(1)), []).append(
+            runs.setdefault((name, side), []).append(
                 (float(rest[0]), float(rest[1]), float(rest[3].rstrip("x"))))
             if len(rest) == 8:
-                driver.setdefault((name, m.group(1)), []).append(float(rest[7]))
+                driver.setdefault((name, side), []).append(float(rest[7]))
 names = []
 for name, _ in runs:
     if name not in names and name not in ("cudaMallocAsync", "cudaMalloc"):
@@ -53,16 +58,13 @@ for name in names:
               + (f" {statistics.median(d):9.1f}" if d else ""))
 # The pools' mixed-loop driver time by call kind (the lines under the table): median over runs.
 by_call = {}  # (allocator, side, call) -> [ns a pair]
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.txt"))):
-    m = re.match(r"(base|new)(\d+)\.txt$", os.path.basename(path))
-    if not m:
-        continue
-    for line in open(path):
+for side, lines in logs():
+    for line in lines:
         c = re.match(r"  (\S+), mixed_64 driver ns a pair by call \(mean over rounds\): (.*)", line)
         if c:
             for part in c.group(2).split(", "):
                 call, ns = part.rsplit(" ", 1)
-                by_call.setdefault((c.group(1), m.group(1), call), []).append(float(ns))
+                by_call.setdefault((c.group(1), side, call), []).append(float(ns))
 if by_call:
     print(f"\n{'mixed driver ns a pair by call':34} {'side':5} {'median':>8} {'range over runs':>18}")
     for (name, side, call), v in sorted(by_call.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
@@ -70,14 +72,11 @@ if by_call:
 # Threads sharing one pool: wall ns a pair, all threads together (no ratio: cudaMallocAsync
 # is not run threaded), the median over runs and the range.
 threaded = {}  # (case, threads, side) -> [ns]
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.txt"))):
-    m = re.match(r"(base|new)(\d+)\.txt$", os.path.basename(path))
-    if not m:
-        continue
-    for line in open(path):
+for side, lines in logs():
+    for line in lines:
         t = re.match(r"(\d+) thread\(s\) sharing one pool, (.*?): ([\d.]+) ns", line)
         if t:
-            threaded.setdefault((t.group(2), int(t.group(1)), m.group(1)), []).append(float(t.group(3)))
+            threaded.setdefault((t.group(2), int(t.group(1)), side), []).append(float(t.group(3)))
 if threaded:
     print(f"\n{'threads sharing one pool':34} {'n':>2} {'side':5} {'ns a pair (median)':>19} {'range over runs':>18}")
     for (case, n, side), v in sorted(threaded.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "base")):

@@ -185,6 +185,13 @@ class gated_platform final : public platform {
   std::vector<bool> grants_beside_unmap_;
 };
 
+// Opens the gate however a test's block ends, before the pool's end waits for its worker
+// (declared after the pool, so destroyed first).
+struct gate_opener {
+  gated_platform& g;
+  ~gate_opener() { g.open(); }
+};
+
 // Frees every other one of eight 4 MiB blocks, then asks for 16 MiB: a remap of the freed
 // pages. Returns the big block; `blocks` keeps the live ones.
 void* remap_once(vmm_page_pool& pool, std::vector<void*>& blocks) {
@@ -221,13 +228,8 @@ TEST_F(MapWorker, SimDefaultsToUnmappingOnTheAllocatingThread) {
 TEST_F(MapWorker, ARemapReturnsBeforeTheOldMappingIsUnmapped) {
   gated_platform gated(sim);
   {
-    // Opens the gate however the block ends, before the pool's end waits for its worker.
-    struct opener {
-      gated_platform& g;
-      ~opener() { g.open(); }
-    };
     vmm_page_pool pool(gated, 0, with_worker());
-    opener open_at_exit{gated};
+    gate_opener open_at_exit{gated};
     std::vector<void*> blocks;
     void* big = remap_once(pool, blocks);  // the four freed blocks' pages, remapped
     EXPECT_EQ(pool.stats().reserved_bytes, 32 * MiB) << "new memory instead of a remap";
@@ -257,12 +259,8 @@ TEST_F(MapWorker, ARemapReturnsBeforeTheOldMappingIsUnmapped) {
 TEST_F(MapWorker, AGrowthGrantsAccessBeforeTheWorkerUnmapsTheOldMappings) {
   gated_platform gated(sim);
   {
-    struct opener {
-      gated_platform& g;
-      ~opener() { g.open(); }
-    };
     vmm_page_pool pool(gated, 0, with_worker());
-    opener open_at_exit{gated};
+    gate_opener open_at_exit{gated};
     std::vector<void*> blocks;
     for (int i = 0; i < 8; ++i) blocks.push_back(pool.allocate(4 * MiB));
     for (int i = 0; i < 8; i += 2) pool.deallocate(blocks[static_cast<std::size_t>(i)], 4 * MiB);
