@@ -59,10 +59,12 @@
 //    carved out at once, its chunks mapped at their new place while the old mapping (a
 //    handle may be mapped twice) is unmapped on a helper thread; its address space comes
 //    back when the worker reports it done. So the allocating thread pays for cuMemMap and
-//    cuMemSetAccess only, though these wait in the driver while the worker unmaps (H200:
-//    ~21-25 us a map beside it, ~1 us without). Paths that need every old mapping gone
-//    (release, lending, the pool's end, address space running out) wait for the worker
-//    first.
+//    cuMemSetAccess only. The driver serializes these with the worker's unmaps (H200:
+//    ~21-25 us a map beside them, ~1 us without), so a growth hands the worker its old
+//    mappings only once it has mapped and granted access (hold_unmaps_; the mixed loop's
+//    driver time a pair 21 -> 11 ns, docs/RESULTS.md). Paths that need every old mapping
+//    gone (release, lending, the pool's end, address space running out) wait for the
+//    worker first.
 //  - Growth slack (pool_options::growth_slack = F, default 0): memory tight to the byte
 //    makes a training step gather its largest tensor from scattered free pages every step
 //    (at the step's peak the free memory is exactly that tensor, in dozens of pieces), and
