@@ -20,7 +20,8 @@
 // Cost: while the worker unmaps, another thread's cuMemMap or access grant waits in the
 // driver. H200, encode_varlen replay, 2026-12-01: a concurrent cuMemMap took ~25 us with
 // runs of ~14 mappings unmapped in one call, ~21 us one mapping a call, ~0.8 us without
-// the worker (its unmaps then on the allocating thread).
+// the worker (its unmaps then on the allocating thread). So vmm_page_pool queues a growth's
+// old mappings only after that growth's maps and access grant (vmm_page_pool::hold_unmaps_).
 //
 // Thread safety: every member may be called from any thread.
 #pragma once
