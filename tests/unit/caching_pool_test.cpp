@@ -159,6 +159,27 @@ TEST_F(CachingPool, AnotherStreamWaitsForTheFreeingStreamsEvent) {
   sim.hold_events(false);
 }
 
+// A piece a small miss moves into the small arena (pool_base::move_free_piece) keeps the
+// stream and the free epoch of the large block it came from: its stream reuses it at once,
+// another stream only once that block's last use is known complete.
+TEST_F(CachingPool, APieceKeepsTheFreeingStreamsOrder) {
+  runtime_caching_pool env(sim);
+  caching_pool& pool = env.pool;
+  const stream_handle s1 = make_stream(), s2 = make_stream();
+  sim.hold_events(true);
+  void* big = pool.allocate(8 * MiB, default_alignment, s1);
+  pool.deallocate(big, 8 * MiB, s1);
+  void* mine = pool.allocate(64 * KiB, default_alignment, s1);
+  EXPECT_TRUE(overlaps(mine, 64 * KiB, big, 8 * MiB)) << "s1 reuses its own free memory at once";
+  void* theirs = pool.allocate(64 * KiB, default_alignment, s2);
+  EXPECT_FALSE(overlaps(theirs, 64 * KiB, big, 8 * MiB))
+      << "s2 got memory whose last use on s1 is not known complete";
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.deallocate(theirs, 64 * KiB, s2);
+  pool.deallocate(mine, 64 * KiB, s1);
+  sim.hold_events(false);
+}
+
 TEST_F(CachingPool, WithNoRoomToGrowAnotherStreamGetsOutOfMemoryNotTheHeldBlock) {
   pool_options o;
   o.limit_bytes = 8 * MiB;  // one 8 MiB segment, and no more
