@@ -190,6 +190,11 @@ void vmm_page_pool::retire_completed(bool wait, const std::uintptr_t* only_strea
       r.work_pending = false;  // its chunks may now be mapped for any stream
       for (auto& [id, pages] : r.chunks) chunks_[id].waiting -= 1;
     }
+    // A growth under way: the worker gets the run once the growth has mapped and granted.
+    if (hold_unmaps_ && !wait && !r.worker_failed) {
+      ++it;
+      continue;
+    }
     if (queue_unmap(r)) {
       ++it;
       continue;
@@ -650,9 +655,11 @@ bool vmm_page_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std
       if (pool.counts_.pages_reclaimed != reclaimed_before) pool.note_gather_time(started_ns, request);
     }
   } timer{*this, now_ns(), counts_.pages_reclaimed, size};
-  // The unmaps a gather held back go to the worker once this growth's maps and access
-  // grant are made (hold_unmaps_), however it ends. Not thrown from here: a run left
-  // unqueued is queued or unmapped by the next retire_completed.
+  // The unmaps of old mappings made ready during this growth (its gather's, and those whose
+  // work turned out complete at its start) go to the worker once its maps and access grant
+  // are made (hold_unmaps_), however it ends. Not thrown from here: a run left unqueued is
+  // queued or unmapped by the next retire_completed.
+  hold_unmaps_ = worker_ != nullptr;
   struct held_unmaps {
     vmm_page_pool& pool;
     ~held_unmaps() {
@@ -755,7 +762,6 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
       create_chunks(wanted - have, handle_sizes::growth))
     have = spare_pages_for(stream.value);
   if (have < wanted) {
-    hold_unmaps_ = worker_ != nullptr;
     reclaim(wanted - have, false, &stream, ext.block_end, arena_id);
     // Counted again: a reclaimed chunk may still be retiring for another stream.
     have = spare_pages_for(stream.value);

@@ -282,6 +282,47 @@ TEST_F(MapWorker, AGrowthGrantsAccessBeforeTheWorkerUnmapsTheOldMappings) {
   }
 }
 
+// Old mappings whose last use was still running when they were gathered wait in the pool;
+// the next growth finds that use complete as it starts. It hands them to the worker only
+// once it has mapped and granted its own pages, as for its own gather's (the test above).
+TEST_F(MapWorker, AGrowthHandsOverOldMappingsFoundDoneAsItStartsOnlyAfterItsGrant) {
+  gated_platform gated(sim);
+  {
+    vmm_page_pool pool(gated, 0, with_worker());
+    gate_opener open_at_exit{gated};
+    const stream_handle s1 = make_stream();
+    sim.hold_events(true);  // the frees below are not known complete
+    std::vector<void*> blocks;
+    for (int i = 0; i < 8; ++i) blocks.push_back(pool.allocate(4 * MiB, default_alignment, s1));
+    for (int i = 0; i < 8; i += 2)
+      pool.deallocate(blocks[static_cast<std::size_t>(i)], 4 * MiB, s1);
+    void* big = pool.allocate(16 * MiB, default_alignment, s1);  // gathers them, deferred
+    ASSERT_EQ(pool.page_counts().pages_reclaimed, 8u) << "no remap of the freed pages";
+    EXPECT_FALSE(gated.unmap_waiting()) << "an old mapping was queued while its use may run";
+    sim.complete_events();
+    const std::size_t grants_before = gated.grants_beside_an_unmap().size();
+    gated.let_unmaps_catch_up();
+    void* more = pool.allocate(6 * MiB, default_alignment, s1);  // new pages: a growth
+    const std::vector<bool> grants = gated.grants_beside_an_unmap();
+    ASSERT_GT(grants.size(), grants_before) << "the growth granted no access";
+    for (std::size_t i = grants_before; i < grants.size(); ++i)
+      EXPECT_FALSE(grants[i]) << "access grant " << i << " ran while the worker unmapped";
+    for (int i = 0; i < 1000 && !gated.unmap_waiting(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    EXPECT_TRUE(gated.unmap_waiting()) << "the old mappings' unmaps were never queued";
+    gated.open();
+    sim.hold_events(false);
+    pool.deallocate(more, 6 * MiB, s1);
+    pool.deallocate(big, 16 * MiB, s1);
+    for (int i = 1; i < 8; i += 2)
+      pool.deallocate(blocks[static_cast<std::size_t>(i)], 4 * MiB, s1);
+    pool.trim();
+    EXPECT_EQ(sim.live_objects().mappings, 0u);
+    EXPECT_EQ(pool.stats().reserved_bytes, 0u);
+    EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  }
+}
+
 // An unmap that fails on the worker fails no call: the old mapping stays (its address space
 // out of use), is counted, and the pool's next call unmaps it on its own thread.
 TEST_F(MapWorker, AFailedUnmapOnTheWorkerFailsNoCallAndIsRetriedByTheCaller) {

@@ -60,8 +60,9 @@
 //    handle may be mapped twice) is unmapped on a helper thread; its address space comes
 //    back when the worker reports it done. So the allocating thread pays for cuMemMap and
 //    cuMemSetAccess only. The driver serializes these with the worker's unmaps (H200:
-//    ~21-25 us a map beside them, ~1 us without), so a growth hands the worker its old
-//    mappings only once it has mapped and granted access (hold_unmaps_; the mixed loop's
+//    ~21-25 us a map beside them, ~1 us without), so a growth hands the worker old
+//    mappings (its gather's, and those found done as it starts) only once it has mapped
+//    and granted access (hold_unmaps_; the mixed loop's
 //    driver time a pair 21 -> 11 ns, docs/RESULTS.md). Paths that need every old mapping
 //    gone (release, lending, the pool's end, address space running out) wait for the
 //    worker first.
@@ -322,10 +323,11 @@ class vmm_page_pool final : public pool_base {
   bool batched_unmap_ = true;  // cleared the first time the driver refuses a multi-mapping unmap
   std::unique_ptr<detail::vmm_worker> worker_;  // null: unmaps on the caller's thread
   std::uint64_t next_token_ = 0;
-  // Set while a growth gathers and maps: reclaim leaves the old mappings' unmaps for the end
-  // of the growth (queue_held_unmaps), so the worker does not unmap while this thread maps
-  // and grants access: the driver serializes them, and a map beside the worker's unmaps took
-  // ~21-25 us on the H200, ~1 us alone (vmm_worker.hpp).
+  // Set while a growth runs (map worker only): reclaim and retire_completed (without
+  // `wait`) leave the old mappings' unmaps for the end of the growth (queue_held_unmaps),
+  // so the worker does not unmap while this thread creates, maps and grants access: the
+  // driver serializes them, and a map beside the worker's unmaps took ~21-25 us on the
+  // H200, ~1 us alone (vmm_worker.hpp).
   bool hold_unmaps_ = false;
 };
 
