@@ -192,6 +192,18 @@ struct gate_opener {
   ~gate_opener() { g.open(); }
 };
 
+// The access grants made since the first `since` ran with no worker unmap beside them, and
+// the unmaps held back meanwhile reached the worker afterwards (it waits in the gate now).
+void expect_grants_alone_then_unmaps_queued(const gated_platform& gated, std::size_t since) {
+  const std::vector<bool> grants = gated.grants_beside_an_unmap();
+  ASSERT_GT(grants.size(), since) << "the growth granted no access";
+  for (std::size_t i = since; i < grants.size(); ++i)
+    EXPECT_FALSE(grants[i]) << "access grant " << i << " ran while the worker unmapped";
+  for (int i = 0; i < 1000 && !gated.unmap_waiting(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_TRUE(gated.unmap_waiting()) << "the old mappings' unmaps were never queued";
+}
+
 // Frees every other one of eight 4 MiB blocks, then asks for 16 MiB: a remap of the freed
 // pages. Returns the big block; `blocks` keeps the live ones.
 void* remap_once(vmm_page_pool& pool, std::vector<void*>& blocks) {
@@ -268,14 +280,7 @@ TEST_F(MapWorker, AGrowthGrantsAccessBeforeTheWorkerUnmapsTheOldMappings) {
     gated.let_unmaps_catch_up();
     void* big = pool.allocate(16 * MiB);  // gathers the four freed blocks' pages
     EXPECT_GT(pool.page_counts().pages_reclaimed, 0u) << "no remap";
-    const std::vector<bool> grants = gated.grants_beside_an_unmap();
-    ASSERT_GT(grants.size(), grants_before) << "the remap granted no access";
-    for (std::size_t i = grants_before; i < grants.size(); ++i)
-      EXPECT_FALSE(grants[i]) << "access grant " << i << " ran while the worker unmapped";
-    // Queued once the growth ended: the worker is in the gate now.
-    for (int i = 0; i < 1000 && !gated.unmap_waiting(); ++i)
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    EXPECT_TRUE(gated.unmap_waiting()) << "the old mappings' unmaps were never queued";
+    expect_grants_alone_then_unmaps_queued(gated, grants_before);
     gated.open();
     free_remap_and_expect_nothing_held(pool, big, blocks);
     EXPECT_TRUE(pool.is_valid()) << pool.validate();
@@ -303,13 +308,7 @@ TEST_F(MapWorker, AGrowthHandsOverOldMappingsFoundDoneAsItStartsOnlyAfterItsGran
     const std::size_t grants_before = gated.grants_beside_an_unmap().size();
     gated.let_unmaps_catch_up();
     void* more = pool.allocate(6 * MiB, default_alignment, s1);  // new pages: a growth
-    const std::vector<bool> grants = gated.grants_beside_an_unmap();
-    ASSERT_GT(grants.size(), grants_before) << "the growth granted no access";
-    for (std::size_t i = grants_before; i < grants.size(); ++i)
-      EXPECT_FALSE(grants[i]) << "access grant " << i << " ran while the worker unmapped";
-    for (int i = 0; i < 1000 && !gated.unmap_waiting(); ++i)
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    EXPECT_TRUE(gated.unmap_waiting()) << "the old mappings' unmaps were never queued";
+    expect_grants_alone_then_unmaps_queued(gated, grants_before);
     gated.open();
     sim.hold_events(false);
     pool.deallocate(more, 6 * MiB, s1);
