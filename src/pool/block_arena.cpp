@@ -59,13 +59,44 @@ inline void block_arena::delete_block(block* b) {
 }
 
 size_bins* block_arena::find_bins(std::uintptr_t stream, bool create) {
-  // Records are never removed, so the cached pointer stays valid.
-  for (auto& b : bins_)
-    if (b->stream == stream) return last_bins_ = b.get();
+  // Bins are dropped only by drop_empty_bins, which resets the cached pointer.
+  if (auto it = bins_.find(stream); it != bins_.end()) return last_bins_ = it->second.get();
   if (!create) return nullptr;
-  bins_.push_back(std::make_unique<size_bins>());
-  bins_.back()->stream = stream;
-  return last_bins_ = bins_.back().get();
+  std::unique_ptr<size_bins> fresh;
+  if (!spare_bins_.empty()) {
+    fresh = std::move(spare_bins_.back());
+    spare_bins_.pop_back();
+  } else {
+    fresh = std::make_unique<size_bins>();
+  }
+  fresh->stream = stream;
+  return last_bins_ = (bins_[stream] = std::move(fresh)).get();
+}
+
+void block_arena::drop_empty_bins() {
+  constexpr std::size_t spare_limit = 8;
+  for (auto it = bins_.begin(); it != bins_.end();) {
+    if (!it->second->empty()) {
+      ++it;
+      continue;
+    }
+    if (last_bins_ == it->second.get()) last_bins_ = nullptr;
+    if (spare_bins_.size() < spare_limit) spare_bins_.push_back(std::move(it->second));
+    it = bins_.erase(it);
+  }
+}
+
+std::vector<std::uintptr_t> block_arena::free_streams() const {
+  std::vector<std::uintptr_t> out;
+  for (const auto& [stream, bins] : bins_)
+    if (!bins->empty()) out.push_back(stream);
+  return out;
+}
+
+bool block_arena::holds_stream(std::uintptr_t stream) {
+  if (cached_blocks_ != 0) flush();
+  const size_bins* bins = bins_for(stream, false);
+  return bins != nullptr && !bins->empty();
 }
 
 inline void block_arena::insert_free(block* b) {
@@ -107,7 +138,7 @@ inline block* block_arena::best_fit(const size_bins& bins, std::size_t need, boo
 
 template <class F>
 void block_arena::for_each_free(F&& fn) const {
-  for (const auto& bins : bins_) bins->for_each(fn);
+  for (const auto& [stream, bins] : bins_) bins->for_each(fn);
 }
 
 void block_arena::add_region(std::uintptr_t addr, std::size_t size, std::uint32_t segment,
@@ -254,8 +285,8 @@ block* block_arena::allocate(std::size_t size, std::size_t alignment, std::uintp
   block* b = bins != nullptr ? best_fit(*bins, need, any_segment) : nullptr;
   if (b == nullptr && alignment > unit_ && bins != nullptr) {
     // `need` assumed the worst padding; an already aligned block may fit with less.
-    for_each_free([&](block* c) {
-      if (c->stream != stream || (!any_segment && !serves(*c, size))) return;
+    bins->for_each([&](block* c) {
+      if (!any_segment && !serves(*c, size)) return;
       const std::uintptr_t start = align_up(c->addr, alignment);
       if (start + size > c->addr + c->size) return;
       if (b == nullptr || c->size < b->size || (c->size == b->size && c->addr < b->addr)) b = c;
@@ -273,12 +304,14 @@ block* block_arena::allocate_from_other_streams(std::size_t size, std::size_t al
   if (alignment < unit_) alignment = unit_;
   const std::size_t need = size + (alignment > unit_ ? alignment - unit_ : 0);
   block* best = nullptr;
-  for_each_free([&](block* b) {
-    if (b->stream == stream || b->size < need || !serves(*b, need)) return;
+  for (const auto& [other, bins] : bins_) {
+    if (other == stream || bins->empty()) continue;
+    block* b = best_fit(*bins, need, false);
+    if (b == nullptr) continue;
     if (best != nullptr && (b->size > best->size || (b->size == best->size && b->addr > best->addr)))
-      return;
+      continue;
     if (usable(*b)) best = b;
-  });
+  }
   if (best == nullptr) return nullptr;
   return take(best, size, alignment, stream, requested);
 }
@@ -368,20 +401,25 @@ void block_arena::flush() {
   cached_blocks_ = 0;
 }
 
-void block_arena::retag_free(std::uintptr_t from, std::uintptr_t to) {
+std::size_t block_arena::retag_free(std::uintptr_t from, std::uintptr_t to, std::uint64_t up_to_epoch) {
   flush();
+  size_bins* bins = bins_for(from, false);
+  if (bins == nullptr || from == to) return 0;
   std::vector<block*> moving;
-  for_each_free([&](block* b) {
-    if (b->stream == from) moving.push_back(b);
+  bins->for_each([&](block* b) {
+    if (b->free_epoch <= up_to_epoch) moving.push_back(b);
   });
+  std::size_t moved = 0;
   for (block* b : moving) {
-    // An earlier merge may have absorbed b; only blocks still indexed are moved.
-    if (b->st != block::state::free || b->stream != from) continue;
+    // Blocks of `from` merge only with `to`'s, never with each other here: each is still
+    // indexed under `from` when its turn comes.
     erase_free(b);
     b->stream = to;
     b->free_epoch = 0;
+    moved += b->size;
     insert_merged(b);
   }
+  return moved;
 }
 
 std::vector<block*> block_arena::free_blocks() const {

@@ -26,8 +26,10 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include "pool/flat_map.hpp"
+#include <unordered_map>
 #include <vector>
+
+#include "pool/flat_map.hpp"
 
 namespace gpumem::detail {
 
@@ -193,7 +195,8 @@ class block_arena {
   bool serves(const block& b, std::size_t need) const noexcept {
     return b.segment != restricted_segment_ || need >= restricted_min_;
   }
-  // Best fit among free blocks of another stream that `usable` accepts; the block is
+  // Best fit among free blocks of another stream that `usable` accepts (each other stream's
+  // best fit is asked; work per stream with free blocks, not per block); the block is
   // re-tagged to `stream`. nullptr when none.
   block* allocate_from_other_streams(std::size_t size, std::size_t alignment,
                                      std::uintptr_t stream, std::size_t requested,
@@ -211,9 +214,20 @@ class block_arena {
 
   // Moves every quick-list block into the merged free index (merging neighbours).
   void flush();
-  // Re-tags every cached and free block of stream `from` as free on `to`, safe at once
-  // (free epoch 0), merging as it goes. REQUIRES: `from`'s work has completed.
-  void retag_free(std::uintptr_t from, std::uintptr_t to);
+  // Re-tags every cached and free block of stream `from` freed at an epoch up to
+  // `up_to_epoch` as free on `to`, safe at once (free epoch 0), merging as it goes. Visits
+  // `from`'s blocks only. Returns the bytes re-tagged. REQUIRES: the uses of those blocks
+  // on `from` have completed.
+  std::size_t retag_free(std::uintptr_t from, std::uintptr_t to,
+                         std::uint64_t up_to_epoch = static_cast<std::uint64_t>(-1));
+  // The streams that free (merged) blocks are tagged with. Quick-list blocks are not
+  // counted: flush() first.
+  std::vector<std::uintptr_t> free_streams() const;
+  // Whether any free or cached block is tagged with `stream`.
+  bool holds_stream(std::uintptr_t stream);
+  // Forgets the size bins of streams with no free block (a per-stream index is 8 KiB):
+  // the arena's per-stream state stays proportional to the streams holding free memory.
+  void drop_empty_bins();
   // Every free (merged) block, for reclaim and trim. Valid until the next mutation.
   std::vector<block*> free_blocks() const;
   // Removes [from, from+len) from free block b; the rest stays free. The removed memory is
@@ -273,7 +287,10 @@ class block_arena {
   std::uint8_t id_;
   std::size_t unit_;
   std::size_t max_cached_blocks_;
-  std::vector<std::unique_ptr<size_bins>> bins_;  // a few streams: searched linearly
+  // The size bins of each stream with free blocks (and of streams that had some since the
+  // last drop_empty_bins), by stream.
+  std::unordered_map<std::uintptr_t, std::unique_ptr<size_bins>> bins_;
+  std::vector<std::unique_ptr<size_bins>> spare_bins_;  // emptied, kept for reuse (a few)
   size_bins* last_bins_ = nullptr;  // the last one found: most calls ask for it again
   std::size_t free_blocks_ = 0;
   flat_map<std::pair<std::uint64_t, std::uint64_t>, block*, mix_hash> quick_;  // (stream, size)

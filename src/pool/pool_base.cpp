@@ -140,6 +140,7 @@ void pool_base::hand_over_long_lived_free() {
 pool_base::~pool_base() {
   for (auto& [stream, s] : streams_)
     if (s.event.value != 0) (void)device_platform().event_destroy(s.event);
+  for (event_handle e : spare_events_) (void)device_platform().event_destroy(e);
 }
 
 inline detail::thread_cache* pool_base::this_thread_cache() const noexcept {
@@ -378,7 +379,7 @@ void* pool_base::allocate_locked(std::size_t bytes, std::size_t alignment, strea
 detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std::size_t alignment,
                                stream_handle stream, std::size_t requested) {
   detail::block_arena& a = *arenas_[id];
-  streams_.try_emplace(stream.value);
+  check_stream_locked(stream, "allocate");
   if (id == large_arena && hints_ != nullptr && !hints_->active()) hand_over_long_lived_free();
   const std::size_t max_split = split_limit(size);
   auto from_other_streams = [&](detail::block_arena& arena) {
@@ -430,6 +431,11 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
   const bool keep_small = id == small_arena && small_classes_on();
   drain_thread_caches(keep_small);
   if (auto* b = find_free()) return b;
+  // Other streams' free blocks whose last use is complete become this stream's, merged
+  // with its free neighbours: memory freed on another stream than it was allocated on is
+  // not kept apart (it would only ever serve that stream, and the pool grew instead).
+  if (reclaim_other_streams_free(stream.value, false))
+    if (auto* b = find_free()) return b;
   if (keep_small) {
     if (grow(a, id, size, alignment, stream, growth::held_pages_only))
       if (auto* b = a.allocate(size, alignment, stream.value, requested)) return b;
@@ -450,8 +456,13 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
   if (auto* b = a.allocate(size, alignment, stream.value, requested,
                            static_cast<std::size_t>(-1), true))
     return b;
-  // Memory pressure: give back everything cached, then try once more.
+  // Memory pressure: wait for the streams holding free blocks and make those blocks this
+  // stream's (merged: whole idle segments become whole free blocks), then give back
+  // everything cached, then try once more.
   stats_.alloc_retries += 1;
+  drain_thread_caches();
+  if (reclaim_other_streams_free(stream.value, true))
+    if (auto* b = find_free()) return b;
   release_cached();
   if (grow(a, id, size, alignment, stream, growth::any)) {
     if (auto* b = a.allocate(size, alignment, stream.value, requested))
@@ -540,7 +551,8 @@ void pool_base::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream
   // Fast path: a pointer this thread allocated, freed with its size; no pool lock.
   // (0 is the live maps' empty key: never looked up.)
   if (fast_path_.load(std::memory_order_relaxed) && addr != 0) {
-    if (detail::thread_cache* c = this_thread_cache()) {
+    if (detail::thread_cache* c = this_thread_cache();
+        c != nullptr && c->known_stream.load(std::memory_order_relaxed) == stream.value) {
       // A large block, or a cache not keeping: the free goes to the arena anyway.
       if (arena_for(bytes) != small_arena || !c->keeping()) return free_to_arena(*c, addr, bytes, stream);
       std::unique_lock cache_lock(c->mutex);
@@ -593,6 +605,7 @@ detail::block* pool_base::take_live_locked(std::uintptr_t addr, std::size_t byte
 
 void pool_base::deallocate_locked(std::uintptr_t addr, std::size_t bytes, stream_handle stream) {
   std::lock_guard lock(mutex_);
+  check_stream_locked(stream, "deallocate");
   if (options_.guard && free_guarded(addr, bytes, stream)) {
     recent_frees_[recent_next_] = addr;
     recent_next_ = (recent_next_ + 1) % recent_frees_.size();
@@ -606,6 +619,10 @@ void pool_base::deallocate_locked(std::uintptr_t addr, std::size_t bytes, stream
   detail::block* b = take_live_locked(addr, bytes, stream, options_.scrub, "deallocate");
   if (b == nullptr) throw invalid_argument("deallocate: " + diagnose_locked(addr));
   bool kept = false;
+  if (fast_path_.load(std::memory_order_relaxed)) {
+    // This thread's next frees on this stream may take the fast path (checked above).
+    cache_for_this_thread_locked().known_stream.store(stream.value, std::memory_order_relaxed);
+  }
   if (fast_path_.load(std::memory_order_relaxed) && arena_for(bytes) == small_arena) {
     detail::thread_cache& c = cache_for_this_thread_locked();
     std::lock_guard cache_lock(c.mutex);
@@ -643,6 +660,7 @@ bool pool_base::free_except(void* ptr, std::size_t bytes, stream_handle stream,
   }
   std::lock_guard lock(mutex_);
   if (options_.guard || options_.scrub) return false;
+  check_stream_locked(stream, "free_except");
   detail::block* rest = take_live_locked(addr, bytes, stream, false, "free_except");
   if (rest == nullptr) throw invalid_argument("free_except: " + diagnose_locked(addr));
   notify(pool_event_kind::free, addr, bytes, stream.value);
@@ -714,9 +732,122 @@ void pool_base::release_stream(stream_handle stream) {
   if (auto st = device_platform().stream_synchronize(stream); !st)
     throw_cuda_error(st, "pool: synchronize a stream being released");
   for (auto& a : arenas_) a->retag_free(stream.value, 0);
+  for (auto& a : arenas_) a->drop_empty_bins();
   if (it->second.event.value != 0) (void)device_platform().event_destroy(it->second.event);
   streams_.erase(it);
   last_stream_state_ = nullptr;
+  // A later free on that handle is checked again (it may name a new stream, or none).
+  for (auto& c : caches_) {
+    std::uintptr_t known = stream.value;
+    c->known_stream.compare_exchange_strong(known, 0, std::memory_order_relaxed);
+  }
+}
+
+std::size_t pool_base::tracked_streams() const {
+  std::lock_guard lock(mutex_);
+  return streams_.size();
+}
+
+void pool_base::check_stream_locked(stream_handle stream, std::string_view caller) {
+  if (stream.value == 0 || streams_.find(stream.value) != streams_.end()) return;
+  platform& p = device_platform();
+  event_handle ev{};
+  if (!spare_events_.empty()) {
+    ev = spare_events_.back();
+    spare_events_.pop_back();
+  } else {
+    auto made = p.event_create(device());
+    if (!made) throw_cuda_error(made.error(), "pool: event for a new stream");
+    ev = made.value();
+  }
+  // Recorded now, the event also serves the first cross-stream question about the stream.
+  if (auto st = p.event_record(ev, stream); !st) {
+    spare_events_.push_back(ev);
+    if (st.kind != failure_kind::invalid_value)
+      throw_cuda_error(st, "pool: first event on a stream");
+    throw invalid_argument(std::string(caller) + ": stream " + hex_address(stream.value) +
+                           " is not a stream the '" + std::string(name()) + "' pool (device " +
+                           std::to_string(device()) + ") can use (" + st.describe() +
+                           "); nothing was changed");
+  }
+  if (streams_.size() >= prune_streams_at_) prune_stream_states();
+  stream_state& s = streams_[stream.value];
+  s.event = ev;
+  s.event_pending = true;
+  s.event_epoch = 0;
+}
+
+bool pool_base::reclaim_other_streams_free(std::uintptr_t to, bool wait) {
+  std::vector<std::uintptr_t> others;
+  for (auto& a : arenas_) {
+    a->flush();
+    for (std::uintptr_t s : a->free_streams())
+      if (s != to) others.push_back(s);
+  }
+  if (others.empty()) return false;
+  std::sort(others.begin(), others.end());
+  others.erase(std::unique(others.begin(), others.end()), others.end());
+  platform& p = device_platform();
+  bool moved = false;
+  for (std::uintptr_t from : others) {
+    auto it = streams_.find(from);
+    std::uint64_t complete_up_to = 0;  // no state: only blocks safe at once (epoch 0)
+    if (it != streams_.end()) {
+      stream_state& s = it->second;
+      if (wait) {
+        // A stream the platform no longer accepts (destroyed without release_stream)
+        // keeps its blocks apart: their last use cannot be waited for.
+        if (p.stream_synchronize(stream_handle{from})) s.completed_epoch = s.frees;
+      } else if (s.completed_epoch < s.frees) {
+        try {
+          (void)free_is_complete(from, s.frees, nullptr);
+        } catch (const cuda_error&) {
+          // As above: not known complete.
+        }
+      }
+      complete_up_to = s.completed_epoch;
+    }
+    for (auto& a : arenas_) moved = a->retag_free(from, to, complete_up_to) != 0 || moved;
+  }
+  for (auto& a : arenas_) a->drop_empty_bins();
+  if (streams_.size() >= prune_streams_at_) prune_stream_states();
+  return moved;
+}
+
+void pool_base::prune_stream_states() {
+  constexpr std::size_t spare_event_limit = 64;
+  for (auto& a : arenas_) a->flush();
+  for (auto& [from, s] : streams_) {
+    if (from == 0) continue;
+    if (s.completed_epoch < s.frees) {
+      try {
+        (void)free_is_complete(from, s.frees, nullptr);
+      } catch (const cuda_error&) {
+        continue;  // not known complete: its blocks stay its own
+      }
+    }
+    for (auto& a : arenas_) a->retag_free(from, 0, s.completed_epoch);
+  }
+  for (auto it = streams_.begin(); it != streams_.end();) {
+    bool holds = it->first == 0;  // the default stream's state stays
+    for (auto& a : arenas_) holds = holds || a->holds_stream(it->first);
+    if (holds) {
+      ++it;
+      continue;
+    }
+    // Blocks of this stream still in thread caches get a fresh state when they come back:
+    // their epochs then start again, and an event recorded after that covers their use.
+    if (it->second.event.value != 0) {
+      if (spare_events_.size() < spare_event_limit)
+        spare_events_.push_back(it->second.event);
+      else
+        (void)device_platform().event_destroy(it->second.event);
+    }
+    it = streams_.erase(it);
+  }
+  last_stream_state_ = nullptr;
+  for (auto& a : arenas_) a->drop_empty_bins();
+  prune_streams_at_ = std::max<std::size_t>(64, 2 * streams_.size());
 }
 
 void pool_base::synchronize_streams_with_free_blocks() {

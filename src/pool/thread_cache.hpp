@@ -119,6 +119,14 @@ struct alignas(64) thread_cache {
   std::atomic<std::int64_t> pending_blocks{0};
   std::array<std::uintptr_t, 64> recent_frees{};  // to tell a double free from a stranger
   std::size_t recent_next = 0;
+  // The stream of this thread's last free the pool checked (the default stream at first):
+  // a free on it may take the fast path; a free on any other stream goes through the pool,
+  // which refuses a stream the platform does not accept before anything changes. Written by
+  // the owner under the pool mutex, reset by release_stream; read by the owner alone.
+  std::atomic<std::uintptr_t> known_stream{0};
+  // Streams a cache keeps blocks for at once; a free on yet another stream goes to the
+  // arena, so the per-stream look-ups stay short whatever the number of streams.
+  static constexpr std::size_t max_streams = 16;
 
   // Without classes: the smallest kept block freed on `stream` with size in
   // [size, max_size], or nullptr.
@@ -172,6 +180,7 @@ struct alignas(64) thread_cache {
       if (c < 0) return false;
       class_lists* l = lists_for(stream, arena);
       if (l == nullptr) {
+        if (lists_[arena].size() >= max_streams) return false;
         lists_[arena].push_back(std::make_unique<class_lists>(stream, class_count_));
         l = last_lists_[arena] = lists_[arena].back().get();
       }
@@ -183,6 +192,7 @@ struct alignas(64) thread_cache {
     }
     size_bins* bins = bins_for(stream, arena);
     if (bins == nullptr) {
+      if (bins_[arena].size() >= max_streams) return false;
       bins_[arena].push_back(std::make_unique<size_bins>());
       bins_[arena].back()->stream = stream;
       bins = last_[arena] = bins_[arena].back().get();
@@ -294,6 +304,17 @@ struct alignas(64) thread_cache {
           give_back(b, l->stream);
           ++given;
         }
+    // All empty now: past a few streams they are forgotten, so a thread that freed on many
+    // streams once does not search them all on every call.
+    constexpr std::size_t streams_kept = 4;
+    if (bins_[arena].size() > streams_kept) {
+      bins_[arena].clear();
+      last_[arena] = nullptr;
+    }
+    if (lists_[arena].size() > streams_kept) {
+      lists_[arena].clear();
+      last_lists_[arena] = nullptr;
+    }
     return given;
   }
   // Class c holds the sizes (in 512-byte units) u with u <= 2n: c = u - 1 (one unit a step);

@@ -11,6 +11,17 @@
 // Stream-ordered reuse: a block freed on stream S is reused at once by S. Another stream
 // T takes it only when an event recorded on S after the free has completed, or (policy
 // wait) after T has been made to wait on that event. No block is handed out earlier.
+// Before the pool grows, free blocks of other streams whose last use is known complete
+// become the requesting stream's (merged with its free neighbours), and under memory
+// pressure every stream holding free blocks is synchronized first: whichever stream frees,
+// free memory merges, so reserved bytes stay bounded by the peak live bytes as with frees
+// on the allocation's stream.
+//
+// Streams: the pool checks a stream the first time it meets it (an event recorded on it);
+// one the platform refuses is refused with gpumem::invalid_argument before anything
+// changes. Per-stream state (an event, the free counter) is kept for streams that hold
+// free blocks and dropped for the others as their number grows: no operation scans every
+// stream ever seen.
 //
 // Invariants (validate()):
 //  - reserved_bytes == what the subclass holds from the driver;
@@ -129,6 +140,8 @@ class pool_base : public memory_resource {
   void inspect(const std::function<void(const std::vector<memory_segment>&)>& fn) const;
   // Peak of the rounded bytes handed out (block sizes, as PyTorch's allocated_bytes).
   std::size_t peak_allocated_block_bytes() const;
+  // Streams the pool keeps state for now (the default stream included).
+  std::size_t tracked_streams() const;
 
   // Frees live allocation `ptr` (allocated with `bytes`) except the ranges in `keep`, which
   // become live allocations of their own (each freed later with its own size): the rest
@@ -308,6 +321,21 @@ class pool_base : public memory_resource {
   void* allocate_locked(std::size_t bytes, std::size_t alignment, stream_handle stream,
                         detail::thread_cache* mine_if_known);
   void deallocate_locked(std::uintptr_t addr, std::size_t bytes, stream_handle stream);
+  // Makes sure `stream` is one the platform accepts (recording its event on it the first
+  // time); throws gpumem::invalid_argument, changing nothing, when it is not.
+  // REQUIRES: mutex_ held.
+  void check_stream_locked(stream_handle stream, std::string_view caller);
+  // Free blocks of streams other than `to` whose frees are known complete (wait: after
+  // synchronizing those streams) become `to`'s, merged with its free neighbours; the
+  // per-stream state of streams left with no free block is dropped. Whether any moved.
+  // REQUIRES: mutex_ held.
+  bool reclaim_other_streams_free(std::uintptr_t to, bool wait);
+  // Free blocks of streams whose frees are known complete become the default stream's,
+  // safe at once; then the state of streams that hold no free block in any arena is dropped
+  // (their events kept for reuse, a few). Called as the number of streams doubles, so its
+  // scan is amortized. REQUIRES: mutex_ held (thread caches' blocks of dropped streams may
+  // stay: they get a fresh state when they come back).
+  void prune_stream_states();
   // Removes live allocation `addr` from the cache recording it (this thread's, then the
   // others') and counts it freed: its block, or nullptr when none records it. Throws
   // gpumem::invalid_argument on a size mismatch (the message begins with `caller`), or
@@ -435,13 +463,20 @@ class pool_base : public memory_resource {
   std::size_t guarded_live_bytes_ = 0;  // requested bytes of live guarded allocations
   std::size_t guarded_live_count_ = 0;
   std::unordered_map<std::uintptr_t, stream_state> streams_;
+  std::size_t prune_streams_at_ = 64;       // prune_stream_states when streams_ grows past
+  std::vector<event_handle> spare_events_;  // of dropped stream states, for reuse
   // The state of the stream last looked up (elements of an unordered_map keep their
   // address; reset when a stream is released). Most frees are on the stream of the last.
   std::uintptr_t last_stream_ = 0;
   stream_state* last_stream_state_ = nullptr;
   stream_state& stream_state_of(std::uintptr_t stream) {
     if (last_stream_state_ == nullptr || last_stream_ != stream) {
-      last_stream_state_ = &streams_[stream];
+      auto it = streams_.find(stream);
+      if (it == streams_.end()) {
+        if (streams_.size() >= prune_streams_at_) prune_stream_states();
+        it = streams_.try_emplace(stream).first;
+      }
+      last_stream_state_ = &it->second;
       last_stream_ = stream;
     }
     return *last_stream_state_;
