@@ -371,21 +371,25 @@ trace load_trace(const std::string& path) {
       refuse(e.what());
     }
   };
+  auto refuse_long_line = [&] {
+    refuse("trace: " + path + ":" + std::to_string(line_no + 1) + ": a line longer than " +
+           format_bytes(trace_max_line) + ": not a trace");
+  };
   while (const std::size_t n = in.read(buf.data(), buf.size(), line_no + 1)) {
     bytes += n;
     pending.append(buf.data(), n);
     std::size_t start = 0;
-    for (std::size_t end; (end = pending.find('\n', start)) != std::string::npos; start = end + 1)
+    for (std::size_t end; (end = pending.find('\n', start)) != std::string::npos; start = end + 1) {
+      if (end - start > trace_max_line) refuse_long_line();
       add_line(std::string_view(pending).substr(start, end - start));
+    }
     pending.erase(0, start);
     if (!b.has_header() && bytes >= trace_header_window)
       refuse("trace: " + path + " is not a trace: no header line in its first " +
              format_bytes(trace_header_window) +
              " (expected 'action,addr,size,stream,time_us' (PyTorch) or "
              "'Thread,Time,Action,Pointer,Size,Stream' (RMM))");
-    if (pending.size() > trace_max_line)
-      refuse("trace: " + path + ":" + std::to_string(line_no + 1) + ": a line longer than " +
-             format_bytes(trace_max_line) + ": not a trace");
+    if (pending.size() > trace_max_line) refuse_long_line();
   }
   if (!pending.empty()) add_line(pending);
   return std::move(b).finish();

@@ -286,6 +286,18 @@ TEST(LoadTrace, AFileThatIsNoTraceIsRefusedAfterABoundedRead) {
   EXPECT_NE(long_line.find(endless.path + ":3"), std::string::npos) << long_line;
   EXPECT_NE(long_line.find("line longer than"), std::string::npos) << long_line;
 
+  // A long line that ends, a buffer's edge inside it.
+  std::string text = "action,addr,size,stream,time_us\n";
+  std::size_t lines = 1;
+  for (; text.size() < trace_header_window - 100; lines += 2)
+    text += "alloc,100,512,0,1\nfree_completed,100,512,0,2\n";
+  const temp_file long_one("long.csv");
+  long_one.write(text + std::string(trace_max_line + 1, '7') + "\nalloc,100,512,0,1\n");
+  const std::string ended = load_error(long_one.path);
+  EXPECT_NE(ended.find(long_one.path + ":" + std::to_string(lines + 1) + ":"), std::string::npos)
+      << ended;
+  EXPECT_NE(ended.find("line longer than"), std::string::npos) << ended;
+
   // Binary data with line ends in it.
   const temp_file binary("binary.bin");
   binary.write(std::string("\x7f" "ELF\x02\x01\x01\0\0\0\n\0\0", 13));
