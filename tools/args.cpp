@@ -2,8 +2,16 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <sstream>
 #include <utility>
+
+#include "gpumem/backend/memory_resource.hpp"
+#include "gpumem/errors.hpp"
+#include "gpumem/pool/pool_options.hpp"
 
 namespace gpumem::cli {
 
@@ -85,6 +93,50 @@ std::optional<std::int64_t> parsed_args::integer(std::string_view name, std::int
     if (has_max) throw usage_error(prefix + "must be at most " + std::to_string(max), usage_);
     throw usage_error(prefix + "out of range", usage_);
   }
+  return parsed;
+}
+
+std::optional<double> parsed_args::number(std::string_view name, double min, double max,
+                                          bool min_exclusive) const {
+  auto text = value(name);
+  if (!text) return std::nullopt;
+  const std::string prefix = "invalid value '" + *text + "' for --" + std::string(name) + ": ";
+  auto shown = [](double v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", v);
+    return std::string(buf);
+  };
+  // strtod gives +-HUGE_VAL for a value too large for a double (and infinity for "inf"),
+  // which the bounds below then name; it skips leading spaces, which are refused here.
+  char* end = nullptr;
+  const double parsed = text->empty() || std::isspace(static_cast<unsigned char>(text->front()))
+                            ? std::nan("")
+                            : std::strtod(text->c_str(), &end);
+  if (std::isnan(parsed) || end != text->c_str() + text->size())
+    throw usage_error(prefix + "expected a number", usage_);
+  if (parsed > max) throw usage_error(prefix + "must be at most " + shown(max), usage_);
+  if (min_exclusive ? parsed <= min : parsed < min)
+    throw usage_error(prefix + (min_exclusive ? "must be above " : "must be at least ") + shown(min),
+                      usage_);
+  return parsed;
+}
+
+std::optional<std::size_t> parsed_args::bytes(std::string_view name, std::size_t min,
+                                              std::string_view why_min) const {
+  auto text = value(name);
+  if (!text) return std::nullopt;
+  const std::string prefix = "invalid value '" + *text + "' for --" + std::string(name) + ": ";
+  std::size_t parsed = 0;
+  try {
+    parsed = parse_bytes(*text);
+  } catch (const gpumem::invalid_argument&) {
+    throw usage_error(prefix + "expected a size in bytes below 16 EiB: a number with an optional "
+                               "K, M, G or T suffix, such as 512, 64K, 2M or 1.5G", usage_);
+  }
+  if (parsed < min)
+    throw usage_error(prefix + "must be at least " + format_bytes(min) +
+                          (why_min.empty() ? "" : " (" + std::string(why_min) + ")"),
+                      usage_);
   return parsed;
 }
 

@@ -56,6 +56,17 @@ class parsed_args {
       std::string_view name, std::int64_t min = std::numeric_limits<std::int64_t>::min(),
       std::int64_t max = std::numeric_limits<std::int64_t>::max()) const;
 
+  // The option's value as a finite number in [min, max] (above `min` alone when
+  // `min_exclusive`); nullopt when absent (and no default). Throws usage_error naming the
+  // option and the bound passed, or "expected a number".
+  std::optional<double> number(std::string_view name, double min, double max,
+                               bool min_exclusive = false) const;
+  // The option's value as a byte count in gpumem's size grammar (512, 64K, 2M, 1.5G, 1T) of
+  // at least `min`; nullopt when absent (and no default). Throws usage_error naming the
+  // option, and `why_min` (what the least is) when below it.
+  std::optional<std::size_t> bytes(std::string_view name, std::size_t min = 0,
+                                   std::string_view why_min = {}) const;
+
   const std::vector<std::string>& positionals() const noexcept { return positionals_; }
   bool help_requested() const noexcept { return help_; }
 

@@ -1,8 +1,12 @@
 // gpumem replay TRACE...: runs recorded allocation traces against gpumem's allocators and
 // the raw CUDA mechanisms, and reports what each reserved and how fast it was.
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -125,6 +129,11 @@ prefix_result replay_prefix(const trace& t, pool_base& pool, int passes, std::si
     clock.at(static_cast<int>(g / n), i);
     const trace_event& e = t.events[i];
     if (e.op == trace_event::kind::alloc) {
+      if (e.size > pool.device_total_bytes()) {  // as replay_trace: an out-of-memory
+        r.oom = true;
+        r.stopped_at = g;
+        break;
+      }
       try {
         ptrs[e.id] = pool.allocate(e.size, default_alignment, streams[e.stream]);
       } catch (const out_of_memory&) {
@@ -176,6 +185,37 @@ std::string where_in_trace(const trace& t, std::size_t stopped_at, bool oom, int
   std::string out = passes > 1 ? "pass " + std::to_string(pass) + ", " : "";
   out += (oom ? "at event " : "after event ") + std::to_string(event);
   return out + " of " + std::to_string(t.events.size());
+}
+
+// What `t` holds that a well-formed trace never does, in words, or "" when nothing.
+std::string describe_anomalies(const trace& t) {
+  std::string out;
+  auto add = [&](std::size_t n, const char* one, const char* many, const char* handled) {
+    if (n == 0) return;
+    if (!out.empty()) out += "; ";
+    out += std::to_string(n) + " " + (n == 1 ? one : many) + " (" + handled + ")";
+  };
+  add(t.unmatched_frees, "free of an address never allocated", "frees of addresses never allocated",
+      "dropped");
+  add(t.double_frees, "double free", "double frees", "dropped");
+  add(t.reused_addresses, "allocation at an address still live",
+      "allocations at addresses still live", "the earlier one stays live to the end");
+  add(t.mismatched_free_sizes, "free naming a size other than its allocation's",
+      "frees naming sizes other than their allocations'", "the allocation is freed");
+  return out;
+}
+
+// Refuses an output path that cannot be written, before any replay runs. Opening it to
+// append changes no file; one the check creates is removed again.
+void check_writable(const std::string& path, const char* option) {
+  std::error_code ec;
+  const bool existed = std::filesystem::exists(path, ec);
+  std::FILE* f = std::fopen(path.c_str(), "ab");
+  if (f == nullptr)
+    throw invalid_argument(std::string("gpumem replay: --") + option + ": cannot write '" + path +
+                           "': " + std::strerror(errno));
+  std::fclose(f);
+  if (!existed) std::remove(path.c_str());
 }
 
 // Per allocator over several traces: how many it ran out of memory on, the geometric mean
@@ -252,9 +292,9 @@ int run_replay(int argc, char** argv) {
                     true, -1)
       .option("allocator", "NAME", "runtime, driver, vmm, caching_pool, vmm_page_pool or all",
               "all", {"all", "runtime", "driver", "vmm", "caching_pool", "vmm_page_pool"})
-      .option("device", "KIND", "cuda, sim, or auto (cuda when a GPU is present)", "auto",
-              {"auto", "cuda", "sim"})
-      .option("capacity", "BYTES", "sim device memory (e.g. 80G)", "80G")
+      .option("device", "KIND", "cuda, sim, or auto (cuda when a GPU is present) (default: "
+                                "$GPUMEM_DEVICE, else auto)", std::nullopt, {"auto", "cuda", "sim"})
+      .option("capacity", "BYTES", "sim device memory (e.g. 80G), at least one page (2M)", "80G")
       .option("passes", "N", "replay the trace N times on each allocator; the last pass is "
                              "the warm (steady-state) figure, and its driver calls are shown "
                              "on their own (none: the allocator settled)", "2")
@@ -276,7 +316,13 @@ int run_replay(int argc, char** argv) {
                          "loop the trace ends with (its period; see find_steps), as a loop "
                          "calling gpumem.torch.mark_step() would")
       .flag("json", "machine-readable output")
-      .epilog("On sim, driver time is modelled from H200 measurements (BASELINES.md).");
+      .epilog("On sim, driver time is modelled from H200 measurements (the table in "
+              "src/platform/sim_latency.cpp).\n"
+              "A trace that cannot be read or replayed is reported (with --json: as its \"error\") "
+              "and the next one replayed; the exit status is then 1.\n"
+              "\n"
+              "environment:\n"
+              "  GPUMEM_DEVICE   platform when --device is not given: auto, cuda or sim");
   const parsed_args args = parser.parse(argc, argv);
   if (args.help_requested()) {
     std::cout << parser.help();
@@ -288,10 +334,21 @@ int run_replay(int argc, char** argv) {
       if (args.has(one_only))
         throw invalid_argument(std::string("gpumem replay: --") + one_only +
                                " takes one trace, not " + std::to_string(paths.size()));
-  const std::string device_kind = args.value_or("device", "auto");
+  // --device, else $GPUMEM_DEVICE (as gpumem info), else auto.
+  std::string device_kind = "auto", device_from = "--device ";
+  if (auto d = args.value("device")) {
+    device_kind = *d;
+  } else if (const char* env = std::getenv("GPUMEM_DEVICE"); env != nullptr && *env != '\0') {
+    device_kind = env;
+    device_from = "GPUMEM_DEVICE=";
+    if (device_kind != "auto" && device_kind != "cuda" && device_kind != "sim")
+      throw invalid_argument("GPUMEM_DEVICE: unknown platform '" + device_kind +
+                             "': expected cuda, sim or auto");
+  }
   const int passes = static_cast<int>(*args.integer("passes", 1, 1000));
   const auto gpu_lag = static_cast<std::size_t>(*args.integer("gpu-lag", 0, 100000000));
-  const std::size_t capacity = parse_bytes(args.value_or("capacity", "80G"));
+  const std::size_t page = sim_options{}.granularity;
+  const std::size_t capacity = *args.bytes("capacity", page, "one page of the sim device");
   const pool_options options = args.has("config") ? pool_options::parse(*args.value("config"))
                                                   : pool_options::from_environment();
   std::vector<std::string> names;
@@ -306,9 +363,14 @@ int run_replay(int argc, char** argv) {
     static std::unique_ptr<platform> owned = make_cuda_platform(&why);
     cuda = owned.get();
     if (cuda == nullptr && device_kind == "cuda")
-      throw cuda_error("cudaGetDeviceCount", 100, "CUDA_ERROR_NO_DEVICE", why, "gpumem replay");
+      throw cuda_error("cudaGetDeviceCount", 100, "CUDA_ERROR_NO_DEVICE", why,
+                       "gpumem replay (" + device_from + "cuda)");
   }
   const bool on_sim = cuda == nullptr;
+  if (on_sim && capacity % page != 0)
+    std::fprintf(stderr, "gpumem replay: --capacity %s is not a whole number of %s pages: the sim "
+                 "device has %s\n", format_bytes(capacity).c_str(), format_bytes(page).c_str(),
+                 format_bytes((capacity + page - 1) / page * page).c_str());
   if (gpu_lag > 0 && !on_sim)
     throw invalid_argument("gpumem replay: --gpu-lag models a GPU on sim; on the GPU the lag is real");
 
@@ -336,11 +398,18 @@ int run_replay(int argc, char** argv) {
       args.has("snapshot") ? static_cast<std::size_t>(*args.integer("snapshot-events", 1, 100000000))
                            : 0;
 
+  // Output files are checked before the replays, which may take long.
+  for (const char* output : {"plot", "snapshot"})
+    if (args.has(output)) check_writable(*args.value(output), output);
+
   std::unique_ptr<json_writer> json;
   if (args.has("json")) json = std::make_unique<json_writer>(std::cout);
   if (json != nullptr && paths.size() > 1) json->begin_object().key("traces").begin_array();
-  std::vector<std::vector<replay_result>> all_results;  // by trace
-  for (const std::string& path : paths) {
+  std::vector<std::vector<replay_result>> all_results;  // by trace replayed
+  std::vector<std::string> replayed, failed;           // paths
+  // A trace that fails is reported (with --json, as an object with its "error", so the
+  // output stays one valid JSON text) and the next one replayed.
+  for (const std::string& path : paths) try {
     const trace t = load_trace(path);
     std::vector<std::size_t> step_starts;
     if (args.has("step-plan")) {
@@ -474,12 +543,19 @@ int run_replay(int argc, char** argv) {
     }
 
     all_results.push_back(results);
+    replayed.push_back(path);
     if (json != nullptr) {
       json_writer& w = *json;
       w.begin_object();
       w.member("trace", path);
       w.member("device", on_sim ? "sim" : "cuda");
       w.member("events", t.events.size());
+      w.key("anomalies").begin_object();
+      w.member("unmatched_frees", t.unmatched_frees);
+      w.member("double_frees", t.double_frees);
+      w.member("reused_addresses", t.reused_addresses);
+      w.member("mismatched_free_sizes", t.mismatched_free_sizes);
+      w.end_object();
       w.member("passes", passes);
       w.member("gpu_lag", gpu_lag);
       w.key("results").begin_array();
@@ -558,6 +634,8 @@ int run_replay(int argc, char** argv) {
     std::printf("trace %s: %zu events (%zu allocs, %zu frees), peak live %s, %zu stream(s)\n",
                 path.c_str(), t.events.size(), t.allocs, t.frees,
                 format_bytes(t.peak_live_bytes).c_str(), t.streams.size());
+    if (const std::string anomalies = describe_anomalies(t); !anomalies.empty())
+      std::printf("anomalies: %s\n", anomalies.c_str());
     std::printf("device: %s; %d pass(es), ns/event cold = first pass, warm = last pass%s%s\n\n",
                 on_sim ? "sim" : "cuda", passes,
                 on_sim ? "; driver ms modelled from H200 latencies" : "; driver ms measured",
@@ -585,8 +663,9 @@ int run_replay(int argc, char** argv) {
                     static_cast<unsigned long long>(r.steps_rejoined),
                     static_cast<unsigned long long>(r.regions_handed_over));
       if (r.oom) {
-        std::printf("  %s: OUT OF MEMORY at event %llu:\n%s\n", r.allocator.c_str(),
-                    static_cast<unsigned long long>(r.oom_event), r.oom_message.c_str());
+        std::printf("  %s: OUT OF MEMORY replaying %s at event %llu:\n%s\n", r.allocator.c_str(),
+                    path.c_str(), static_cast<unsigned long long>(r.oom_event),
+                    r.oom_message.c_str());
       }
     }
     for (const auto& [name, e] : explanations) {
@@ -596,14 +675,23 @@ int run_replay(int argc, char** argv) {
                   args.has("step-plan") ? ", the pool alone (no step plan)" : "");
       std::printf("%s", e.breakdown.to_string("  ").c_str());
     }
+  } catch (const std::exception& e) {
+    failed.push_back(path);
+    if (json != nullptr)
+      json->begin_object().member("trace", path).member("error", e.what()).end_object();
+    else
+      std::fprintf(stderr, "gpumem: error: %s\n", e.what());
   }  // each trace
 
-  if (paths.size() > 1) print_summary(paths, all_results, json.get(), on_sim, passes);
+  if (paths.size() > 1) print_summary(replayed, all_results, json.get(), on_sim, passes);
   if (json != nullptr) {
-    if (paths.size() > 1) json->end_object();
+    if (paths.size() > 1) json->member("failed_traces", failed.size()).end_object();
     std::cout << "\n";
   }
-  return 0;
+  if (!failed.empty() && paths.size() > 1)
+    std::fprintf(stderr, "gpumem replay: %zu of %zu traces failed (first: %s)\n", failed.size(),
+                 paths.size(), failed.front().c_str());
+  return failed.empty() ? 0 : 1;
 }
 
 }  // namespace gpumem::cli

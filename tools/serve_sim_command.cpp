@@ -2,6 +2,7 @@
 // budget (tools/serve_sim.hpp): peak concurrent sequences, KV waste, prefix hit rate,
 // preemptions and block operations per second.
 #include <cstdio>
+#include <limits>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -18,32 +19,6 @@
 
 namespace gpumem::cli {
 
-namespace {
-
-// --name as a number in (min, max] (or [0, max] with min_inclusive), else `fallback`.
-double parse_number(const parsed_args& args, const char* name, double fallback, double min,
-                    double max, bool min_inclusive, const char* what) {
-  if (!args.has(name)) return fallback;
-  const std::string text = *args.value(name);
-  try {
-    std::size_t used = 0;
-    const double v = std::stod(text, &used);
-    if (used == text.size() && (min_inclusive ? v >= min : v > min) && v <= max) return v;
-  } catch (const std::exception&) {
-  }
-  throw usage_error("--" + std::string(name) + " must be " + what + ", not '" + text + "'");
-}
-
-double parse_fraction(const parsed_args& args, const char* name, double fallback) {
-  return parse_number(args, name, fallback, 0.0, 1.0, true, "a number in [0, 1]");
-}
-
-double parse_positive(const parsed_args& args, const char* name, double fallback) {
-  return parse_number(args, name, fallback, 0.0, 1e300, false, "a positive number");
-}
-
-}  // namespace
-
 int run_serve_sim(int argc, char** argv) {
   arg_parser parser("gpumem serve-sim",
                     "simulate LLM serving and compare KV cache memory strategies on one budget");
@@ -53,7 +28,8 @@ int run_serve_sim(int argc, char** argv) {
               {"auto", "sim", "cuda"})
       .option("budget", "BYTES", "KV memory budget, the same for every strategy", "8G")
       .option("requests", "N", "requests to serve", "1000")
-      .option("rate", "R", "mean arrivals per second (Poisson)", "30")
+      .option("rate", "R", "mean arrivals per second (Poisson); any finite positive rate "
+                           "(a very large one: every request arrives at once)", "30")
       .option("load-period", "SECONDS",
               "arrivals swing between 10% and 100% of --rate over this period (0: constant)", "60")
       .option("seed", "N", "workload seed", "1")
@@ -83,18 +59,19 @@ int run_serve_sim(int argc, char** argv) {
   c.layout.head_dim = static_cast<std::size_t>(*args.integer("head-dim", 1, 4096));
   c.layout.dtype = parse_kv_dtype(args.value_or("dtype", "bf16"));
   c.layout.block_tokens = static_cast<std::size_t>(*args.integer("block-tokens", 1, 4096));
-  c.budget_bytes = parse_bytes(args.value_or("budget", "8G"));
+  c.budget_bytes = *args.bytes("budget", 1);
   c.requests = static_cast<std::size_t>(*args.integer("requests", 1, 10000000));
   c.seed = static_cast<std::uint64_t>(*args.integer("seed", 0));
   c.max_model_len = static_cast<std::size_t>(*args.integer("max-model-len", 16, 1 << 22));
-  c.arrival_rate = parse_positive(args, "rate", 30);
-  c.load_period_seconds = args.value_or("load-period", "60") == "0"
-                              ? 0.0
-                              : parse_positive(args, "load-period", 60);
-  c.prompt_median = parse_positive(args, "prompt-median", 256);
-  c.output_median = parse_positive(args, "output-median", 160);
-  c.shared_prefix_fraction = parse_fraction(args, "shared-prefix", 0.4);
-  c.multi_sample_fraction = parse_fraction(args, "multi-sample", 0.1);
+  // Rates and periods: any finite positive value has a meaning. Lengths: up to the longest
+  // --max-model-len (a sampled length must fit a size_t).
+  constexpr double longest = 1 << 22;
+  c.arrival_rate = *args.number("rate", 0, std::numeric_limits<double>::max(), true);
+  c.load_period_seconds = *args.number("load-period", 0, std::numeric_limits<double>::max());
+  c.prompt_median = *args.number("prompt-median", 1, longest);
+  c.output_median = *args.number("output-median", 1, longest);
+  c.shared_prefix_fraction = *args.number("shared-prefix", 0, 1);
+  c.multi_sample_fraction = *args.number("multi-sample", 0, 1);
   c.preempt_swap = args.value_or("preempt", "recompute") == "swap";
 
   const std::string device_kind = args.value_or("device", "sim");
@@ -145,7 +122,7 @@ int run_serve_sim(int argc, char** argv) {
     std::cout << "\n";
     return 0;
   }
-  std::printf("serve-sim: %zu requests at up to %.1f/s, seed %llu, budget %s, %s KV (%s per token), "
+  std::printf("serve-sim: %zu requests at up to %.6g/s, seed %llu, budget %s, %s KV (%s per token), "
               "%s device, preempt by %s\n",
               c.requests, c.arrival_rate, static_cast<unsigned long long>(c.seed),
               format_bytes(c.budget_bytes).c_str(), std::string(kv_dtype_name(c.layout.dtype)).c_str(),

@@ -152,6 +152,63 @@ TEST(cli_args, integers_are_checked) {
             "invalid value '99999999999999999999' for --index: out of range");
 }
 
+// The message of the usage_error that reading --index through `read` throws, or "".
+template <typename Read>
+std::string value_error(const std::string& text, Read read) {
+  try {
+    read(info_like().parse({"--index", text}));
+  } catch (const usage_error& e) {
+    EXPECT_FALSE(e.usage().empty());
+    return e.what();
+  }
+  return "";
+}
+
+TEST(cli_args, numbers_are_checked_naming_the_option_and_the_bound) {
+  const auto p = info_like();
+  constexpr double largest = std::numeric_limits<double>::max();
+  EXPECT_EQ(p.parse({"--index", "0.25"}).number("index", 0, 1), 0.25);
+  EXPECT_EQ(p.parse({"--index", "+3e2"}).number("index", 0, largest), 300.0);
+  // Any finite value below the bound is taken, the largest double included.
+  EXPECT_EQ(p.parse({"--index", "1e308"}).number("index", 0, largest, true), 1e308);
+  EXPECT_FALSE(p.parse({}).number("index", 0, 1));
+
+  auto rate = [](const parsed_args& a) { a.number("index", 0, largest, true); };
+  EXPECT_EQ(value_error("abc", rate), "invalid value 'abc' for --index: expected a number");
+  EXPECT_EQ(value_error("", rate), "invalid value '' for --index: expected a number");
+  EXPECT_EQ(value_error(" 1", rate), "invalid value ' 1' for --index: expected a number");
+  EXPECT_EQ(value_error("2x", rate), "invalid value '2x' for --index: expected a number");
+  EXPECT_EQ(value_error("nan", rate), "invalid value 'nan' for --index: expected a number");
+  EXPECT_EQ(value_error("0", rate), "invalid value '0' for --index: must be above 0");
+  EXPECT_EQ(value_error("-1e309", rate), "invalid value '-1e309' for --index: must be above 0");
+  // Beyond a double, and infinity: the limit is named, not "not a number".
+  EXPECT_EQ(value_error("1e309", rate),
+            "invalid value '1e309' for --index: must be at most 1.79769e+308");
+  EXPECT_EQ(value_error("inf", rate), "invalid value 'inf' for --index: must be at most 1.79769e+308");
+  auto fraction = [](const parsed_args& a) { a.number("index", 0, 1); };
+  EXPECT_EQ(value_error("1.5", fraction), "invalid value '1.5' for --index: must be at most 1");
+  EXPECT_EQ(value_error("-0.1", fraction), "invalid value '-0.1' for --index: must be at least 0");
+}
+
+TEST(cli_args, byte_sizes_are_checked_naming_the_option_and_the_least) {
+  const auto p = info_like();
+  EXPECT_EQ(p.parse({"--index", "80G"}).bytes("index"), std::size_t{80} << 30);
+  EXPECT_EQ(p.parse({"--index", "1.5K"}).bytes("index"), 1536u);
+  EXPECT_EQ(p.parse({"--index", "2M"}).bytes("index", std::size_t{2} << 20), std::size_t{2} << 20);
+  EXPECT_FALSE(p.parse({}).bytes("index"));
+
+  auto capacity = [](const parsed_args& a) { a.bytes("index", std::size_t{2} << 20, "one page"); };
+  for (const char* bad : {"abc", "12Q", "-1G", "", "1e30T"})
+    EXPECT_NE(value_error(bad, capacity)
+                  .find(std::string("invalid value '") + bad + "' for --index: expected a size in bytes"),
+              std::string::npos)
+        << bad << ": " << value_error(bad, capacity);
+  EXPECT_EQ(value_error("1K", capacity),
+            "invalid value '1K' for --index: must be at least 2.00 MiB (one page)");
+  EXPECT_EQ(value_error("0", [](const parsed_args& a) { a.bytes("index", 1); }),
+            "invalid value '0' for --index: must be at least 1 B");
+}
+
 TEST(cli_args, positionals_and_the_double_dash) {
   arg_parser p("gpumem replay", "Replay traces.");
   p.flag("json", "print JSON").positional("trace", "trace file").positional(

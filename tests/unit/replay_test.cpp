@@ -4,11 +4,19 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <ostream>
 #include <string>
+
+#if GPUMEM_TEST_HAVE_ZLIB
+#include <zlib.h>
+#endif
 
 #include "gpumem/backend/backends.hpp"
 #include "gpumem/errors.hpp"
@@ -157,6 +165,225 @@ TEST(ParseTrace, LoadTraceNamesAMissingFile) {
         << e.what();
   }
 }
+
+TEST(ParseTrace, AByteOrderMarkBeforeTheHeaderIsSkipped) {
+  const trace t = parse_trace(std::string("\xEF\xBB\xBF") + pytorch_text, "bom.csv");
+  EXPECT_EQ(t.format, "pytorch");
+  EXPECT_EQ(t.allocs, 3u);
+  // Only before the header: a mark anywhere else is no header.
+  expect_refused(std::string("\n\xEF\xBB\xBF") + pytorch_text, "bad.csv:2");
+}
+
+TEST(ParseTrace, AnomaliesAreCountedAndHandledAsDocumented) {
+  const trace t = parse_trace(
+      "action,addr,size,stream,time_us\n"
+      "alloc,100,512,0,1\n"             // id 0
+      "free_completed,100,512,0,2\n"
+      "free_completed,100,512,0,3\n"    // double free: dropped
+      "free_completed,777,64,0,4\n"     // never allocated: dropped
+      "alloc,200,1024,0,5\n"            // id 1
+      "alloc,200,2048,0,6\n"            // id 2 at an address still live: id 1 stays live
+      "free_completed,200,4096,0,7\n"   // frees id 2 (2048 bytes), naming another size
+      "alloc,100,256,0,8\n"             // the freed address reused: no anomaly
+      "free_completed,100,256,0,9\n",
+      "anomalies.csv");
+  EXPECT_EQ(t.unmatched_frees, 1u);
+  EXPECT_EQ(t.double_frees, 1u);
+  EXPECT_EQ(t.reused_addresses, 1u);
+  EXPECT_EQ(t.mismatched_free_sizes, 1u);
+  EXPECT_EQ(t.allocs, 4u);
+  EXPECT_EQ(t.frees, 3u);
+  EXPECT_EQ(t.live_at_end, 1u) << "id 1, its address reused while it lived";
+  ASSERT_EQ(t.events.size(), 7u);
+  EXPECT_EQ(t.events[4].op, trace_event::kind::free);
+  EXPECT_EQ(t.events[4].id, 2u);
+  EXPECT_EQ(t.events[4].size, 2048u) << "the allocation's size is freed";
+  EXPECT_EQ(t.peak_live_bytes, 1024u + 2048u);
+
+  const trace clean = parse_trace(pytorch_text, "inline.csv");
+  EXPECT_EQ(clean.double_frees + clean.reused_addresses + clean.mismatched_free_sizes, 0u);
+}
+
+// --- reading files -------------------------------------------------------------------------
+
+// A file of its own under the test's temporary directory, removed at the end.
+struct temp_file {
+  explicit temp_file(const std::string& name)
+      : path((std::filesystem::temp_directory_path() /
+              ("gpumem_replay_test_" + std::to_string(::getpid()) + "_" + name))
+                 .string()) {}
+  ~temp_file() { std::filesystem::remove(path); }
+  void write(const std::string& bytes) const {
+    std::ofstream(path, std::ios::binary) << bytes;
+  }
+  std::string path;
+};
+
+// The bytes this process has read through read(2) and its kind so far (Linux's rchar).
+std::uint64_t bytes_read_by_process() {
+  std::ifstream io("/proc/self/io");
+  std::string key;
+  std::uint64_t value = 0;
+  while (io >> key >> value)
+    if (key == "rchar:") return value;
+  return 0;
+}
+
+// The message of the invalid_argument that load_trace(path) throws, or "" when it loads.
+std::string load_error(const std::string& path) {
+  try {
+    (void)load_trace(path);
+  } catch (const gpumem::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(LoadTrace, StreamsAFileAsParseTraceReadsItsText) {
+  // Over a few read buffers, lines cut at every place by the buffer's edges, CRLF, no final
+  // newline.
+  std::string text = "Thread,Time,Action,Pointer,Size,Stream\r\n";
+  for (int i = 0; i < 6000; ++i) {
+    const std::string addr = "0x7f" + std::to_string(100000 + i % 50);
+    text += "1,10:00:00." + std::to_string(100000 + i) + ",allocate," + addr + "," +
+            std::to_string(256 + i % 7 * 512) + ",0x0\r\n";
+    text += "1,10:00:00." + std::to_string(100000 + i) + ",free," + addr + "," +
+            std::to_string(256 + i % 7 * 512) + ",0x0" + (i + 1 < 6000 ? "\r\n" : "");
+  }
+  ASSERT_GT(text.size(), 3 * trace_header_window);
+  const temp_file f("stream.csv");
+  f.write(text);
+  const trace read = load_trace(f.path);
+  const trace parsed = parse_trace(text, f.path);
+  EXPECT_EQ(read.allocs, 6000u);
+  EXPECT_EQ(read.frees, 6000u);
+  ASSERT_EQ(read.events.size(), parsed.events.size());
+  for (std::size_t i = 0; i < read.events.size(); ++i) {
+    ASSERT_EQ(read.events[i].id, parsed.events[i].id) << i;
+    ASSERT_EQ(read.events[i].size, parsed.events[i].size) << i;
+    ASSERT_EQ(read.events[i].time_ns, parsed.events[i].time_ns) << i;
+  }
+}
+
+TEST(LoadTrace, AFileThatIsNoTraceIsRefusedAfterABoundedRead) {
+  // 256 MiB of zeros (a sparse file: no disk), as /dev/zero reads: refused after its first
+  // window, not read whole.
+  const temp_file zeros("zeros.bin");
+  zeros.write("");
+  std::filesystem::resize_file(zeros.path, 256 * MiB);
+  const std::uint64_t before = bytes_read_by_process();
+  const std::string why = load_error(zeros.path);
+  const std::uint64_t read = bytes_read_by_process() - before;
+  EXPECT_NE(why.find(zeros.path), std::string::npos) << why;
+  EXPECT_NE(why.find("not a trace"), std::string::npos) << why;
+  EXPECT_LT(read, 4 * MiB) << "bytes read before refusing it";
+
+  // A header, then a line with no end.
+  const temp_file endless("endless.csv");
+  endless.write("action,addr,size,stream,time_us\nalloc,100,512,0,1\n" +
+                std::string(2 * trace_max_line, '7'));
+  const std::string long_line = load_error(endless.path);
+  EXPECT_NE(long_line.find(endless.path + ":3"), std::string::npos) << long_line;
+  EXPECT_NE(long_line.find("line longer than"), std::string::npos) << long_line;
+
+  // A long line that ends, a buffer's edge inside it.
+  std::string text = "action,addr,size,stream,time_us\n";
+  std::size_t lines = 1;
+  for (; text.size() < trace_header_window - 100; lines += 2)
+    text += "alloc,100,512,0,1\nfree_completed,100,512,0,2\n";
+  const temp_file long_one("long.csv");
+  long_one.write(text + std::string(trace_max_line + 1, '7') + "\nalloc,100,512,0,1\n");
+  const std::string ended = load_error(long_one.path);
+  EXPECT_NE(ended.find(long_one.path + ":" + std::to_string(lines + 1) + ":"), std::string::npos)
+      << ended;
+  EXPECT_NE(ended.find("line longer than"), std::string::npos) << ended;
+
+  // Binary data with line ends in it.
+  const temp_file binary("binary.bin");
+  binary.write(std::string("\x7f" "ELF\x02\x01\x01\0\0\0\n\0\0", 13));
+  const std::string binary_why = load_error(binary.path);
+  EXPECT_NE(binary_why.find(binary.path + ":1"), std::string::npos) << binary_why;
+  EXPECT_NE(binary_why.find("binary data"), std::string::npos) << binary_why;
+
+  const std::string empty = load_error("/dev/null");
+  EXPECT_NE(empty.find("/dev/null is empty"), std::string::npos) << empty;
+}
+
+#if GPUMEM_TEST_HAVE_ZLIB
+// `text` gzip'd.
+std::string gzip(const std::string& text) {
+  z_stream z{};
+  EXPECT_EQ(deflateInit2(&z, 6, Z_DEFLATED, 15 + 16, 8, Z_DEFAULT_STRATEGY), Z_OK);
+  std::string out(deflateBound(&z, text.size()), '\0');
+  z.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(text.data()));
+  z.avail_in = static_cast<uInt>(text.size());
+  z.next_out = reinterpret_cast<Bytef*>(out.data());
+  z.avail_out = static_cast<uInt>(out.size());
+  EXPECT_EQ(deflate(&z, Z_FINISH), Z_STREAM_END);
+  out.resize(z.total_out);
+  deflateEnd(&z);
+  return out;
+}
+
+TEST(LoadTrace, ACutOrCorruptGzipTraceIsRefusedNamingTheFileAndLine) {
+  std::string text = "action,addr,size,stream,time_us\n";
+  for (int i = 0; i < 20000; ++i)
+    text += "alloc," + std::to_string(1000000 + 4096 * (i * 7919 % 20000)) + "," +
+            std::to_string(512 + i * 37 % 9000) + ",0," + std::to_string(i) + "\n";
+  const std::string gz = gzip(text);
+  const temp_file whole("whole.csv.gz");
+  whole.write(gz);
+  EXPECT_EQ(load_trace(whole.path).allocs, 20000u);
+
+  // Cut in the middle: the lines before the cut are what zlib could decompress; the error
+  // names the line after them (the cut one), whatever that line's text became.
+  const temp_file cut("cut.csv.gz");
+  cut.write(gz.substr(0, gz.size() / 2));
+  std::size_t whole_lines = 0;
+  {
+    gzFile f = gzopen(cut.path.c_str(), "rb");
+    ASSERT_NE(f, nullptr);
+    char buf[4096];
+    int n;
+    while ((n = gzread(f, buf, sizeof buf)) > 0)
+      whole_lines += static_cast<std::size_t>(std::count(buf, buf + n, '\n'));
+    gzclose(f);
+  }
+  ASSERT_GT(whole_lines, 10u);
+  const std::string why = load_error(cut.path);
+  EXPECT_NE(why.find(cut.path + ":" + std::to_string(whole_lines + 1) + ":"), std::string::npos)
+      << why;
+  EXPECT_NE(why.find("truncated"), std::string::npos) << why;
+
+  // Cut in the trailer alone (every line there, the checksum missing).
+  const temp_file no_trailer("no_trailer.csv.gz");
+  no_trailer.write(gz.substr(0, gz.size() - 4));
+  const std::string trailer_why = load_error(no_trailer.path);
+  EXPECT_NE(trailer_why.find(no_trailer.path + ":20002:"), std::string::npos) << trailer_why;
+  EXPECT_NE(trailer_why.find("truncated"), std::string::npos) << trailer_why;
+
+  // A byte changed in the middle: zlib yields garbage until the checksum fails; the error
+  // names the corruption, not only the garbage.
+  std::string bad = gz;
+  bad[bad.size() / 2] = static_cast<char>(bad[bad.size() / 2] ^ 0x5a);
+  const temp_file corrupt("corrupt.csv.gz");
+  corrupt.write(bad);
+  const std::string corrupt_why = load_error(corrupt.path);
+  EXPECT_NE(corrupt_why.find(corrupt.path + ":"), std::string::npos) << corrupt_why;
+  EXPECT_TRUE(corrupt_why.find("cannot read") != std::string::npos ||
+              corrupt_why.find("gzip data is corrupt") != std::string::npos)
+      << corrupt_why;
+}
+#else
+TEST(LoadTrace, AGzipTraceIsRefusedSayingZlibIsMissing) {
+  // gzip's magic and a header: this gpumem reads no gzip without zlib.
+  const temp_file f("any.csv.gz");
+  f.write(std::string("\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03", 10));
+  const std::string why = load_error(f.path);
+  EXPECT_NE(why.find(f.path), std::string::npos) << why;
+  EXPECT_NE(why.find("without zlib"), std::string::npos) << why;
+}
+#endif
 
 // --- replay on sim -------------------------------------------------------------------------
 
@@ -327,6 +554,37 @@ TEST_F(Replay, OutOfMemoryIsReportedNotThrown) {
   EXPECT_LT(r.allocs, t.allocs);
   EXPECT_EQ(pool.stats().live_bytes, 0u) << "the replay frees what it still holds";
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
+// A request larger than the whole device is an out-of-memory of that replay, as an
+// oversized live set is (no allocator could serve it), not a refusal that stops the others.
+TEST(ReplayOversized, ARequestLargerThanTheDeviceIsAnOutOfMemoryResult) {
+  sim_options so;
+  so.capacity = 64 * MiB;
+  sim_platform sim(so);
+  const trace t = parse_trace("action,addr,size,stream,time_us\n"
+                              "alloc,100,1048576,0,1\n"
+                              "alloc,200,104857600,0,2\n"  // 100 MiB
+                              "free_completed,200,104857600,0,3\n"
+                              "free_completed,100,1048576,0,4\n",
+                              "oversized.csv");
+  runtime_resource runtime(sim, 0);
+  caching_pool caching(runtime, pool_options{});
+  vmm_page_pool paged(sim, 0, pool_options{});
+  for (memory_resource* resource : {static_cast<memory_resource*>(&runtime),
+                                    static_cast<memory_resource*>(&caching),
+                                    static_cast<memory_resource*>(&paged)}) {
+    const replay_result r = replay_trace(t, *resource, replay_options{});
+    EXPECT_TRUE(r.oom) << r.allocator;
+    EXPECT_EQ(r.oom_event, 1u) << r.allocator;
+    EXPECT_EQ(r.allocs, 1u) << r.allocator;
+    EXPECT_NE(r.oom_message.find("oversized.csv"), std::string::npos) << r.oom_message;
+    EXPECT_NE(r.oom_message.find(" on " + r.allocator), std::string::npos) << r.oom_message;
+    EXPECT_NE(r.oom_message.find("100.00 MiB"), std::string::npos) << r.oom_message;
+    EXPECT_EQ(resource->stats().live_bytes, 0u) << r.allocator << ": the replay frees what it holds";
+  }
+  EXPECT_TRUE(caching.is_valid()) << caching.validate();
+  EXPECT_TRUE(paged.is_valid()) << paged.validate();
 }
 
 // A trace on two streams: the replay creates a stream for the second and destroys it at

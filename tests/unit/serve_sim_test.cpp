@@ -76,6 +76,19 @@ TEST(ServeSim, SwapPreemptionKeepsServing) {
   EXPECT_GT(r.preemptions, 0u);
 }
 
+// The command line takes any finite positive --rate (tools/serve_sim_command.cpp): the
+// largest double is a burst in which every request arrives at once, and is served.
+TEST(ServeSim, TheLargestRateIsABurstServedWhole) {
+  auto c = small();
+  c.arrival_rate = 1e308;
+  const auto r = run(c, "paged");
+  EXPECT_EQ(r.completed, c.requests);
+  EXPECT_EQ(r.rejected, 0u);
+  EXPECT_GT(r.sim_seconds, 0.0);
+  EXPECT_GT(r.max_concurrent, run(small(), "paged").max_concurrent)
+      << "a burst holds more sequences at once than arrivals at 40/s";
+}
+
 TEST(ServeSim, RefusesBadConfigs) {
   sim_platform sim;
   auto c = small();

@@ -8,8 +8,20 @@
 //    `allocate` and `free`.
 // Event times (PyTorch's time_us; RMM's Time as h:m:s with a fraction) are kept relative
 // to the first event; a trace where any event lacks one has none (trace::timed false).
-// Frees are matched to allocations by address; a free of an address never allocated in
-// the trace (allocated before recording began) is dropped and counted.
+// Frees are matched to allocations by address. What a well-formed trace never holds is
+// counted, not refused (trace::unmatched_frees and the three after it):
+//  - a free of an address never allocated in the trace (allocated before recording
+//    began) is dropped;
+//  - a second free of an address already freed (a double free) is dropped;
+//  - an allocation at an address still live (its free is missing) is replayed; the
+//    earlier allocation stays live to the end of the trace;
+//  - a free whose size differs from its allocation's frees the allocation (its size).
+// A file is read as it streams: its first non-empty line (a UTF-8 byte-order mark before
+// it is skipped) must be a known header within the first trace_header_window bytes, and
+// no line may be longer than trace_max_line, so a file that is not a trace (/dev/zero, a
+// binary) is refused after a bounded read. A gzip'd file is read through zlib; a gzip
+// stream that ends early or is corrupt is refused naming the file and the line where the
+// data stopped. Built without zlib, a gzip'd file is refused with that reason.
 //
 // Invariant of a loaded trace: every free names an earlier, still-live alloc id.
 #pragma once
@@ -43,8 +55,11 @@ struct trace {
   std::vector<std::uint64_t> streams; // original stream handles; index 0 = first seen
   std::size_t allocs = 0;
   std::size_t frees = 0;
-  std::size_t unmatched_frees = 0;
-  std::size_t live_at_end = 0;
+  std::size_t unmatched_frees = 0;        // frees of addresses never allocated: dropped
+  std::size_t double_frees = 0;           // frees of addresses already freed: dropped
+  std::size_t reused_addresses = 0;       // allocations at an address still live
+  std::size_t mismatched_free_sizes = 0;  // frees naming a size other than the allocation's
+  std::size_t live_at_end = 0;            // allocations never freed in the trace
   std::size_t peak_live_bytes = 0;    // of requested bytes, over the trace
   std::uint64_t max_size = 0;
   bool timed = false;                 // every event has a time
@@ -78,8 +93,15 @@ class trace_clock final : public pool_clock {
   std::uint64_t event_ns_ = 0;
 };
 
-// Reads a trace file; throws gpumem::invalid_argument naming the file and line when it is
-// malformed (unknown header, bad number, unknown action).
+// How far into a file its header must begin, and the longest line of a trace (a line of
+// either format is well under 200 bytes).
+inline constexpr std::size_t trace_header_window = 64 * 1024;
+inline constexpr std::size_t trace_max_line = 64 * 1024;
+
+// Reads a trace file as it streams; throws gpumem::invalid_argument naming the file (and
+// the line, where there is one) when it cannot be read, is not a trace (no header in the
+// window, binary data, a line over trace_max_line), is malformed (unknown header, bad
+// number, unknown action) or is a gzip stream cut short or corrupt.
 trace load_trace(const std::string& path);
 // Parses trace text (already decompressed).
 trace parse_trace(const std::string& text, const std::string& source);
@@ -138,7 +160,14 @@ struct replay_result {
 std::vector<std::size_t> find_steps(const trace& t, std::size_t min_repeats = 3);
 
 // Replays `t` on `resource`. Streams other than the trace's first map to streams created
-// on the resource's platform. Stops at the first out_of_memory (reported, not thrown).
+// on the resource's platform. Stops at the first out_of_memory (reported, not thrown); a
+// request larger than the device's whole memory is such an out-of-memory too (no
+// allocator could serve it), reported naming the trace, the allocator and the event.
 replay_result replay_trace(const trace& t, memory_resource& resource, const replay_options& options);
+
+// The out-of-memory message for event `event` of `t`, a request of `bytes` more than the
+// device's whole memory (`device_total`) when replayed on `allocator`.
+std::string oversized_request(const trace& t, const std::string& allocator, std::uint64_t event,
+                              std::uint64_t bytes, std::size_t device_total);
 
 }  // namespace gpumem
