@@ -175,6 +175,7 @@ def _declare(lib):
         "gpumem_torch_oom_is_torch_type": (c.c_int, []),
         "gpumem_torch_record_stream_on": (c.c_int, [c.c_int, c.c_void_p, c.c_void_p]),
         "gpumem_torch_mark_step": (c.c_int, []),
+        "gpumem_torch_graph_pools": (None, [c.POINTER(c.c_ulonglong)] * 3),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)

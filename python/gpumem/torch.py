@@ -35,7 +35,7 @@ import os
 import gpumem
 
 _state = {"enabled": False, "record_stream": "none", "allocator": None, "empty_cache": "none",
-          "mark_steps": "none"}
+          "mark_steps": "none", "graph_pools": "none"}
 
 
 def enable(conf=None, allocator=None, path=None, patch_record_stream=True, mark_steps=None):
@@ -78,6 +78,8 @@ def enable(conf=None, allocator=None, path=None, patch_record_stream=True, mark_
             _state["empty_cache"] = "set_reset_fn"
         except (TypeError, RuntimeError):
             pass  # empty_cache() below still works
+    _state["graph_pools"] = _set_graph_pool_hooks(native, lib)
+    _relax_inductor_pool_asserts()
     torch.cuda.memory.change_current_allocator(alloc)
     _state.update(enabled=True, allocator=alloc)
     if mark_steps:
@@ -86,6 +88,74 @@ def enable(conf=None, allocator=None, path=None, patch_record_stream=True, mark_
         register_optimizer_step_post_hook(lambda optimizer, args, kwargs: mark_step())
         _state["mark_steps"] = "optimizer"
     return alloc
+
+
+def _set_graph_pool_hooks(native, lib):
+    """CUDA graph capture and torch.cuda.use_mem_pool reach a pluggable allocator only
+    through these three hooks: with them, what a graph allocates is served by a private pool
+    of the graph's pool id (src/interop/torch_graph_pools.hpp). Without them (a PyTorch that
+    lacks the setters) capture still works but graph memory comes from the shared pool."""
+    hooks = (("set_begin_allocate_to_pool", "gpumem_torch_begin_allocate_to_pool"),
+             ("set_end_allocate_to_pool_fn", "gpumem_torch_end_allocate_to_pool"),
+             ("set_release_pool", "gpumem_torch_release_pool"))
+    if not all(callable(getattr(native, setter, None)) for setter, _ in hooks):
+        return "none"
+    for setter, entry in hooks:
+        getattr(native, setter)(ctypes.cast(getattr(lib, entry), ctypes.c_void_p).value)
+    return "private"
+
+
+def _relax_inductor_pool_asserts():
+    """torch.compile(mode="reduce-overhead") asks the allocator what its graph pools hold
+    (torch._C._cuda_checkPoolLiveAllocations, a debugging assert) and checkpoints their
+    state; PyTorch's pluggable allocator interface can answer neither. The assert is turned
+    off and CUDA graph trees with it; the pools' rules are kept by gpumem's private graph
+    pools."""
+    try:
+        import torch._inductor.config as inductor_config
+    except ImportError:
+        return
+    triton = getattr(inductor_config, "triton", None)
+    if triton is None:
+        return
+    if hasattr(triton, "slow_path_cudagraph_asserts"):
+        triton.slow_path_cudagraph_asserts = False
+    # CUDA graph trees checkpoint the allocator's pool state after their first recording
+    # (torch._C._cuda_getCheckpointState), which no pluggable allocator can give ("does not
+    # yet support getCheckpointState"): reduce-overhead then captures one graph per compiled
+    # function, through torch.cuda.graph, whose pools gpumem keeps private.
+    if hasattr(triton, "cudagraph_trees"):
+        triton.cudagraph_trees = False
+
+
+def allocator(path=None):
+    """A CUDAPluggableAllocator over gpumem's plug-in, without making it PyTorch's allocator:
+    for torch.cuda.MemPool(gpumem.torch.allocator().allocator()) under PyTorch's own
+    allocator (torch.cuda.use_mem_pool then serves that block's allocations from gpumem)."""
+    import torch
+
+    lib = gpumem.load(path)
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(
+        gpumem.library_path(), "gpumem_torch_malloc", "gpumem_torch_free")
+    hook = getattr(alloc.allocator(), "set_record_stream_fn", None)
+    if callable(hook):
+        hook(ctypes.cast(lib.gpumem_torch_record_stream, ctypes.c_void_p).value)
+    return alloc
+
+
+def graph_pools_mode():
+    """"private" when CUDA graphs and MemPool contexts get private pools, else "none"."""
+    return _state["graph_pools"]
+
+
+def graph_pools():
+    """The private pools of CUDA graphs and MemPool contexts alive now: a dict with pools,
+    reserved_bytes and live_allocations."""
+    lib = gpumem.load()
+    vals = [ctypes.c_ulonglong(0) for _ in range(3)]
+    lib.gpumem_torch_graph_pools(*[ctypes.byref(v) for v in vals])
+    return {"pools": vals[0].value, "reserved_bytes": vals[1].value,
+            "live_allocations": vals[2].value}
 
 
 def _patch_record_stream(torch, lib):

@@ -37,8 +37,10 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "gpumem/interop/gpumem.h"
+#include "interop/torch_graph_pools.hpp"
 
 #ifdef GPUMEM_TORCH_C10
 #include <c10/util/Exception.h>
@@ -117,6 +119,19 @@ gpumem_pool* pool_for(int device) noexcept {
   }
 }
 
+// A free of device `device`'s shared pool; a failure is reported (PyTorch frees from
+// destructors, which cannot raise).
+void free_to_shared_pool(void* ptr, size_t size, int device, void* stream) noexcept {
+  gpumem_pool* pool = device >= 0 && device < max_devices
+                          ? pools_[device].load(std::memory_order_acquire)
+                          : nullptr;
+  if (pool == nullptr) {
+    report("gpumem_torch_free: no pool for this device (pointer not from gpumem)");
+    return;
+  }
+  if (gpumem_free(pool, ptr, size, stream) != GPUMEM_SUCCESS) report(gpumem_last_error());
+}
+
 }  // namespace
 
 extern "C" {
@@ -130,6 +145,13 @@ GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
   bool out_of_memory = false;
   if (size < 0) {
     why = "gpumem_torch_malloc: negative size " + std::to_string(size);
+  } else if (gpumem_torch::graph_pool* graph = gpumem_torch::graph_pool_for(device, stream)) {
+    // A capture (or MemPool context) routes this stream's allocations to its private pool.
+    if (void* ptr = gpumem_torch::graph_pool_allocate(graph, static_cast<size_t>(size), stream))
+      return ptr;
+    why = gpumem_last_error();
+    out_of_memory = gpumem_last_status() == GPUMEM_ERROR_OUT_OF_MEMORY;
+    if (out_of_memory) why = "CUDA out of memory. " + why;
   } else if (gpumem_pool* pool = pool_for(device); pool == nullptr) {
     why = "gpumem_torch: " + (pool_failure_.empty() ? std::string("pool creation failed")
                                                     : pool_failure_);
@@ -161,15 +183,20 @@ GPUMEM_API int gpumem_torch_oom_is_torch_type(void) {
 
 GPUMEM_API void gpumem_torch_free(void* ptr, ssize_t size, int device, void* stream) {
   if (ptr == nullptr) return;
-  gpumem_pool* pool = device >= 0 && device < max_devices
-                          ? pools_[device].load(std::memory_order_acquire)
-                          : nullptr;
-  if (pool == nullptr) {
-    report("gpumem_torch_free: no pool for this device (pointer not from gpumem)");
+  if (gpumem_status st = GPUMEM_SUCCESS;
+      gpumem_torch::graph_pool_free(ptr, static_cast<size_t>(size), stream, &st)) {
+    if (st != GPUMEM_SUCCESS) report(gpumem_last_error());
     return;
   }
-  if (gpumem_free(pool, ptr, static_cast<size_t>(size), stream) != GPUMEM_SUCCESS)
-    report(gpumem_last_error());
+  if (gpumem_torch::graph_pool_for(device, stream) != nullptr) {
+    try {
+      gpumem_torch::defer_free({ptr, static_cast<size_t>(size), device, stream});
+      return;
+    } catch (...) {
+      // No memory to note it: freed now, as without a capture.
+    }
+  }
+  free_to_shared_pool(ptr, static_cast<size_t>(size), device, stream);
 }
 
 // The signature of CUDAPluggableAllocator::set_record_stream_fn. The device is not given:
@@ -236,6 +263,36 @@ GPUMEM_API int gpumem_torch_mark_step(void) {
         if (first_failure == GPUMEM_SUCCESS) first_failure = st;
       }
   return first_failure;
+}
+
+// CUDA graph pools (torch_graph_pools.hpp): the signatures of
+// CUDAPluggableAllocator::set_begin_allocate_to_pool, set_end_allocate_to_pool_fn and
+// set_release_pool. A private pool that cannot be created throws: PyTorch raises it in
+// Python before the capture begins.
+GPUMEM_API void gpumem_torch_begin_allocate_to_pool(int device, gpumem_torch::mempool_id id,
+                                                    gpumem_torch::capture_filter filter) {
+  gpumem_torch::begin_allocate_to_pool(device, id, std::move(filter), pool_config(device).c_str());
+}
+
+GPUMEM_API void gpumem_torch_end_allocate_to_pool(int device, gpumem_torch::mempool_id id) {
+  // PyTorch ends the stream capture before it calls this: the deferred frees are made on
+  // streams no longer capturing.
+  for (const gpumem_torch::deferred_free& f : gpumem_torch::end_allocate_to_pool(device, id))
+    free_to_shared_pool(f.ptr, f.size, f.device, f.stream);
+}
+
+GPUMEM_API void gpumem_torch_release_pool(int device, gpumem_torch::mempool_id id) {
+  gpumem_torch::release_pool(device, id);
+}
+
+// Private graph pools alive now and the bytes they hold from the driver (for tests).
+GPUMEM_API void gpumem_torch_graph_pools(unsigned long long* pools,
+                                         unsigned long long* reserved_bytes,
+                                         unsigned long long* live_allocations) {
+  const gpumem_torch::graph_pool_totals t = gpumem_torch::graph_pools_totals();
+  if (pools != nullptr) *pools = t.pools;
+  if (reserved_bytes != nullptr) *reserved_bytes = t.reserved_bytes;
+  if (live_allocations != nullptr) *live_allocations = t.live_allocations;
 }
 
 // Failures reported on stderr so far (allocation, free, record, pool creation).

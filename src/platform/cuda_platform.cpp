@@ -262,6 +262,19 @@ cudaEvent_t to_cuda(event_handle e) noexcept { return reinterpret_cast<cudaEvent
 // context at all keeps `device`: restoring "none" through the runtime would mean
 // cudaSetDevice(0), which creates a context on device 0 the process may never use.
 // In the common case (device already current) this costs one cudaGetDevice.
+// The device of `stream`. cudaStreamGetDevice refuses a stream being captured into a CUDA
+// graph (cudaErrorStreamCaptureUnsupported, in every capture mode, and the refusal
+// invalidates the capture; CUDA 13 on the H200), so the capture status is asked first (legal
+// at any time): a capturing stream is known valid and is taken to be on the calling thread's
+// current device, where PyTorch captures.
+cudaError_t stream_device_of(stream_handle stream, int* device) noexcept {
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  const cudaError_t e = cudaStreamIsCapturing(to_cuda(stream), &capturing);
+  if (e != cudaSuccess) return e;
+  if (capturing != cudaStreamCaptureStatusNone) return cudaGetDevice(device);
+  return cudaStreamGetDevice(to_cuda(stream), device);
+}
+
 class device_guard {
  public:
   explicit device_guard(const driver_api& api) noexcept : api_(api) {}
@@ -285,11 +298,12 @@ class device_guard {
     return cudaSuccess;
   }
 
-  // The device a stream was created on; default streams stay on the current device.
+  // The device a stream was created on; default streams, and streams being captured into a
+  // CUDA graph, stay on the current device (stream_device_of).
   cudaError_t enter_stream_device(stream_handle stream) noexcept {
     if (is_default_stream(stream)) return cudaSuccess;
     int device = -1;
-    const cudaError_t e = cudaStreamGetDevice(to_cuda(stream), &device);
+    const cudaError_t e = stream_device_of(stream, &device);
     if (e != cudaSuccess) return e;
     return enter(device);
   }
@@ -298,6 +312,24 @@ class device_guard {
   const driver_api& api_;
   CUcontext saved_ = nullptr;
   bool restore_ = false;
+};
+
+// The calls gpumem makes on its own behalf (growth, unmaps, queries, synchronization, the
+// events of stream-ordered reuse) run with the calling thread's stream-capture mode relaxed,
+// as PyTorch's allocator does around cudaMalloc: in the default (global) mode, such a call on
+// any thread while a CUDA graph is being captured is refused (cudaStreamGetDevice and
+// cudaEventRecord included, seen with CUDA 13 on the H200) and invalidates that capture. An
+// event recorded or waited on in a capturing stream is still captured. Copies and memsets
+// keep the caller's mode: they are the caller's work.
+class relaxed_capture {
+ public:
+  relaxed_capture() noexcept { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~relaxed_capture() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
+  relaxed_capture(const relaxed_capture&) = delete;
+  relaxed_capture& operator=(const relaxed_capture&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
 };
 
 class cuda_platform final : public platform {
@@ -390,6 +422,7 @@ class cuda_platform final : public platform {
   result<memory_info> mem_info(int device) override {
     constexpr platform_op op = platform_op::mem_info;
     calls_.add(op);
+    relaxed_capture relaxed;
     device_guard guard(api_);
     cudaError_t e = guard.enter(device);
     if (e != cudaSuccess) return runtime_failure(op, e);
@@ -405,6 +438,7 @@ class cuda_platform final : public platform {
   result<std::uintptr_t> reserve_range(std::size_t size, std::size_t alignment) override {
     constexpr platform_op op = platform_op::reserve_range;
     calls_.add(op);
+    relaxed_capture relaxed;
     CUdeviceptr base = 0;
     const CUresult r = api_.mem_address_reserve(&base, size, alignment, 0, 0);
     if (r != CUDA_SUCCESS) return driver_failure(op, r);
@@ -414,6 +448,7 @@ class cuda_platform final : public platform {
   status free_range(std::uintptr_t base, std::size_t size) override {
     constexpr platform_op op = platform_op::free_range;
     calls_.add(op);
+    relaxed_capture relaxed;
     const CUresult r = api_.mem_address_free(static_cast<CUdeviceptr>(base), size);
     if (r != CUDA_SUCCESS) return driver_failure(op, r);
     return status::success();
@@ -422,6 +457,7 @@ class cuda_platform final : public platform {
   result<physical_handle> create_physical(int device, std::size_t size) override {
     constexpr platform_op op = platform_op::create_physical;
     calls_.add(op);
+    relaxed_capture relaxed;
     const CUmemAllocationProp prop = pinned_device_prop(device);
     CUmemGenericAllocationHandle handle = 0;
     const CUresult r = api_.mem_create(&handle, size, &prop, 0);
@@ -432,6 +468,7 @@ class cuda_platform final : public platform {
   status release_physical(physical_handle handle) override {
     constexpr platform_op op = platform_op::release_physical;
     calls_.add(op);
+    relaxed_capture relaxed;
     const CUresult r = api_.mem_release(static_cast<CUmemGenericAllocationHandle>(handle.value));
     if (r != CUDA_SUCCESS) return driver_failure(op, r);
     return status::success();
@@ -441,6 +478,7 @@ class cuda_platform final : public platform {
              std::size_t offset) override {
     constexpr platform_op op = platform_op::map;
     calls_.add(op);
+    relaxed_capture relaxed;
     const CUresult r = api_.mem_map(static_cast<CUdeviceptr>(va), size, offset,
                                     static_cast<CUmemGenericAllocationHandle>(handle.value), 0);
     if (r != CUDA_SUCCESS) return driver_failure(op, r);
@@ -450,6 +488,7 @@ class cuda_platform final : public platform {
   status unmap(std::uintptr_t va, std::size_t size) override {
     constexpr platform_op op = platform_op::unmap;
     calls_.add(op);
+    relaxed_capture relaxed;
     const CUresult r = api_.mem_unmap(static_cast<CUdeviceptr>(va), size);
     if (r != CUDA_SUCCESS) return driver_failure(op, r);
     return status::success();
@@ -458,6 +497,7 @@ class cuda_platform final : public platform {
   status set_access(int device, std::uintptr_t va, std::size_t size) override {
     constexpr platform_op op = platform_op::set_access;
     calls_.add(op);
+    relaxed_capture relaxed;
     CUmemAccessDesc access{};
     access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     access.location.id = device;
@@ -472,6 +512,7 @@ class cuda_platform final : public platform {
   result<void*> runtime_malloc(int device, std::size_t size) override {
     constexpr platform_op op = platform_op::runtime_malloc;
     calls_.add(op);
+    relaxed_capture relaxed;
     device_guard guard(api_);
     cudaError_t e = guard.enter(device);
     if (e != cudaSuccess) return runtime_failure(op, e);
@@ -484,6 +525,7 @@ class cuda_platform final : public platform {
   status runtime_free(int device, void* ptr) override {
     constexpr platform_op op = platform_op::runtime_free;
     calls_.add(op);
+    relaxed_capture relaxed;
     device_guard guard(api_);
     cudaError_t e = guard.enter(device);
     if (e != cudaSuccess) return runtime_failure(op, e);
@@ -499,6 +541,7 @@ class cuda_platform final : public platform {
   result<void*> driver_alloc(int device, std::size_t size) override {
     constexpr platform_op op = platform_op::driver_alloc;
     calls_.add(op);
+    relaxed_capture relaxed;
     CUcontext ctx = nullptr;
     if (status s = primary_context(op, device, &ctx); !s) return s;
     CUresult r = api_.ctx_push_current(ctx);
@@ -519,6 +562,7 @@ class cuda_platform final : public platform {
   status driver_free(int device, void* ptr) override {
     constexpr platform_op op = platform_op::driver_free;
     calls_.add(op);
+    relaxed_capture relaxed;
     CUcontext ctx = nullptr;
     if (status s = primary_context(op, device, &ctx); !s) return s;
     CUresult r = api_.ctx_push_current(ctx);
@@ -535,6 +579,7 @@ class cuda_platform final : public platform {
   result<void*> host_alloc_pinned(std::size_t size) override {
     constexpr platform_op op = platform_op::host_alloc;
     calls_.add(op);
+    relaxed_capture relaxed;
     void* ptr = nullptr;
     const cudaError_t e = cudaMallocHost(&ptr, size);
     if (e != cudaSuccess) return runtime_failure(op, e);
@@ -544,6 +589,7 @@ class cuda_platform final : public platform {
   status host_free_pinned(void* ptr) override {
     constexpr platform_op op = platform_op::host_free;
     calls_.add(op);
+    relaxed_capture relaxed;
     const cudaError_t e = cudaFreeHost(ptr);
     if (e != cudaSuccess) return runtime_failure(op, e);
     return status::success();
@@ -556,6 +602,7 @@ class cuda_platform final : public platform {
   result<stream_handle> stream_create(int device) override {
     constexpr platform_op op = platform_op::stream_create;
     calls_.add(op);
+    relaxed_capture relaxed;
     device_guard guard(api_);
     cudaError_t e = guard.enter(device);
     if (e != cudaSuccess) return runtime_failure(op, e);
@@ -569,6 +616,7 @@ class cuda_platform final : public platform {
   status stream_destroy(stream_handle stream) override {
     constexpr platform_op op = platform_op::stream_destroy;
     calls_.add(op);
+    relaxed_capture relaxed;
     device_guard guard(api_);
     cudaError_t e = guard.enter_stream_device(stream);
     if (e != cudaSuccess) return runtime_failure(op, e);
@@ -580,6 +628,7 @@ class cuda_platform final : public platform {
   status stream_synchronize(stream_handle stream) override {
     constexpr platform_op op = platform_op::stream_synchronize;
     calls_.add(op);
+    relaxed_capture relaxed;
     device_guard guard(api_);
     cudaError_t e = guard.enter_stream_device(stream);
     if (e != cudaSuccess) return runtime_failure(op, e);
@@ -588,9 +637,21 @@ class cuda_platform final : public platform {
     return status::success();
   }
 
+  result<int> stream_device(stream_handle stream) override {
+    constexpr platform_op op = platform_op::stream_device;
+    calls_.add(op);
+    relaxed_capture relaxed;
+    int device = 0;
+    const cudaError_t e = is_default_stream(stream) ? cudaGetDevice(&device)
+                                                    : stream_device_of(stream, &device);
+    if (e != cudaSuccess) return runtime_failure(op, e);
+    return device;
+  }
+
   result<event_handle> event_create(int device) override {
     constexpr platform_op op = platform_op::event_create;
     calls_.add(op);
+    relaxed_capture relaxed;
     device_guard guard(api_);
     cudaError_t e = guard.enter(device);
     if (e != cudaSuccess) return runtime_failure(op, e);
@@ -606,6 +667,7 @@ class cuda_platform final : public platform {
   status event_destroy(event_handle event) override {
     constexpr platform_op op = platform_op::event_destroy;
     calls_.add(op);
+    relaxed_capture relaxed;
     const cudaError_t e = cudaEventDestroy(to_cuda(event));
     if (e != cudaSuccess) return runtime_failure(op, e);
     return status::success();
@@ -615,6 +677,7 @@ class cuda_platform final : public platform {
   status event_record(event_handle event, stream_handle stream) override {
     constexpr platform_op op = platform_op::event_record;
     calls_.add(op);
+    relaxed_capture relaxed;
     device_guard guard(api_);
     cudaError_t e = guard.enter_stream_device(stream);
     if (e != cudaSuccess) return runtime_failure(op, e);
@@ -626,6 +689,7 @@ class cuda_platform final : public platform {
   result<bool> event_query(event_handle event) override {
     constexpr platform_op op = platform_op::event_query;
     calls_.add(op);
+    relaxed_capture relaxed;
     const cudaError_t e = cudaEventQuery(to_cuda(event));
     if (e == cudaSuccess) return true;
     if (e == cudaErrorNotReady) return false;  // pending work is an answer, not a failure
@@ -635,6 +699,7 @@ class cuda_platform final : public platform {
   status event_synchronize(event_handle event) override {
     constexpr platform_op op = platform_op::event_synchronize;
     calls_.add(op);
+    relaxed_capture relaxed;
     const cudaError_t e = cudaEventSynchronize(to_cuda(event));
     if (e != cudaSuccess) return runtime_failure(op, e);
     return status::success();
@@ -643,6 +708,7 @@ class cuda_platform final : public platform {
   status stream_wait_event(stream_handle stream, event_handle event) override {
     constexpr platform_op op = platform_op::stream_wait_event;
     calls_.add(op);
+    relaxed_capture relaxed;
     device_guard guard(api_);
     cudaError_t e = guard.enter_stream_device(stream);
     if (e != cudaSuccess) return runtime_failure(op, e);

@@ -32,6 +32,7 @@ std::string_view platform_op_name(platform_op op) noexcept {
     case platform_op::stream_create: return "cudaStreamCreate";
     case platform_op::stream_destroy: return "cudaStreamDestroy";
     case platform_op::stream_synchronize: return "cudaStreamSynchronize";
+    case platform_op::stream_device: return "cudaStreamGetDevice";
     case platform_op::event_create: return "cudaEventCreate";
     case platform_op::event_destroy: return "cudaEventDestroy";
     case platform_op::event_record: return "cudaEventRecord";

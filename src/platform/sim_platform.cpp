@@ -1045,6 +1045,17 @@ status sim_platform::stream_destroy(stream_handle stream) {
   return status::success();
 }
 
+result<int> sim_platform::stream_device(stream_handle stream) {
+  GPUMEM_SIM_ENTER(platform_op::stream_device);
+  GPUMEM_SIM_CHARGE(platform_op::stream_device, 0);
+  std::lock_guard lock(state_->mutex);
+  if (stream.value == 0) return 0;
+  auto it = state_->streams.find(stream.value);
+  if (it == state_->streams.end())
+    return fail(platform_op::stream_device, failure_kind::invalid_value, "unknown stream");
+  return it->second;
+}
+
 status sim_platform::stream_synchronize(stream_handle stream) {
   GPUMEM_SIM_ENTER(platform_op::stream_synchronize);
   GPUMEM_SIM_CHARGE(platform_op::stream_synchronize, 0);

@@ -118,6 +118,11 @@ status timed_platform::stream_destroy(stream_handle stream) {
   return timed(ns_[static_cast<std::size_t>(platform_op::stream_destroy)], [&] { return inner_.stream_destroy(stream); });
 }
 
+result<int> timed_platform::stream_device(stream_handle stream) {
+  calls_.add(platform_op::stream_device);
+  return inner_.stream_device(stream);
+}
+
 status timed_platform::stream_synchronize(stream_handle stream) {
   calls_.add(platform_op::stream_synchronize);
   return timed(ns_[static_cast<std::size_t>(platform_op::stream_synchronize)], [&] { return inner_.stream_synchronize(stream); });

@@ -401,7 +401,8 @@ void block_arena::flush() {
   cached_blocks_ = 0;
 }
 
-std::size_t block_arena::retag_free(std::uintptr_t from, std::uintptr_t to, std::uint64_t up_to_epoch) {
+std::size_t block_arena::retag_free(std::uintptr_t from, std::uintptr_t to, std::uint64_t up_to_epoch,
+                                    std::uint64_t new_epoch) {
   flush();
   size_bins* bins = bins_for(from, false);
   if (bins == nullptr || from == to) return 0;
@@ -415,7 +416,7 @@ std::size_t block_arena::retag_free(std::uintptr_t from, std::uintptr_t to, std:
     // indexed under `from` when its turn comes.
     erase_free(b);
     b->stream = to;
-    b->free_epoch = 0;
+    b->free_epoch = new_epoch;
     moved += b->size;
     insert_merged(b);
   }

@@ -215,11 +215,12 @@ class block_arena {
   // Moves every quick-list block into the merged free index (merging neighbours).
   void flush();
   // Re-tags every cached and free block of stream `from` freed at an epoch up to
-  // `up_to_epoch` as free on `to`, safe at once (free epoch 0), merging as it goes. Visits
-  // `from`'s blocks only. Returns the bytes re-tagged. REQUIRES: the uses of those blocks
-  // on `from` have completed.
+  // `up_to_epoch` as free on `to` at free epoch `new_epoch` (0: safe for any stream at
+  // once), merging as it goes. Visits `from`'s blocks only. Returns the bytes re-tagged.
+  // REQUIRES: the uses of those blocks on `from` have completed, or `to` waits for them.
   std::size_t retag_free(std::uintptr_t from, std::uintptr_t to,
-                         std::uint64_t up_to_epoch = static_cast<std::uint64_t>(-1));
+                         std::uint64_t up_to_epoch = static_cast<std::uint64_t>(-1),
+                         std::uint64_t new_epoch = 0);
   // The streams that free (merged) blocks are tagged with. Quick-list blocks are not
   // counted: flush() first.
   std::vector<std::uintptr_t> free_streams() const;

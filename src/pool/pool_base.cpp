@@ -387,7 +387,13 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
                ? arena.allocate_from_other_streams(
                      size, alignment, stream.value, requested,
                      [&](const detail::block& blk) {
-                       return free_is_complete(blk.stream, blk.free_epoch, &stream);
+                       // A stream that cannot record or wait now (one being captured into
+                       // a CUDA graph refuses some calls) keeps its blocks for this time.
+                       try {
+                         return free_is_complete(blk.stream, blk.free_epoch, &stream);
+                       } catch (const cuda_error&) {
+                         return false;
+                       }
                      })
                : nullptr;
   };
@@ -486,7 +492,10 @@ bool pool_base::free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch,
   auto& s = streams_[freed_on];
   if (s.completed_epoch >= epoch) return true;
   platform& p = device_platform();
-  if (s.event.value == 0) {
+  if (s.event.value == 0 && !spare_events_.empty()) {
+    s.event = spare_events_.back();
+    spare_events_.pop_back();
+  } else if (s.event.value == 0) {
     auto ev = p.event_create(device());
     if (!ev) throw_cuda_error(ev.error(), "pool: event for cross-stream reuse");
     s.event = ev.value();
@@ -750,31 +759,23 @@ std::size_t pool_base::tracked_streams() const {
 
 void pool_base::check_stream_locked(stream_handle stream, std::string_view caller) {
   if (stream.value == 0 || streams_.find(stream.value) != streams_.end()) return;
-  platform& p = device_platform();
-  event_handle ev{};
-  if (!spare_events_.empty()) {
-    ev = spare_events_.back();
-    spare_events_.pop_back();
-  } else {
-    auto made = p.event_create(device());
-    if (!made) throw_cuda_error(made.error(), "pool: event for a new stream");
-    ev = made.value();
-  }
-  // Recorded now, the event also serves the first cross-stream question about the stream.
-  if (auto st = p.event_record(ev, stream); !st) {
-    spare_events_.push_back(ev);
-    if (st.kind != failure_kind::invalid_value)
-      throw_cuda_error(st, "pool: first event on a stream");
+  // A query that enqueues nothing: legal while a CUDA graph is being captured on the stream.
+  auto owner = device_platform().stream_device(stream);
+  if (!owner) {
+    if (owner.error().kind != failure_kind::invalid_value)
+      throw_cuda_error(owner.error(), "pool: the device of a new stream");
     throw invalid_argument(std::string(caller) + ": stream " + hex_address(stream.value) +
                            " is not a stream the '" + std::string(name()) + "' pool (device " +
-                           std::to_string(device()) + ") can use (" + st.describe() +
+                           std::to_string(device()) + ") can use (" + owner.error().describe() +
                            "); nothing was changed");
   }
+  if (owner.value() != device())
+    throw invalid_argument(std::string(caller) + ": stream " + hex_address(stream.value) +
+                           " belongs to device " + std::to_string(owner.value()) + ", the '" +
+                           std::string(name()) + "' pool to device " + std::to_string(device()) +
+                           "; nothing was changed");
   if (streams_.size() >= prune_streams_at_) prune_stream_states();
-  stream_state& s = streams_[stream.value];
-  s.event = ev;
-  s.event_pending = true;
-  s.event_epoch = 0;
+  streams_.try_emplace(stream.value);
 }
 
 bool pool_base::reclaim_other_streams_free(std::uintptr_t to, bool wait) {
@@ -791,6 +792,21 @@ bool pool_base::reclaim_other_streams_free(std::uintptr_t to, bool wait) {
   bool moved = false;
   for (std::uintptr_t from : others) {
     auto it = streams_.find(from);
+    if (it != streams_.end() && options_.cross_stream == cross_stream_policy::wait) {
+      // Policy wait: `to` is made to wait on `from`'s frees instead (an event recorded on
+      // `from` and waited on by `to`: legal inside a CUDA graph capture, where a query or a
+      // synchronize is not). The blocks are then safe in `to`'s order only, so they take a
+      // new free epoch of `to`: another stream reuses them once `to` has passed the wait.
+      const stream_handle to_handle{to};
+      try {
+        (void)free_is_complete(from, it->second.frees, &to_handle);
+      } catch (const cuda_error&) {
+        continue;  // a stream that cannot record or wait now keeps its blocks
+      }
+      const std::uint64_t epoch = ++stream_state_of(to).frees;
+      for (auto& a : arenas_) moved = a->retag_free(from, to, it->second.frees, epoch) != 0 || moved;
+      continue;
+    }
     std::uint64_t complete_up_to = 0;  // no state: only blocks safe at once (epoch 0)
     if (it != streams_.end()) {
       stream_state& s = it->second;

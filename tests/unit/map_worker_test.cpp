@@ -162,6 +162,7 @@ class gated_platform final : public platform {
   result<stream_handle> stream_create(int d) override { return inner_.stream_create(d); }
   status stream_destroy(stream_handle s) override { return inner_.stream_destroy(s); }
   status stream_synchronize(stream_handle s) override { return inner_.stream_synchronize(s); }
+  result<int> stream_device(stream_handle s) override { return inner_.stream_device(s); }
   result<event_handle> event_create(int d) override { return inner_.event_create(d); }
   status event_destroy(event_handle e) override { return inner_.event_destroy(e); }
   status event_record(event_handle e, stream_handle s) override { return inner_.event_record(e, s); }

@@ -755,7 +755,8 @@ class op_harness {
       case platform_op::host_free: host_ = sim_.host_alloc_pinned(4096).value(); break;
       case platform_op::async_free: async_ = sim_.async_malloc(0, 4096, {}).value(); break;
       case platform_op::stream_destroy:
-      case platform_op::stream_synchronize: stream_ = sim_.stream_create(0).value(); break;
+      case platform_op::stream_synchronize:
+      case platform_op::stream_device: stream_ = sim_.stream_create(0).value(); break;
       case platform_op::event_destroy:
       case platform_op::event_record:
       case platform_op::event_query:
@@ -848,6 +849,7 @@ class op_harness {
         return s;
       }
       case platform_op::stream_synchronize: return sim_.stream_synchronize(stream_);
+      case platform_op::stream_device: return as_status(sim_.stream_device(stream_));
       case platform_op::event_create: {
         auto r = sim_.event_create(0);
         if (r.ok()) event_ = r.value();

@@ -45,6 +45,7 @@ enum class platform_op : std::uint8_t {
   stream_create,
   stream_destroy,
   stream_synchronize,
+  stream_device,
   event_create,
   event_destroy,
   event_record,
@@ -223,6 +224,10 @@ class platform {
   virtual result<stream_handle> stream_create(int device) = 0;
   virtual status stream_destroy(stream_handle stream) = 0;
   virtual status stream_synchronize(stream_handle stream) = 0;
+  // The device `stream` belongs to (the default stream: the current device, 0 on sim); an
+  // invalid_value failure when the platform does not know the stream. Legal while a CUDA
+  // graph is being captured on it (it enqueues nothing).
+  virtual result<int> stream_device(stream_handle stream) = 0;
   virtual result<event_handle> event_create(int device) = 0;
   virtual status event_destroy(event_handle event) = 0;
   virtual status event_record(event_handle event, stream_handle stream) = 0;

@@ -45,6 +45,7 @@ class timed_platform final : public platform {
   result<stream_handle> stream_create(int device) override;
   status stream_destroy(stream_handle stream) override;
   status stream_synchronize(stream_handle stream) override;
+  result<int> stream_device(stream_handle stream) override;
   result<event_handle> event_create(int device) override;
   status event_destroy(event_handle event) override;
   status event_record(event_handle event, stream_handle stream) override;

@@ -17,9 +17,9 @@
 // free memory merges, so reserved bytes stay bounded by the peak live bytes as with frees
 // on the allocation's stream.
 //
-// Streams: the pool checks a stream the first time it meets it (an event recorded on it);
-// one the platform refuses is refused with gpumem::invalid_argument before anything
-// changes. Per-stream state (an event, the free counter) is kept for streams that hold
+// Streams: the pool checks a stream the first time it meets it (the platform names its
+// device; a query legal inside a CUDA graph capture); one the platform does not know, or
+// one of another device, is refused with gpumem::invalid_argument before anything changes. Per-stream state (an event, the free counter) is kept for streams that hold
 // free blocks and dropped for the others as their number grows: no operation scans every
 // stream ever seen.
 //
@@ -321,7 +321,7 @@ class pool_base : public memory_resource {
   void* allocate_locked(std::size_t bytes, std::size_t alignment, stream_handle stream,
                         detail::thread_cache* mine_if_known);
   void deallocate_locked(std::uintptr_t addr, std::size_t bytes, stream_handle stream);
-  // Makes sure `stream` is one the platform accepts (recording its event on it the first
+  // Makes sure `stream` is one the platform knows, of this pool's device (asked the first
   // time); throws gpumem::invalid_argument, changing nothing, when it is not.
   // REQUIRES: mutex_ held.
   void check_stream_locked(stream_handle stream, std::string_view caller);

@@ -1,0 +1,77 @@
+// CUDA graph pools of the PyTorch plug-in: PyTorch's graph-pool rules for a pluggable
+// allocator (CUDAPluggableAllocator::set_begin_allocate_to_pool, set_end_allocate_to_pool_fn,
+// set_release_pool).
+//
+// While a capture (torch.cuda.graph) or a torch.cuda.use_mem_pool block routes allocations
+// to a pool id, an allocation whose stream the capture's filter accepts is served by a
+// private gpumem pool of that id, never by the device's shared pool:
+//  - memory a graph allocated is private to the id while the id is in use (a graph that can
+//    replay, a MemPool context) or any of its allocations lives: nothing else is served
+//    from it, it is never trimmed (torch.cuda.empty_cache reaches the shared pools only),
+//    and blocks freed during the capture stay cached for the replays;
+//  - several graphs capturing into one id (`pool=`) share one private pool;
+//  - the private pool is destroyed, its memory given back to the driver, once the id is
+//    released as often as it was begun and its last allocation is freed.
+// A private pool takes the shared pool's configuration with cross-stream reuse by waiting
+// (a stream wait on an event is legal inside a capture, an event query is not), no memory
+// taken up front and none given back while it lives.
+//
+// Frees of shared-pool memory on a capturing stream wait until no capture runs
+// (defer_free).
+//
+// Invariants: every live pointer of a private pool is in owner_ exactly once; a private pool
+// with uses == 0 and live == 0 does not exist.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <utility>
+#include <vector>
+
+#include "gpumem/interop/gpumem.h"
+
+struct CUstream_st;
+
+namespace gpumem_torch {
+
+// PyTorch's c10::cuda::MempoolId_t and the stream filter a capture passes.
+using mempool_id = std::pair<unsigned long long, unsigned long long>;
+using capture_filter = std::function<bool(CUstream_st*)>;
+
+struct graph_pool;
+
+// The private pool an allocation on `stream` for `device` goes to now, or nullptr (no capture
+// routes it). Cheap while no capture is active: one atomic load.
+graph_pool* graph_pool_for(int device, void* stream) noexcept;
+// Allocates in `pool`; nullptr with gpumem_last_error() set on failure.
+void* graph_pool_allocate(graph_pool* pool, std::size_t size, void* stream) noexcept;
+// Frees ptr if a private pool owns it: true when one did (the status of the free in *st).
+bool graph_pool_free(void* ptr, std::size_t size, void* stream, gpumem_status* st) noexcept;
+
+void begin_allocate_to_pool(int device, mempool_id id, capture_filter filter,
+                            const char* config);
+
+// A free of shared-pool memory on a stream being captured: the pool would record its stream
+// order there (an event the capture takes into the graph, never completing outside it), so
+// the free waits until no capture runs, as PyTorch's allocator defers such frees.
+struct deferred_free {
+  void* ptr;
+  std::size_t size;
+  int device;
+  void* stream;
+};
+void defer_free(const deferred_free& f);
+// Ends the latest capture into `id`; returns the deferred frees to make now (all of them
+// once no capture runs, else none).
+std::vector<deferred_free> end_allocate_to_pool(int device, mempool_id id);
+void release_pool(int device, mempool_id id);
+
+// Private pools alive now, and the bytes they hold from the driver (for stats and tests).
+struct graph_pool_totals {
+  std::size_t pools = 0;
+  std::size_t reserved_bytes = 0;
+  std::size_t live_allocations = 0;
+};
+graph_pool_totals graph_pools_totals() noexcept;
+
+}  // namespace gpumem_torch
