@@ -694,3 +694,109 @@ TEST(c_api, racing_destroys_of_one_pool_free_it_once) {
 }
 
 }  // namespace
+
+// gpumem_record_stream on a pointer that is no live allocation is refused, and leaves no
+// record behind for the next allocation at that address.
+TEST(c_api, record_stream_refuses_pointers_that_are_not_live_allocations) {
+  for (const char* config : {small_sim, "platform:sim,sim_capacity:256M,allocator:caching_pool",
+                             "platform:sim,sim_capacity:256M,step_plan:off"}) {
+    SCOPED_TRACE(config);
+    pool_handle h(config);
+    ASSERT_EQ(h.status, GPUMEM_SUCCESS) << last_error();
+    void* s1 = nullptr;
+    ASSERT_EQ(gpumem_stream_create(h.pool, &s1), GPUMEM_SUCCESS) << last_error();
+
+    void* p = gpumem_malloc(h.pool, MiB, nullptr);
+    ASSERT_NE(p, nullptr) << last_error();
+    // Inside the allocation, and an address the pool never handed out.
+    EXPECT_EQ(gpumem_record_stream(h.pool, static_cast<char*>(p) + 512, s1),
+              GPUMEM_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(last_error().find("not a live allocation"), std::string::npos) << last_error();
+    EXPECT_EQ(gpumem_record_stream(h.pool, reinterpret_cast<void*>(0x1000), s1),
+              GPUMEM_ERROR_INVALID_ARGUMENT);
+    ASSERT_EQ(gpumem_free(h.pool, p, MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+    // Already freed: refused, and the next allocation at that address carries no record
+    // (its free on the default stream waits for nothing).
+    EXPECT_EQ(gpumem_record_stream(h.pool, p, s1), GPUMEM_ERROR_INVALID_ARGUMENT);
+    void* again = gpumem_malloc(h.pool, MiB, nullptr);
+    ASSERT_EQ(again, p) << "the pool reuses the freed block on its stream";
+    EXPECT_EQ(gpumem_free(h.pool, again, MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+    EXPECT_EQ(h.stats().cross_stream_waits, 0u);
+    EXPECT_EQ(gpumem_stream_destroy(h.pool, s1), GPUMEM_SUCCESS) << last_error();
+  }
+}
+
+// A stream the platform does not know is refused at record time, so it cannot make the
+// allocation's free fail later.
+TEST(c_api, record_stream_refuses_a_stream_the_platform_refuses) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  void* p = gpumem_malloc(h.pool, MiB, nullptr);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(gpumem_record_stream(h.pool, p, reinterpret_cast<void*>(0x1234)),
+            GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("0x1234"), std::string::npos) << last_error();
+  EXPECT_EQ(gpumem_free(h.pool, p, MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(h.stats().live_allocations, 0u);
+}
+
+// A free on a stream the platform refuses, of a recorded allocation: refused, the
+// allocation stays live with its record, and the free on a good stream then waits.
+TEST(c_api, a_free_of_a_recorded_allocation_on_a_bad_stream_changes_nothing) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  void* s1 = nullptr;
+  ASSERT_EQ(gpumem_stream_create(h.pool, &s1), GPUMEM_SUCCESS) << last_error();
+  void* p = gpumem_malloc(h.pool, MiB, nullptr);
+  ASSERT_NE(p, nullptr);
+  ASSERT_EQ(gpumem_record_stream(h.pool, p, s1), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(gpumem_free(h.pool, p, MiB, reinterpret_cast<void*>(0x1234)),
+            GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("0x1234"), std::string::npos) << last_error();
+  EXPECT_EQ(h.stats().live_allocations, 1u);
+  EXPECT_EQ(h.stats().cross_stream_waits, 0u);
+  EXPECT_EQ(gpumem_free(h.pool, p, MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(h.stats().cross_stream_waits, 1u);
+  void* q = gpumem_malloc(h.pool, 4 * MiB, nullptr);
+  EXPECT_NE(q, nullptr) << last_error();
+  EXPECT_EQ(gpumem_free(h.pool, q, 4 * MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+  uint64_t released = 0;
+  EXPECT_EQ(gpumem_pool_trim(h.pool, &released), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(gpumem_stream_destroy(h.pool, s1), GPUMEM_SUCCESS) << last_error();
+}
+
+// A recorded stream destroyed before the allocation's free: the free still completes.
+// Through gpumem_stream_destroy the destroy waits for the stream and drops its records;
+// destroyed elsewhere (here: through another pool on the same sim platform, so the pool
+// is not told), the free finds it gone and drops the record.
+TEST(c_api, a_recorded_stream_destroyed_before_the_free_does_not_block_the_free) {
+  pool_handle h("platform:sim");
+  pool_handle other("platform:sim");
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(other.status, GPUMEM_SUCCESS) << last_error();
+
+  void* s1 = nullptr;
+  ASSERT_EQ(gpumem_stream_create(h.pool, &s1), GPUMEM_SUCCESS) << last_error();
+  void* p = gpumem_malloc(h.pool, MiB, nullptr);
+  ASSERT_NE(p, nullptr) << last_error();
+  ASSERT_EQ(gpumem_record_stream(h.pool, p, s1), GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(gpumem_stream_destroy(h.pool, s1), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(gpumem_free(h.pool, p, MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(h.stats().live_allocations, 0u);
+  EXPECT_EQ(h.stats().cross_stream_waits, 0u);
+
+  void* s2 = nullptr;
+  void* s3 = nullptr;
+  ASSERT_EQ(gpumem_stream_create(h.pool, &s2), GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(gpumem_stream_create(h.pool, &s3), GPUMEM_SUCCESS) << last_error();
+  p = gpumem_malloc(h.pool, MiB, nullptr);
+  ASSERT_NE(p, nullptr) << last_error();
+  ASSERT_EQ(gpumem_record_stream(h.pool, p, s2), GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(gpumem_record_stream(h.pool, p, s3), GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(gpumem_stream_synchronize(other.pool, s2), GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(gpumem_stream_destroy(other.pool, s2), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(gpumem_free(h.pool, p, MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(h.stats().live_allocations, 0u);
+  EXPECT_EQ(h.stats().cross_stream_waits, 1u);  // s3's, not the destroyed s2's
+  EXPECT_EQ(gpumem_stream_destroy(h.pool, s3), GPUMEM_SUCCESS) << last_error();
+}
