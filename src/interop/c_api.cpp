@@ -71,9 +71,21 @@ struct pool_body {
   std::atomic<bool> any_recorded{false};
   std::atomic<std::uint64_t> cross_stream_waits{0};
 
+  // Streams gpumem_stream_create made and gpumem_stream_destroy has not destroyed: they
+  // die with the pool (no handle is left to destroy them through).
+  std::mutex streams_mutex;
+  std::vector<std::uintptr_t> made_streams;
+
   ~pool_body() {
     planner.reset();  // before the pool it stands on
+    // The pool first: its destructor may still wait for work on these streams.
+    pool.reset();
+    upstream.reset();
     if (wait_event.value != 0) (void)platform->event_destroy(wait_event);
+    for (std::uintptr_t s : made_streams) {
+      (void)platform->stream_synchronize(gpumem::stream_handle{s});
+      (void)platform->stream_destroy(gpumem::stream_handle{s});
+    }
   }
 
   // What allocations go through: the step planner, or the pool itself.
@@ -694,9 +706,12 @@ gpumem_status gpumem_stream_create(gpumem_pool* pool, void** out) {
   pool_body* body = live_body(pool, "gpumem_stream_create");
   if (body == nullptr) return last_error_status;
   return guarded("gpumem_stream_create", [&] {
+    std::lock_guard lock(body->streams_mutex);
+    body->made_streams.reserve(body->made_streams.size() + 1);  // no failure after the create
     auto s = body->platform->stream_create(body->device);
     if (!s)
       gpumem::throw_cuda_error(s.error(), "gpumem_stream_create");
+    body->made_streams.push_back(s.value().value);
     *out = reinterpret_cast<void*>(s.value().value);
   });
 }
@@ -724,6 +739,10 @@ gpumem_status gpumem_stream_destroy(gpumem_pool* pool, void* stream) {
     }
     if (auto st = body->platform->stream_destroy(to_stream(stream)); !st)
       gpumem::throw_cuda_error(st, "gpumem_stream_destroy");
+    {
+      std::lock_guard streams_lock(body->streams_mutex);
+      std::erase(body->made_streams, s);
+    }
     if (recorded_here)
       for (auto it = body->recorded.begin(); it != body->recorded.end();) {
         std::erase(it->second, s);

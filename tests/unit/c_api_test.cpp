@@ -15,6 +15,7 @@
 
 #include "gpumem/interop/gpumem.h"
 #include "gpumem/platform/platform.hpp"
+#include "gpumem/platform/sim_platform.hpp"
 
 namespace {
 
@@ -767,8 +768,8 @@ TEST(c_api, a_free_of_a_recorded_allocation_on_a_bad_stream_changes_nothing) {
 
 // A recorded stream destroyed before the allocation's free: the free still completes.
 // Through gpumem_stream_destroy the destroy waits for the stream and drops its records;
-// destroyed elsewhere (here: through another pool on the same sim platform, so the pool
-// is not told), the free finds it gone and drops the record.
+// destroyed elsewhere (here: a stream of another pool on the same sim platform, destroyed
+// there, so the pool is not told), the free finds it gone and drops the record.
 TEST(c_api, a_recorded_stream_destroyed_before_the_free_does_not_block_the_free) {
   pool_handle h("platform:sim");
   pool_handle other("platform:sim");
@@ -787,7 +788,7 @@ TEST(c_api, a_recorded_stream_destroyed_before_the_free_does_not_block_the_free)
 
   void* s2 = nullptr;
   void* s3 = nullptr;
-  ASSERT_EQ(gpumem_stream_create(h.pool, &s2), GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(gpumem_stream_create(other.pool, &s2), GPUMEM_SUCCESS) << last_error();
   ASSERT_EQ(gpumem_stream_create(h.pool, &s3), GPUMEM_SUCCESS) << last_error();
   p = gpumem_malloc(h.pool, MiB, nullptr);
   ASSERT_NE(p, nullptr) << last_error();
@@ -799,4 +800,31 @@ TEST(c_api, a_recorded_stream_destroyed_before_the_free_does_not_block_the_free)
   EXPECT_EQ(h.stats().live_allocations, 0u);
   EXPECT_EQ(h.stats().cross_stream_waits, 1u);  // s3's, not the destroyed s2's
   EXPECT_EQ(gpumem_stream_destroy(h.pool, s3), GPUMEM_SUCCESS) << last_error();
+}
+
+// A stream made through a pool and never destroyed dies with the pool: once the handle is
+// gone nothing could destroy it, and a pool destroyed with a live allocation on such a
+// stream left the stream behind (a sim stream, or a CUDA stream's host and driver memory).
+TEST(c_api, streams_a_pool_made_die_with_it) {
+  auto* sim = dynamic_cast<gpumem::sim_platform*>(&gpumem::platform_by_name("sim"));
+  ASSERT_NE(sim, nullptr);
+  const std::size_t before = sim->live_objects().streams;
+  for (const char* config : {"platform:sim", "platform:sim,allocator:caching_pool"}) {
+    SCOPED_TRACE(config);
+    for (int i = 0; i < 4; ++i) {
+      gpumem_pool* pool = nullptr;
+      ASSERT_EQ(gpumem_pool_create(config, &pool), GPUMEM_SUCCESS) << last_error();
+      void* s = nullptr;
+      void* gone = nullptr;
+      ASSERT_EQ(gpumem_stream_create(pool, &s), GPUMEM_SUCCESS) << last_error();
+      ASSERT_EQ(gpumem_stream_create(pool, &gone), GPUMEM_SUCCESS) << last_error();
+      ASSERT_EQ(gpumem_stream_destroy(pool, gone), GPUMEM_SUCCESS) << last_error();
+      EXPECT_NE(gpumem_malloc(pool, MiB, s), nullptr) << last_error();  // live at destroy
+      EXPECT_NE(gpumem_malloc(pool, 1000, s), nullptr) << last_error();
+      EXPECT_EQ(sim->live_objects().streams, before + 1);
+      gpumem_pool_destroy(pool);
+      EXPECT_EQ(sim->live_objects().streams, before);
+    }
+  }
+  EXPECT_TRUE(sim->is_valid()) << sim->validate();
 }
