@@ -176,6 +176,17 @@ class PoolTest(unittest.TestCase):
         self.pool.free(b, MiB)
         self.pool.stream_destroy(s)
 
+    def test_a_free_on_a_stream_the_platform_refuses_changes_nothing(self):
+        # Needs the pool to refuse a stream the platform refuses (not the C API alone).
+        a = self.pool.malloc(3 * MiB)
+        with self.assertRaises(gpumem.GpumemError):
+            self.pool.free(a, 3 * MiB, stream=12345)
+        self.assertEqual(self.pool.stats()["live_allocations"], 1)
+        self.pool.free(a, 3 * MiB)
+        b = self.pool.malloc(5 * MiB)
+        self.pool.free(b, 5 * MiB)
+        self.pool.trim()
+
     def test_record_stream_refuses_a_freed_pointer(self):
         s = self.pool.stream_create()
         a = self.pool.malloc(MiB)

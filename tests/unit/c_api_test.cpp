@@ -828,3 +828,32 @@ TEST(c_api, streams_a_pool_made_die_with_it) {
   }
   EXPECT_TRUE(sim->is_valid()) << sim->validate();
 }
+
+// A free on a stream the platform refuses is refused, changing nothing: the allocation
+// stays live, a free on its own stream then succeeds, and the pool keeps allocating and
+// trimming. (The pool refuses the stream; with step_plan:on the planner passes it on.)
+TEST(c_api, a_free_on_a_stream_the_platform_refuses_changes_nothing) {
+  for (const char* config : {small_sim, "platform:sim,sim_capacity:256M,allocator:caching_pool",
+                             "platform:sim,sim_capacity:256M,step_plan:off"}) {
+    SCOPED_TRACE(config);
+    pool_handle h(config);
+    ASSERT_EQ(h.status, GPUMEM_SUCCESS) << last_error();
+    void* s = nullptr;
+    ASSERT_EQ(gpumem_stream_create(h.pool, &s), GPUMEM_SUCCESS) << last_error();
+    for (void* alloc_stream : {static_cast<void*>(nullptr), s}) {
+      void* p = gpumem_malloc(h.pool, 3 * MiB, alloc_stream);
+      ASSERT_NE(p, nullptr) << last_error();
+      EXPECT_NE(gpumem_free(h.pool, p, 3 * MiB, reinterpret_cast<void*>(0x1234)), GPUMEM_SUCCESS);
+      EXPECT_EQ(h.stats().live_allocations, 1u);
+      EXPECT_EQ(gpumem_free(h.pool, p, 3 * MiB, alloc_stream), GPUMEM_SUCCESS) << last_error();
+      for (void* any : {static_cast<void*>(nullptr), s}) {
+        void* q = gpumem_malloc(h.pool, 5 * MiB, any);
+        EXPECT_NE(q, nullptr) << last_error();
+        EXPECT_EQ(gpumem_free(h.pool, q, 5 * MiB, any), GPUMEM_SUCCESS) << last_error();
+      }
+      uint64_t released = 0;
+      EXPECT_EQ(gpumem_pool_trim(h.pool, &released), GPUMEM_SUCCESS) << last_error();
+    }
+    EXPECT_EQ(gpumem_stream_destroy(h.pool, s), GPUMEM_SUCCESS) << last_error();
+  }
+}
