@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -18,6 +19,7 @@
 #include "gpumem/errors.hpp"
 #include "gpumem/platform.hpp"
 #include "gpumem/pool.hpp"
+#include "fuzz/fuzz_driver.hpp"
 
 namespace {
 
@@ -407,6 +409,30 @@ TEST(vmm_page_pool_construction, a_failing_up_front_reserve_leaves_nothing_behin
     }
   }
   EXPECT_GT(refused, cases.size() / 2) << "a fault within the reservation makes it fail";
+}
+
+}  // namespace
+
+namespace {
+
+// caching_pool over vmm_resource with several fault rules armed at once (a failure inside
+// another's undo), seeded as the fuzz corpus is: every failure typed, the model kept and
+// nothing left on the sim device. More rules than the corpus arms (it arms up to 3).
+// GPUMEM_FAULT_SEEDS overrides the seed count per rule count (for sweeps).
+TEST(caching_pool_over_vmm_faults, several_rules_at_once_leak_nothing) {
+  std::uint64_t seeds = 12;
+  if (const char* s = std::getenv("GPUMEM_FAULT_SEEDS")) seeds = std::strtoull(s, nullptr, 10);
+  gpumem_fuzz::fuzz_counts counts;
+  for (std::size_t rules : {3u, 4u, 6u})
+    for (std::uint64_t seed = 0; seed < seeds; ++seed) {
+      const auto bytes = gpumem_fuzz::corpus_bytes(7'000'000 + rules * 100'000 + seed, 6000);
+      EXPECT_EQ(gpumem_fuzz::run_pool_fuzz(gpumem_fuzz::pool_target::caching_over_vmm,
+                                           bytes.data(), bytes.size(), true, 500, counts, rules),
+                "")
+          << rules << " rules, seed " << seed;
+    }
+  EXPECT_GT(counts.faults_armed, seeds * 3 * 2);
+  EXPECT_GT(counts.typed_failures, 0u);
 }
 
 }  // namespace
