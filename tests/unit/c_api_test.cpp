@@ -857,3 +857,31 @@ TEST(c_api, a_free_on_a_stream_the_platform_refuses_changes_nothing) {
     EXPECT_EQ(gpumem_stream_destroy(h.pool, s), GPUMEM_SUCCESS) << last_error();
   }
 }
+
+// Planned allocations (served from a step plan's region, not the pool's own blocks) are
+// live allocations for record_stream too; their interior and freed addresses are not.
+TEST(c_api, record_stream_accepts_planned_allocations) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  void* s1 = nullptr;
+  ASSERT_EQ(gpumem_stream_create(h.pool, &s1), GPUMEM_SUCCESS) << last_error();
+  std::uint64_t waits = 0;
+  for (int step = 0; step < 6; ++step) {
+    ASSERT_EQ(gpumem_pool_mark_step(h.pool), GPUMEM_SUCCESS) << last_error();
+    void* a = gpumem_malloc(h.pool, 3 * MiB, nullptr);
+    void* b = gpumem_malloc(h.pool, 5 * MiB, nullptr);
+    ASSERT_NE(a, nullptr);
+    ASSERT_NE(b, nullptr);
+    EXPECT_EQ(gpumem_record_stream(h.pool, b, s1), GPUMEM_SUCCESS) << "step " << step << ": " << last_error();
+    EXPECT_EQ(gpumem_record_stream(h.pool, static_cast<char*>(b) + MiB, s1),
+              GPUMEM_ERROR_INVALID_ARGUMENT);
+    ASSERT_EQ(gpumem_free(h.pool, a, 3 * MiB, nullptr), GPUMEM_SUCCESS);
+    ASSERT_EQ(gpumem_free(h.pool, b, 5 * MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+    EXPECT_EQ(gpumem_record_stream(h.pool, b, s1), GPUMEM_ERROR_INVALID_ARGUMENT);
+    EXPECT_EQ(h.stats().cross_stream_waits, ++waits);
+  }
+  uint64_t planned = 0;
+  ASSERT_EQ(gpumem_pool_counter(h.pool, "planned_allocations", &planned), GPUMEM_SUCCESS);
+  EXPECT_GT(planned, 0u) << "some steps ran on the plan";
+  EXPECT_EQ(gpumem_stream_destroy(h.pool, s1), GPUMEM_SUCCESS) << last_error();
+}
