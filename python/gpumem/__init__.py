@@ -227,15 +227,70 @@ def _check(lib, status):
         _raise(lib, status)
 
 
+_POINTER_BITS = 8 * ctypes.sizeof(ctypes.c_void_p)
+_SIZE_BITS = 8 * ctypes.sizeof(ctypes.c_size_t)
+_INT_BITS = 8 * ctypes.sizeof(ctypes.c_int)
+
+
+def _unsigned(value, what, bits):
+    """`value` as a Python int in [0, 2**bits): ctypes would wrap anything else silently
+    (2**64 + 100 becomes 100, -1 becomes 2**64 - 1). TypeError for a non-integer (a float,
+    a str, a bool), ValueError for a negative value, OverflowError past the C type."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError("gpumem: %s must be an integer, not %s" % (what, type(value).__name__))
+    value = value.__index__()
+    if value < 0:
+        raise ValueError("gpumem: %s must not be negative, got %d" % (what, value))
+    if value >= 1 << bits:
+        raise OverflowError("gpumem: %s %d does not fit in %d bits (at most %d)"
+                            % (what, value, bits, (1 << bits) - 1))
+    return value
+
+
+def _size(value, what="size"):
+    return _unsigned(value, what, _SIZE_BITS)
+
+
+def _pointer(value, what="pointer"):
+    """A device address as int (None: NULL)."""
+    if value is None:
+        return None
+    return _unsigned(value, what, _POINTER_BITS) or None
+
+
+def _device(value):
+    return _unsigned(value, "device", _INT_BITS - 1)
+
+
+def _text(value, what):
+    """A str for the C API: no NUL inside (C would stop reading there)."""
+    if not isinstance(value, str):
+        raise TypeError("gpumem: %s must be a str, not %s" % (what, type(value).__name__))
+    if "\0" in value:
+        raise ValueError("gpumem: %s contains a NUL character at index %d (C would ignore "
+                         "what follows it): %r" % (what, value.index("\0"), value))
+    return value
+
+
+def _path(path):
+    """A file path as bytes for the C API, refusing a NUL inside."""
+    raw = os.fsencode(path)
+    if b"\0" in raw:
+        raise ValueError("gpumem: path contains a NUL character: %r" % (path,))
+    return raw
+
+
 def _stream_value(stream):
     """A cudaStream_t as int: None/0 (default stream), an int, or anything with
-    .cuda_stream (torch.cuda.Stream) or .ptr (cupy)."""
+    .cuda_stream (torch.cuda.Stream) or .ptr (cupy). TypeError for anything else (a
+    float, a str), ValueError for a negative value, OverflowError past a pointer: ctypes
+    would otherwise pass a wrapped or truncated value the pool could not use."""
     if stream is None:
         return None
     for attr in ("cuda_stream", "ptr"):
         if hasattr(stream, attr):
-            return int(getattr(stream, attr)) or None
-    return int(stream) or None
+            return _pointer(getattr(stream, attr), "stream (.%s)" % attr)
+    return _pointer(stream, "stream")
 
 
 class Pool:
@@ -243,14 +298,17 @@ class Pool:
     device and platform, when given, are added to it as the C API's keys."""
 
     def __init__(self, config="", allocator=None, device=None, platform=None, lib=None):
-        self._lib = lib if lib is not None else load()
+        if config is None:
+            config = ""
+        _text(config, "config")
         parts = [config] if config else []
         if allocator is not None:
-            parts.append("allocator:%s" % allocator)
+            parts.append("allocator:%s" % _text(allocator, "allocator"))
         if platform is not None:
-            parts.append("platform:%s" % platform)
+            parts.append("platform:%s" % _text(platform, "platform"))
         if device is not None:
-            parts.append("device:%d" % device)
+            parts.append("device:%d" % _device(device))
+        self._lib = lib if lib is not None else load()
         handle = ctypes.c_void_p()
         _check(self._lib, self._lib.gpumem_pool_create(",".join(parts).encode(),
                                                        ctypes.byref(handle)))
@@ -283,16 +341,19 @@ class Pool:
     def malloc(self, size, stream=None, alignment=256):
         """Device address (int) of `size` bytes usable in order on `stream`."""
         out = ctypes.c_void_p()
-        _check(self._lib, self._lib.gpumem_allocate(self.handle, size, alignment,
-                                                    _stream_value(stream), ctypes.byref(out)))
+        size, alignment = _size(size), _size(alignment, "alignment")
+        stream = _stream_value(stream)
+        _check(self._lib, self._lib.gpumem_allocate(self.handle, size, alignment, stream,
+                                                    ctypes.byref(out)))
         return out.value
 
     def free(self, ptr, size, stream=None):
-        _check(self._lib, self._lib.gpumem_free(self.handle, ptr, size, _stream_value(stream)))
+        ptr, size, stream = _pointer(ptr), _size(size), _stream_value(stream)
+        _check(self._lib, self._lib.gpumem_free(self.handle, ptr, size, stream))
 
     def record_stream(self, ptr, stream):
-        _check(self._lib, self._lib.gpumem_record_stream(self.handle, ptr,
-                                                         _stream_value(stream)))
+        ptr, stream = _pointer(ptr), _stream_value(stream)
+        _check(self._lib, self._lib.gpumem_record_stream(self.handle, ptr, stream))
 
     def stats(self):
         s = Stats()
@@ -304,7 +365,8 @@ class Pool:
         nanoseconds spent in them ("cuMemMap.ns", "driver_ns" for all), or vmm_page_pool's
         page counts ("pages_created", ...); see gpumem_pool_counter in gpumem.h."""
         out = ctypes.c_uint64()
-        _check(self._lib, self._lib.gpumem_pool_counter(self.handle, name.encode(),
+        _check(self._lib, self._lib.gpumem_pool_counter(self.handle,
+                                                        _text(name, "counter name").encode(),
                                                         ctypes.byref(out)))
         return out.value
 
@@ -331,6 +393,7 @@ class Pool:
 
     def report(self, size=0):
         """The out-of-memory report the pool would give for a request of `size` bytes."""
+        size = _size(size)
         n = self._lib.gpumem_pool_report(self.handle, size, None, 0)
         buf = ctypes.create_string_buffer(n + 1)
         self._lib.gpumem_pool_report(self.handle, size, buf, n + 1)
@@ -348,7 +411,7 @@ class Pool:
         return buf.value.decode(errors="replace")
 
     def snapshot(self, path):
-        _check(self._lib, self._lib.gpumem_snapshot(self.handle, os.fsencode(path)))
+        _check(self._lib, self._lib.gpumem_snapshot(self.handle, _path(path)))
 
     def stream_create(self):
         out = ctypes.c_void_p()
@@ -356,11 +419,11 @@ class Pool:
         return out.value
 
     def stream_destroy(self, stream):
-        _check(self._lib, self._lib.gpumem_stream_destroy(self.handle, stream))
+        _check(self._lib, self._lib.gpumem_stream_destroy(self.handle, _stream_value(stream)))
 
     def stream_synchronize(self, stream=None):
-        _check(self._lib, self._lib.gpumem_stream_synchronize(self.handle,
-                                                              _stream_value(stream)))
+        stream = _stream_value(stream)
+        _check(self._lib, self._lib.gpumem_stream_synchronize(self.handle, stream))
 
     @property
     def allocator(self):

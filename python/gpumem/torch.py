@@ -55,9 +55,9 @@ def enable(conf=None, allocator=None, path=None, patch_record_stream=True, mark_
         raise ValueError("gpumem.torch.enable: mark_steps must be 'optimizer' or None, not %r"
                          % (mark_steps,))
     if conf is not None:
-        os.environ["GPUMEM_CONF"] = conf
+        os.environ["GPUMEM_CONF"] = gpumem._text(conf, "conf")
     if allocator is not None:
-        os.environ["GPUMEM_ALLOCATOR"] = allocator
+        os.environ["GPUMEM_ALLOCATOR"] = gpumem._text(allocator, "allocator")
     lib = gpumem.load(path)
     so_path = gpumem.library_path()
     alloc = torch.cuda.memory.CUDAPluggableAllocator(
@@ -167,7 +167,7 @@ def _patch_record_stream(torch, lib):
             base = self.untyped_storage().data_ptr()
             if base:
                 status = lib.gpumem_torch_record_stream_on(self.device.index, base,
-                                                           stream.cuda_stream or None)
+                                                           gpumem._stream_value(stream))
                 if status != gpumem.SUCCESS:
                     gpumem._raise(lib, status)
 
@@ -198,7 +198,7 @@ def stats(device=0):
     """gpumem's statistics of the device's pool, as a dict (gpumem_stats fields)."""
     lib = gpumem.load()
     s = gpumem.Stats()
-    gpumem._check(lib, lib.gpumem_torch_stats(device, ctypes.byref(s)))
+    gpumem._check(lib, lib.gpumem_torch_stats(gpumem._device(device), ctypes.byref(s)))
     return s.as_dict()
 
 
@@ -217,7 +217,7 @@ def pool(device=0):
     """The plug-in's pool of `device` (created now if PyTorch has not allocated there yet),
     as a gpumem.Pool: counters(), report(), trim(), snapshot(), ..."""
     lib = gpumem.load()
-    handle = lib.gpumem_torch_pool(device)
+    handle = lib.gpumem_torch_pool(gpumem._device(device))
     if not handle:
         raise gpumem.GpumemError(gpumem.ERROR_INVALID_ARGUMENT,
                                  "gpumem.torch: no pool for device %d (see stderr)" % device)
@@ -239,7 +239,7 @@ def snapshot(path, device=0):
     """Writes a PyTorch memory snapshot of the device's pool to `path` (raises
     gpumem.NotSupportedError where the library has no snapshot exporter)."""
     lib = gpumem.load()
-    gpumem._check(lib, lib.gpumem_torch_snapshot(device, os.fsencode(path)))
+    gpumem._check(lib, lib.gpumem_torch_snapshot(gpumem._device(device), gpumem._path(path)))
 
 
 def mark_step():

@@ -14,7 +14,10 @@
 //    never changes back; a destroyed shell is never freed or reused (its address is never
 //    handed out again), and it is on the `tombstones` list, so it stays reachable;
 //  - `recorded` holds, for each live allocation passed to gpumem_record_stream, the
-//    streams recorded for it; an entry goes away when the allocation is freed.
+//    streams recorded for it, each once; an entry goes away when the allocation is freed,
+//    and a stream's entries when it is destroyed through gpumem_stream_destroy. A key is
+//    always a live allocation: record_stream refuses any other pointer, and gpumem_free is
+//    the only way an allocation of a live pool dies.
 #include "gpumem/interop/gpumem.h"
 
 #include <algorithm>
@@ -68,9 +71,21 @@ struct pool_body {
   std::atomic<bool> any_recorded{false};
   std::atomic<std::uint64_t> cross_stream_waits{0};
 
+  // Streams gpumem_stream_create made and gpumem_stream_destroy has not destroyed: they
+  // die with the pool (no handle is left to destroy them through).
+  std::mutex streams_mutex;
+  std::vector<std::uintptr_t> made_streams;
+
   ~pool_body() {
     planner.reset();  // before the pool it stands on
+    // The pool first: its destructor may still wait for work on these streams.
+    pool.reset();
+    upstream.reset();
     if (wait_event.value != 0) (void)platform->event_destroy(wait_event);
+    for (std::uintptr_t s : made_streams) {
+      (void)platform->stream_synchronize(gpumem::stream_handle{s});
+      (void)platform->stream_destroy(gpumem::stream_handle{s});
+    }
   }
 
   // What allocations go through: the step planner, or the pool itself.
@@ -300,24 +315,73 @@ pool_body* live_body(gpumem_pool* pool, const char* where) noexcept {
   return nullptr;
 }
 
-// Makes `free_stream` wait for the work queued so far on each stream recorded for `addr`,
-// and forgets them. On failure the record stays, so a retried free waits again.
+// Whether `addr` is the address of a live allocation this pool handed out (through the
+// planner when there is one: its planned allocations too).
+// The pool has no lookup of one address, so this reads every segment's blocks: O(blocks),
+// paid once per allocation recorded (a pointer already in `recorded` is known live).
+// Guarded allocations (pool_options::guard) are in no segment: in guard mode every
+// pointer passes, as before this check.
+// REQUIRES: pool.recorded_mutex held (no free of `addr` runs meanwhile).
+bool is_live_allocation(const pool_body& pool, std::uintptr_t addr) {
+  if (pool.pool->options().guard) return true;
+  const std::vector<gpumem::memory_segment> segments =
+      pool.planner != nullptr ? pool.planner->memory_segments() : pool.pool->memory_segments();
+  // Segments and their blocks are by address.
+  auto seg = std::upper_bound(segments.begin(), segments.end(), addr,
+                              [](std::uintptr_t a, const gpumem::memory_segment& s) {
+                                return a < s.address;
+                              });
+  if (seg == segments.begin()) return false;
+  --seg;
+  if (addr >= seg->address + seg->size) return false;
+  auto b = std::lower_bound(seg->blocks.begin(), seg->blocks.end(), addr,
+                            [](const gpumem::memory_block& x, std::uintptr_t a) {
+                              return x.address < a;
+                            });
+  return b != seg->blocks.end() && b->address == addr &&
+         b->st == gpumem::memory_block::state::allocated;
+}
+
+std::string hex(std::uintptr_t value) {
+  char text[32];
+  std::snprintf(text, sizeof text, "0x%llx", static_cast<unsigned long long>(value));
+  return text;
+}
+
+// The pool's reusable event, made on first use. REQUIRES: pool.recorded_mutex held.
+gpumem::event_handle wait_event_of(pool_body& pool, const char* where) {
+  if (pool.wait_event.value == 0) {
+    auto ev = pool.platform->event_create(pool.device);
+    if (!ev) gpumem::throw_cuda_error(ev.error(), where);
+    pool.wait_event = ev.value();
+  }
+  return pool.wait_event;
+}
+
+// Makes `free_stream` wait for the work queued so far on each stream recorded for an
+// allocation. A recorded stream the platform no longer knows (destroyed without
+// gpumem_stream_destroy) is skipped: gpumem.h says the caller finished its work before
+// destroying it. On failure nothing is forgotten, so a retried free waits again; a
+// free stream the platform refuses is an invalid argument.
 // REQUIRES: pool.recorded_mutex held.
-void wait_for_recorded_streams(pool_body& pool, std::vector<std::uintptr_t>& streams,
+void wait_for_recorded_streams(pool_body& pool, const std::vector<std::uintptr_t>& streams,
                                gpumem::stream_handle free_stream) {
   gpumem::platform& p = *pool.platform;
   for (std::uintptr_t s : streams) {
     if (s == free_stream.value) continue;
-    if (pool.wait_event.value == 0) {
-      auto ev = p.event_create(pool.device);
-      if (!ev)
-        gpumem::throw_cuda_error(ev.error(), "gpumem_free: event for a recorded stream");
-      pool.wait_event = ev.value();
-    }
-    if (auto st = p.event_record(pool.wait_event, gpumem::stream_handle{s}); !st)
+    const gpumem::event_handle ev = wait_event_of(pool, "gpumem_free: event for a recorded stream");
+    if (auto st = p.event_record(ev, gpumem::stream_handle{s}); !st) {
+      if (st.kind == gpumem::failure_kind::invalid_value) continue;  // the stream is gone
       gpumem::throw_cuda_error(st, "gpumem_free: record on a recorded stream");
-    if (auto st = p.stream_wait_event(free_stream, pool.wait_event); !st)
+    }
+    if (auto st = p.stream_wait_event(free_stream, ev); !st) {
+      if (st.kind == gpumem::failure_kind::invalid_value)
+        throw gpumem::invalid_argument("the free stream " + hex(free_stream.value) +
+                                       " is not a stream of device " +
+                                       std::to_string(pool.device) + " (" + st.describe() +
+                                       "); the allocation stays live");
       gpumem::throw_cuda_error(st, "gpumem_free: wait for a recorded stream");
+    }
     pool.cross_stream_waits.fetch_add(1, std::memory_order_relaxed);
   }
 }
@@ -439,10 +503,32 @@ gpumem_status gpumem_record_stream(gpumem_pool* pool, void* ptr, void* stream) {
   if (ptr == nullptr)
     return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_record_stream: null pointer");
   return guarded("gpumem_record_stream", [&] {
-    std::lock_guard lock(body->recorded_mutex);
-    auto& streams = body->recorded[reinterpret_cast<std::uintptr_t>(ptr)];
+    const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
     const auto s = reinterpret_cast<std::uintptr_t>(stream);
-    if (std::find(streams.begin(), streams.end(), s) == streams.end()) streams.push_back(s);
+    std::lock_guard lock(body->recorded_mutex);
+    auto it = body->recorded.find(addr);
+    if (it == body->recorded.end() && !is_live_allocation(*body, addr))
+      throw gpumem::invalid_argument(
+          "pointer " + hex(addr) + " is not a live allocation of this '" + body->allocator +
+          "' pool (never allocated by it, already freed, or inside an allocation); nothing "
+          "was recorded");
+    if (it != body->recorded.end() &&
+        std::find(it->second.begin(), it->second.end(), s) != it->second.end())
+      return;  // recorded already
+    // The stream must be one the platform knows on this device: recording the pool's event
+    // on it is what the free does, so a stream that fails here would fail the free.
+    if (s != 0) {
+      const gpumem::event_handle ev = wait_event_of(*body, "gpumem_record_stream: event");
+      if (auto st = body->platform->event_record(ev, gpumem::stream_handle{s}); !st) {
+        if (st.kind == gpumem::failure_kind::invalid_value)
+          throw gpumem::invalid_argument("stream " + hex(s) + " is not a stream of device " +
+                                         std::to_string(body->device) + " (" + st.describe() +
+                                         "); nothing was recorded");
+        gpumem::throw_cuda_error(st, "gpumem_record_stream: record on the stream");
+      }
+    }
+    if (it == body->recorded.end()) it = body->recorded.try_emplace(addr).first;
+    it->second.push_back(s);
     body->any_recorded.store(true, std::memory_order_release);
   });
 }
@@ -620,9 +706,12 @@ gpumem_status gpumem_stream_create(gpumem_pool* pool, void** out) {
   pool_body* body = live_body(pool, "gpumem_stream_create");
   if (body == nullptr) return last_error_status;
   return guarded("gpumem_stream_create", [&] {
+    std::lock_guard lock(body->streams_mutex);
+    body->made_streams.reserve(body->made_streams.size() + 1);  // no failure after the create
     auto s = body->platform->stream_create(body->device);
     if (!s)
       gpumem::throw_cuda_error(s.error(), "gpumem_stream_create");
+    body->made_streams.push_back(s.value().value);
     *out = reinterpret_cast<void*>(s.value().value);
   });
 }
@@ -634,9 +723,31 @@ gpumem_status gpumem_stream_destroy(gpumem_pool* pool, void* stream) {
     return fail(GPUMEM_ERROR_INVALID_ARGUMENT,
                 "gpumem_stream_destroy: the default stream cannot be destroyed");
   return guarded("gpumem_stream_destroy", [&] {
+    const auto s = reinterpret_cast<std::uintptr_t>(stream);
     body->front().release_stream(to_stream(stream));
+    // Allocations recorded on the stream: its work is waited for now (no later free can
+    // wait for a destroyed stream), then their records of it are dropped.
+    std::unique_lock lock(body->recorded_mutex, std::defer_lock);
+    bool recorded_here = false;
+    if (body->any_recorded.load(std::memory_order_acquire)) {
+      lock.lock();
+      for (const auto& [addr, streams] : body->recorded)
+        recorded_here = recorded_here || std::find(streams.begin(), streams.end(), s) != streams.end();
+      if (recorded_here)
+        if (auto st = body->platform->stream_synchronize(to_stream(stream)); !st)
+          gpumem::throw_cuda_error(st, "gpumem_stream_destroy: wait for the stream's work");
+    }
     if (auto st = body->platform->stream_destroy(to_stream(stream)); !st)
       gpumem::throw_cuda_error(st, "gpumem_stream_destroy");
+    {
+      std::lock_guard streams_lock(body->streams_mutex);
+      std::erase(body->made_streams, s);
+    }
+    if (recorded_here)
+      for (auto it = body->recorded.begin(); it != body->recorded.end();) {
+        std::erase(it->second, s);
+        it = it->second.empty() ? body->recorded.erase(it) : std::next(it);
+      }
   });
 }
 

@@ -37,6 +37,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "gpumem/interop/gpumem.h"
@@ -200,13 +201,23 @@ GPUMEM_API void gpumem_torch_free(void* ptr, ssize_t size, int device, void* str
 }
 
 // The signature of CUDAPluggableAllocator::set_record_stream_fn. The device is not given:
-// the allocation is recorded in every existing pool. Device addresses are unique across
-// devices, so only the owner's record is used; with several devices the others' records
-// are never freed (a known cost: one small map entry per recorded tensor per other device).
+// each existing pool is asked, and the one whose live allocation `ptr` is records it (the
+// others refuse a pointer they did not hand out). A failure is reported when no pool
+// recorded it: the owner's refusal if one had it, else the last pool's.
 GPUMEM_API void gpumem_torch_record_stream(void* ptr, void* stream) {
+  bool tried = false;
   for (auto& slot : pools_)
-    if (gpumem_pool* pool = slot.load(std::memory_order_acquire))
-      if (gpumem_record_stream(pool, ptr, stream) != GPUMEM_SUCCESS) report(gpumem_last_error());
+    if (gpumem_pool* pool = slot.load(std::memory_order_acquire)) {
+      tried = true;
+      if (gpumem_record_stream(pool, ptr, stream) == GPUMEM_SUCCESS) return;
+      // A refusal other than "not ours" is the owner's: say it.
+      if (std::string_view(gpumem_last_error()).find("not a live allocation") ==
+          std::string_view::npos) {
+        report(gpumem_last_error());
+        return;
+      }
+    }
+  if (tried) report(gpumem_last_error());
 }
 
 // As above, for a caller that knows the device (python/gpumem's Tensor.record_stream).

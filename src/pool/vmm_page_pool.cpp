@@ -58,11 +58,21 @@ vmm_page_pool::vmm_page_pool(platform& platform, int device, pool_options option
     reserve = static_cast<std::size_t>(options.reserve_fraction *
                                        static_cast<double>(device_total_bytes()));
   if (reserve > 0) {
-    // A constructor that throws runs no destructor: give back what was taken here.
+    // A constructor that throws runs no destructor: give back what was taken here, as the
+    // destructor does (mappings an undo could not remove, then handles, then the range).
+    // The error being thrown is the reservation's; a call failing here is tried once more
+    // (a failed call changes nothing), so one more transient failure strands nothing.
     auto give_back = [&] {
-      for (const chunk& c : chunks_)
-        if (c.live) (void)platform.release_physical(c.handle);
-      (void)platform.free_range(va_base_, va_pages_ * page_);
+      auto retried = [](auto&& call) {
+        if (!call()) (void)call();
+      };
+      for (const chunk& c : chunks_) {
+        if (!c.live) continue;
+        if (c.mapped_at != no_page)
+          retried([&] { return platform.unmap(page_address(c.mapped_at), c.pages * page_); });
+        retried([&] { return platform.release_physical(c.handle); });
+      }
+      retried([&] { return platform.free_range(va_base_, va_pages_ * page_); });
       detail::registry_remove(reinterpret_cast<void*>(va_base_));
     };
     std::lock_guard lock(mutex_);

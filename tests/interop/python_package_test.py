@@ -109,6 +109,109 @@ class PoolTest(unittest.TestCase):
         self.pool.stream_synchronize(s)
         self.pool.stream_destroy(s)
 
+    def test_integers_that_ctypes_would_wrap_are_refused_before_the_call(self):
+        # ctypes wraps: 2**64 + 100 would be 100 bytes, -1 would be 16384 PiB.
+        cases = [
+            (OverflowError, lambda: self.pool.malloc(2**64 + 100)),
+            (ValueError, lambda: self.pool.malloc(-1)),
+            (TypeError, lambda: self.pool.malloc(1.5)),
+            (TypeError, lambda: self.pool.malloc("100")),
+            (TypeError, lambda: self.pool.malloc(True)),
+            (OverflowError, lambda: self.pool.malloc(MiB, alignment=2**64 + 256)),
+            (ValueError, lambda: self.pool.malloc(MiB, alignment=-256)),
+            (ValueError, lambda: self.pool.malloc(MiB, stream=-1)),
+            (OverflowError, lambda: self.pool.malloc(MiB, stream=2**64)),
+            (TypeError, lambda: self.pool.malloc(MiB, stream=1.0)),
+            (OverflowError, lambda: self.pool.report(2**64)),
+        ]
+        for error, call in cases:
+            with self.assertRaises(error) as e:
+                call()
+            self.assertIn("gpumem:", str(e.exception))
+        self.assertIn("does not fit in 64 bits", self._message(lambda: self.pool.malloc(2**64 + 100)))
+        self.assertIn("must not be negative", self._message(lambda: self.pool.malloc(-1)))
+        s = self.pool.stats()
+        self.assertEqual((s["allocations"], s["live_allocations"], s["reserved_bytes"]), (0, 0, 0))
+        # A numpy-like integer (with __index__) is an integer.
+        class Index:
+            def __index__(self):
+                return MiB
+        a = self.pool.malloc(Index())
+        # A free with a pointer, size or stream out of range changes nothing.
+        for error, call in [(OverflowError, lambda: self.pool.free(a + 2**64, MiB)),
+                            (ValueError, lambda: self.pool.free(-a, MiB)),
+                            (OverflowError, lambda: self.pool.free(a, MiB + 2**64)),
+                            (ValueError, lambda: self.pool.free(a, MiB, stream=-5)),
+                            (OverflowError, lambda: self.pool.free(a, MiB, stream=2**64 + 1)),
+                            (TypeError, lambda: self.pool.free(str(a), MiB)),
+                            (OverflowError, lambda: self.pool.record_stream(a, 2**65)),
+                            (ValueError, lambda: self.pool.record_stream(-a, None))]:
+            with self.assertRaises(error):
+                call()
+        self.assertEqual(self.pool.stats()["live_allocations"], 1)
+        self.pool.free(a, MiB)
+        self.assertEqual(self.pool.stats()["live_allocations"], 0)
+
+    @staticmethod
+    def _message(call):
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001  (the message is what is checked)
+            return str(e)
+        return ""
+
+    def test_a_stream_the_platform_refuses_changes_nothing(self):
+        a = self.pool.malloc(MiB)
+        with self.assertRaises(gpumem.InvalidArgumentError) as e:
+            self.pool.record_stream(a, 12345)
+        self.assertIn("0x3039", str(e.exception))
+        s = self.pool.stream_create()
+        self.pool.record_stream(a, s)
+        with self.assertRaises(gpumem.InvalidArgumentError):
+            self.pool.free(a, MiB, stream=12345)
+        self.assertEqual(self.pool.stats()["live_allocations"], 1)
+        self.pool.free(a, MiB)
+        self.assertEqual(self.pool.stats()["live_allocations"], 0)
+        b = self.pool.malloc(MiB)
+        self.pool.free(b, MiB)
+        self.pool.stream_destroy(s)
+
+    def test_a_free_on_a_stream_the_platform_refuses_changes_nothing(self):
+        # Needs the pool to refuse a stream the platform refuses (not the C API alone).
+        a = self.pool.malloc(3 * MiB)
+        with self.assertRaises(gpumem.GpumemError):
+            self.pool.free(a, 3 * MiB, stream=12345)
+        self.assertEqual(self.pool.stats()["live_allocations"], 1)
+        self.pool.free(a, 3 * MiB)
+        b = self.pool.malloc(5 * MiB)
+        self.pool.free(b, 5 * MiB)
+        self.pool.trim()
+
+    def test_record_stream_refuses_a_freed_pointer(self):
+        s = self.pool.stream_create()
+        a = self.pool.malloc(MiB)
+        self.pool.free(a, MiB)
+        with self.assertRaises(gpumem.InvalidArgumentError) as e:
+            self.pool.record_stream(a, s)
+        self.assertIn("not a live allocation", str(e.exception))
+        self.pool.stream_destroy(s)
+
+    def test_text_with_a_nul_inside_is_refused(self):
+        for call in [lambda: gpumem.Pool("limit:64M\0limit:1K", platform="sim"),
+                     lambda: gpumem.Pool(allocator="caching_pool\0x", platform="sim"),
+                     lambda: gpumem.Pool(platform="sim\0cuda"),
+                     lambda: self.pool.counter("cuMemMap\0.ns"),
+                     lambda: self.pool.snapshot(os.path.join(tempfile.gettempdir(), "a\0b"))]:
+            with self.assertRaises(ValueError) as e:
+                call()
+            self.assertIn("NUL", str(e.exception))
+        for call, error in [(lambda: gpumem.Pool(device=-1, platform="sim"), ValueError),
+                            (lambda: gpumem.Pool(device=2**40, platform="sim"), OverflowError),
+                            (lambda: gpumem.Pool(device=0.5, platform="sim"), TypeError),
+                            (lambda: gpumem.Pool(b"limit:1G", platform="sim"), TypeError)]:
+            with self.assertRaises(error):
+                call()
+
     def test_counters(self):
         a = self.pool.malloc(3 * MiB)
         c = self.pool.counters()

@@ -22,6 +22,8 @@ void gpumem_torch_free(void* ptr, ssize_t size, int device, void* stream);
 unsigned long long gpumem_torch_failures(void);
 int gpumem_torch_oom_is_torch_type(void);
 int gpumem_torch_stats(int device, gpumem_stats* out);
+void gpumem_torch_record_stream(void* ptr, void* stream);
+gpumem_pool* gpumem_torch_pool(int device);
 }
 
 namespace {
@@ -125,6 +127,25 @@ TEST(TorchPlugin, SizeZeroIsNullAndABadFreeNeverThrows) {
   // PyTorch frees from destructors: a double free is printed and counted, never thrown.
   EXPECT_NO_THROW(gpumem_torch_free(p, MiB, 0, nullptr));
   EXPECT_EQ(gpumem_torch_failures(), failures + 1);
+}
+
+// Tensor.record_stream reaches the plug-in without a device: the pool owning the pointer
+// records it, and only a pointer no pool holds is reported (never thrown).
+TEST(TorchPlugin, RecordStreamRecordsInTheOwnersPoolAndReportsAPointerNoPoolHolds) {
+  void* p = gpumem_torch_malloc(MiB, 0, nullptr);
+  ASSERT_NE(p, nullptr);
+  void* stream = nullptr;
+  ASSERT_EQ(gpumem_stream_create(gpumem_torch_pool(0), &stream), GPUMEM_SUCCESS)
+      << gpumem_last_error();
+  const unsigned long long failures = gpumem_torch_failures();
+  const std::uint64_t waits = stats_of(0).cross_stream_waits;
+  EXPECT_NO_THROW(gpumem_torch_record_stream(p, stream));
+  EXPECT_EQ(gpumem_torch_failures(), failures);
+  gpumem_torch_free(p, MiB, 0, nullptr);
+  EXPECT_EQ(stats_of(0).cross_stream_waits, waits + 1);  // the free waited for the stream
+  EXPECT_NO_THROW(gpumem_torch_record_stream(p, stream));  // freed: no pool holds it
+  EXPECT_EQ(gpumem_torch_failures(), failures + 1);
+  EXPECT_EQ(gpumem_stream_destroy(gpumem_torch_pool(0), stream), GPUMEM_SUCCESS);
 }
 
 }  // namespace

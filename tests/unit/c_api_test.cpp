@@ -15,6 +15,7 @@
 
 #include "gpumem/interop/gpumem.h"
 #include "gpumem/platform/platform.hpp"
+#include "gpumem/platform/sim_platform.hpp"
 
 namespace {
 
@@ -694,3 +695,193 @@ TEST(c_api, racing_destroys_of_one_pool_free_it_once) {
 }
 
 }  // namespace
+
+// gpumem_record_stream on a pointer that is no live allocation is refused, and leaves no
+// record behind for the next allocation at that address.
+TEST(c_api, record_stream_refuses_pointers_that_are_not_live_allocations) {
+  for (const char* config : {small_sim, "platform:sim,sim_capacity:256M,allocator:caching_pool",
+                             "platform:sim,sim_capacity:256M,step_plan:off"}) {
+    SCOPED_TRACE(config);
+    pool_handle h(config);
+    ASSERT_EQ(h.status, GPUMEM_SUCCESS) << last_error();
+    void* s1 = nullptr;
+    ASSERT_EQ(gpumem_stream_create(h.pool, &s1), GPUMEM_SUCCESS) << last_error();
+
+    void* p = gpumem_malloc(h.pool, MiB, nullptr);
+    ASSERT_NE(p, nullptr) << last_error();
+    // Inside the allocation, and an address the pool never handed out.
+    EXPECT_EQ(gpumem_record_stream(h.pool, static_cast<char*>(p) + 512, s1),
+              GPUMEM_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(last_error().find("not a live allocation"), std::string::npos) << last_error();
+    EXPECT_EQ(gpumem_record_stream(h.pool, reinterpret_cast<void*>(0x1000), s1),
+              GPUMEM_ERROR_INVALID_ARGUMENT);
+    ASSERT_EQ(gpumem_free(h.pool, p, MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+    // Already freed: refused, and the next allocation at that address carries no record
+    // (its free on the default stream waits for nothing).
+    EXPECT_EQ(gpumem_record_stream(h.pool, p, s1), GPUMEM_ERROR_INVALID_ARGUMENT);
+    void* again = gpumem_malloc(h.pool, MiB, nullptr);
+    ASSERT_EQ(again, p) << "the pool reuses the freed block on its stream";
+    EXPECT_EQ(gpumem_free(h.pool, again, MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+    EXPECT_EQ(h.stats().cross_stream_waits, 0u);
+    EXPECT_EQ(gpumem_stream_destroy(h.pool, s1), GPUMEM_SUCCESS) << last_error();
+  }
+}
+
+// A stream the platform does not know is refused at record time, so it cannot make the
+// allocation's free fail later.
+TEST(c_api, record_stream_refuses_a_stream_the_platform_refuses) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  void* p = gpumem_malloc(h.pool, MiB, nullptr);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(gpumem_record_stream(h.pool, p, reinterpret_cast<void*>(0x1234)),
+            GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("0x1234"), std::string::npos) << last_error();
+  EXPECT_EQ(gpumem_free(h.pool, p, MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(h.stats().live_allocations, 0u);
+}
+
+// A free on a stream the platform refuses, of a recorded allocation: refused, the
+// allocation stays live with its record, and the free on a good stream then waits.
+TEST(c_api, a_free_of_a_recorded_allocation_on_a_bad_stream_changes_nothing) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  void* s1 = nullptr;
+  ASSERT_EQ(gpumem_stream_create(h.pool, &s1), GPUMEM_SUCCESS) << last_error();
+  void* p = gpumem_malloc(h.pool, MiB, nullptr);
+  ASSERT_NE(p, nullptr);
+  ASSERT_EQ(gpumem_record_stream(h.pool, p, s1), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(gpumem_free(h.pool, p, MiB, reinterpret_cast<void*>(0x1234)),
+            GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("0x1234"), std::string::npos) << last_error();
+  EXPECT_EQ(h.stats().live_allocations, 1u);
+  EXPECT_EQ(h.stats().cross_stream_waits, 0u);
+  EXPECT_EQ(gpumem_free(h.pool, p, MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(h.stats().cross_stream_waits, 1u);
+  void* q = gpumem_malloc(h.pool, 4 * MiB, nullptr);
+  EXPECT_NE(q, nullptr) << last_error();
+  EXPECT_EQ(gpumem_free(h.pool, q, 4 * MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+  uint64_t released = 0;
+  EXPECT_EQ(gpumem_pool_trim(h.pool, &released), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(gpumem_stream_destroy(h.pool, s1), GPUMEM_SUCCESS) << last_error();
+}
+
+// A recorded stream destroyed before the allocation's free: the free still completes.
+// Through gpumem_stream_destroy the destroy waits for the stream and drops its records;
+// destroyed elsewhere (here: a stream of another pool on the same sim platform, destroyed
+// there, so the pool is not told), the free finds it gone and drops the record.
+TEST(c_api, a_recorded_stream_destroyed_before_the_free_does_not_block_the_free) {
+  pool_handle h("platform:sim");
+  pool_handle other("platform:sim");
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(other.status, GPUMEM_SUCCESS) << last_error();
+
+  void* s1 = nullptr;
+  ASSERT_EQ(gpumem_stream_create(h.pool, &s1), GPUMEM_SUCCESS) << last_error();
+  void* p = gpumem_malloc(h.pool, MiB, nullptr);
+  ASSERT_NE(p, nullptr) << last_error();
+  ASSERT_EQ(gpumem_record_stream(h.pool, p, s1), GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(gpumem_stream_destroy(h.pool, s1), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(gpumem_free(h.pool, p, MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(h.stats().live_allocations, 0u);
+  EXPECT_EQ(h.stats().cross_stream_waits, 0u);
+
+  void* s2 = nullptr;
+  void* s3 = nullptr;
+  ASSERT_EQ(gpumem_stream_create(other.pool, &s2), GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(gpumem_stream_create(h.pool, &s3), GPUMEM_SUCCESS) << last_error();
+  p = gpumem_malloc(h.pool, MiB, nullptr);
+  ASSERT_NE(p, nullptr) << last_error();
+  ASSERT_EQ(gpumem_record_stream(h.pool, p, s2), GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(gpumem_record_stream(h.pool, p, s3), GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(gpumem_stream_synchronize(other.pool, s2), GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(gpumem_stream_destroy(other.pool, s2), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(gpumem_free(h.pool, p, MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(h.stats().live_allocations, 0u);
+  EXPECT_EQ(h.stats().cross_stream_waits, 1u);  // s3's, not the destroyed s2's
+  EXPECT_EQ(gpumem_stream_destroy(h.pool, s3), GPUMEM_SUCCESS) << last_error();
+}
+
+// A stream made through a pool and never destroyed dies with the pool: once the handle is
+// gone nothing could destroy it, and a pool destroyed with a live allocation on such a
+// stream left the stream behind (a sim stream, or a CUDA stream's host and driver memory).
+TEST(c_api, streams_a_pool_made_die_with_it) {
+  auto* sim = dynamic_cast<gpumem::sim_platform*>(&gpumem::platform_by_name("sim"));
+  ASSERT_NE(sim, nullptr);
+  const std::size_t before = sim->live_objects().streams;
+  for (const char* config : {"platform:sim", "platform:sim,allocator:caching_pool"}) {
+    SCOPED_TRACE(config);
+    for (int i = 0; i < 4; ++i) {
+      gpumem_pool* pool = nullptr;
+      ASSERT_EQ(gpumem_pool_create(config, &pool), GPUMEM_SUCCESS) << last_error();
+      void* s = nullptr;
+      void* gone = nullptr;
+      ASSERT_EQ(gpumem_stream_create(pool, &s), GPUMEM_SUCCESS) << last_error();
+      ASSERT_EQ(gpumem_stream_create(pool, &gone), GPUMEM_SUCCESS) << last_error();
+      ASSERT_EQ(gpumem_stream_destroy(pool, gone), GPUMEM_SUCCESS) << last_error();
+      EXPECT_NE(gpumem_malloc(pool, MiB, s), nullptr) << last_error();  // live at destroy
+      EXPECT_NE(gpumem_malloc(pool, 1000, s), nullptr) << last_error();
+      EXPECT_EQ(sim->live_objects().streams, before + 1);
+      gpumem_pool_destroy(pool);
+      EXPECT_EQ(sim->live_objects().streams, before);
+    }
+  }
+  EXPECT_TRUE(sim->is_valid()) << sim->validate();
+}
+
+// A free on a stream the platform refuses is refused, changing nothing: the allocation
+// stays live, a free on its own stream then succeeds, and the pool keeps allocating and
+// trimming. (The pool refuses the stream; with step_plan:on the planner passes it on.)
+TEST(c_api, a_free_on_a_stream_the_platform_refuses_changes_nothing) {
+  for (const char* config : {small_sim, "platform:sim,sim_capacity:256M,allocator:caching_pool",
+                             "platform:sim,sim_capacity:256M,step_plan:off"}) {
+    SCOPED_TRACE(config);
+    pool_handle h(config);
+    ASSERT_EQ(h.status, GPUMEM_SUCCESS) << last_error();
+    void* s = nullptr;
+    ASSERT_EQ(gpumem_stream_create(h.pool, &s), GPUMEM_SUCCESS) << last_error();
+    for (void* alloc_stream : {static_cast<void*>(nullptr), s}) {
+      void* p = gpumem_malloc(h.pool, 3 * MiB, alloc_stream);
+      ASSERT_NE(p, nullptr) << last_error();
+      EXPECT_NE(gpumem_free(h.pool, p, 3 * MiB, reinterpret_cast<void*>(0x1234)), GPUMEM_SUCCESS);
+      EXPECT_EQ(h.stats().live_allocations, 1u);
+      EXPECT_EQ(gpumem_free(h.pool, p, 3 * MiB, alloc_stream), GPUMEM_SUCCESS) << last_error();
+      for (void* any : {static_cast<void*>(nullptr), s}) {
+        void* q = gpumem_malloc(h.pool, 5 * MiB, any);
+        EXPECT_NE(q, nullptr) << last_error();
+        EXPECT_EQ(gpumem_free(h.pool, q, 5 * MiB, any), GPUMEM_SUCCESS) << last_error();
+      }
+      uint64_t released = 0;
+      EXPECT_EQ(gpumem_pool_trim(h.pool, &released), GPUMEM_SUCCESS) << last_error();
+    }
+    EXPECT_EQ(gpumem_stream_destroy(h.pool, s), GPUMEM_SUCCESS) << last_error();
+  }
+}
+
+// Planned allocations (served from a step plan's region, not the pool's own blocks) are
+// live allocations for record_stream too; their interior and freed addresses are not.
+TEST(c_api, record_stream_accepts_planned_allocations) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  void* s1 = nullptr;
+  ASSERT_EQ(gpumem_stream_create(h.pool, &s1), GPUMEM_SUCCESS) << last_error();
+  std::uint64_t waits = 0;
+  for (int step = 0; step < 6; ++step) {
+    ASSERT_EQ(gpumem_pool_mark_step(h.pool), GPUMEM_SUCCESS) << last_error();
+    void* a = gpumem_malloc(h.pool, 3 * MiB, nullptr);
+    void* b = gpumem_malloc(h.pool, 5 * MiB, nullptr);
+    ASSERT_NE(a, nullptr);
+    ASSERT_NE(b, nullptr);
+    EXPECT_EQ(gpumem_record_stream(h.pool, b, s1), GPUMEM_SUCCESS) << "step " << step << ": " << last_error();
+    EXPECT_EQ(gpumem_record_stream(h.pool, static_cast<char*>(b) + MiB, s1),
+              GPUMEM_ERROR_INVALID_ARGUMENT);
+    ASSERT_EQ(gpumem_free(h.pool, a, 3 * MiB, nullptr), GPUMEM_SUCCESS);
+    ASSERT_EQ(gpumem_free(h.pool, b, 5 * MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+    EXPECT_EQ(gpumem_record_stream(h.pool, b, s1), GPUMEM_ERROR_INVALID_ARGUMENT);
+    EXPECT_EQ(h.stats().cross_stream_waits, ++waits);
+  }
+  uint64_t planned = 0;
+  ASSERT_EQ(gpumem_pool_counter(h.pool, "planned_allocations", &planned), GPUMEM_SUCCESS);
+  EXPECT_GT(planned, 0u) << "some steps ran on the plan";
+  EXPECT_EQ(gpumem_stream_destroy(h.pool, s1), GPUMEM_SUCCESS) << last_error();
+}

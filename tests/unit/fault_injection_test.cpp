@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -17,6 +18,8 @@
 #include "gpumem/backend.hpp"
 #include "gpumem/errors.hpp"
 #include "gpumem/platform.hpp"
+#include "gpumem/pool.hpp"
+#include "fuzz/fuzz_driver.hpp"
 
 namespace {
 
@@ -356,6 +359,80 @@ TEST(backend_calls, each_backend_makes_exactly_the_listed_calls) {
     r.reset();
     EXPECT_TRUE(sim.live_objects().none()) << sim.live_objects().describe();
   }
+}
+
+}  // namespace
+
+namespace {
+
+// A vmm_page_pool whose up-front reservation fails: the constructor throws a typed error
+// and leaves nothing on the device (range, handles, mappings), also when a second fault
+// strikes the undo (a release, an unmap or the range's free failing once).
+struct reserve_fault {
+  platform_op first;
+  std::uint64_t nth;
+  platform_op second;  // count_: none
+};
+
+TEST(vmm_page_pool_construction, a_failing_up_front_reserve_leaves_nothing_behind) {
+  const platform_op none = platform_op::count_;
+  std::vector<reserve_fault> cases;
+  for (platform_op first : {platform_op::create_physical, platform_op::map, platform_op::set_access})
+    for (std::uint64_t nth : {1u, 2u, 3u, 4u})
+      for (platform_op second : {none, platform_op::release_physical, platform_op::unmap,
+                                 platform_op::free_range})
+        cases.push_back({first, nth, second});
+  std::size_t refused = 0;
+  for (const reserve_fault& c : cases) {
+    for (failure_kind kind : {failure_kind::out_of_memory, failure_kind::driver_error}) {
+      SCOPED_TRACE(op_name(c.first) + " #" + std::to_string(c.nth) + " then " +
+                   (c.second == none ? std::string("nothing") : op_name(c.second)) +
+                   (kind == failure_kind::out_of_memory ? " (out of memory)" : " (driver error)"));
+      sim_platform sim(sim_options{.capacity = 256 * MiB, .granularity = 2 * MiB});
+      sim.inject_fault(c.first, sim_fault{.nth = c.nth, .kind = kind});
+      if (c.second != none)
+        sim.inject_fault(c.second, sim_fault{.nth = 1, .kind = failure_kind::driver_error});
+      bool threw = false;
+      std::unique_ptr<gpumem::vmm_page_pool> pool;
+      try {
+        pool = std::make_unique<gpumem::vmm_page_pool>(
+            sim, 0, gpumem::pool_options::parse("reserve:8M,big_chunk:2"));
+      } catch (const gpumem::out_of_memory&) {
+        threw = true;
+      } catch (const gpumem::cuda_error&) {
+        threw = true;
+      }
+      sim.clear_faults();
+      pool.reset();  // a pool the faults missed: destroyed with no fault armed
+      refused += threw ? 1 : 0;
+      EXPECT_TRUE(sim.live_objects().none()) << "leaked: " << sim.live_objects().describe();
+    }
+  }
+  EXPECT_GT(refused, cases.size() / 2) << "a fault within the reservation makes it fail";
+}
+
+}  // namespace
+
+namespace {
+
+// caching_pool over vmm_resource with several fault rules armed at once (a failure inside
+// another's undo), seeded as the fuzz corpus is: every failure typed, the model kept and
+// nothing left on the sim device. More rules than the corpus arms (it arms up to 3).
+// GPUMEM_FAULT_SEEDS overrides the seed count per rule count (for sweeps).
+TEST(caching_pool_over_vmm_faults, several_rules_at_once_leak_nothing) {
+  std::uint64_t seeds = 12;
+  if (const char* s = std::getenv("GPUMEM_FAULT_SEEDS")) seeds = std::strtoull(s, nullptr, 10);
+  gpumem_fuzz::fuzz_counts counts;
+  for (std::size_t rules : {3u, 4u, 6u})
+    for (std::uint64_t seed = 0; seed < seeds; ++seed) {
+      const auto bytes = gpumem_fuzz::corpus_bytes(7'000'000 + rules * 100'000 + seed, 6000);
+      EXPECT_EQ(gpumem_fuzz::run_pool_fuzz(gpumem_fuzz::pool_target::caching_over_vmm,
+                                           bytes.data(), bytes.size(), true, 500, counts, rules),
+                "")
+          << rules << " rules, seed " << seed;
+    }
+  EXPECT_GT(counts.faults_armed, seeds * 3 * 2);
+  EXPECT_GT(counts.typed_failures, 0u);
 }
 
 }  // namespace

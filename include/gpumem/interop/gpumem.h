@@ -120,12 +120,29 @@ GPUMEM_API void* gpumem_malloc(gpumem_pool* pool, size_t size, void* stream);
 GPUMEM_API gpumem_status gpumem_allocate(gpumem_pool* pool, size_t size, size_t alignment,
                                          void* stream, void** out);
 /* `size` must be the size passed to gpumem_malloc. `stream` is the stream whose work last
- * uses the memory (the allocation stream under PyTorch's rules). */
+ * uses the memory (the allocation stream under PyTorch's rules). A stream the platform
+ * refuses (not a stream of the pool's device, a destroyed one) is refused with
+ * GPUMEM_ERROR_INVALID_ARGUMENT or GPUMEM_ERROR_CUDA: the allocation stays live, the pool
+ * unchanged, and a free with a good stream then succeeds. */
 GPUMEM_API gpumem_status gpumem_free(gpumem_pool* pool, void* ptr, size_t size, void* stream);
 /* The live allocation at `ptr` is also used by work on `stream`. When it is freed, the
  * freeing stream first waits for the work queued on every recorded stream up to that
- * moment, so stream-ordered reuse on the freeing stream is safe. `ptr` must be the
- * address gpumem_malloc returned. */
+ * moment, so stream-ordered reuse on the freeing stream is safe. Records die with the
+ * allocation's free (a later allocation at the same address has none); a stream is
+ * recorded once however often it is passed.
+ * Refused with GPUMEM_ERROR_INVALID_ARGUMENT, nothing recorded: a `ptr` that is not a live
+ * allocation of this pool as gpumem_malloc returned it (unknown, already freed, interior;
+ * guard mode does not check), and a `stream` the platform refuses (not a stream of the
+ * pool's device).
+ * A recorded stream that is destroyed before the free:
+ *  - through gpumem_stream_destroy: the destroy waits for the stream's work, then drops
+ *    its records; the free does not wait for it (its work is complete);
+ *  - by other means (cudaStreamDestroy): the free finds the stream gone (the platform
+ *    refuses it) and drops the record without waiting. The caller must then have
+ *    completed the stream's work that uses the memory before destroying it
+ *    (cudaStreamSynchronize), as no one can wait for a destroyed stream.
+ * Finding whether `ptr` is live reads the pool's blocks once per allocation recorded
+ * (O(blocks); later records of the same allocation cost a hash lookup). */
 GPUMEM_API gpumem_status gpumem_record_stream(gpumem_pool* pool, void* ptr, void* stream);
 
 GPUMEM_API gpumem_status gpumem_pool_stats(gpumem_pool* pool, gpumem_stats* out);
@@ -180,7 +197,10 @@ GPUMEM_API size_t gpumem_pool_explain(gpumem_pool* pool, char* buf, size_t capac
 
 /* A stream on the pool's device and platform (cudaStreamCreate on cuda; a sim stream on
  * sim, where no other stream values exist). Destroying one releases it from the pool
- * first, so memory freed on it becomes reusable by every stream. */
+ * first, so memory freed on it becomes reusable by every stream. A stream made here and
+ * not destroyed by gpumem_stream_destroy is destroyed with the pool (gpumem_pool_destroy
+ * waits for its work first): do not use it after the pool, and destroy it only through
+ * the pool that made it (never cudaStreamDestroy: the pool would destroy it again). */
 GPUMEM_API gpumem_status gpumem_stream_create(gpumem_pool* pool, void** out);
 GPUMEM_API gpumem_status gpumem_stream_destroy(gpumem_pool* pool, void* stream);
 /* Waits for the stream's work. */
