@@ -276,7 +276,7 @@ int run_replay(int argc, char** argv) {
                          "loop the trace ends with (its period; see find_steps), as a loop "
                          "calling gpumem.torch.mark_step() would")
       .flag("json", "machine-readable output")
-      .epilog("On sim, driver time is modelled from H200 measurements (BASELINES.md).");
+      .epilog("On sim, driver time is modelled from H200 measurements (src/platform/sim_latency.cpp).");
   const parsed_args args = parser.parse(argc, argv);
   if (args.help_requested()) {
     std::cout << parser.help();
