@@ -4,8 +4,8 @@
 //
 //   same_size   allocate + free of one cached 1 MiB block, repeated
 //   mixed_64    64 live blocks of random sizes 512 B - 8 MiB (log-uniform); each step frees
-//               one at random and allocates a new random size (BASELINES.md's cudaMallocAsync
-//               figure uses the same shape)
+//               one at random and allocates a new random size (the shape the
+//               H200 cudaMallocAsync baseline was measured with)
 //               Each pool runs over a timed_platform: the table's last column is the
 //               time a mixed pair spent inside the pool's driver calls (growths, remaps,
 //               releases), part of its ns a pair.
