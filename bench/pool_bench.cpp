@@ -27,8 +27,7 @@
 //               never held in a thread's cache: src/pool/thread_cache.hpp)
 //
 // The pools run with their defaults (small requests in size classes, four to an octave: see
-// pool_options.hpp), with small_classes:0 (`/units`: 512-byte units, the defaults before
-// 2026-12-03) and with thread_cache:off (`/locked`), in the same process.
+// pool_options.hpp), with small_classes:0 (`/units`: 512-byte units) and with thread_cache:off (`/locked`), in the same process.
 //
 // Allocation speed is timed in rounds (--rounds, default 5): each round runs every allocator
 // once, in turn, and each ratio to cudaMallocAsync is taken within a round; the table gives

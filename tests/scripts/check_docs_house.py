@@ -33,6 +33,8 @@ HISTORY = [
     (re.compile(r"\brounds? of work\b", re.I), "a round of work"),
     (re.compile(r"\btried\b[^.\n]{0,80}\bnot kept\b|; not kept\b", re.I),
      "an experiment not kept"),
+    (re.compile(r"\b(fixed|since|until|before|as of)(\*\*)?\s+(\*\*)?\d{4}-\d\d-\d\d",
+                re.I), "a change dated in the history"),
 ]
 
 TOP_DIRS = ("docs", "scripts", "src", "include", "tools", "tests", "bench", "examples",
