@@ -4,8 +4,8 @@
 //
 //   same_size   allocate + free of one cached 1 MiB block, repeated
 //   mixed_64    64 live blocks of random sizes 512 B - 8 MiB (log-uniform); each step frees
-//               one at random and allocates a new random size (BASELINES.md's cudaMallocAsync
-//               figure uses the same shape)
+//               one at random and allocates a new random size (the shape the
+//               H200 cudaMallocAsync baseline was measured with)
 //               Each pool runs over a timed_platform: the table's last column is the
 //               time a mixed pair spent inside the pool's driver calls (growths, remaps,
 //               releases), part of its ns a pair.
@@ -27,8 +27,7 @@
 //               never held in a thread's cache: src/pool/thread_cache.hpp)
 //
 // The pools run with their defaults (small requests in size classes, four to an octave: see
-// pool_options.hpp), with small_classes:0 (`/units`: 512-byte units, the defaults before
-// 2026-12-03) and with thread_cache:off (`/locked`), in the same process.
+// pool_options.hpp), with small_classes:0 (`/units`: 512-byte units) and with thread_cache:off (`/locked`), in the same process.
 //
 // Allocation speed is timed in rounds (--rounds, default 5): each round runs every allocator
 // once, in turn, and each ratio to cudaMallocAsync is taken within a round; the table gives

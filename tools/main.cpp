@@ -34,6 +34,8 @@ constexpr subcommand subcommands[] = {
      gpumem::cli::run_replay},
     {"serve-sim", "simulate LLM serving and compare KV cache memory strategies on one budget",
      gpumem::cli::run_serve_sim},
+    {"options", "list every pool option (GPUMEM_CONF, --config) with its default",
+     gpumem::cli::run_options},
 };
 
 const subcommand* find_subcommand(std::string_view name) {

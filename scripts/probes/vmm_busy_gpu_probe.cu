@@ -2,7 +2,8 @@
 // ~100 ms kernel runs, and while the GPU is idle. Not part of the build (the project
 // compiles no .cu files); on a GPU machine:
 //   nvcc -O2 -arch=sm_90 -o probe scripts/probes/vmm_busy_gpu_probe.cu -lcuda && ./probe
-// Results: docs/INTEROP.md ("Do VMM calls wait for the GPU?").
+// None of the calls waits for the kernel, on a non-blocking stream or the legacy default
+// stream; they are slower while the GPU is busy than idle.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <chrono>

@@ -1,5 +1,5 @@
 // Modelled H200 call latencies for sim (sim_latency::model / spin).
-// Source: ../shared/BASELINES.md, median host time per call on an NVIDIA H200, driver
+// Source: median host time per call on an NVIDIA H200, driver
 // 580.159, CUDA 13.0, measured 2026-11-30; per-handle costs of set access and unmap from
 // gpumem's own H200 runs the same day (modelled_per_mapping_ns). Between measured sizes the latency is
 // interpolated linearly in log2(size); outside them it is clamped to the nearest point.
@@ -84,11 +84,11 @@ std::uint64_t modelled_latency_ns(platform_op op, std::size_t bytes) noexcept {
     case platform_op::set_access: ns = interpolate(cu_set_access, bytes); break;
     case platform_op::host_alloc: ns = interpolate(host_alloc, bytes); break;
     case platform_op::host_free: ns = interpolate(host_free, bytes); break;
-    // Warm cudaMemPool: 0.58 us / 0.70 us whatever the size (BASELINES.md).
+    // Warm cudaMemPool: 0.58 us / 0.70 us whatever the size (measured on the H200).
     case platform_op::async_malloc: ns = 580; break;
     case platform_op::async_free: ns = 700; break;
-    // Stream-ordered and bookkeeping calls: sub-microsecond launches, not measured in
-    // BASELINES.md; charged a nominal 1 us (copies: plus the bytes read and written at 4.3 TB/s).
+    // Stream-ordered and bookkeeping calls: sub-microsecond launches, not measured
+    // separately; charged a nominal 1 us (copies: plus the bytes read and written at 4.3 TB/s).
     case platform_op::memcpy_async:
     case platform_op::memset_async:
       ns = 1000.0 + 2.0 * static_cast<double>(bytes) / 4.3e12 * 1e9;  // read + write

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "gpumem/errors.hpp"
+#include "gpumem/pool/option_table.hpp"
 
 namespace gpumem {
 
@@ -148,11 +149,8 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
        : key == "release_idle" ? o.release_idle
                                : o.lifetime_hints) = on;
     } else {
-      throw invalid_argument("config: unknown key '" + std::string(key) +
-                             "' (known: reserve, reserve_fraction, limit, release_threshold, "
-                             "small_threshold, cross_stream, va_reserve, big_chunk, huge_growth, scrub, "
-                             "guard, "
-                             "thread_cache, round_large, small_classes, small_cache, map_worker, growth_slack, remap_budget, release_idle, lifetime_hints)");
+      throw invalid_argument("config: unknown key '" + std::string(key) + "' (known: " +
+                             pool_option_names() + ")");
     }
   }
 }

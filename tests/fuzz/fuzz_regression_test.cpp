@@ -247,7 +247,7 @@ TEST(fuzz_regression, vmm_page_pool_keeps_a_chunk_whose_release_fails_inside_a_c
 
 }  // namespace
 
-// Regression (fixed 2026-12-01), it was: vmm_mapping::create undid a failed allocation once
+// Regression; the defect was: vmm_mapping::create undid a failed allocation once
 // and, when that undo failed too (a second fault), gave up what was left: caching_pool over
 // vmm_resource leaked a range (and in some runs a handle and a mapping) in 21 of 300 seeds
 // with 3 fault rules armed at once. Seed 7 was one (a range, a handle and a mapping).

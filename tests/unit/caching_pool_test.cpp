@@ -232,7 +232,7 @@ TEST_F(CachingPool, WaitPolicyReusesAnotherStreamsBlockAtOnce) {
   sim.hold_events(false);
 }
 
-// Regression (fixed 2026-11-30), it was: block_arena::take() gives the tail split off a freed block free_epoch 0, so the rest
+// Regression; the defect was: block_arena::take() gives the tail split off a freed block free_epoch 0, so the rest
 // of a block freed on s1 (still in use by s1's queued work) counts as complete for s2.
 TEST_F(CachingPool, TheRestOfASplitFreedBlockIsNotHandedToAnotherStreamEarly) {
   runtime_caching_pool env(sim);
@@ -338,7 +338,7 @@ TEST_F(CachingPool, ReserveUpFrontServesTheFirstLargeAllocations) {
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
 }
 
-// Regression (fixed 2026-11-30), it was: the reserve is a free block of the default stream, and pool_base::allocate_slow only
+// Regression; the defect was: the reserve is a free block of the default stream, and pool_base::allocate_slow only
 // looks at other streams' blocks once some stream has freed something (streams_ is empty
 // until the first deallocate). So allocations on any other stream grow new segments beside
 // the idle reserve — and with a limit, the reserve is given back to make room.
@@ -371,7 +371,7 @@ TEST_F(CachingPool, AFreshSegmentsFreeTailServesAnotherStream) {
   pool.deallocate(a, 64 * KiB, s1);
 }
 
-// Regression (fixed 2026-11-30), it was: the up-front reserve goes into the large-block arena only, so small
+// Regression; the defect was: the up-front reserve goes into the large-block arena only, so small
 // requests (<= small_threshold, 1 MiB) grow new 2 MiB segments beside an idle reserve.
 TEST_F(CachingPool, ReserveUpFrontServesSmallAllocationsToo) {
   pool_options o;

@@ -406,7 +406,7 @@ TEST_F(VmmPagePool, AGatherTakesTheLeastRecentlyFreedPagesFirst) {
 
 // --- stream-ordered reuse ------------------------------------------------------------------
 
-// Regression (fixed 2026-11-30), it was: vmm_page_pool::grow() reclaims whole free pages from cached blocks of ANY stream
+// Regression; the defect was: vmm_page_pool::grow() reclaims whole free pages from cached blocks of ANY stream
 // after synchronize_streams_with_free_blocks() (a cudaStreamSynchronize of every stream
 // that ever freed), then maps them at the lowest free address — here p's own address. So
 // s2 gets s1's freed block while s1's event is still incomplete, by stalling the host on
@@ -568,7 +568,7 @@ TEST_F(VmmPagePool, WaitPolicyReusesAnotherStreamsBlockAtOnce) {
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
 }
 
-// Regression (fixed 2026-11-30), it was: block_arena::take() gives the tail split off a freed block free_epoch 0 (see
+// Regression; the defect was: block_arena::take() gives the tail split off a freed block free_epoch 0 (see
 // block_arena_test SplittingAFreedBlockKeepsItsFreeEpoch). With that fixed, grow()'s
 // synchronize-and-reclaim (AnotherStreamWaitsForTheFreeingStreamsEvent) still hands the
 // tail's pages to s2 at the same address; both fixes are needed.
@@ -663,7 +663,7 @@ TEST_F(VmmPagePool, UnderPressureFreePagesAreReclaimedBeforeFailing) {
   expect_page_accounting(pool);
 }
 
-// Regression (fixed 2026-11-30), it was: grow() creates the physical chunk before it looks for a free virtual run; when the
+// Regression; the defect was: grow() creates the physical chunk before it looks for a free virtual run; when the
 // range is exhausted it returns false with the new chunk left as spare pages, so the
 // failed allocation leaves reserved_bytes 2 MiB higher (an extra handle nothing can use)
 // although an entry point that throws must leave the pool as it was.
@@ -795,7 +795,7 @@ TEST_F(VmmPagePool, BadInputIsRefusedAndThePoolStaysUsable) {
   expect_page_accounting(pool);
 }
 
-// Regression (fixed 2026-12-01), it was: a driver failure while creating the up-front
+// Regression; the defect was: a driver failure while creating the up-front
 // reservation's pages threw out of the constructor with the virtual range (and the
 // ownership registry's entry for it) left behind.
 TEST_F(VmmPagePool, AFailedUpFrontReservationLeaksNoRangeAndNoPage) {

@@ -133,7 +133,7 @@ class sim_platform final : public platform {
   std::unique_ptr<state> state_;
 };
 
-// Modelled H200 latency of one call of `op` moving `bytes` (BASELINES.md, interpolated
+// Modelled H200 latency of one call of `op` moving `bytes` (the H200 table in src/platform/sim_latency.cpp, interpolated
 // in log-size between the measured points), nanoseconds.
 std::uint64_t modelled_latency_ns(platform_op op, std::size_t bytes) noexcept;
 // Modelled cost per mapping (handle) covered, for the calls whose cost grows with the number

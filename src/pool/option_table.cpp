@@ -1,0 +1,178 @@
+#include "gpumem/pool/option_table.hpp"
+
+#include <array>
+
+namespace gpumem {
+
+namespace {
+
+// Descriptions hold no '|' (they are Markdown table cells) and no line breaks.
+constexpr std::array<pool_option_info, 20> table{{
+    {"reserve", "0 (none)",
+     "Physical memory taken up front (suffixes K, M, G, T). vmm_page_pool also maps it up "
+     "front, so requests within it make no driver call. Trades memory held from the start "
+     "(unusable by other processes) for no driver time within it.",
+     "reserve:8G"},
+    {"reserve_fraction", "0 (none)",
+     "As reserve, as a fraction of device memory (0 < F <= 1).", "reserve_fraction:0.9"},
+    {"limit", "0 (none)",
+     "Hard cap on reserved bytes; a request that would pass it fails with out_of_memory. "
+     "Trades throughput near the cap for a bound other processes can count on.",
+     "limit:60G"},
+    {"release_threshold", "never",
+     "Cached free bytes kept before the pool gives memory back to the driver (never: keep "
+     "all, as cudaMemPool's default). Lower gives memory back sooner at the cost of driver "
+     "calls when it is needed again.",
+     "release_threshold:4G"},
+    {"small_threshold", "1M",
+     "Requests up to this size use the small-block arena; larger ones are large blocks.",
+     "small_threshold:1M"},
+    {"cross_stream", "event",
+     "Reuse of a block freed on another stream: event waits until the freeing stream's "
+     "event completed; wait makes the new stream wait on it (reuse at once, serialising the "
+     "streams).",
+     "cross_stream:wait"},
+    {"va_reserve", "2x device memory",
+     "vmm_page_pool's virtual address range. Virtual address space costs no memory.",
+     "va_reserve:256G"},
+    {"big_chunk", "0",
+     "vmm_page_pool: growths of at least 2N pages use N-page physical handles (0: one page "
+     "per handle, but for huge growths). Fewer driver calls per growth, against handles "
+     "that smaller blocks can pin.",
+     "big_chunk:16"},
+    {"huge_growth", "1G",
+     "vmm_page_pool without big_chunk: a growth creating at least this many bytes takes "
+     "handles of a sixteenth of it (64 MiB by default), which serve only requests of that "
+     "size or more; 0: one page per handle always. Faster large growths, against coarser "
+     "handles.",
+     "huge_growth:0"},
+    {"scrub", "off",
+     "Zero every block (a memset on the freeing stream) at free, before any other owner can "
+     "get it. Costs a memset per free.",
+     "scrub:on"},
+    {"guard", "off",
+     "vmm_page_pool debug mode: every allocation gets pages of its own ending at an unmapped "
+     "guard page, so an overrun faults at once. Costs a page or more per allocation, and "
+     "frees wait for their stream.",
+     "guard:on"},
+    {"thread_cache", "on",
+     "Per-thread caches in front of the pool: a thread reuses the small blocks it freed and "
+     "frees its own small allocations without the pool's lock. Large blocks are never kept "
+     "(they merge at once). off: every call takes the pool lock.",
+     "thread_cache:off"},
+    {"round_large", "0 (512 B)",
+     "Round large blocks up to a multiple of this power of two when that loses less than "
+     "half of it. With the page size, large blocks mostly own whole pages and a tensor "
+     "re-allocated a little larger fits its predecessor's block; costs under half of it per "
+     "live large block, at most 1/32 of the live bytes.",
+     "round_large:2M"},
+    {"small_classes", "4",
+     "Round small requests up to size classes, N to an octave (0 or a power of two up to "
+     "64; 0: 512-byte units), so every freed small block serves all later requests of its "
+     "class and the thread caches keep them. Applied only while the thread caches are on. "
+     "Trades under 1/N of each small block for faster mixed-size allocation.",
+     "small_classes:0"},
+    {"small_cache", "16M",
+     "With small_classes: the bytes of small blocks each thread's cache keeps.",
+     "small_cache:64M"},
+    {"map_worker", "auto",
+     "vmm_page_pool: unmap the old mappings of remapped pages on a helper thread, so the "
+     "allocating thread does not wait for them (auto: on for a GPU, off on sim). With it on, "
+     "peak memory can differ slightly from run to run; off gives the same layout every run.",
+     "map_worker:off"},
+    {"growth_slack", "0",
+     "vmm_page_pool: memory it may hold beyond the peak live bytes, as a fraction (0 to 1). "
+     "Within it, large free runs stay whole and growth takes new pages rather than "
+     "remapping scattered free ones: memory traded for driver time.",
+     "growth_slack:0.03"},
+    {"remap_budget", "0 (off)",
+     "vmm_page_pool: the share of elapsed time it may spend gathering scattered free pages "
+     "(0 to 1). When gathers take more, judged in windows of at least 250 ms with no new "
+     "peak of live bytes, growth_slack is raised (up to 0.1): memory spent on speed only "
+     "where the workload makes the pool remap often.",
+     "remap_budget:0.05"},
+    {"release_idle", "off",
+     "caching_pool: before a new segment would raise the reserved peak, free wholly idle "
+     "segments first. Lower peaks, at a cudaFree (which waits for the device) each time. "
+     "vmm_page_pool accepts it and always does the like.",
+     "release_idle:on"},
+    {"lifetime_hints", "on",
+     "vmm_page_pool: place large blocks whose kind piles up (a layer's saved activation, a "
+     "prefill's KV block) side by side in runs of their own, so their partial last pages "
+     "are shared rather than pinned by dead temporaries. A move budget turns the hints off "
+     "for good where those runs trade pages with the others every step. No effect with "
+     "reserve or guard.",
+     "lifetime_hints:off"},
+}};
+
+void append_escaped(std::string& out, std::string_view s) {
+  for (char c : s) {
+    if (c == '|') out += '\\';
+    out += c;
+  }
+}
+
+}  // namespace
+
+std::span<const pool_option_info> pool_option_table() noexcept { return table; }
+
+const pool_option_info* find_pool_option(std::string_view name) noexcept {
+  for (const auto& row : table)
+    if (row.name == name) return &row;
+  return nullptr;
+}
+
+std::string pool_option_names() {
+  std::string out;
+  for (const auto& row : table) {
+    if (!out.empty()) out += ", ";
+    out += row.name;
+  }
+  return out;
+}
+
+std::string pool_options_markdown() {
+  std::string out =
+      "# Pool options\n"
+      "\n"
+      "<!-- Generated by `gpumem options --markdown` from src/pool/option_table.cpp; do not "
+      "edit. -->\n"
+      "\n"
+      "Every pool reads these keys from a configuration string `key:value,key:value`: the "
+      "`GPUMEM_CONF` environment variable, `gpumem replay --config`, `python -m gpumem run "
+      "--conf`, or `gpumem::pool_options::parse` in C++. Sizes take the suffixes K, M, G, T. "
+      "An unknown key or a malformed value is refused with `gpumem::invalid_argument` naming "
+      "it. Measured effects of each trade are in [RESULTS.md](RESULTS.md).\n"
+      "\n"
+      "| Option | Default | What it does and trades | Example |\n"
+      "|---|---|---|---|\n";
+  for (const auto& row : table) {
+    out += "| `";
+    out += row.name;
+    out += "` | ";
+    append_escaped(out, row.default_text);
+    out += " | ";
+    append_escaped(out, row.description);
+    out += " | `";
+    out += row.example;
+    out += "` |\n";
+  }
+  return out;
+}
+
+std::string pool_options_text() {
+  std::string out;
+  for (const auto& row : table) {
+    out += row.name;
+    out += " (default ";
+    out += row.default_text;
+    out += "; e.g. ";
+    out += row.example;
+    out += ")\n    ";
+    out += row.description;
+    out += "\n";
+  }
+  return out;
+}
+
+}  // namespace gpumem
