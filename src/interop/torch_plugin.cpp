@@ -26,9 +26,22 @@
 // catches it as it catches PyTorch's allocator's. No other entry point throws: PyTorch
 // frees from destructors, so a failed free or record is printed on stderr and counted.
 //
-// Invariants: pools_[d] is null or a pool of device d, set once.
+// Device: the plug-in's pools use the GPU (platform:cuda) and never fall back to the sim
+// device: where CUDA cannot start, creating the pool fails and every allocation throws
+// saying why. The sim device serves only when asked for by name (GPUMEM_DEVICE=sim, or
+// platform:sim / sim_capacity in GPUMEM_CONF), as the tests do.
+//
+// PyTorch's statistics (gpumem_torch_memory_counts): the plug-in counts what it hands
+// PyTorch, per device: requested bytes and allocations (current, peak, allocated, freed),
+// with peaks that gpumem_torch_reset_peak sets back to the current values, as
+// torch.cuda.reset_peak_memory_stats() does.
+//
+// Invariants: pools_[d] is null or a pool of device d, set once; counts_[d].requested ==
+// sum of the sizes of device d's allocations handed out and not freed (a refused free
+// changes nothing); every peak >= its current value.
 #include <sys/types.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -39,6 +52,7 @@
 #include <string>
 
 #include "gpumem/interop/gpumem.h"
+#include "gpumem/interop/gpumem_torch.h"
 
 #ifdef GPUMEM_TORCH_C10
 #include <c10/util/Exception.h>
@@ -64,12 +78,38 @@ void report(const char* what) noexcept {
   print(what);
 }
 
-// The configuration of device `device`'s pool: GPUMEM_CONF, the allocator from
-// GPUMEM_ALLOCATOR unless GPUMEM_CONF names one, and the device.
+// A value that only rises: `peak` becomes at least `value`.
+void raise_peak(std::atomic<std::uint64_t>& peak, std::uint64_t value) noexcept {
+  std::uint64_t seen = peak.load(std::memory_order_relaxed);
+  while (seen < value &&
+         !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+  }
+}
+
+// What the plug-in handed device d's PyTorch (see the top of this file).
+struct device_counts {
+  std::atomic<std::uint64_t> requested{0}, requested_peak{0}, requested_allocated{0},
+      requested_freed{0};
+  std::atomic<std::uint64_t> allocations{0}, allocations_peak{0}, allocations_made{0},
+      allocations_freed{0};
+  // Since the last gpumem_torch_reset_peak (all 0 before any): the pool's reserved bytes
+  // and all-time reserved peak at the reset, and the most reserved bytes seen at a new
+  // requested peak since (sampled only after a reset).
+  std::atomic<std::uint64_t> resets{0}, reserved_at_reset{0}, pool_peak_at_reset{0},
+      reserved_sampled{0};
+};
+std::array<device_counts, max_devices> counts_{};
+
+// The configuration of device `device`'s pool: the GPU unless the sim device is asked for
+// (GPUMEM_DEVICE=sim; GPUMEM_CONF's platform or sim_capacity, later, win), the allocator
+// from GPUMEM_ALLOCATOR, then GPUMEM_CONF (a later key wins), then the device.
 std::string pool_config(int device) {
   std::string config;
+  const char* platform = std::getenv("GPUMEM_DEVICE");
+  config = "platform:";
+  config += platform != nullptr && *platform != '\0' ? platform : "cuda";
   const char* allocator = std::getenv("GPUMEM_ALLOCATOR");
-  config = "allocator:";
+  config += ",allocator:";
   config += allocator != nullptr && *allocator != '\0' ? allocator : "vmm_page_pool";
   if (const char* conf = std::getenv("GPUMEM_CONF"); conf != nullptr && *conf != '\0') {
     config += ',';
@@ -104,6 +144,10 @@ gpumem_pool* pool_for(int device) noexcept {
     if (gpumem_pool_create(config.c_str(), &pool) != GPUMEM_SUCCESS) {
       init_error_[device] = "cannot create the pool for device " + std::to_string(device) +
                             " from '" + config + "': " + gpumem_last_error();
+      if (gpumem_last_status() == GPUMEM_ERROR_CUDA)
+        init_error_[device] +=
+            " (the PyTorch plug-in uses the GPU only; GPUMEM_DEVICE=sim asks for the "
+            "simulated device, for tests)";
       pool_failure_ = init_error_[device];
       print(pool_failure_.c_str());
       return nullptr;
@@ -115,6 +159,31 @@ gpumem_pool* pool_for(int device) noexcept {
     print("pool creation failed (host memory or locking)");
     return nullptr;
   }
+}
+
+// Counts an allocation handed to PyTorch. After a reset, a new requested peak also samples
+// the pool's reserved bytes (a stats read, only on new peaks), for the reserved peak.
+void count_allocation(int device, gpumem_pool* pool, std::uint64_t size) noexcept {
+  device_counts& c = counts_[device];
+  const std::uint64_t now = c.requested.fetch_add(size, std::memory_order_relaxed) + size;
+  c.requested_allocated.fetch_add(size, std::memory_order_relaxed);
+  raise_peak(c.allocations_peak, c.allocations.fetch_add(1, std::memory_order_relaxed) + 1);
+  c.allocations_made.fetch_add(1, std::memory_order_relaxed);
+  const std::uint64_t peak = c.requested_peak.load(std::memory_order_relaxed);
+  if (now <= peak) return;
+  raise_peak(c.requested_peak, now);
+  if (c.resets.load(std::memory_order_relaxed) != 0) {
+    gpumem_stats s{};
+    if (gpumem_pool_stats(pool, &s) == GPUMEM_SUCCESS) raise_peak(c.reserved_sampled, s.reserved_bytes);
+  }
+}
+
+void count_free(int device, std::uint64_t size) noexcept {
+  device_counts& c = counts_[device];
+  c.requested.fetch_sub(size, std::memory_order_relaxed);
+  c.requested_freed.fetch_add(size, std::memory_order_relaxed);
+  c.allocations.fetch_sub(1, std::memory_order_relaxed);
+  c.allocations_freed.fetch_add(1, std::memory_order_relaxed);
 }
 
 }  // namespace
@@ -134,6 +203,7 @@ GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
     why = "gpumem_torch: " + (pool_failure_.empty() ? std::string("pool creation failed")
                                                     : pool_failure_);
   } else if (void* ptr = gpumem_malloc(pool, static_cast<size_t>(size), stream)) {
+    count_allocation(device, pool, static_cast<std::uint64_t>(size));
     return ptr;
   } else {
     why = gpumem_last_error();
@@ -170,6 +240,8 @@ GPUMEM_API void gpumem_torch_free(void* ptr, ssize_t size, int device, void* str
   }
   if (gpumem_free(pool, ptr, static_cast<size_t>(size), stream) != GPUMEM_SUCCESS)
     report(gpumem_last_error());
+  else
+    count_free(device, static_cast<std::uint64_t>(size));
 }
 
 // The signature of CUDAPluggableAllocator::set_record_stream_fn. The device is not given:
@@ -236,6 +308,54 @@ GPUMEM_API int gpumem_torch_mark_step(void) {
         if (first_failure == GPUMEM_SUCCESS) first_failure = st;
       }
   return first_failure;
+}
+
+GPUMEM_API int gpumem_torch_memory_counts(int device, gpumem_torch_counts* out) {
+  if (out == nullptr) return GPUMEM_ERROR_INVALID_ARGUMENT;
+  gpumem_stats s{};
+  if (const int st = gpumem_torch_stats(device, &s); st != GPUMEM_SUCCESS) return st;
+  const device_counts& c = counts_[device];
+  gpumem_torch_counts r{};
+  r.requested_bytes = c.requested.load(std::memory_order_relaxed);
+  r.requested_bytes_peak = std::max(c.requested_peak.load(std::memory_order_relaxed), r.requested_bytes);
+  r.requested_bytes_allocated = c.requested_allocated.load(std::memory_order_relaxed);
+  r.requested_bytes_freed = c.requested_freed.load(std::memory_order_relaxed);
+  r.allocations = c.allocations.load(std::memory_order_relaxed);
+  r.allocations_peak = std::max(c.allocations_peak.load(std::memory_order_relaxed), r.allocations);
+  r.allocations_made = c.allocations_made.load(std::memory_order_relaxed);
+  r.allocations_freed = c.allocations_freed.load(std::memory_order_relaxed);
+  r.reserved_bytes = s.reserved_bytes;
+  r.resets = c.resets.load(std::memory_order_relaxed);
+  if (r.resets == 0) {
+    r.reserved_bytes_peak = s.peak_reserved_bytes;
+    r.reserved_peak_exact = 1;
+  } else if (s.peak_reserved_bytes > c.pool_peak_at_reset.load(std::memory_order_relaxed)) {
+    // A new all-time peak came after the reset: it is the peak since the reset.
+    r.reserved_bytes_peak = s.peak_reserved_bytes;
+    r.reserved_peak_exact = 1;
+  } else {
+    r.reserved_bytes_peak = std::max({c.reserved_at_reset.load(std::memory_order_relaxed),
+                                      c.reserved_sampled.load(std::memory_order_relaxed),
+                                      s.reserved_bytes});
+    r.reserved_peak_exact = 0;
+  }
+  r.alloc_retries = s.alloc_retries;
+  r.oom_count = s.oom_count;
+  *out = r;
+  return GPUMEM_SUCCESS;
+}
+
+GPUMEM_API int gpumem_torch_reset_peak(int device) {
+  gpumem_stats s{};
+  if (const int st = gpumem_torch_stats(device, &s); st != GPUMEM_SUCCESS) return st;
+  device_counts& c = counts_[device];
+  c.requested_peak.store(c.requested.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  c.allocations_peak.store(c.allocations.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  c.reserved_at_reset.store(s.reserved_bytes, std::memory_order_relaxed);
+  c.pool_peak_at_reset.store(s.peak_reserved_bytes, std::memory_order_relaxed);
+  c.reserved_sampled.store(s.reserved_bytes, std::memory_order_relaxed);
+  c.resets.fetch_add(1, std::memory_order_relaxed);
+  return GPUMEM_SUCCESS;
 }
 
 // Failures reported on stderr so far (allocation, free, record, pool creation).
