@@ -109,6 +109,14 @@ class TorchCounts(ctypes.Structure):
         return {name: getattr(self, name) for name, _ in self._fields_}
 
 
+class TorchEvent(ctypes.Structure):
+    """gpumem_torch_event of gpumem_torch.h."""
+
+    _fields_ = [("action", ctypes.c_int32), ("device", ctypes.c_int32),
+                ("addr", ctypes.c_uint64), ("size", ctypes.c_uint64),
+                ("stream", ctypes.c_uint64), ("time_us", ctypes.c_int64)]
+
+
 # What counters() reads by default: the driver calls that move physical memory, the event
 # calls of stream-ordered reuse, the time in the mapping calls (ns), and vmm_page_pool's
 # page counts.
@@ -191,6 +199,9 @@ def _declare(lib):
         "gpumem_torch_mark_step": (c.c_int, []),
         "gpumem_torch_memory_counts": (c.c_int, [c.c_int, c.POINTER(TorchCounts)]),
         "gpumem_torch_reset_peak": (c.c_int, [c.c_int]),
+        "gpumem_torch_record_history": (c.c_int, [c.c_int, c.c_size_t]),
+        "gpumem_torch_history": (c.c_size_t, [c.POINTER(TorchEvent), c.c_size_t]),
+        "gpumem_torch_recording": (c.c_int, []),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)

@@ -195,11 +195,68 @@ def explain(device=0):
     return pool(device).explain()
 
 
-def snapshot(path, device=0):
-    """Writes a PyTorch memory snapshot of the device's pool to `path` (raises
-    gpumem.NotSupportedError where the library has no snapshot exporter)."""
+def record_memory_history(enabled="all", context=None, stacks=None, max_entries=100000):
+    """Starts (enabled="all" or True) or stops (None or False) recording every allocation,
+    free and out-of-memory of the plug-in, as torch.cuda.memory._record_memory_history():
+    snapshot() then carries them as the device trace that pytorch.org/memory_viz and
+    torch.cuda._memory_viz show. Starting again empties the history. `context` and `stacks`
+    are accepted for PyTorch's signature; no call stacks are recorded (frames are empty)."""
+    del context, stacks
     lib = gpumem.load()
-    gpumem._check(lib, lib.gpumem_torch_snapshot(device, os.fsencode(path)))
+    on = enabled not in (None, False, "none", "None")
+    if on and enabled not in (True, "all", "state"):
+        raise ValueError("gpumem.torch.record_memory_history: enabled must be 'all', True, "
+                         "None or False, not %r" % (enabled,))
+    status = lib.gpumem_torch_record_history(1 if on else 0, int(max_entries) if on else 0)
+    if status != gpumem.SUCCESS:
+        raise gpumem.InvalidArgumentError(
+            status, "gpumem.torch.record_memory_history: max_entries must be 1 .. 2**26, not %r"
+            % (max_entries,))
+
+
+_ACTIONS = {0: ("alloc",), 1: ("free_requested", "free_completed"), 2: ("oom",)}
+
+
+def _history():
+    lib = gpumem.load()
+    n = lib.gpumem_torch_history(None, 0)
+    events = (gpumem.TorchEvent * max(n, 1))()
+    n = min(n, lib.gpumem_torch_history(events, n))
+    return events[:n]
+
+
+def snapshot(path=None, device=None):
+    """The device's pool as a PyTorch memory snapshot (the dict torch.cuda.memory._snapshot()
+    returns: segments with their blocks, and, after record_memory_history(), the device
+    trace of the allocations and frees since); written to `path` as the pickle
+    torch.cuda.memory._dump_snapshot() writes, when given. Raises gpumem.NotSupportedError
+    where the library has no snapshot exporter."""
+    import pickle
+    import tempfile
+
+    index = _device_index(device)
+    lib = gpumem.load()
+    with tempfile.TemporaryDirectory(prefix="gpumem-snapshot-") as folder:
+        raw = os.path.join(folder, "pool.pickle")
+        gpumem._check(lib, lib.gpumem_torch_snapshot(index, os.fsencode(raw)))
+        with open(raw, "rb") as f:
+            snap = pickle.load(f)
+    traces = snap.setdefault("device_traces", [])
+    events = [e for e in _history() if e.device == index]
+    if events:
+        while len(traces) <= index:
+            traces.append([])
+        trace = traces[index] = []
+        for e in events:
+            for action in _ACTIONS.get(e.action, ()):
+                entry = {"action": action, "size": int(e.size), "stream": int(e.stream),
+                         "time_us": int(e.time_us), "frames": []}
+                entry["device_free" if action == "oom" else "addr"] = int(e.addr)
+                trace.append(entry)
+    if path is not None:
+        with open(path, "wb") as f:
+            pickle.dump(snap, f, protocol=2)
+    return snap
 
 
 def mark_step():

@@ -36,6 +36,12 @@
 // with peaks that gpumem_torch_reset_peak sets back to the current values, as
 // torch.cuda.reset_peak_memory_stats() does.
 //
+// History (gpumem_torch_record_history, torch.cuda.memory._record_memory_history's
+// counterpart): while on, every allocation, free and out-of-memory the plug-in serves goes
+// into one ring of the last max_entries events (all devices), with a wall-clock time; off,
+// it costs one relaxed atomic load per call. Python's gpumem.torch.snapshot() puts them in
+// the snapshot's device_traces.
+//
 // Invariants: pools_[d] is null or a pool of device d, set once; counts_[d].requested ==
 // sum of the sizes of device d's allocations handed out and not freed (a refused free
 // changes nothing); every peak >= its current value.
@@ -44,12 +50,14 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "gpumem/interop/gpumem.h"
 #include "gpumem/interop/gpumem_torch.h"
@@ -99,6 +107,33 @@ struct device_counts {
       reserved_sampled{0};
 };
 std::array<device_counts, max_devices> counts_{};
+
+// The history ring (see the top of this file). ring_ holds the last min(recorded_,
+// capacity) events; the oldest is at recorded_ % capacity once it has wrapped.
+std::atomic<bool> recording_{false};
+std::mutex history_mutex_;
+std::vector<gpumem_torch_event> ring_;  // guarded by history_mutex_
+std::size_t capacity_ = 0;              // guarded by history_mutex_
+std::uint64_t recorded_ = 0;            // guarded by history_mutex_
+
+void record(int action, int device, const void* addr, std::uint64_t size, const void* stream) noexcept {
+  if (!recording_.load(std::memory_order_relaxed)) return;
+  gpumem_torch_event e{};
+  e.action = action;
+  e.device = device;
+  e.addr = reinterpret_cast<std::uintptr_t>(addr);
+  e.size = size;
+  e.stream = reinterpret_cast<std::uintptr_t>(stream);
+  e.time_us = static_cast<std::int64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+      std::chrono::system_clock::now().time_since_epoch()).count());
+  std::lock_guard lock(history_mutex_);
+  if (capacity_ == 0) return;
+  if (ring_.size() < capacity_)
+    ring_.push_back(e);  // reserved up to capacity_: does not allocate
+  else
+    ring_[recorded_ % capacity_] = e;
+  ++recorded_;
+}
 
 // The configuration of device `device`'s pool: the GPU unless the sim device is asked for
 // (GPUMEM_DEVICE=sim; GPUMEM_CONF's platform or sim_capacity, later, win), the allocator
@@ -204,10 +239,13 @@ GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
                                                     : pool_failure_);
   } else if (void* ptr = gpumem_malloc(pool, static_cast<size_t>(size), stream)) {
     count_allocation(device, pool, static_cast<std::uint64_t>(size));
+    record(GPUMEM_TORCH_EVENT_ALLOC, device, ptr, static_cast<std::uint64_t>(size), stream);
     return ptr;
   } else {
     why = gpumem_last_error();
     out_of_memory = gpumem_last_status() == GPUMEM_ERROR_OUT_OF_MEMORY;
+    if (out_of_memory)
+      record(GPUMEM_TORCH_EVENT_OOM, device, nullptr, static_cast<std::uint64_t>(size), stream);
     if (out_of_memory) why = "CUDA out of memory. " + why;
   }
   failures_.fetch_add(1, std::memory_order_relaxed);
@@ -240,8 +278,10 @@ GPUMEM_API void gpumem_torch_free(void* ptr, ssize_t size, int device, void* str
   }
   if (gpumem_free(pool, ptr, static_cast<size_t>(size), stream) != GPUMEM_SUCCESS)
     report(gpumem_last_error());
-  else
+  else {
     count_free(device, static_cast<std::uint64_t>(size));
+    record(GPUMEM_TORCH_EVENT_FREE, device, ptr, static_cast<std::uint64_t>(size), stream);
+  }
 }
 
 // The signature of CUDAPluggableAllocator::set_record_stream_fn. The device is not given:
@@ -357,6 +397,38 @@ GPUMEM_API int gpumem_torch_reset_peak(int device) {
   c.resets.fetch_add(1, std::memory_order_relaxed);
   return GPUMEM_SUCCESS;
 }
+
+GPUMEM_API int gpumem_torch_record_history(int enabled, size_t max_entries) {
+  if (!enabled) {
+    recording_.store(false, std::memory_order_relaxed);
+    return GPUMEM_SUCCESS;
+  }
+  if (max_entries == 0 || max_entries > (size_t{1} << 26)) return GPUMEM_ERROR_INVALID_ARGUMENT;
+  try {
+    std::lock_guard lock(history_mutex_);
+    std::vector<gpumem_torch_event> ring;
+    ring.reserve(max_entries);
+    ring_.swap(ring);
+    capacity_ = max_entries;
+    recorded_ = 0;
+  } catch (...) {
+    return GPUMEM_ERROR_INTERNAL;  // host memory for the ring
+  }
+  recording_.store(true, std::memory_order_relaxed);
+  return GPUMEM_SUCCESS;
+}
+
+GPUMEM_API size_t gpumem_torch_history(gpumem_torch_event* out, size_t capacity) {
+  std::lock_guard lock(history_mutex_);
+  const std::size_t kept = ring_.size();
+  if (out != nullptr) {
+    const std::size_t first = recorded_ > kept ? recorded_ % capacity_ : 0;  // the oldest
+    for (std::size_t i = 0; i < kept && i < capacity; ++i) out[i] = ring_[(first + i) % kept];
+  }
+  return kept;
+}
+
+GPUMEM_API int gpumem_torch_recording(void) { return recording_.load(std::memory_order_relaxed) ? 1 : 0; }
 
 // Failures reported on stderr so far (allocation, free, record, pool creation).
 GPUMEM_API unsigned long long gpumem_torch_failures(void) {

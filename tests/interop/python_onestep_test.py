@@ -223,6 +223,44 @@ class MemoryStatsTest(unittest.TestCase):
         self.assertIn("Allocator: vmm_page_pool on sim", text)
         self.assertTrue(all(len(line) <= 80 for line in lines), text)
 
+    def test_snapshot_carries_the_recorded_history_as_the_device_trace(self):
+        import pickle
+
+        lib = self.lib
+        early = lib.gpumem_torch_malloc(MiB, 0, None)  # before recording: not in the trace
+        gpumem.torch.record_memory_history(max_entries=4)
+        a = lib.gpumem_torch_malloc(2 * MiB, 0, None)
+        lib.gpumem_torch_free(a, 2 * MiB, 0, None)
+        b = lib.gpumem_torch_malloc(3 * MiB, 0, None)
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "snap.pickle")
+            snap = gpumem.torch.snapshot(path)
+            with open(path, "rb") as f:
+                self.assertEqual(pickle.load(f), snap)
+        trace = snap["device_traces"][0]
+        self.assertEqual([(e["action"], e["addr"], e["size"]) for e in trace],
+                         [("alloc", a, 2 * MiB), ("free_requested", a, 2 * MiB),
+                          ("free_completed", a, 2 * MiB), ("alloc", b, 3 * MiB)])
+        self.assertTrue(all(e["time_us"] > 1.5e15 and e["frames"] == [] for e in trace))
+        live = {blk["address"] for seg in snap["segments"] for blk in seg["blocks"]
+                if blk["state"] == "active_allocated"}
+        self.assertTrue({early, b} <= live, (hex(early), hex(b), [hex(x) for x in live]))
+        # The ring keeps the last max_entries (4) events, oldest first.
+        lib.gpumem_torch_free(b, 3 * MiB, 0, None)
+        lib.gpumem_torch_free(early, MiB, 0, None)  # recorded too: it is a free
+        trace = gpumem.torch.snapshot()["device_traces"][0]
+        # The last 4 events: free a, alloc b, free b, free early.
+        self.assertEqual([(e["action"], e["addr"]) for e in trace],
+                         [("free_requested", a), ("free_completed", a), ("alloc", b),
+                          ("free_requested", b), ("free_completed", b),
+                          ("free_requested", early), ("free_completed", early)])
+        gpumem.torch.record_memory_history(None)
+        c = lib.gpumem_torch_malloc(MiB, 0, None)  # stopped: not recorded
+        lib.gpumem_torch_free(c, MiB, 0, None)
+        self.assertEqual(len(gpumem.torch.snapshot()["device_traces"][0]), 7)
+        with self.assertRaises(gpumem.InvalidArgumentError):
+            gpumem.torch.record_memory_history(max_entries=0)
+
     def test_a_bad_device_is_refused(self):
         with self.assertRaises(ValueError):
             gpumem.torch.memory_stats("cpu")

@@ -46,6 +46,21 @@ typedef struct gpumem_torch_counts {
   uint64_t resets;                    /* gpumem_torch_reset_peak calls */
 } gpumem_torch_counts;
 
+/* One event of the history (gpumem_torch_record_history). */
+enum {
+  GPUMEM_TORCH_EVENT_ALLOC = 0, /* addr, size: the allocation handed out */
+  GPUMEM_TORCH_EVENT_FREE = 1,  /* addr, size: freed by PyTorch */
+  GPUMEM_TORCH_EVENT_OOM = 2    /* size: the request that failed; addr 0 */
+};
+typedef struct gpumem_torch_event {
+  int32_t action;
+  int32_t device;
+  uint64_t addr;
+  uint64_t size;
+  uint64_t stream;
+  int64_t time_us; /* microseconds since the Unix epoch */
+} gpumem_torch_event;
+
 GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream);
 GPUMEM_API void gpumem_torch_free(void* ptr, ssize_t size, int device, void* stream);
 GPUMEM_API void gpumem_torch_record_stream(void* ptr, void* stream);
@@ -63,6 +78,16 @@ GPUMEM_API int gpumem_torch_oom_is_torch_type(void);
 GPUMEM_API int gpumem_torch_memory_counts(int device, gpumem_torch_counts* out);
 /* Peaks (requested bytes, allocations, reserved bytes) restart from the current values. */
 GPUMEM_API int gpumem_torch_reset_peak(int device);
+
+/* enabled != 0: starts recording anew (the ring emptied) keeping the last max_entries
+ * events (1 .. 2^26; else GPUMEM_ERROR_INVALID_ARGUMENT); 0: stops, keeping what was
+ * recorded. */
+GPUMEM_API int gpumem_torch_record_history(int enabled, size_t max_entries);
+/* Copies up to `capacity` kept events, oldest first, to out (may be NULL); returns how
+ * many are kept. */
+GPUMEM_API size_t gpumem_torch_history(gpumem_torch_event* out, size_t capacity);
+/* 1 while recording. */
+GPUMEM_API int gpumem_torch_recording(void);
 
 #ifdef __cplusplus
 } /* extern "C" */
