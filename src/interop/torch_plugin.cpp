@@ -57,6 +57,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "gpumem/interop/gpumem.h"
@@ -138,17 +139,36 @@ void record(int action, int device, const void* addr, std::uint64_t size, const 
 // The configuration of device `device`'s pool: the GPU unless the sim device is asked for
 // (GPUMEM_DEVICE=sim; GPUMEM_CONF's platform or sim_capacity, later, win), the allocator
 // from GPUMEM_ALLOCATOR, then GPUMEM_CONF (a later key wins), then the device.
+// Does the configuration string name `key` (as "key:value", spaces allowed around it)?
+bool names_key(std::string_view config, std::string_view key) {
+  while (!config.empty()) {
+    const auto comma = config.find(',');
+    std::string_view item = config.substr(0, comma);
+    config = comma == std::string_view::npos ? std::string_view{} : config.substr(comma + 1);
+    while (!item.empty() && (item.front() == ' ' || item.front() == '\t')) item.remove_prefix(1);
+    if (item.substr(0, key.size()) != key) continue;
+    item.remove_prefix(key.size());
+    while (!item.empty() && (item.front() == ' ' || item.front() == '\t')) item.remove_prefix(1);
+    if (!item.empty() && item.front() == ':') return true;
+  }
+  return false;
+}
+
 std::string pool_config(int device) {
   std::string config;
+  const char* conf = std::getenv("GPUMEM_CONF");
+  const std::string_view conf_text = conf != nullptr ? conf : "";
   const char* platform = std::getenv("GPUMEM_DEVICE");
-  config = "platform:";
-  config += platform != nullptr && *platform != '\0' ? platform : "cuda";
+  if (platform != nullptr && *platform != '\0')
+    config = std::string("platform:") + platform + ",";
+  else if (!names_key(conf_text, "platform") && !names_key(conf_text, "sim_capacity"))
+    config = "platform:cuda,";  // GPUMEM_CONF's sim_capacity implies sim: not contradicted
   const char* allocator = std::getenv("GPUMEM_ALLOCATOR");
-  config += ",allocator:";
+  config += "allocator:";
   config += allocator != nullptr && *allocator != '\0' ? allocator : "vmm_page_pool";
-  if (const char* conf = std::getenv("GPUMEM_CONF"); conf != nullptr && *conf != '\0') {
+  if (!conf_text.empty()) {
     config += ',';
-    config += conf;  // a later key wins, so GPUMEM_CONF's allocator overrides the above
+    config += conf_text;  // a later key wins, so GPUMEM_CONF's allocator overrides the above
   }
   config += ",device:" + std::to_string(device);
   return config;

@@ -151,6 +151,43 @@ class EnableRefusalTest(unittest.TestCase):
         self.assertIn("CUDA is already initialised in this process", r.stdout)
 
 
+class PlatformChoiceTest(unittest.TestCase):
+    """The plug-in's pool is the GPU's unless the sim device is named (own processes: a
+    device's pool is created once)."""
+
+    CODE = ("import ctypes, gpumem, gpumem.torch\n"
+            "lib = gpumem.load()\n"
+            "lib.gpumem_torch_malloc.restype = ctypes.c_void_p\n"
+            "lib.gpumem_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]\n"
+            "try:\n"
+            "    print('platform', gpumem.torch.pool(0).platform)\n"
+            "except gpumem.GpumemError as e:\n"
+            "    print('refused', e)\n")
+
+    @staticmethod
+    def gpu_present():
+        try:
+            gpumem.Pool("platform:cuda,allocator:caching_pool,step_plan:off").close()
+            return True
+        except gpumem.GpumemError:
+            return False
+
+    def test_sim_capacity_in_gpumem_conf_names_the_sim_device(self):
+        r = run(["-c", self.CODE], GPUMEM_DEVICE=None, GPUMEM_CONF="sim_capacity:64M")
+        self.assertEqual(r.stdout.strip(), "platform sim", r.stderr)
+        r = run(["-c", self.CODE], GPUMEM_DEVICE=None, GPUMEM_CONF="limit:1G, platform : sim")
+        self.assertEqual(r.stdout.strip(), "platform sim", r.stderr)
+
+    def test_unnamed_is_the_gpu_or_a_refusal_never_sim(self):
+        r = run(["-c", self.CODE], GPUMEM_DEVICE=None, GPUMEM_CONF="limit:1G")
+        if self.gpu_present():
+            self.assertEqual(r.stdout.strip(), "platform cuda", r.stderr)
+        else:
+            self.assertTrue(r.stdout.startswith("refused"), r.stdout)
+            self.assertIn("uses the GPU only; GPUMEM_DEVICE=sim asks for the simulated device",
+                          r.stderr)
+
+
 class MemoryStatsTest(unittest.TestCase):
     """The plug-in's pool on the sim device (device 0), called as PyTorch calls it."""
 
