@@ -274,6 +274,12 @@ class MemoryStatsTest(unittest.TestCase):
             snap = gpumem.torch.snapshot(path)
             with open(path, "rb") as f:
                 self.assertEqual(pickle.load(f), snap)
+            # The viewer's checks: segments tile, and the trace walks back to a consistent
+            # state from them (tests/scripts/check_snapshot_structure.py).
+            checker = os.path.join(HERE, "..", "scripts", "check_snapshot_structure.py")
+            r = subprocess.run([sys.executable, checker, path], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn("4 trace entries", r.stdout)
         trace = snap["device_traces"][0]
         self.assertEqual([(e["action"], e["addr"], e["size"]) for e in trace],
                          [("alloc", a, 2 * MiB), ("free_requested", a, 2 * MiB),
