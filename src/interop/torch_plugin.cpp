@@ -136,9 +136,6 @@ void record(int action, int device, const void* addr, std::uint64_t size, const 
   ++recorded_;
 }
 
-// The configuration of device `device`'s pool: the GPU unless the sim device is asked for
-// (GPUMEM_DEVICE=sim; GPUMEM_CONF's platform or sim_capacity, later, win), the allocator
-// from GPUMEM_ALLOCATOR, then GPUMEM_CONF (a later key wins), then the device.
 // Does the configuration string name `key` (as "key:value", spaces allowed around it)?
 bool names_key(std::string_view config, std::string_view key) {
   while (!config.empty()) {
@@ -154,6 +151,9 @@ bool names_key(std::string_view config, std::string_view key) {
   return false;
 }
 
+// The configuration of device `device`'s pool: the platform GPUMEM_DEVICE names, else
+// the one GPUMEM_CONF names (platform, or sim_capacity, which implies sim), else cuda;
+// then the allocator from GPUMEM_ALLOCATOR, GPUMEM_CONF (a later key wins), the device.
 std::string pool_config(int device) {
   std::string config;
   const char* conf = std::getenv("GPUMEM_CONF");
