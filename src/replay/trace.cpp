@@ -1,4 +1,5 @@
 #include "gpumem/replay/trace.hpp"
+#include "gpumem/replay/torch_snapshot.hpp"
 
 #include <algorithm>
 #include <array>
@@ -242,7 +243,12 @@ trace parse_trace(const std::string& text, const std::string& source) {
   return t;
 }
 
-trace load_trace(const std::string& path) { return parse_trace(read_all(path), path); }
+trace load_trace(const std::string& path) {
+  const std::string bytes = read_all(path);
+  // A PyTorch memory snapshot (torch.cuda.memory._dump_snapshot): its device trace.
+  if (looks_like_pickle(bytes)) return parse_trace(torch_snapshot_to_trace_csv(bytes, path), path);
+  return parse_trace(bytes, path);
+}
 
 std::vector<std::size_t> find_steps(const trace& t, std::size_t min_repeats) {
   // The allocations, as (size, stream), with their event indices.
