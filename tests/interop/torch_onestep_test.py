@@ -86,6 +86,26 @@ class OneStepTest(unittest.TestCase):
         self.assertIn("bytes on cuda:0", r.stdout)
 
 
+class ReplayTorchSnapshotTest(unittest.TestCase):
+    @unittest.skipUnless(os.environ.get("GPUMEM_CLI"), "GPUMEM_CLI (the gpumem tool) not given")
+    def test_gpumem_replays_a_snapshot_pytorch_dumped(self):
+        path = os.path.join(tempfile.gettempdir(), "gpumem_torch_native_snapshot.pickle")
+        code = ("import torch\n"
+                "torch.cuda.memory._record_memory_history(max_entries=100000)\n"
+                "m = torch.nn.Linear(512, 512).cuda(); opt = torch.optim.SGD(m.parameters(), 0.1)\n"
+                "for _ in range(5):\n"
+                "    loss = m(torch.randn(64, 512, device='cuda')).sum(); loss.backward(); opt.step()\n"
+                "torch.cuda.memory._dump_snapshot(%r)\n" % path)
+        r = run(["-c", code])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        r = subprocess.run([os.environ["GPUMEM_CLI"], "replay", path, "--device", "sim",
+                            "--allocator", "vmm_page_pool"], capture_output=True, text=True,
+                           timeout=300)
+        os.remove(path)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertRegex(r.stdout, r"trace .*: \d+ events \(\d+ allocs, \d+ frees\)")
+
+
 class StatsUnderTorchTest(unittest.TestCase):
     """In a child process, enabled before the first allocation."""
 
