@@ -24,9 +24,21 @@ install(TARGETS gpumem_static EXPORT gpumemStaticTargets
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(TARGETS gpumem_torch LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
 install(TARGETS gpumem_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-# python/gpumem finds the plug-in at PREFIX/lib*/ from here (see its load()).
+# python/gpumem finds the plug-in at PREFIX/lib*/ from here (see its load()). Python does
+# not look in share/: `pip install .` (docs/PYTORCH.md) is the way to a package Python
+# imports; or GPUMEM_PYTHON_INSTALL_DIR names a folder on Python's path (a site-packages),
+# where the package goes with the plug-in inside it and gpumem-enable.pth beside it, as
+# pip puts them.
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/python/gpumem
         DESTINATION ${CMAKE_INSTALL_DATADIR}/gpumem/python PATTERN "__pycache__" EXCLUDE)
+set(GPUMEM_PYTHON_INSTALL_DIR "" CACHE STRING
+    "Also install the Python package (with libgpumem_torch.so inside) into this folder on Python's path (relative: to the prefix)")
+if(GPUMEM_PYTHON_INSTALL_DIR)
+  install(DIRECTORY ${PROJECT_SOURCE_DIR}/python/gpumem
+          DESTINATION ${GPUMEM_PYTHON_INSTALL_DIR} PATTERN "__pycache__" EXCLUDE)
+  install(TARGETS gpumem_torch LIBRARY DESTINATION ${GPUMEM_PYTHON_INSTALL_DIR}/gpumem)
+  install(FILES ${PROJECT_SOURCE_DIR}/python/gpumem-enable.pth DESTINATION ${GPUMEM_PYTHON_INSTALL_DIR})
+endif()
 
 install(EXPORT gpumemTargets NAMESPACE gpumem:: DESTINATION ${GPUMEM_CMAKE_DIR})
 install(EXPORT gpumemStaticTargets NAMESPACE gpumem:: DESTINATION ${GPUMEM_CMAKE_DIR})

@@ -26,9 +26,21 @@ grep -E "SKIPPED|FAILED" "$OUT/all_tests.log" | head -20
 # The interop tests: the plug-in under PyTorch on this GPU (torch_out_of_memory: the
 # out-of-memory's type and text in forward, backward and on a side stream), its C++ entry
 # points, the Python package, the C API from C, the installed package.
-(cd $BUILD && ctest -R "torch_out_of_memory|TorchPlugin|python_package|c_api_c|install_package" \
+(cd $BUILD && ctest -R "torch_out_of_memory|TorchPlugin|python_package|c_api_c|install_package|python_onestep|torch_onestep|pip_install" \
   --output-on-failure) >"$OUT/interop.log" 2>&1
 grep -E "tests passed|tests failed|Skipped|Failed" "$OUT/interop.log"
+# One step for a PyTorch user: pip install . into a venv that sees this machine's torch,
+# then an unmodified training script under GPUMEM_ENABLE=1 and under python -m gpumem run,
+# from a folder outside the source tree (docs/PYTORCH.md).
+onestep() {
+  local venv=$PWD/$BUILD/onestep-venv src=$PWD
+  rm -rf "$venv" && python3 -m venv --system-site-packages "$venv" &&
+    GPUMEM_BUILD_DIR=$PWD/$BUILD/pip-build "$venv/bin/pip" install --no-build-isolation --no-deps --no-index "$src" &&
+    (cd /tmp && GPUMEM_ENABLE=1 "$venv/bin/python" "$src/tests/interop/torch_train_script.py" --steps 20 &&
+     "$venv/bin/python" -m gpumem run --mark-steps optimizer "$src/tests/interop/torch_train_script.py" --steps 20 &&
+     "$venv/bin/python" "$src/tests/interop/torch_train_script.py" --steps 20)
+}
+onestep >"$OUT/onestep.log" 2>&1; echo "one step (pip install, GPUMEM_ENABLE, run, native) exit $?"; tail -3 "$OUT/onestep.log"
 if command -v compute-sanitizer >/dev/null; then
   compute-sanitizer --tool memcheck --leak-check full $BUILD/tests/gpumem_gpu_tests --gtest_filter=-GpuFaultDeathTest.* >"$OUT/sanitizer.log" 2>&1
   echo "compute-sanitizer exit $?: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)"

@@ -8,8 +8,9 @@
 
 `gpumem.load()` finds libgpumem_torch.so (it carries the C API of include/gpumem/interop/
 gpumem.h as well as the PyTorch entry points): the `path` given, else $GPUMEM_LIB, else
-next to this package, else a build directory of the source tree (build*/src/interop/),
-else the dynamic linker's search path. `gpumem.torch` plugs gpumem into PyTorch.
+the one bundled in this package (`pip install .`), else a build directory of the source
+tree (build*/src/interop/), else the dynamic linker's search path. `gpumem.torch` plugs
+gpumem into PyTorch; `python -m gpumem run script.py` runs a script with it.
 
 Every failure of the C API raises a GpumemError subclass carrying the status code and
 gpumem's own text (for OutOfMemoryError, the full out-of-memory report).
@@ -21,7 +22,7 @@ import os
 import threading
 
 __all__ = [
-    "load", "library_path", "version", "Pool", "Stats",
+    "load", "library_path", "c_library_path", "version", "check_config", "Pool", "Stats",
     "GpumemError", "InvalidArgumentError", "OutOfMemoryError", "CudaError",
     "NotSupportedError", "InternalError",
 ]
@@ -93,6 +94,27 @@ class Stats(ctypes.Structure):
 
     def as_dict(self):
         return {name: getattr(self, name) for name, _ in self._fields_}
+
+
+class TorchCounts(ctypes.Structure):
+    """gpumem_torch_counts of gpumem_torch.h, field for field."""
+
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "requested_bytes", "requested_bytes_peak", "requested_bytes_allocated",
+        "requested_bytes_freed", "allocations", "allocations_peak", "allocations_made",
+        "allocations_freed", "reserved_bytes", "reserved_bytes_peak", "reserved_peak_exact",
+        "alloc_retries", "oom_count", "resets")]
+
+    def as_dict(self):
+        return {name: getattr(self, name) for name, _ in self._fields_}
+
+
+class TorchEvent(ctypes.Structure):
+    """gpumem_torch_event of gpumem_torch.h."""
+
+    _fields_ = [("action", ctypes.c_int32), ("device", ctypes.c_int32),
+                ("addr", ctypes.c_uint64), ("size", ctypes.c_uint64),
+                ("stream", ctypes.c_uint64), ("time_us", ctypes.c_int64)]
 
 
 # What counters() reads by default: the driver calls that move physical memory, the event
@@ -176,6 +198,11 @@ def _declare(lib):
         "gpumem_torch_record_stream_on": (c.c_int, [c.c_int, c.c_void_p, c.c_void_p]),
         "gpumem_torch_mark_step": (c.c_int, []),
         "gpumem_torch_graph_pools": (None, [c.POINTER(c.c_ulonglong)] * 3),
+        "gpumem_torch_memory_counts": (c.c_int, [c.c_int, c.POINTER(TorchCounts)]),
+        "gpumem_torch_reset_peak": (c.c_int, [c.c_int]),
+        "gpumem_torch_record_history": (c.c_int, [c.c_int, c.c_size_t]),
+        "gpumem_torch_history": (c.c_size_t, [c.POINTER(TorchEvent), c.c_size_t]),
+        "gpumem_torch_recording": (c.c_int, []),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)
@@ -211,6 +238,39 @@ def library_path():
     """The path of the loaded library (loading it first)."""
     load()
     return _lib_path
+
+
+def c_library_path():
+    """libgpumem.so installed inside this package (pip install), else None: the shared
+    library for C and C++ programs (headers and CMake files come with `cmake --install`)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libgpumem.so")
+    return path if os.path.exists(path) else None
+
+
+# The C API's own configuration keys (gpumem.h), beside the pool options.
+C_API_KEYS = ("allocator", "backend", "device", "platform", "sim_capacity", "step_plan")
+
+
+def check_config(config):
+    """Raises InvalidArgumentError naming the bad key or value (and the valid keys) when the
+    GPUMEM_CONF string `config` would be refused; parses it on a small private sim device,
+    so no GPU is touched. Failures that are not about the text (memory) are not raised."""
+    if not config:
+        return
+    items = [item for item in config.split(",")
+             if item.strip() and item.split(":", 1)[0].strip() != "device"]
+    probe = ",".join(items + ["platform:sim", "sim_capacity:64M"])
+    try:
+        Pool(probe).close()
+    except InvalidArgumentError as e:
+        text = str(e)
+        if "config:" not in text and "unknown" not in text:
+            return
+        if "unknown key" in text:
+            text += "; and the keys of the C API: " + ", ".join(C_API_KEYS)
+        raise InvalidArgumentError(e.status, "gpumem: bad configuration %r: %s" % (config, text))
+    except GpumemError:
+        pass  # e.g. reserve: larger than the probe's device: not a fault of the text
 
 
 def version():

@@ -8,9 +8,15 @@
         ...
     print(gpumem.torch.stats())                    # peak_reserved_bytes, peak_live_bytes, ...
 
+One step, no change to the script: `python -m gpumem run train.py ARGS` or, with the
+package installed by pip, `GPUMEM_ENABLE=1 python train.py` (gpumem/_autoenable.py).
+
 What changes under a pluggable allocator, and what enable() does about it:
   - torch.cuda.memory_stats() / memory_reserved() / max_memory_allocated() raise or read
-    zero (PyTorch's pluggable allocator implements none of them): use stats().
+    zero (PyTorch's pluggable allocator implements none of them): this module has them
+    under the same names and keys (memory_stats(), memory_summary(), memory_allocated(),
+    max_memory_allocated(), memory_reserved(), max_memory_reserved(),
+    reset_peak_memory_stats()), and stats() has gpumem's own.
   - torch.cuda.empty_cache() reaches a pluggable allocator only through set_reset_fn;
     enable() sets it to gpumem_torch_reset where the allocator object offers the setter
     (empty_cache_mode() says so); empty_cache() here always works.
@@ -50,6 +56,7 @@ def enable(conf=None, allocator=None, path=None, patch_record_stream=True, mark_
 
     if _state["enabled"]:
         return _state["allocator"]
+    _refuse_if_cuda_started(torch)
     mark_steps = mark_steps if mark_steps is not None else os.environ.get("GPUMEM_MARK_STEPS")
     if mark_steps not in (None, "", "optimizer"):
         raise ValueError("gpumem.torch.enable: mark_steps must be 'optimizer' or None, not %r"
@@ -158,6 +165,29 @@ def graph_pools():
             "live_allocations": vals[2].value}
 
 
+def _refuse_if_cuda_started(torch):
+    """PyTorch's allocator cannot be swapped once CUDA has started in this process: say
+    so, with what PyTorch already holds, before PyTorch's own terse refusal."""
+    cuda = getattr(torch, "cuda", None)
+    if cuda is None or not cuda.is_initialized():
+        return
+    held = []
+    try:
+        for d in range(cuda.device_count()):
+            n = cuda.memory_allocated(d)
+            if n:
+                held.append("%d bytes on cuda:%d" % (n, d))
+    except Exception:  # pylint: disable=broad-except
+        pass  # the refusal below stands without the figures
+    what = ("PyTorch already allocated CUDA memory with its own allocator (%s)"
+            % ", ".join(held)) if held else "CUDA is already initialised in this process"
+    raise RuntimeError(
+        "gpumem.torch.enable: %s; the allocator must be chosen before the first CUDA "
+        "allocation. Call enable() before any tensor is put on the GPU, or run the script "
+        "with `python -m gpumem run script.py` (or GPUMEM_ENABLE=1 with the package "
+        "installed)." % what)
+
+
 def _patch_record_stream(torch, lib):
     original = torch.Tensor.record_stream
 
@@ -235,11 +265,68 @@ def explain(device=0):
     return pool(device).explain()
 
 
-def snapshot(path, device=0):
-    """Writes a PyTorch memory snapshot of the device's pool to `path` (raises
-    gpumem.NotSupportedError where the library has no snapshot exporter)."""
+def record_memory_history(enabled="all", context=None, stacks=None, max_entries=100000):
+    """Starts (enabled="all" or True) or stops (None or False) recording every allocation,
+    free and out-of-memory of the plug-in, as torch.cuda.memory._record_memory_history():
+    snapshot() then carries them as the device trace that pytorch.org/memory_viz and
+    torch.cuda._memory_viz show. Starting again empties the history. `context` and `stacks`
+    are accepted for PyTorch's signature; no call stacks are recorded (frames are empty)."""
+    del context, stacks
     lib = gpumem.load()
-    gpumem._check(lib, lib.gpumem_torch_snapshot(gpumem._device(device), gpumem._path(path)))
+    on = enabled not in (None, False, "none", "None")
+    if on and enabled not in (True, "all", "state"):
+        raise ValueError("gpumem.torch.record_memory_history: enabled must be 'all', True, "
+                         "None or False, not %r" % (enabled,))
+    status = lib.gpumem_torch_record_history(1 if on else 0, int(max_entries) if on else 0)
+    if status != gpumem.SUCCESS:
+        raise gpumem.InvalidArgumentError(
+            status, "gpumem.torch.record_memory_history: max_entries must be 1 .. 2**26, not %r"
+            % (max_entries,))
+
+
+_ACTIONS = {0: ("alloc",), 1: ("free_requested", "free_completed"), 2: ("oom",)}
+
+
+def _history():
+    lib = gpumem.load()
+    n = lib.gpumem_torch_history(None, 0)
+    events = (gpumem.TorchEvent * max(n, 1))()
+    n = min(n, lib.gpumem_torch_history(events, n))
+    return events[:n]
+
+
+def snapshot(path=None, device=None):
+    """The device's pool as a PyTorch memory snapshot (the dict torch.cuda.memory._snapshot()
+    returns: segments with their blocks, and, after record_memory_history(), the device
+    trace of the allocations and frees since); written to `path` as the pickle
+    torch.cuda.memory._dump_snapshot() writes, when given. Raises gpumem.NotSupportedError
+    where the library has no snapshot exporter."""
+    import pickle
+    import tempfile
+
+    index = _device_index(device)
+    lib = gpumem.load()
+    with tempfile.TemporaryDirectory(prefix="gpumem-snapshot-") as folder:
+        raw = os.path.join(folder, "pool.pickle")
+        gpumem._check(lib, lib.gpumem_torch_snapshot(index, os.fsencode(raw)))
+        with open(raw, "rb") as f:
+            snap = pickle.load(f)
+    traces = snap.setdefault("device_traces", [])
+    events = [e for e in _history() if e.device == index]
+    if events:
+        while len(traces) <= index:
+            traces.append([])
+        trace = traces[index] = []
+        for e in events:
+            for action in _ACTIONS.get(e.action, ()):
+                entry = {"action": action, "size": int(e.size), "stream": int(e.stream),
+                         "time_us": int(e.time_us), "frames": []}
+                entry["device_free" if action == "oom" else "addr"] = int(e.addr)
+                trace.append(entry)
+    if path is not None:
+        with open(path, "wb") as f:
+            pickle.dump(snap, f, protocol=2)
+    return snap
 
 
 def mark_step():
@@ -274,3 +361,179 @@ def failures():
     torch.OutOfMemoryError, see out_of_memory_error(), with gpumem's text) and frees or stream records that failed (printed on stderr: PyTorch frees from
     destructors, which cannot raise)."""
     return int(gpumem.load().gpumem_torch_failures())
+
+
+# PyTorch's statistics (torch.cuda.memory_stats() and friends) under a gpumem allocator.
+
+
+def _device_index(device):
+    """None (the current device, 0 before torch is imported), an int, "cuda:N", or a
+    torch.device."""
+    if device is None:
+        import sys
+
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            return torch.cuda.current_device()
+        return 0
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        if device == "cuda":
+            return _device_index(None)
+        if device.startswith("cuda:") and device[5:].isdigit():
+            return int(device[5:])
+        raise ValueError("gpumem.torch: %r is not a CUDA device (an int, 'cuda:N' or a "
+                         "torch.device)" % (device,))
+    index = getattr(device, "index", None)
+    if index is not None or getattr(device, "type", None) == "cuda":
+        return index if index is not None else _device_index(None)
+    raise ValueError("gpumem.torch: %r is not a CUDA device (an int, 'cuda:N' or a "
+                     "torch.device)" % (device,))
+
+
+def _counts(device):
+    lib = gpumem.load()
+    c = gpumem.TorchCounts()
+    status = lib.gpumem_torch_memory_counts(_device_index(device), ctypes.byref(c))
+    if status != gpumem.SUCCESS:
+        raise gpumem.GpumemError(status, "gpumem.torch: no pool for device %r (see stderr: %s)"
+                                 % (device, lib.gpumem_last_error().decode(errors="replace")))
+    return c
+
+
+def memory_stats(device=None):
+    """torch.cuda.memory_stats()'s dictionary (sorted keys, PyTorch's names), for the
+    device's gpumem pool. Differences from PyTorch's allocator (docs/PYTORCH.md):
+      - allocated_bytes / active_bytes count the bytes PyTorch asked for (gpumem's
+        rounding shows in reserved_bytes); active == allocated: a freed block is reusable
+        in its stream's order at once;
+      - inactive_split_bytes.all.current is gpumem's cached bytes (reserved, not handed out);
+      - reserved_bytes.all.allocated/freed are the bytes of physical pages created and
+        released (vmm_page_pool) and are absent for caching_pool;
+      - only the "all" pool: gpumem's arenas are not PyTorch's large/small pools.
+    gpumem's own figures come under "gpumem.*"."""
+    index = _device_index(device)
+    c = _counts(index)
+    s = stats(index)
+    out = {}
+
+    def put(key, current, peak, allocated, freed):
+        out[key + ".all.current"] = int(current)
+        out[key + ".all.peak"] = int(peak)
+        out[key + ".all.allocated"] = int(allocated)
+        out[key + ".all.freed"] = int(freed)
+
+    for key in ("allocated_bytes", "active_bytes", "requested_bytes"):
+        put(key, c.requested_bytes, c.requested_bytes_peak, c.requested_bytes_allocated,
+            c.requested_bytes_freed)
+    for key in ("allocation", "active"):
+        put(key, c.allocations, c.allocations_peak, c.allocations_made, c.allocations_freed)
+    out["reserved_bytes.all.current"] = int(c.reserved_bytes)
+    out["reserved_bytes.all.peak"] = int(c.reserved_bytes_peak)
+    out["inactive_split_bytes.all.current"] = int(s["cached_bytes"])
+    p = pool(index)
+    counters = p.counters(["page_size", "pages_created", "pages_released", "cuMemCreate",
+                           "cuMemRelease", "cudaMalloc", "cudaFree"])
+    if "page_size" in counters:
+        out["reserved_bytes.all.allocated"] = counters["page_size"] * counters["pages_created"]
+        out["reserved_bytes.all.freed"] = counters["page_size"] * counters["pages_released"]
+    out["num_device_alloc"] = counters.get("cuMemCreate", 0) + counters.get("cudaMalloc", 0)
+    out["num_device_free"] = counters.get("cuMemRelease", 0) + counters.get("cudaFree", 0)
+    out["num_alloc_retries"] = int(c.alloc_retries)
+    out["num_ooms"] = int(c.oom_count)
+    out["gpumem.allocator"] = p.allocator
+    out["gpumem.platform"] = p.platform
+    out["gpumem.fragmentation"] = s["fragmentation"]
+    out["gpumem.peak_reserved_bytes_all_time"] = s["peak_reserved_bytes"]
+    out["gpumem.reserved_peak_exact"] = bool(c.reserved_peak_exact)
+    out["gpumem.peak_resets"] = int(c.resets)
+    return dict(sorted(out.items()))
+
+
+def memory_allocated(device=None):
+    """Bytes of the device's live tensors (torch.cuda.memory_allocated())."""
+    return _counts(device).requested_bytes
+
+
+def max_memory_allocated(device=None):
+    """Peak of memory_allocated() since the pool's start or the last
+    reset_peak_memory_stats() (torch.cuda.max_memory_allocated())."""
+    return _counts(device).requested_bytes_peak
+
+
+def memory_reserved(device=None):
+    """Device memory the pool holds from the driver (torch.cuda.memory_reserved())."""
+    return _counts(device).reserved_bytes
+
+
+def max_memory_reserved(device=None):
+    """Peak of memory_reserved() (torch.cuda.max_memory_reserved()). After a reset it is
+    exact when the pool reached a new all-time peak since; else a lower bound
+    (memory_stats()["gpumem.reserved_peak_exact"] says which)."""
+    return _counts(device).reserved_bytes_peak
+
+
+def reset_peak_memory_stats(device=None):
+    """Peaks restart from the current values (torch.cuda.reset_peak_memory_stats())."""
+    lib = gpumem.load()
+    status = lib.gpumem_torch_reset_peak(_device_index(device))
+    if status != gpumem.SUCCESS:
+        raise gpumem.GpumemError(status, "gpumem.torch: no pool for device %r" % (device,))
+
+
+def _format_bytes(n, scale):
+    units = ("B  ", "KiB", "MiB", "GiB", "TiB", "PiB")
+    unit = 0
+    while unit + 1 < len(units) and scale >= 768 * 1024:
+        n //= 1024
+        scale /= 1024
+        unit += 1
+    return "%6d %s" % (n, units[unit])
+
+
+def _format_count(n, scale):
+    units = (" ", "K", "M")
+    unit = 0
+    while unit + 1 < len(units) and scale >= 750 * 1000:
+        n //= 1000
+        scale /= 1000
+        unit += 1
+    return "%7d %s " % (n, units[unit])
+
+
+def memory_summary(device=None, abbreviated=False):  # pylint: disable=unused-argument
+    """A text table of memory_stats(), laid out as torch.cuda.memory_summary()'s (figures
+    gpumem does not keep show as "-"), then gpumem's own lines."""
+    index = _device_index(device)
+    st = memory_stats(index)
+    rows = (("allocated_bytes", "Allocated memory", _format_bytes),
+            ("active_bytes", "Active memory", _format_bytes),
+            ("requested_bytes", "Requested memory", _format_bytes),
+            ("reserved_bytes", "GPU reserved memory", _format_bytes),
+            ("inactive_split_bytes", "Non-releasable memory", _format_bytes),
+            ("allocation", "Allocations", _format_count),
+            ("active", "Active allocs", _format_count))
+    rule, heavy = "-" * 75, "=" * 75
+    lines = [heavy,
+             "%s gpumem CUDA memory summary, device ID %-17d" % (" " * 17, index),
+             rule,
+             "  %s CUDA OOMs: %-12d | %s cudaMalloc retries: %-8d  "
+             % (" " * 9, st["num_ooms"], " " * 6, st["num_alloc_retries"]),
+             heavy,
+             "        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  "]
+    for key, name, fmt in rows:
+        lines.append(rule)
+        values = [st.get("%s.all.%s" % (key, part)) for part in
+                  ("current", "peak", "allocated", "freed")]
+        scale = max([v for v in values if v is not None] or [0])
+        cells = [fmt(v, scale) if v is not None else "%10s " % "-" for v in values]
+        lines.append(" %-21s | %s| %s| %s| %s" % (name, cells[0], cells[1], cells[2], cells[3]))
+    lines.append(rule)
+    lines.append(" Allocator: %s on %s; peak reserved / peak requested: %.4f"
+                 % (st["gpumem.allocator"], st["gpumem.platform"],
+                    st["gpumem.fragmentation"]))
+    lines.append(" Device allocations / frees (driver): %d / %d"
+                 % (st["num_device_alloc"], st["num_device_free"]))
+    lines.append(heavy)
+    return "\n".join(lines) + "\n"

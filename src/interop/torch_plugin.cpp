@@ -26,11 +26,31 @@
 // catches it as it catches PyTorch's allocator's. No other entry point throws: PyTorch
 // frees from destructors, so a failed free or record is printed on stderr and counted.
 //
-// Invariants: pools_[d] is null or a pool of device d, set once.
+// Device: the plug-in's pools use the GPU (platform:cuda) and never fall back to the sim
+// device: where CUDA cannot start, creating the pool fails and every allocation throws
+// saying why. The sim device serves only when asked for by name (GPUMEM_DEVICE=sim, or
+// platform:sim / sim_capacity in GPUMEM_CONF), as the tests do.
+//
+// PyTorch's statistics (gpumem_torch_memory_counts): the plug-in counts what it hands
+// PyTorch, per device: requested bytes and allocations (current, peak, allocated, freed),
+// with peaks that gpumem_torch_reset_peak sets back to the current values, as
+// torch.cuda.reset_peak_memory_stats() does.
+//
+// History (gpumem_torch_record_history, torch.cuda.memory._record_memory_history's
+// counterpart): while on, every allocation, free and out-of-memory the plug-in serves goes
+// into one ring of the last max_entries events (all devices), with a wall-clock time; off,
+// it costs one relaxed atomic load per call. Python's gpumem.torch.snapshot() puts them in
+// the snapshot's device_traces.
+//
+// Invariants: pools_[d] is null or a pool of device d, set once; counts_[d].requested ==
+// sum of the sizes of device d's allocations handed out and not freed (a refused free
+// changes nothing); every peak >= its current value.
 #include <sys/types.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -39,8 +59,10 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "gpumem/interop/gpumem.h"
+#include "gpumem/interop/gpumem_torch.h"
 #include "interop/torch_graph_pools.hpp"
 
 #ifdef GPUMEM_TORCH_C10
@@ -67,16 +89,88 @@ void report(const char* what) noexcept {
   print(what);
 }
 
-// The configuration of device `device`'s pool: GPUMEM_CONF, the allocator from
-// GPUMEM_ALLOCATOR unless GPUMEM_CONF names one, and the device.
+// A value that only rises: `peak` becomes at least `value`.
+void raise_peak(std::atomic<std::uint64_t>& peak, std::uint64_t value) noexcept {
+  std::uint64_t seen = peak.load(std::memory_order_relaxed);
+  while (seen < value &&
+         !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+  }
+}
+
+// What the plug-in handed device d's PyTorch (see the top of this file).
+struct device_counts {
+  std::atomic<std::uint64_t> requested{0}, requested_peak{0}, requested_allocated{0},
+      requested_freed{0};
+  std::atomic<std::uint64_t> allocations{0}, allocations_peak{0}, allocations_made{0},
+      allocations_freed{0};
+  // Since the last gpumem_torch_reset_peak (all 0 before any): the pool's reserved bytes
+  // and all-time reserved peak at the reset, and the most reserved bytes seen at a new
+  // requested peak since (sampled only after a reset).
+  std::atomic<std::uint64_t> resets{0}, reserved_at_reset{0}, pool_peak_at_reset{0},
+      reserved_sampled{0};
+};
+std::array<device_counts, max_devices> counts_{};
+
+// The history ring (see the top of this file). ring_ holds the last min(recorded_,
+// capacity) events; the oldest is at recorded_ % capacity once it has wrapped.
+std::atomic<bool> recording_{false};
+std::mutex history_mutex_;
+std::vector<gpumem_torch_event> ring_;  // guarded by history_mutex_
+std::size_t capacity_ = 0;              // guarded by history_mutex_
+std::uint64_t recorded_ = 0;            // guarded by history_mutex_
+
+void record(int action, int device, const void* addr, std::uint64_t size, const void* stream) noexcept {
+  if (!recording_.load(std::memory_order_relaxed)) return;
+  gpumem_torch_event e{};
+  e.action = action;
+  e.device = device;
+  e.addr = reinterpret_cast<std::uintptr_t>(addr);
+  e.size = size;
+  e.stream = reinterpret_cast<std::uintptr_t>(stream);
+  e.time_us = static_cast<std::int64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+      std::chrono::system_clock::now().time_since_epoch()).count());
+  std::lock_guard lock(history_mutex_);
+  if (capacity_ == 0) return;
+  if (ring_.size() < capacity_)
+    ring_.push_back(e);  // reserved up to capacity_: does not allocate
+  else
+    ring_[recorded_ % capacity_] = e;
+  ++recorded_;
+}
+
+// Does the configuration string name `key` (as "key:value", spaces allowed around it)?
+bool names_key(std::string_view config, std::string_view key) {
+  while (!config.empty()) {
+    const auto comma = config.find(',');
+    std::string_view item = config.substr(0, comma);
+    config = comma == std::string_view::npos ? std::string_view{} : config.substr(comma + 1);
+    while (!item.empty() && (item.front() == ' ' || item.front() == '\t')) item.remove_prefix(1);
+    if (item.substr(0, key.size()) != key) continue;
+    item.remove_prefix(key.size());
+    while (!item.empty() && (item.front() == ' ' || item.front() == '\t')) item.remove_prefix(1);
+    if (!item.empty() && item.front() == ':') return true;
+  }
+  return false;
+}
+
+// The configuration of device `device`'s pool: the platform GPUMEM_DEVICE names, else
+// the one GPUMEM_CONF names (platform, or sim_capacity, which implies sim), else cuda;
+// then the allocator from GPUMEM_ALLOCATOR, GPUMEM_CONF (a later key wins), the device.
 std::string pool_config(int device) {
   std::string config;
+  const char* conf = std::getenv("GPUMEM_CONF");
+  const std::string_view conf_text = conf != nullptr ? conf : "";
+  const char* platform = std::getenv("GPUMEM_DEVICE");
+  if (platform != nullptr && *platform != '\0')
+    config = std::string("platform:") + platform + ",";
+  else if (!names_key(conf_text, "platform") && !names_key(conf_text, "sim_capacity"))
+    config = "platform:cuda,";  // GPUMEM_CONF's sim_capacity implies sim: not contradicted
   const char* allocator = std::getenv("GPUMEM_ALLOCATOR");
-  config = "allocator:";
+  config += "allocator:";
   config += allocator != nullptr && *allocator != '\0' ? allocator : "vmm_page_pool";
-  if (const char* conf = std::getenv("GPUMEM_CONF"); conf != nullptr && *conf != '\0') {
+  if (!conf_text.empty()) {
     config += ',';
-    config += conf;  // a later key wins, so GPUMEM_CONF's allocator overrides the above
+    config += conf_text;  // a later key wins, so GPUMEM_CONF's allocator overrides the above
   }
   config += ",device:" + std::to_string(device);
   return config;
@@ -107,6 +201,10 @@ gpumem_pool* pool_for(int device) noexcept {
     if (gpumem_pool_create(config.c_str(), &pool) != GPUMEM_SUCCESS) {
       init_error_[device] = "cannot create the pool for device " + std::to_string(device) +
                             " from '" + config + "': " + gpumem_last_error();
+      if (gpumem_last_status() == GPUMEM_ERROR_CUDA)
+        init_error_[device] +=
+            " (the PyTorch plug-in uses the GPU only; GPUMEM_DEVICE=sim asks for the "
+            "simulated device, for tests)";
       pool_failure_ = init_error_[device];
       print(pool_failure_.c_str());
       return nullptr;
@@ -120,6 +218,32 @@ gpumem_pool* pool_for(int device) noexcept {
   }
 }
 
+// Counts an allocation handed to PyTorch. After a reset, a new requested peak also samples
+// the pool's reserved bytes (a stats read, only on new peaks), for the reserved peak; a
+// private graph pool's allocation (pool null) counts without the sample.
+void count_allocation(int device, gpumem_pool* pool, std::uint64_t size) noexcept {
+  device_counts& c = counts_[device];
+  const std::uint64_t now = c.requested.fetch_add(size, std::memory_order_relaxed) + size;
+  c.requested_allocated.fetch_add(size, std::memory_order_relaxed);
+  raise_peak(c.allocations_peak, c.allocations.fetch_add(1, std::memory_order_relaxed) + 1);
+  c.allocations_made.fetch_add(1, std::memory_order_relaxed);
+  const std::uint64_t peak = c.requested_peak.load(std::memory_order_relaxed);
+  if (now <= peak) return;
+  raise_peak(c.requested_peak, now);
+  if (pool != nullptr && c.resets.load(std::memory_order_relaxed) != 0) {
+    gpumem_stats s{};
+    if (gpumem_pool_stats(pool, &s) == GPUMEM_SUCCESS) raise_peak(c.reserved_sampled, s.reserved_bytes);
+  }
+}
+
+void count_free(int device, std::uint64_t size) noexcept {
+  device_counts& c = counts_[device];
+  c.requested.fetch_sub(size, std::memory_order_relaxed);
+  c.requested_freed.fetch_add(size, std::memory_order_relaxed);
+  c.allocations.fetch_sub(1, std::memory_order_relaxed);
+  c.allocations_freed.fetch_add(1, std::memory_order_relaxed);
+}
+
 // A free of device `device`'s shared pool; a failure is reported (PyTorch frees from
 // destructors, which cannot raise).
 void free_to_shared_pool(void* ptr, size_t size, int device, void* stream) noexcept {
@@ -130,7 +254,12 @@ void free_to_shared_pool(void* ptr, size_t size, int device, void* stream) noexc
     report("gpumem_torch_free: no pool for this device (pointer not from gpumem)");
     return;
   }
-  if (gpumem_free(pool, ptr, size, stream) != GPUMEM_SUCCESS) report(gpumem_last_error());
+  if (gpumem_free(pool, ptr, size, stream) != GPUMEM_SUCCESS) {
+    report(gpumem_last_error());
+    return;
+  }
+  count_free(device, static_cast<std::uint64_t>(size));
+  record(GPUMEM_TORCH_EVENT_FREE, device, ptr, static_cast<std::uint64_t>(size), stream);
 }
 
 }  // namespace
@@ -148,8 +277,11 @@ GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
     why = "gpumem_torch_malloc: negative size " + std::to_string(size);
   } else if (gpumem_torch::graph_pool* graph = gpumem_torch::graph_pool_for(device, stream)) {
     // A capture (or MemPool context) routes this stream's allocations to its private pool.
-    if (void* ptr = gpumem_torch::graph_pool_allocate(graph, static_cast<size_t>(size), stream))
+    if (void* ptr = gpumem_torch::graph_pool_allocate(graph, static_cast<size_t>(size), stream)) {
+      count_allocation(device, nullptr, static_cast<std::uint64_t>(size));
+      record(GPUMEM_TORCH_EVENT_ALLOC, device, ptr, static_cast<std::uint64_t>(size), stream);
       return ptr;
+    }
     why = gpumem_last_error();
     out_of_memory = gpumem_last_status() == GPUMEM_ERROR_OUT_OF_MEMORY;
     if (out_of_memory) why = "CUDA out of memory. " + why;
@@ -157,10 +289,14 @@ GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
     why = "gpumem_torch: " + (pool_failure_.empty() ? std::string("pool creation failed")
                                                     : pool_failure_);
   } else if (void* ptr = gpumem_malloc(pool, static_cast<size_t>(size), stream)) {
+    count_allocation(device, pool, static_cast<std::uint64_t>(size));
+    record(GPUMEM_TORCH_EVENT_ALLOC, device, ptr, static_cast<std::uint64_t>(size), stream);
     return ptr;
   } else {
     why = gpumem_last_error();
     out_of_memory = gpumem_last_status() == GPUMEM_ERROR_OUT_OF_MEMORY;
+    if (out_of_memory)
+      record(GPUMEM_TORCH_EVENT_OOM, device, nullptr, static_cast<std::uint64_t>(size), stream);
     if (out_of_memory) why = "CUDA out of memory. " + why;
   }
   failures_.fetch_add(1, std::memory_order_relaxed);
@@ -186,7 +322,14 @@ GPUMEM_API void gpumem_torch_free(void* ptr, ssize_t size, int device, void* str
   if (ptr == nullptr) return;
   if (gpumem_status st = GPUMEM_SUCCESS;
       gpumem_torch::graph_pool_free(ptr, static_cast<size_t>(size), stream, &st)) {
-    if (st != GPUMEM_SUCCESS) report(gpumem_last_error());
+    if (st != GPUMEM_SUCCESS) {
+      report(gpumem_last_error());
+      return;
+    }
+    if (device >= 0 && device < max_devices) {
+      count_free(device, static_cast<std::uint64_t>(size));
+      record(GPUMEM_TORCH_EVENT_FREE, device, ptr, static_cast<std::uint64_t>(size), stream);
+    }
     return;
   }
   if (gpumem_torch::graph_pool_for(device, stream) != nullptr) {
@@ -305,6 +448,86 @@ GPUMEM_API void gpumem_torch_graph_pools(unsigned long long* pools,
   if (reserved_bytes != nullptr) *reserved_bytes = t.reserved_bytes;
   if (live_allocations != nullptr) *live_allocations = t.live_allocations;
 }
+
+GPUMEM_API int gpumem_torch_memory_counts(int device, gpumem_torch_counts* out) {
+  if (out == nullptr) return GPUMEM_ERROR_INVALID_ARGUMENT;
+  gpumem_stats s{};
+  if (const int st = gpumem_torch_stats(device, &s); st != GPUMEM_SUCCESS) return st;
+  const device_counts& c = counts_[device];
+  gpumem_torch_counts r{};
+  r.requested_bytes = c.requested.load(std::memory_order_relaxed);
+  r.requested_bytes_peak = std::max(c.requested_peak.load(std::memory_order_relaxed), r.requested_bytes);
+  r.requested_bytes_allocated = c.requested_allocated.load(std::memory_order_relaxed);
+  r.requested_bytes_freed = c.requested_freed.load(std::memory_order_relaxed);
+  r.allocations = c.allocations.load(std::memory_order_relaxed);
+  r.allocations_peak = std::max(c.allocations_peak.load(std::memory_order_relaxed), r.allocations);
+  r.allocations_made = c.allocations_made.load(std::memory_order_relaxed);
+  r.allocations_freed = c.allocations_freed.load(std::memory_order_relaxed);
+  r.reserved_bytes = s.reserved_bytes;
+  r.resets = c.resets.load(std::memory_order_relaxed);
+  if (r.resets == 0) {
+    r.reserved_bytes_peak = s.peak_reserved_bytes;
+    r.reserved_peak_exact = 1;
+  } else if (s.peak_reserved_bytes > c.pool_peak_at_reset.load(std::memory_order_relaxed)) {
+    // A new all-time peak came after the reset: it is the peak since the reset.
+    r.reserved_bytes_peak = s.peak_reserved_bytes;
+    r.reserved_peak_exact = 1;
+  } else {
+    r.reserved_bytes_peak = std::max({c.reserved_at_reset.load(std::memory_order_relaxed),
+                                      c.reserved_sampled.load(std::memory_order_relaxed),
+                                      s.reserved_bytes});
+    r.reserved_peak_exact = 0;
+  }
+  r.alloc_retries = s.alloc_retries;
+  r.oom_count = s.oom_count;
+  *out = r;
+  return GPUMEM_SUCCESS;
+}
+
+GPUMEM_API int gpumem_torch_reset_peak(int device) {
+  gpumem_stats s{};
+  if (const int st = gpumem_torch_stats(device, &s); st != GPUMEM_SUCCESS) return st;
+  device_counts& c = counts_[device];
+  c.requested_peak.store(c.requested.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  c.allocations_peak.store(c.allocations.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  c.reserved_at_reset.store(s.reserved_bytes, std::memory_order_relaxed);
+  c.pool_peak_at_reset.store(s.peak_reserved_bytes, std::memory_order_relaxed);
+  c.reserved_sampled.store(s.reserved_bytes, std::memory_order_relaxed);
+  c.resets.fetch_add(1, std::memory_order_relaxed);
+  return GPUMEM_SUCCESS;
+}
+
+GPUMEM_API int gpumem_torch_record_history(int enabled, size_t max_entries) {
+  if (!enabled) {
+    recording_.store(false, std::memory_order_relaxed);
+    return GPUMEM_SUCCESS;
+  }
+  if (max_entries == 0 || max_entries > (size_t{1} << 26)) return GPUMEM_ERROR_INVALID_ARGUMENT;
+  try {
+    std::lock_guard lock(history_mutex_);
+    std::vector<gpumem_torch_event> ring;
+    ring.reserve(max_entries);
+    ring_.swap(ring);
+    capacity_ = max_entries;
+    recorded_ = 0;
+  } catch (...) {
+    return GPUMEM_ERROR_INTERNAL;  // host memory for the ring
+  }
+  recording_.store(true, std::memory_order_relaxed);
+  return GPUMEM_SUCCESS;
+}
+
+GPUMEM_API size_t gpumem_torch_history(gpumem_torch_event* out, size_t capacity) {
+  std::lock_guard lock(history_mutex_);
+  const std::size_t kept = ring_.size();
+  if (out != nullptr) {
+    const std::size_t first = recorded_ > kept ? recorded_ % capacity_ : 0;  // the oldest
+    for (std::size_t i = 0; i < kept && i < capacity; ++i) out[i] = ring_[(first + i) % kept];
+  }
+  return kept;
+}
+
+GPUMEM_API int gpumem_torch_recording(void) { return recording_.load(std::memory_order_relaxed) ? 1 : 0; }
 
 // Failures reported on stderr so far (allocation, free, record, pool creation).
 GPUMEM_API unsigned long long gpumem_torch_failures(void) {

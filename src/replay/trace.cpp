@@ -1,4 +1,5 @@
 #include "gpumem/replay/trace.hpp"
+#include "gpumem/replay/torch_snapshot.hpp"
 
 #include <algorithm>
 #include <array>
@@ -376,6 +377,12 @@ trace load_trace(const std::string& path) {
            format_bytes(trace_max_line) + ": not a trace");
   };
   while (const std::size_t n = in.read(buf.data(), buf.size(), line_no + 1)) {
+    if (bytes == 0 && looks_like_pickle(std::string(buf.data(), std::min<std::size_t>(n, 3)))) {
+      // A PyTorch memory snapshot (torch.cuda.memory._dump_snapshot): its device trace.
+      std::string all(buf.data(), n);
+      while (const std::size_t more = in.read(buf.data(), buf.size(), 1)) all.append(buf.data(), more);
+      return parse_trace(torch_snapshot_to_trace_csv(all, path), path);
+    }
     bytes += n;
     pending.append(buf.data(), n);
     std::size_t start = 0;

@@ -16,15 +16,7 @@
 #include <c10/util/Exception.h>
 #endif
 
-extern "C" {
-void* gpumem_torch_malloc(ssize_t size, int device, void* stream);
-void gpumem_torch_free(void* ptr, ssize_t size, int device, void* stream);
-unsigned long long gpumem_torch_failures(void);
-int gpumem_torch_oom_is_torch_type(void);
-int gpumem_torch_stats(int device, gpumem_stats* out);
-void gpumem_torch_record_stream(void* ptr, void* stream);
-gpumem_pool* gpumem_torch_pool(int device);
-}
+#include "gpumem/interop/gpumem_torch.h"
 
 namespace {
 
@@ -146,6 +138,84 @@ TEST(TorchPlugin, RecordStreamRecordsInTheOwnersPoolAndReportsAPointerNoPoolHold
   EXPECT_NO_THROW(gpumem_torch_record_stream(p, stream));  // freed: no pool holds it
   EXPECT_EQ(gpumem_torch_failures(), failures + 1);
   EXPECT_EQ(gpumem_stream_destroy(gpumem_torch_pool(0), stream), GPUMEM_SUCCESS);
+}
+
+gpumem_torch_counts counts_of(int device) {
+  gpumem_torch_counts c{};
+  EXPECT_EQ(gpumem_torch_memory_counts(device, &c), GPUMEM_SUCCESS) << gpumem_last_error();
+  return c;
+}
+
+// torch.cuda.memory_stats()'s requested_bytes and allocation figures: current, peak,
+// allocated and freed, counted as PyTorch hands them out and frees them.
+TEST(TorchPlugin, CountsFollowEveryAllocationAndFreeAsPyTorchsStats) {
+  const gpumem_torch_counts before = counts_of(0);
+  void* a = gpumem_torch_malloc(3 * MiB, 0, nullptr);
+  void* b = gpumem_torch_malloc(5 * MiB + 1, 0, nullptr);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  gpumem_torch_counts c = counts_of(0);
+  EXPECT_EQ(c.requested_bytes, before.requested_bytes + 8 * MiB + 1);
+  EXPECT_EQ(c.allocations, before.allocations + 2);
+  EXPECT_EQ(c.requested_bytes_allocated, before.requested_bytes_allocated + 8 * MiB + 1);
+  EXPECT_EQ(c.allocations_made, before.allocations_made + 2);
+  EXPECT_GE(c.requested_bytes_peak, c.requested_bytes);
+  EXPECT_GE(c.reserved_bytes, c.requested_bytes);
+  EXPECT_GE(c.reserved_bytes_peak, c.reserved_bytes);
+  gpumem_torch_free(b, 5 * MiB + 1, 0, nullptr);
+  // A refused free (double free) changes no count.
+  gpumem_torch_free(b, 5 * MiB + 1, 0, nullptr);
+  c = counts_of(0);
+  EXPECT_EQ(c.requested_bytes, before.requested_bytes + 3 * MiB);
+  EXPECT_EQ(c.requested_bytes_freed, before.requested_bytes_freed + 5 * MiB + 1);
+  EXPECT_EQ(c.allocations_freed, before.allocations_freed + 1);
+  EXPECT_EQ(c.allocations, before.allocations + 1);
+  EXPECT_GE(c.requested_bytes_peak, before.requested_bytes + 8 * MiB + 1);
+  gpumem_torch_free(a, 3 * MiB, 0, nullptr);
+  EXPECT_EQ(counts_of(0).requested_bytes, before.requested_bytes);
+}
+
+// torch.cuda.reset_peak_memory_stats(): peaks restart from the current values, then rise
+// with new allocations; the reserved peak follows the pool's reserved bytes.
+TEST(TorchPlugin, ResetPeakRestartsPeaksFromTheCurrentValues) {
+  void* big = gpumem_torch_malloc(20 * MiB, 0, nullptr);
+  ASSERT_NE(big, nullptr);
+  gpumem_torch_free(big, 20 * MiB, 0, nullptr);
+  void* small = gpumem_torch_malloc(MiB, 0, nullptr);
+  ASSERT_NE(small, nullptr);
+  const gpumem_torch_counts before = counts_of(0);
+  ASSERT_GE(before.requested_bytes_peak, before.requested_bytes + 19 * MiB);
+  ASSERT_EQ(gpumem_torch_reset_peak(0), GPUMEM_SUCCESS);
+  gpumem_torch_counts c = counts_of(0);
+  EXPECT_EQ(c.requested_bytes_peak, c.requested_bytes);
+  EXPECT_EQ(c.allocations_peak, c.allocations);
+  EXPECT_EQ(c.resets, before.resets + 1);
+  // Nothing new reserved: the reserved peak since the reset is what was reserved at it.
+  EXPECT_EQ(c.reserved_bytes_peak, c.reserved_bytes);
+  // The totals are not peaks: a reset keeps them.
+  EXPECT_EQ(c.requested_bytes_allocated, before.requested_bytes_allocated);
+  void* more = gpumem_torch_malloc(2 * MiB, 0, nullptr);
+  ASSERT_NE(more, nullptr);
+  gpumem_torch_free(more, 2 * MiB, 0, nullptr);
+  c = counts_of(0);
+  EXPECT_EQ(c.requested_bytes_peak, before.requested_bytes + 2 * MiB);
+  EXPECT_EQ(c.allocations_peak, before.allocations + 1);
+  EXPECT_GE(c.reserved_bytes_peak, before.requested_bytes + 2 * MiB);
+  EXPECT_LE(c.reserved_bytes_peak, before.reserved_bytes_peak);
+  // A new all-time reserved peak after the reset is exact.
+  // (the limit is 64 MiB; the all-time peak is under 50 MiB, from the first test)
+  const ssize_t huge_size =
+      static_cast<ssize_t>(before.reserved_bytes_peak + 4 * MiB - c.requested_bytes);
+  void* huge = gpumem_torch_malloc(huge_size, 0, nullptr);
+  ASSERT_NE(huge, nullptr);
+  gpumem_stats s = stats_of(0);
+  c = counts_of(0);
+  ASSERT_GT(s.peak_reserved_bytes, before.reserved_bytes_peak);
+  EXPECT_EQ(c.reserved_peak_exact, 1u);
+  EXPECT_EQ(c.reserved_bytes_peak, s.peak_reserved_bytes);
+  gpumem_torch_free(huge, huge_size, 0, nullptr);
+  gpumem_torch_free(small, MiB, 0, nullptr);
+  EXPECT_NE(gpumem_torch_reset_peak(64), GPUMEM_SUCCESS);  // out of range: refused
 }
 
 }  // namespace

@@ -4,6 +4,8 @@
 //  - PyTorch-derived CSV  "action,addr,size,stream,time_us" (shared/traces/README.md):
 //    `alloc` and `free_completed` drive the replay; `segment_*` and `free_requested` are
 //    what PyTorch itself did and are skipped;
+//  - a PyTorch memory snapshot pickle (torch.cuda.memory._dump_snapshot): the alloc and
+//    free_completed events of its busiest device trace (replay/torch_snapshot.hpp);
 //  - RMM logging_resource_adaptor CSV "Thread,Time,Action,Pointer,Size,Stream":
 //    `allocate` and `free`.
 // Event times (PyTorch's time_us; RMM's Time as h:m:s with a fraction) are kept relative

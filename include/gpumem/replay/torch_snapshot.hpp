@@ -1,0 +1,26 @@
+// PyTorch memory snapshots (the pickle torch.cuda.memory._dump_snapshot() writes, and
+// gpumem's own exporter) read as allocation traces, so `gpumem replay SNAPSHOT.pickle`
+// replays what PyTorch recorded with torch.cuda.memory._record_memory_history().
+//
+// The pickle is read by a small unpickler of plain data only (dicts, lists, tuples,
+// strings, bytes, numbers, booleans, None: protocols 2 to 5); anything else (a class, a
+// global, a reduce) is refused, so no code is ever run. The trace is the alloc and
+// free_completed events of one device's device_traces, as the CSV form
+// "action,addr,size,stream,time_us" of trace.hpp that parse_trace reads.
+#pragma once
+
+#include <string>
+
+namespace gpumem {
+
+// Does `bytes` start as a pickle (the PROTO opcode, protocol 2 or later)?
+bool looks_like_pickle(const std::string& bytes) noexcept;
+
+// The trace of `device` (-1: the device with the most trace entries) as trace CSV text.
+// Throws gpumem::invalid_argument naming `source` and what is wrong: not a snapshot,
+// an unsupported pickle opcode, truncated data, no device_traces (recording was off),
+// a device out of range.
+std::string torch_snapshot_to_trace_csv(const std::string& bytes, const std::string& source,
+                                        int device = -1);
+
+}  // namespace gpumem
