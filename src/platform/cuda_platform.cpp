@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <unordered_set>
 #include <new>
 #include <string>
 #include <string_view>
@@ -668,6 +669,7 @@ class cuda_platform final : public platform {
     constexpr platform_op op = platform_op::event_destroy;
     calls_.add(op);
     relaxed_capture relaxed;
+    note_captured(event, false);
     const cudaError_t e = cudaEventDestroy(to_cuda(event));
     if (e != cudaSuccess) return runtime_failure(op, e);
     return status::success();
@@ -681,8 +683,12 @@ class cuda_platform final : public platform {
     device_guard guard(api_);
     cudaError_t e = guard.enter_stream_device(stream);
     if (e != cudaSuccess) return runtime_failure(op, e);
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    e = cudaStreamIsCapturing(to_cuda(stream), &capturing);
+    if (e != cudaSuccess) return runtime_failure(op, e);
     e = cudaEventRecord(to_cuda(event), to_cuda(stream));
     if (e != cudaSuccess) return runtime_failure(op, e);
+    note_captured(event, capturing != cudaStreamCaptureStatusNone);
     return status::success();
   }
 
@@ -690,6 +696,7 @@ class cuda_platform final : public platform {
     constexpr platform_op op = platform_op::event_query;
     calls_.add(op);
     relaxed_capture relaxed;
+    if (was_captured(event)) return false;  // a graph node: never complete outside the graph
     const cudaError_t e = cudaEventQuery(to_cuda(event));
     if (e == cudaSuccess) return true;
     if (e == cudaErrorNotReady) return false;  // pending work is an answer, not a failure
@@ -700,6 +707,8 @@ class cuda_platform final : public platform {
     constexpr platform_op op = platform_op::event_synchronize;
     calls_.add(op);
     relaxed_capture relaxed;
+    if (was_captured(event))
+      return runtime_failure(op, cudaErrorCapturedEvent);  // asked of the driver, it would end the capture
     const cudaError_t e = cudaEventSynchronize(to_cuda(event));
     if (e != cudaSuccess) return runtime_failure(op, e);
     return status::success();
@@ -765,6 +774,23 @@ class cuda_platform final : public platform {
   }
 
  private:
+  // Events whose last record was into a stream being captured into a CUDA graph: querying
+  // or synchronizing one is refused by the driver (cudaErrorCapturedEvent) and ends the
+  // capture, so it is answered here (not complete) instead. Few at a time: a set under a lock.
+  void note_captured(event_handle event, bool captured) {
+    std::lock_guard lock(captured_mutex_);
+    if (captured)
+      captured_events_.insert(event.value);
+    else if (!captured_events_.empty())
+      captured_events_.erase(event.value);
+  }
+  bool was_captured(event_handle event) {
+    std::lock_guard lock(captured_mutex_);
+    return !captured_events_.empty() && captured_events_.count(event.value) != 0;
+  }
+  std::mutex captured_mutex_;
+  std::unordered_set<std::uintptr_t> captured_events_;
+
   status driver_failure(platform_op op, CUresult r) const {
     const char* name = nullptr;
     const char* message = nullptr;

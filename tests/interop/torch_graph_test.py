@@ -44,6 +44,20 @@ def _mlp(width=1024, depth=4):
     return torch.nn.Sequential(*layers).cuda()
 
 
+def _drop_cublas_workspaces():
+    """cuBLAS takes its workspace from the allocator the first time a stream runs a matmul,
+    inside a capture too (then from the graph's pool), and PyTorch keeps it for the stream:
+    a live allocation that keeps a private pool alive, as under PyTorch's own allocator,
+    until the workspaces are cleared."""
+    gc.collect()
+    torch.cuda.synchronize()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    gc.collect()
+    torch.cuda.synchronize()
+
+
 def _capture(fn, static_in, pool=None, warmup=3):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -59,8 +73,7 @@ def _capture(fn, static_in, pool=None, warmup=3):
 
 class CudaGraphs(unittest.TestCase):
     def setUp(self):
-        gc.collect()
-        torch.cuda.synchronize()
+        _drop_cublas_workspaces()
         self.pools_before = gpumem.torch.graph_pools()["pools"]
 
     def test_capture_and_replay_equal_eager_over_100_replays_with_eager_traffic(self):
@@ -89,8 +102,7 @@ class CudaGraphs(unittest.TestCase):
                 worst == 0.0, "max |replay - eager| = %g" % worst)
         self.assertEqual(worst, 0.0)
         del g, out
-        gc.collect()
-        torch.cuda.synchronize()
+        _drop_cublas_workspaces()
         self.assertEqual(gpumem.torch.graph_pools()["pools"], self.pools_before,
                          "the private pool is given back once the graph and its outputs go")
 
@@ -108,8 +120,7 @@ class CudaGraphs(unittest.TestCase):
         _record("graph memory private while the graph lives", not overlap)
         self.assertFalse(overlap)
         del g, out, eager
-        gc.collect()
-        torch.cuda.synchronize()
+        _drop_cublas_workspaces()
         after = gpumem.torch.graph_pools()
         ok = after["pools"] == self.pools_before and after["reserved_bytes"] < held["reserved_bytes"]
         _record("graph pool given back when the graph is destroyed", ok,
@@ -148,8 +159,7 @@ class CudaGraphs(unittest.TestCase):
         self.assertEqual(gpumem.torch.graph_pools()["pools"], self.pools_before + 2,
                          "g1 and g2 share one private pool, g3 has its own")
         del g1, g2, g3, o1, o2, o3
-        gc.collect()
-        torch.cuda.synchronize()
+        _drop_cublas_workspaces()
         self.assertEqual(gpumem.torch.graph_pools()["pools"], self.pools_before)
 
     def test_training_step_captured(self):
