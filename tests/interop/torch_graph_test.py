@@ -12,29 +12,21 @@ Run by ctest with PYTHONPATH=python and GPUMEM_LIB=<libgpumem_torch.so>. Exits 7
 without torch or without a CUDA device."""
 
 import gc
-import json
 import os
-import sys
 import unittest
 
-try:
-    import torch
-except ImportError:
-    print("skipped: torch is not installed")
-    sys.exit(77)
-if not torch.cuda.is_available():
-    print("skipped: no CUDA device")
-    sys.exit(77)
+from torch_test_support import require_torch_and_gpu  # noqa: E402
+
+torch = require_torch_and_gpu()
 
 import gpumem.torch  # noqa: E402
 
 gpumem.torch.enable()  # before PyTorch's first CUDA allocation
 
-_results = []
+from torch_test_support import CompatResults  # noqa: E402
 
-
-def _record(name, ok, detail=""):
-    _results.append({"case": name, "result": "pass" if ok else "fail", "detail": detail})
+_results = CompatResults()
+_record = _results.record
 
 
 def _mlp(width=1024, depth=4):
@@ -266,13 +258,7 @@ class EverydayFeatures(unittest.TestCase):
 
 
 def tearDownModule():
-    path = os.environ.get("GPUMEM_COMPAT_JSON")
-    if path:
-        with open(path, "w") as f:
-            for r in _results:
-                f.write(json.dumps(r) + "\n")
-    for r in _results:
-        print("%-60s %s  %s" % (r["case"], r["result"], r["detail"]))
+    _results.write()
 
 
 if __name__ == "__main__":

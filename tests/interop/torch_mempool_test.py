@@ -8,23 +8,18 @@ there get gpumem's own private pools, torch_graph_test.py.)
 Run with PYTHONPATH=python and GPUMEM_LIB=<libgpumem_torch.so>. Exits 77 (skipped) without
 torch or without a CUDA device."""
 
-import json
 import os
-import sys
 import unittest
 
-try:
-    import torch
-except ImportError:
-    print("skipped: torch is not installed")
-    sys.exit(77)
-if not torch.cuda.is_available():
-    print("skipped: no CUDA device")
-    sys.exit(77)
+from torch_test_support import require_torch_and_gpu  # noqa: E402
+
+torch = require_torch_and_gpu()
 
 import gpumem.torch  # noqa: E402
 
-_results = []
+from torch_test_support import CompatResults  # noqa: E402
+
+_results = CompatResults()
 
 
 class MemPoolOnGpumem(unittest.TestCase):
@@ -38,10 +33,9 @@ class MemPoolOnGpumem(unittest.TestCase):
         c = torch.randn(1024, 1024, device="cuda")
         in_gpumem = live >= 2 * a.numel() * a.element_size()
         ok = in_gpumem and bool(torch.allclose(b, a * 3))
-        _results.append({"case": "torch.cuda.MemPool(gpumem) + use_mem_pool (PyTorch's allocator current)",
-                         "result": "pass" if ok else "fail",
-                         "detail": "gpumem live %d B; PyTorch's allocator +%d B outside the block"
-                                   % (live, torch.cuda.memory_allocated() - native_before)})
+        _results.record("torch.cuda.MemPool(gpumem) + use_mem_pool (PyTorch's allocator current)", ok,
+                        "gpumem live %d B; PyTorch's allocator +%d B outside the block"
+                        % (live, torch.cuda.memory_allocated() - native_before))
         self.assertTrue(ok)
         model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(),
                                     torch.nn.Linear(256, 256)).cuda().eval()
@@ -61,21 +55,14 @@ class MemPoolOnGpumem(unittest.TestCase):
                 g.replay()
                 worst = max(worst, (out - model(x)).abs().max().item())
         ok = worst == 0.0
-        _results.append({"case": "CUDA graph captured into a MemPool(gpumem), 100 replays",
-                         "result": "pass" if ok else "fail",
-                         "detail": "max |replay - eager| = %g" % worst})
+        _results.record("CUDA graph captured into a MemPool(gpumem), 100 replays", ok,
+                        "max |replay - eager| = %g" % worst)
         self.assertTrue(ok)
         del a, b, c, g, out
 
 
 def tearDownModule():
-    path = os.environ.get("GPUMEM_COMPAT_JSON")
-    if path:
-        with open(path, "a") as f:
-            for r in _results:
-                f.write(json.dumps(r) + "\n")
-    for r in _results:
-        print("%-60s %s  %s" % (r["case"], r["result"], r["detail"]))
+    _results.write()
 
 
 if __name__ == "__main__":

@@ -14,14 +14,9 @@ import sys
 import tempfile
 import unittest
 
-try:
-    import torch
-except ImportError:
-    print("skipped: torch is not installed")
-    sys.exit(77)
-if not torch.cuda.is_available():
-    print("skipped: no CUDA device")
-    sys.exit(77)
+from torch_test_support import require_torch_and_gpu  # noqa: E402
+
+torch = require_torch_and_gpu()
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "torch_train_script.py")

@@ -8,17 +8,11 @@ Run by ctest with PYTHONPATH=python and GPUMEM_LIB=<libgpumem_torch.so>. Exits 7
 without torch or without a CUDA device."""
 
 import os
-import sys
 import unittest
 
-try:
-    import torch
-except ImportError:
-    print("skipped: torch is not installed")
-    sys.exit(77)
-if not torch.cuda.is_available():
-    print("skipped: no CUDA device")
-    sys.exit(77)
+from torch_test_support import require_torch_and_gpu  # noqa: E402
+
+torch = require_torch_and_gpu()
 
 import gpumem.torch  # noqa: E402
 
