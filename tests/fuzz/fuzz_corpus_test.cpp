@@ -88,6 +88,32 @@ TEST_P(fuzz_corpus, injected_faults_are_typed_and_leave_the_pool_valid) {
   EXPECT_GT(counts.typed_failures, 0u) << "some injected fault must have made a call fail";
 }
 
+// Most frees on another stream than the allocation's (streams the pool knows, and new ones
+// it never saw), at most 24 MiB live: the reserved bytes stay within reserved_bound() of
+// the peak live bytes after every step (a pool that keeps a freed block apart for the
+// stream that freed it grows past it), and every refused stream leaves the pool intact.
+TEST_P(fuzz_corpus, frees_on_any_stream_keep_reserved_within_the_bound) {
+  fuzz_counts counts;
+  const auto n = seeds();
+  for (std::uint64_t seed = 0; seed < n; ++seed) {
+    const auto bytes = corpus_bytes(6'000'000 + seed, 4 * bytes_per_seed);
+    const auto why = run_pool_fuzz(GetParam(), bytes.data(), bytes.size(), false,
+                                   4 * ops_per_seed, counts, 1, true);
+    ASSERT_EQ(why, "") << "seed " << seed;
+  }
+  report((std::string(target_name(GetParam())) + " with frees on any stream").c_str(), counts);
+  std::printf("[fuzz]   %llu frees on another stream, %llu calls on a refused stream, reserved at "
+              "most %zu KiB over twice the peak live\n",
+              static_cast<unsigned long long>(counts.foreign_frees),
+              static_cast<unsigned long long>(counts.bad_stream_calls),
+              counts.worst_reserved_over_peak >> 10);
+  if (GetParam() != pool_target::fixed_block_over_vmm_page &&
+      GetParam() != pool_target::fixed_block_over_caching) {
+    EXPECT_GT(counts.foreign_frees, n * 80);
+    EXPECT_GT(counts.bad_stream_calls, n * 12);
+  }
+}
+
 // Up to three fault rules armed at once for the pools too (half the seeds): a failure inside
 // another's undo must still leave the pool valid and leak nothing.
 TEST_P(fuzz_corpus, several_faults_at_once_are_typed_and_leak_nothing) {
