@@ -288,7 +288,7 @@ inline bool pattern_holds(const void* p, std::size_t n, std::uint64_t serial, bo
 }
 
 // What every pool keeps within, whatever stream frees: reserved bytes at most twice the
-// peak of the live (requested) bytes plus 48 MiB. The factor covers a freed block's memory
+// peak of the live (requested) bytes plus 64 MiB. The factor covers a freed block's memory
 // that no later request fits (the pools serve a request from free memory when any free
 // block fits it, so the free memory that is not reused is at most what was live at once)
 // and rounding (a large block to whole 2 MiB pages or segments, an alignment's pad); the
@@ -296,7 +296,7 @@ inline bool pattern_holds(const void* p, std::size_t n, std::uint64_t serial, bo
 // 2 MiB pages each) and one growth made before a merge could serve it. A pool that keeps a
 // freed block apart for the stream that freed it (so the allocation's stream grows instead)
 // passes this within tens of operations when frees go to other streams and little is live.
-inline std::size_t reserved_bound(std::size_t peak_live) { return 2 * peak_live + 48 * MiB; }
+inline std::size_t reserved_bound(std::size_t peak_live) { return 2 * peak_live + 64 * MiB; }
 
 // One pool under test, as the driver sees it.
 class pool_under_test {

@@ -55,7 +55,7 @@ struct shared_block {
 
 std::string run_threads(bool paged, std::uint64_t seed) {
   constexpr int threads = 4;
-  constexpr std::size_t ops = 600;
+  constexpr std::size_t ops = 1500;
   constexpr std::size_t live_cap = 24 * MiB;
   constexpr std::size_t largest_request = 3 * MiB;
   gpumem::sim_platform sim(detail::device_options());
