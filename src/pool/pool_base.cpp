@@ -757,6 +757,11 @@ std::size_t pool_base::tracked_streams() const {
   return streams_.size();
 }
 
+void pool_base::check_stream(stream_handle stream, std::string_view caller) {
+  std::lock_guard lock(mutex_);
+  check_stream_locked(stream, caller);
+}
+
 void pool_base::check_stream_locked(stream_handle stream, std::string_view caller) {
   if (stream.value == 0 || streams_.find(stream.value) != streams_.end()) return;
   // A query that enqueues nothing: legal while a CUDA graph is being captured on the stream.

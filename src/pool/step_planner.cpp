@@ -189,6 +189,9 @@ void step_planner::do_deallocate(void* ptr, std::size_t bytes, stream_handle str
       throw invalid_argument("free of " + hex(addr) + " with size " + std::to_string(bytes) +
                              ": it was allocated with " + std::to_string(rec.bytes) + " bytes");
     if (stream.value != s.region_stream) {
+      // A stream the platform refuses is bad input, refused before anything changes (as the
+      // pool refuses it), not a driver failure of the event record below.
+      pool_.check_stream(stream, "deallocate");
       // The region is reused in its stream's order: make that stream wait for this one.
       platform& p = device_platform();
       if (s.wait_event.value == 0) {

@@ -690,6 +690,7 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
   const std::size_t pages = (size + pad + page_ - 1) / page_;
   // Old mappings whose work is done give their address space back first.
   retire_completed(false);
+  va_exhausted_ = false;
   // Physical chunks first: kept ones, then reclaimed ones, then new memory.
   // Enough virtual address space first, so a failure leaves nothing behind.
   auto va_fits = [&] {
@@ -699,7 +700,10 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
     worker_->drain();  // old mappings on their way out hold address space
     collect_worker();
   }
-  if (!va_fits()) return false;
+  if (!va_fits()) {
+    va_exhausted_ = true;
+    return false;
+  }
   // Growing in place: a free block at the top of its mapped run, with unmapped address
   // space after it, is extended by only the pages the request lacks. Two cases:
   //  - packing: the free tail left in the last page of a live block, so consecutive large
@@ -871,6 +875,7 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
   if (run == va_free_.end()) {
     spare_.insert(spare_.end(), chosen.begin(), chosen.end());
     release_new_chunks();
+    va_exhausted_ = true;
     return false;  // virtual range exhausted
   }
   // A fresh run of the small arena, in a tight pool: at the top of the highest address
@@ -963,6 +968,7 @@ void* vmm_page_pool::allocate_guarded(std::size_t bytes, std::size_t alignment,
   // A virtual run for the pages and the guard page after them.
   auto run = std::find_if(va_free_.begin(), va_free_.end(),
                           [&](const auto& r) { return r.second >= pages + 1; });
+  va_exhausted_ = run == va_free_.end();
   if (run == va_free_.end()) return nullptr;
   auto usable = [&](std::uint32_t id) { return chunks_[id].pages == 1 && mappable_for(id, stream.value); };
   std::size_t have = static_cast<std::size_t>(std::count_if(spare_.begin(), spare_.end(), usable));
@@ -972,6 +978,7 @@ void* vmm_page_pool::allocate_guarded(std::size_t bytes, std::size_t alignment,
     if (have < pages && !create_chunks(pages - have, handle_sizes::one_page)) return nullptr;
     run = std::find_if(va_free_.begin(), va_free_.end(),
                        [&](const auto& r) { return r.second >= pages + 1; });
+    va_exhausted_ = run == va_free_.end();
     if (run == va_free_.end()) return nullptr;
   }
   std::vector<std::uint32_t> chosen;
@@ -1092,6 +1099,17 @@ std::string vmm_page_pool::describe_holdings() const {
       << counts_.pages_reclaimed << " pages remapped so far; " << counts_.lent_pages
       << " lent (KV cache); " << retiring_.size()
       << " old mappings of remapped pages waiting for their stream\n";
+  if (va_exhausted_) {
+    std::size_t free_pages = 0, largest_run = 0;
+    for (const auto& [first, count] : va_free_) {
+      free_pages += count;
+      largest_run = std::max(largest_run, count);
+    }
+    out << "  the pool's virtual range (va_reserve: " << format_bytes(va_pages_ * page_)
+        << ") is exhausted: " << (va_pages_ - free_pages) * page_ << " of " << va_pages_ * page_
+        << " bytes of addresses in use, the largest free run " << largest_run * page_
+        << " bytes, too small for the request; raise va_reserve\n";
+  }
   if (counts_.unmap_failures > 0)
     out << "  " << counts_.unmap_failures
         << " unmaps of old mappings failed so far; those runs stay mapped until a retry "

@@ -1,11 +1,14 @@
 // The fixed-seed fuzz corpus, replayed as a normal test through the same driver the
 // libFuzzer targets use (fuzz_driver.hpp, kv_cache_fuzz_driver.hpp): for every pool and the
 // KV cache, seeds 0..N-1 each give a deterministic byte string decoded into 500 operations
-// (allocate / free on its stream or another / trim / release_stream / held events / bad
-// input), checked after each step against the reference model (no overlap, alignment,
-// bytes intact until freed, live bytes and count, validate()), then a second corpus with
-// sim faults injected (every failure typed, nothing changed, pool usable, no leak); for
-// the KV cache also a corpus with several fault rules armed at once.
+// (allocate / free on its stream, another, or one the pool never saw / trim /
+// release_stream / held events / bad input, a refused stream among it), checked after each
+// step against the reference model (no overlap, alignment, bytes intact until freed, live
+// bytes and count, validate(), reserved within reserved_bound() of the peak live bytes),
+// then a second corpus with sim faults injected (every failure typed, nothing changed, pool
+// usable, no leak), one with several fault rules at once, and one of 2,000 operations
+// with most frees on another stream than the allocation's; for the KV cache the same
+// without the streams.
 // Runs in every CI build, under ASan+UBSan and TSan too. GPUMEM_FUZZ_SEEDS overrides the
 // seed count (for longer local runs); totals are printed for docs/RELIABILITY.md.
 #include <algorithm>
@@ -86,6 +89,32 @@ TEST_P(fuzz_corpus, injected_faults_are_typed_and_leave_the_pool_valid) {
   report((std::string(target_name(GetParam())) + " with faults").c_str(), counts);
   EXPECT_GT(counts.faults_armed, n * 2);
   EXPECT_GT(counts.typed_failures, 0u) << "some injected fault must have made a call fail";
+}
+
+// Most frees on another stream than the allocation's (streams the pool knows, and new ones
+// it never saw), at most 24 MiB live: the reserved bytes stay within reserved_bound() of
+// the peak live bytes after every step (a pool that keeps a freed block apart for the
+// stream that freed it grows past it), and every refused stream leaves the pool intact.
+TEST_P(fuzz_corpus, frees_on_any_stream_keep_reserved_within_the_bound) {
+  if (GetParam() == pool_target::fixed_block_over_vmm_page ||
+      GetParam() == pool_target::fixed_block_over_caching)
+    GTEST_SKIP() << "fixed_block_pool takes no stream";
+  fuzz_counts counts;
+  const auto n = seeds();
+  for (std::uint64_t seed = 0; seed < n; ++seed) {
+    const auto bytes = corpus_bytes(6'000'000 + seed, 4 * bytes_per_seed);
+    const auto why = run_pool_fuzz(GetParam(), bytes.data(), bytes.size(), false,
+                                   4 * ops_per_seed, counts, 1, true);
+    ASSERT_EQ(why, "") << "seed " << seed;
+  }
+  report((std::string(target_name(GetParam())) + " with frees on any stream").c_str(), counts);
+  std::printf("[fuzz]   %llu frees on another stream, %llu calls on a refused stream, reserved at "
+              "most %zu KiB over twice the peak live\n",
+              static_cast<unsigned long long>(counts.foreign_frees),
+              static_cast<unsigned long long>(counts.bad_stream_calls),
+              counts.worst_reserved_over_peak >> 10);
+  EXPECT_GT(counts.foreign_frees, n * 80);
+  EXPECT_GT(counts.bad_stream_calls, n * 12);
 }
 
 // Up to three fault rules armed at once for the pools too (half the seeds): a failure inside

@@ -9,7 +9,13 @@
 //    serial number at both ends; sampled every step, checked in full at free and at the end);
 //  - stats().live_bytes / live_allocations equal the model's, and validate() is "";
 //  - bad input (double free, interior / unknown / null pointer, size mismatch, size 0,
-//    absurd size, bad alignment) throws gpumem::invalid_argument and changes no counter;
+//    absurd size, bad alignment, a free or allocation on a stream the platform refuses: a
+//    value it never made, or a stream released from the pool and destroyed) throws
+//    gpumem::invalid_argument and changes no counter; a refused free leaves the allocation
+//    live (the model keeps it);
+//  - frees go to any stream: the allocation's, another the pool knows, or one it never saw
+//    (made just before the free); the reserved bytes stay within reserved_bound() of the
+//    model's peak live bytes after every step, whatever stream frees;
 //  - fault mode: sim fails the nth call of a chosen platform op; every failure is
 //    gpumem::cuda_error naming an armed call or gpumem::out_of_memory, the model is
 //    unchanged by the failed operation, and the pool stays valid and usable;
@@ -73,7 +79,13 @@ struct fuzz_counts {
   // pending (a pool refusing memory the device has; see docs/RELIABILITY.md)
   std::uint64_t oom_with_device_memory_free = 0;
   std::uint64_t first_such_seed_step = 0;
+  std::uint64_t foreign_frees = 0;     // frees on a stream other than the allocation's
+  std::uint64_t bad_stream_calls = 0;  // calls on a refused stream (among bad_inputs)
+  std::size_t worst_reserved_over_peak = 0;  // largest reserved - 2 x peak live seen, bytes
   void add(const fuzz_counts& o) {
+    foreign_frees += o.foreign_frees;
+    bad_stream_calls += o.bad_stream_calls;
+    worst_reserved_over_peak = std::max(worst_reserved_over_peak, o.worst_reserved_over_peak);
     runs += o.runs;
     operations += o.operations;
     allocations += o.allocations;
@@ -275,6 +287,17 @@ inline bool pattern_holds(const void* p, std::size_t n, std::uint64_t serial, bo
   return ok;
 }
 
+// What every pool keeps within, whatever stream frees: reserved bytes at most twice the
+// peak of the live (requested) bytes plus 64 MiB. The factor covers a freed block's memory
+// that no later request fits (the pools serve a request from free memory when any free
+// block fits it, so the free memory that is not reused is at most what was live at once)
+// and rounding (a large block to whole 2 MiB pages or segments, an alignment's pad); the
+// constant covers the per-size-class pieces of the small arena and the small caches (a few
+// 2 MiB pages each) and one growth made before a merge could serve it. A pool that keeps a
+// freed block apart for the stream that freed it (so the allocation's stream grows instead)
+// passes this within tens of operations when frees go to other streams and little is live.
+inline std::size_t reserved_bound(std::size_t peak_live) { return 2 * peak_live + 64 * MiB; }
+
 // One pool under test, as the driver sees it.
 class pool_under_test {
  public:
@@ -358,9 +381,11 @@ inline std::string judge_failure(const std::exception_ptr& e, bool faults_armed,
 
 // Runs one input on `target`. fault_mode: the input may arm sim faults. max_ops bounds the
 // operations (0: until the input ends).
+// cross_stream: most frees on another stream than the allocation's, little live
+// (pool_driver).
 inline std::string run_pool_fuzz(pool_target target, const std::uint8_t* data, std::size_t size,
                                  bool fault_mode, std::size_t max_ops, fuzz_counts& counts,
-                                 std::size_t fault_rules = 1);
+                                 std::size_t fault_rules = 1, bool cross_stream = false);
 
 // The fixed_block_pool driver (ids, not pointers). fault_rules as for run_pool_fuzz.
 inline std::string run_fixed_block_fuzz(bool over_vmm_page, const std::uint8_t* data,
@@ -378,10 +403,13 @@ struct live_block {
 
 class pool_driver {
  public:
+  // cross_stream: most frees go to another stream than the allocation's, and at most
+  // 24 MiB is live (so a pool that keeps freed memory apart per stream is caught quickly
+  // by the reserved bound).
   pool_driver(gpumem::sim_platform& sim, pool_under_test& pool, byte_source& in, bool fault_mode,
-              fuzz_counts& counts, std::size_t fault_rules = 1)
+              fuzz_counts& counts, std::size_t fault_rules = 1, bool cross_stream = false)
       : sim_(sim), pool_(pool), in_(in), fault_mode_(fault_mode), counts_(counts),
-        faults_(fault_rules) {}
+        faults_(fault_rules), cross_stream_(cross_stream) {}
 
   std::string run(std::size_t max_ops) {
     for (int i = 0; i < 2; ++i) {
@@ -428,6 +456,7 @@ class pool_driver {
     try {
       pool_.trim();
       for (std::size_t i = 1; i < streams_.size(); ++i) pool_.release_stream(streams_[i]);
+      for (auto s : extra_) pool_.release_stream(s);
     } catch (const std::exception& e) {
       return std::string("teardown: ") + e.what();
     }
@@ -441,6 +470,8 @@ class pool_driver {
     if (auto why = pool_.validate(); !why.empty()) return "invalid at the end: " + why;
     for (std::size_t i = 1; i < streams_.size(); ++i)
       if (!sim_.stream_destroy(streams_[i])) return "stream_destroy failed";
+    for (auto s : extra_)
+      if (!sim_.stream_destroy(s)) return "stream_destroy failed";
     return {};
   }
 
@@ -475,10 +506,43 @@ class pool_driver {
     return {};
   }
 
-  gpumem::stream_handle stream(std::size_t slot) const { return streams_[slot % streams_.size()]; }
+  // Slots 0-2: the default stream and the driver's two; from 3: streams made for a free
+  // on a stream the pool never saw (extra_).
+  gpumem::stream_handle stream(std::size_t slot) const {
+    return slot < streams_.size() ? streams_[slot] : extra_[slot - streams_.size()];
+  }
+  std::size_t stream_slots() const { return streams_.size() + extra_.size(); }
+
+  // A stream slot for a free: another stream the pool knows, or (up to 6 of them) a new
+  // stream it has never seen.
+  std::string any_stream_slot(std::size_t& slot) {
+    if (in_.u8() % 4 == 0 && extra_.size() < 6) {
+      auto s = sim_.stream_create(0);
+      if (!s) return "stream_create: " + s.error().describe();
+      extra_.push_back(s.value());
+      slot = stream_slots() - 1;
+      return {};
+    }
+    slot = in_.below(stream_slots());
+    return {};
+  }
+
+  // A stream value the platform refuses: one it never made (sim makes odd values only), or
+  // one the pool released and the driver destroyed.
+  gpumem::stream_handle refused_stream() {
+    if (!destroyed_.empty() && in_.u8() % 2) return destroyed_[in_.below(destroyed_.size())];
+    return gpumem::stream_handle{0x1000 + 2 * std::uintptr_t{in_.u16()}};
+  }
 
   std::size_t decode_size() {
     const std::uint8_t cls = in_.u8();
+    if (cross_stream_ && cls % 2 == 0) {
+      // Half the sizes climb from 1 KiB to 3 MiB and again, as a growing batch or
+      // sequence does: a freed block then rarely fits the next request by itself, and
+      // only merged with its free neighbours (whatever stream freed them) it serves.
+      ramp_ = ramp_ >= 3 * MiB ? KiB : ramp_ + KiB * (1 + in_.u8() % 16);
+      return ramp_;
+    }
     const std::uint32_t r = in_.u32();
     switch (cls % 16) {
       case 0: case 1: case 2: return 1 + r % 64;                // tiny
@@ -513,8 +577,10 @@ class pool_driver {
         if (live_.empty()) return allocate_one();
         auto it = live_.begin();
         std::advance(it, static_cast<std::ptrdiff_t>(in_.below(live_.size())));
-        // Its own stream mostly, another one sometimes.
-        const std::size_t slot = in_.u8() % 4 == 0 ? in_.u8() % 3 : it->second.stream_slot;
+        // Its own stream mostly, another one sometimes (most times with cross_stream).
+        std::size_t slot = it->second.stream_slot;
+        if (in_.u8() % 4 < (cross_stream_ ? 3 : 1))
+          if (auto why = any_stream_slot(slot); !why.empty()) return why;
         return free_one(it, slot);
       }
       case 20: return trim();
@@ -530,6 +596,7 @@ class pool_driver {
       case 28: case 29:
         if (fault_mode_) return arm_fault();
         return allocate_one();
+      case 30: return bad_stream();
       default: return allocate_one();
     }
   }
@@ -537,8 +604,12 @@ class pool_driver {
   std::string allocate_one() {
     const std::size_t bytes = decode_size();
     const std::size_t alignment = decode_alignment();
-    const std::size_t slot = in_.u8() % 3;
-    if (live_bytes_ + bytes > 160 * MiB) return {};  // keep checking cheap; OOM still reached
+    // cross_stream: mostly on the driver's first stream, so most frees (on others) are
+    // of memory that stream allocated and would reuse.
+    const std::uint8_t pick = in_.u8();
+    const std::size_t slot = cross_stream_ && pick % 4 != 0 ? 1 : pick % 3;
+    if (live_bytes_ + bytes > (cross_stream_ ? 24 * MiB : 160 * MiB))
+      return {};  // keep checking cheap; OOM still reached
     void* p = nullptr;
     try {
       p = pool_.allocate(bytes, alignment, stream(slot));
@@ -569,6 +640,7 @@ class pool_driver {
     write_pattern(p, bytes, serial);
     live_.emplace(addr, live_block{bytes, alignment, slot, serial});
     live_bytes_ += bytes;
+    peak_live_ = std::max(peak_live_, live_bytes_);
     ++counts_.allocations;
     return {};
   }
@@ -584,6 +656,7 @@ class pool_driver {
     } catch (...) {
       return judge(std::current_exception(), false);  // still owned: the model keeps it
     }
+    if (stream(slot).value != stream(b.stream_slot).value) ++counts_.foreign_frees;
     live_.erase(it);
     live_bytes_ -= b.bytes;
     recently_freed_.push_back({addr, b.bytes});
@@ -610,11 +683,49 @@ class pool_driver {
       return judge(std::current_exception(), false);
     }
     if (!sim_.stream_destroy(streams_[slot])) return "stream_destroy failed";
+    destroyed_.push_back(streams_[slot]);
     auto s = sim_.stream_create(0);
     if (!s) return "stream_create: " + s.error().describe();
     streams_[slot] = s.value();
     for (auto& [a, b] : live_)
       if (b.stream_slot == slot) b.stream_slot = 0;
+    return {};
+  }
+
+  // A free (of a live allocation) or an allocation on a stream the platform refuses:
+  // invalid_argument, no counter changed, the allocation still live and intact (checked by
+  // the step's model check).
+  std::string bad_stream() {
+    const auto before = pool_.stats();
+    const gpumem::stream_handle bad = refused_stream();
+    std::string what;
+    std::string message = "not refused";
+    auto attempt = [&](auto&& fn) {
+      try {
+        fn();
+      } catch (const gpumem::invalid_argument&) {
+        message.clear();
+      } catch (const std::exception& e) {
+        message = std::string("wrong exception type: ") + e.what();
+      }
+    };
+    if (!live_.empty() && in_.u8() % 4 != 0) {
+      auto it = live_.begin();
+      std::advance(it, static_cast<std::ptrdiff_t>(in_.below(live_.size())));
+      what = "a free on refused stream " + std::to_string(bad.value);
+      attempt([&] { pool_.deallocate(reinterpret_cast<void*>(it->first), it->second.bytes, bad); });
+    } else {
+      what = "an allocation on refused stream " + std::to_string(bad.value);
+      attempt([&] { (void)pool_.allocate(4096, gpumem::default_alignment, bad); });
+    }
+    ++counts_.bad_inputs;
+    ++counts_.bad_stream_calls;
+    if (!message.empty()) return what + ": " + message;
+    const auto after = pool_.stats();
+    if (after.live_bytes != before.live_bytes || after.live_allocations != before.live_allocations ||
+        after.reserved_bytes != before.reserved_bytes || after.allocations != before.allocations ||
+        after.deallocations != before.deallocations)
+      return what + " changed the pool's counters";
     return {};
   }
 
@@ -741,6 +852,14 @@ class pool_driver {
              std::to_string(st.live_allocations) + " allocations, the model " +
              std::to_string(bytes) + " in " + std::to_string(live_.size());
     if (auto why = pool_.validate(); !why.empty()) return "validate: " + why;
+    if (st.reserved_bytes > 2 * peak_live_)
+      counts_.worst_reserved_over_peak =
+          std::max(counts_.worst_reserved_over_peak, st.reserved_bytes - 2 * peak_live_);
+    if (st.reserved_bytes > reserved_bound(peak_live_))
+      return "reserved " + std::to_string(st.reserved_bytes) + " bytes, over the bound " +
+             std::to_string(reserved_bound(peak_live_)) + " for peak live " +
+             std::to_string(peak_live_) + " bytes (" + std::to_string(counts_.foreign_frees) +
+             " frees on another stream so far)";
     return {};
   }
 
@@ -755,6 +874,11 @@ class pool_driver {
   std::uint64_t serial_ = 0;
   std::vector<std::pair<std::uintptr_t, std::size_t>> recently_freed_;
   fault_arm faults_;
+  bool cross_stream_ = false;
+  std::size_t peak_live_ = 0;                    // the model's peak of live_bytes_
+  std::size_t ramp_ = 0;                         // cross_stream's climbing size
+  std::vector<gpumem::stream_handle> extra_;     // made for frees, released at teardown
+  std::vector<gpumem::stream_handle> destroyed_;  // released, then destroyed
 };
 
 // Destroys the pool stack, then checks sim holds nothing.
@@ -769,7 +893,7 @@ inline std::string leak_check(gpumem::sim_platform& sim) {
 
 inline std::string run_pool_fuzz(pool_target target, const std::uint8_t* data, std::size_t size,
                                  bool fault_mode, std::size_t max_ops, fuzz_counts& counts,
-                                 std::size_t fault_rules) {
+                                 std::size_t fault_rules, bool cross_stream) {
   if (target == pool_target::fixed_block_over_vmm_page || target == pool_target::fixed_block_over_caching)
     return run_fixed_block_fuzz(target == pool_target::fixed_block_over_vmm_page, data, size,
                                 fault_mode, max_ops, counts, fault_rules);
@@ -840,12 +964,14 @@ inline std::string run_pool_fuzz(pool_target target, const std::uint8_t* data, s
     if (caching) pool = std::make_unique<detail::resource_pool<gpumem::caching_pool>>(*caching);
     else if (pages) pool = std::make_unique<detail::resource_pool<gpumem::vmm_page_pool>>(*pages);
     else pool = std::make_unique<detail::pinned_pool>(*pinned);
-    detail::pool_driver driver(sim, *pool, in, fault_mode, counts, fault_rules);
+    detail::pool_driver driver(sim, *pool, in, fault_mode, counts, fault_rules, cross_stream);
     why = driver.run(max_ops);
     sim.clear_faults();
   }
   if (why.empty()) why = detail::leak_check(sim);
-  return why.empty() ? why : std::string(target_name(target)) + (fault_mode ? " (faults)" : "") + ": " + why;
+  return why.empty() ? why
+                     : std::string(target_name(target)) + (fault_mode ? " (faults)" : "") +
+                           (cross_stream ? " (cross-stream)" : "") + ": " + why;
 }
 
 inline std::string run_fixed_block_fuzz(bool over_vmm_page, const std::uint8_t* data,

@@ -823,3 +823,43 @@ TEST_F(StepPlanner, SegmentsShowPlannedAllocationsInsideTheRegion) {
 }
 
 }  // namespace
+
+namespace {
+
+// A planned allocation freed on a stream the platform refuses (a value it never made, or a
+// stream destroyed since) is refused as the pool refuses such a free: invalid_argument,
+// the allocation live and planned as before, nothing recorded; the right free then works.
+TEST_F(StepPlanner, APlannedFreeOnAStreamThePlatformRefusesChangesNothing) {
+  vmm_page_pool pool(sim, 0);
+  step_planner planner(pool);
+  loop l;
+  start_on_plan(*this, planner, l);
+  const auto planned_before = planner.counts().planned_allocations;
+  void* p = planner.allocate(3 * MiB, 256, {});  // the first activation of run_step: planned
+  ASSERT_EQ(planner.counts().planned_allocations, planned_before + 1) << "the allocation is planned";
+  fill(p, 3 * MiB, 0x3c);
+  const auto made = sim.stream_create(0);
+  ASSERT_TRUE(made.ok());
+  const stream_handle gone = made.value();
+  ASSERT_TRUE(sim.stream_destroy(gone).ok());
+  for (const stream_handle bad : {stream_handle{0x1234}, gone}) {
+    const auto before = planner.stats();
+    const auto counts_before = planner.counts();
+    EXPECT_THROW(planner.deallocate(p, 3 * MiB, bad), invalid_argument);
+    const auto after = planner.stats();
+    EXPECT_EQ(after.live_bytes, before.live_bytes);
+    EXPECT_EQ(after.live_allocations, before.live_allocations);
+    EXPECT_EQ(after.deallocations, before.deallocations);
+    EXPECT_EQ(planner.counts().planned_live_bytes, counts_before.planned_live_bytes);
+    EXPECT_EQ(planner.counts().steps_left_plan, counts_before.steps_left_plan);
+    EXPECT_EQ(planner.validate(), "");
+    EXPECT_TRUE(holds(p, 3 * MiB, 0x3c));
+  }
+  planner.deallocate(p, 3 * MiB, {});
+  planner.mark_step();
+  finish(planner, l, {});
+  EXPECT_EQ(planner.stats().live_bytes, 0u);
+  EXPECT_EQ(planner.validate(), "");
+}
+
+}  // namespace

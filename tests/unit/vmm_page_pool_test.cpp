@@ -684,6 +684,42 @@ TEST_F(VmmPagePool, VirtualRangeExhaustionIsOutOfMemoryAndLeaksNothing) {
   expect_page_accounting(pool);
 }
 
+// An out-of-memory because the virtual range is used up names the range, how much of it is
+// in use and the option that raises it; one for want of device memory (a limit) does not.
+TEST_F(VmmPagePool, OutOfMemoryWithTheVirtualRangeExhaustedSaysSoAndNamesVaReserve) {
+  pool_options o;
+  o.va_reserve_bytes = 16 * MiB;
+  vmm_page_pool pool(sim, 0, o);
+  void* a = pool.allocate(8 * MiB);
+  void* b = pool.allocate(6 * MiB);
+  std::string report;
+  try {
+    (void)pool.allocate(4 * MiB);
+    ADD_FAILURE() << "4 MiB fit in a 16 MiB range with 14 MiB of it in use";
+  } catch (const out_of_memory& e) {
+    report = e.what();
+  }
+  EXPECT_NE(report.find("the pool's virtual range (va_reserve: 16.00 MiB) is exhausted: 14680064 of "
+                        "16777216 bytes of addresses in use, the largest free run 2097152 bytes"),
+            std::string::npos)
+      << report;
+  EXPECT_NE(report.find("raise va_reserve"), std::string::npos) << report;
+  pool.deallocate(a, 8 * MiB);
+  pool.deallocate(b, 6 * MiB);
+
+  pool_options limited;
+  limited.limit_bytes = 8 * MiB;
+  vmm_page_pool small(sim, 0, limited);
+  void* c = small.allocate(6 * MiB);
+  try {
+    (void)small.allocate(4 * MiB);
+    ADD_FAILURE() << "4 MiB more fit under an 8 MiB limit with 6 MiB live";
+  } catch (const out_of_memory& e) {
+    EXPECT_EQ(std::string(e.what()).find("virtual range"), std::string::npos) << e.what();
+  }
+  small.deallocate(c, 6 * MiB);
+}
+
 // The reserve's pages serve the first requests of any size and stream.
 TEST_F(VmmPagePool, ReserveUpFrontMakesTheFirstAllocationsCreateNothing) {
   pool_options o;

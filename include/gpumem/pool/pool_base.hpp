@@ -118,6 +118,11 @@ class pool_base : public memory_resource {
   // subclass can). Returns bytes released.
   std::size_t trim();
   void release_stream(stream_handle stream) override;
+  // Throws gpumem::invalid_argument, changing nothing, unless `stream` is one the platform
+  // knows on this pool's device (the check allocate and deallocate make; `caller` names the
+  // call in the message). For layers in front of the pool whose own paths reach the
+  // platform with the stream before the pool sees it (step_planner's planned frees).
+  void check_stream(stream_handle stream, std::string_view caller);
   // Bytes in one arena (small requests, or large ones): handed out (rounded), cached in
   // exact-size lists, and free (merged).
   struct arena_bytes {

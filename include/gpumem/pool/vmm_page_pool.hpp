@@ -313,6 +313,9 @@ class vmm_page_pool final : public pool_base {
   };
   std::unordered_map<std::uintptr_t, guarded_allocation> guarded_;
   std::map<std::size_t, std::size_t> va_free_;  // unmapped VA: first page -> page count
+  // The last growth failed for want of a free virtual run (the range, va_reserve, is
+  // exhausted or too cut up): the out-of-memory report says so.
+  bool va_exhausted_ = false;
   vmm_page_counts counts_{};
   double raised_slack_ = 0.0;           // growth slack raised for the remap budget
   std::uint64_t window_start_ns_ = 0;   // the budget's judgement window (0: none open)
