@@ -503,8 +503,12 @@ bool pool_base::free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch,
   if (!s.event_pending || s.event_epoch < epoch) {
     // The event covers all work queued on the stream so far, which includes every use of
     // blocks freed up to now.
-    if (auto st = p.event_record(s.event, stream_handle{freed_on}); !st)
-      throw_cuda_error(st, "pool: cross-stream event record");
+    if (auto st = p.event_record(s.event, stream_handle{freed_on}); !st) {
+      if (st.kind != failure_kind::invalid_value)
+        throw_cuda_error(st, "pool: cross-stream event record");
+      s.completed_epoch = s.frees;  // destroyed: its work is taken as finished (as above)
+      return true;
+    }
     s.event_pending = true;
     s.event_epoch = s.frees;
   }
@@ -738,7 +742,8 @@ void pool_base::release_stream(stream_handle stream) {
   auto it = streams_.find(stream.value);
   if (it == streams_.end() || stream.value == 0) return;
   // Its blocks become the default stream's, safe at once: the stream's work is done.
-  if (auto st = device_platform().stream_synchronize(stream); !st)
+  if (auto st = device_platform().stream_synchronize(stream);
+      !st && st.kind != failure_kind::invalid_value)  // invalid: already destroyed (as above)
     throw_cuda_error(st, "pool: synchronize a stream being released");
   for (auto& a : arenas_) a->retag_free(stream.value, 0);
   for (auto& a : arenas_) a->drop_empty_bins();
@@ -816,9 +821,10 @@ bool pool_base::reclaim_other_streams_free(std::uintptr_t to, bool wait) {
     if (it != streams_.end()) {
       stream_state& s = it->second;
       if (wait) {
-        // A stream the platform no longer accepts (destroyed without release_stream)
-        // keeps its blocks apart: their last use cannot be waited for.
-        if (p.stream_synchronize(stream_handle{from})) s.completed_epoch = s.frees;
+        // A stream the platform no longer knows (destroyed without release_stream) has
+        // its work taken as finished, as in synchronize_streams_with_free_blocks.
+        if (auto st = p.stream_synchronize(stream_handle{from}); st || st.kind == failure_kind::invalid_value)
+          s.completed_epoch = s.frees;
       } else if (s.completed_epoch < s.frees) {
         try {
           (void)free_is_complete(from, s.frees, nullptr);
@@ -873,7 +879,10 @@ void pool_base::prune_stream_states() {
 
 void pool_base::synchronize_streams_with_free_blocks() {
   for (auto& [stream, s] : streams_) {
-    if (auto st = device_platform().stream_synchronize(stream_handle{stream}); !st)
+    // A stream the platform no longer knows was destroyed: its work is taken as finished
+    // (see the header: destroy a stream after its work, or release_stream it first).
+    if (auto st = device_platform().stream_synchronize(stream_handle{stream});
+        !st && st.kind != failure_kind::invalid_value)
       throw_cuda_error(st, "pool: synchronize before giving memory back");
     s.completed_epoch = s.frees;
   }

@@ -192,6 +192,30 @@ TEST_P(CrossStreamFree, ManyDistinctStreamsKeepPerStreamStateBounded) {
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
 }
 
+// A stream destroyed (its work done) while the pool holds blocks freed on it, without
+// release_stream: the pool takes its work as finished. trim, release_stream and allocations
+// on other streams keep working, and the blocks are reused.
+TEST_P(CrossStreamFree, AStreamDestroyedWithoutReleaseDoesNotBreakThePool) {
+  any_pool holder = make_pool(sim, GetParam());
+  pool_base& pool = holder.get();
+  const stream_handle kept = make_stream();
+  auto gone = sim.stream_create(0);
+  ASSERT_TRUE(gone.ok());
+  void* p = pool.allocate(6 * MiB, default_alignment, kept);
+  void* q = pool.allocate(4096, default_alignment, kept);
+  pool.deallocate(p, 6 * MiB, gone.value());
+  pool.deallocate(q, 4096, gone.value());
+  ASSERT_TRUE(sim.stream_destroy(gone.value()).ok());
+  const std::size_t reserved = pool.stats().reserved_bytes;
+  void* r = nullptr;
+  ASSERT_NO_THROW(r = pool.allocate(6 * MiB, default_alignment, kept));
+  EXPECT_EQ(pool.stats().reserved_bytes, reserved) << "the destroyed stream's block was reused";
+  pool.deallocate(r, 6 * MiB, kept);
+  EXPECT_NO_THROW(pool.release_stream(gone.value()));
+  EXPECT_NO_THROW(pool.trim());
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
 INSTANTIATE_TEST_SUITE_P(BothPools, CrossStreamFree, ::testing::Values(kind::caching, kind::paged),
                          [](const auto& info) {
                            return info.param == kind::caching ? std::string("caching_pool")

@@ -17,6 +17,10 @@
 // free memory merges, so reserved bytes stay bounded by the peak live bytes as with frees
 // on the allocation's stream.
 //
+// A stream destroyed while the pool still holds blocks freed on it (without release_stream)
+// has its work taken as finished once the platform no longer knows it: destroy a stream
+// after its work is done, or release_stream it first, which waits for it.
+//
 // Streams: the pool checks a stream the first time it meets it (the platform names its
 // device; a query legal inside a CUDA graph capture); one the platform does not know, or
 // one of another device, is refused with gpumem::invalid_argument before anything changes. Per-stream state (an event, the free counter) is kept for streams that hold
