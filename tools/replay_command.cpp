@@ -398,7 +398,19 @@ int run_replay(int argc, char** argv) {
       args.has("snapshot") ? static_cast<std::size_t>(*args.integer("snapshot-events", 1, 100000000))
                            : 0;
 
-  // Output files are checked before the replays, which may take long.
+  // Output files are checked before the replays, which may take long. The plot is drawn as
+  // SVG only: a path asking for another format (.png, .pdf) is refused, not written as SVG
+  // under a name that says otherwise.
+  if (args.has("plot")) {
+    const std::string plot_path = *args.value("plot");
+    const auto dot = plot_path.rfind('.');
+    const std::string ext = dot == std::string::npos ? "" : plot_path.substr(dot);
+    if (ext != ".svg" && ext != ".SVG")
+      throw invalid_argument("gpumem replay --plot: '" + plot_path + "' asks for " +
+                             (ext.empty() ? std::string("no format") : ext.substr(1) + " output") +
+                             ", which gpumem cannot draw: it writes SVG (give a path ending in "
+                             ".svg; rsvg-convert or a browser turns it into PNG)");
+  }
   for (const char* output : {"plot", "snapshot"})
     if (args.has(output)) check_writable(*args.value(output), output);
 

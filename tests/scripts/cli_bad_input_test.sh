@@ -87,12 +87,18 @@ expect_rc 2 "--budget 8Q"
 expect_err "invalid value '8Q' for --budget"
 
 # Output paths are checked before any replay runs.
-for opt in plot snapshot; do
-  run "$gpumem" replay "$good" --device sim --allocator vmm_page_pool --"$opt" "$tmp/no/such/dir/out"
+for opt in plot:svg snapshot:pickle; do
+  out="$tmp/no/such/dir/out.${opt#*:}" opt=${opt%%:*}
+  run "$gpumem" replay "$good" --device sim --allocator vmm_page_pool --"$opt" "$out"
   expect_rc 1 "--$opt into a missing directory"
-  expect_err "--$opt: cannot write '$tmp/no/such/dir/out'"
+  expect_err "--$opt: cannot write '$out'"
   if grep -q "replaying" "$tmp/err"; then fail "--$opt checked only after a replay"; fi
 done
+# A plot in a format gpumem cannot draw is refused before any replay, saying so.
+run "$gpumem" replay "$good" --device sim --allocator vmm_page_pool --plot "$tmp/p.png"
+expect_rc 1 "--plot p.png"
+expect_err "asks for png output, which gpumem cannot draw"
+[ ! -e "$tmp/p.png" ] || fail "an SVG was written under a .png name"
 run "$gpumem" replay "$good" --device sim --allocator vmm_page_pool --plot "$tmp/p.svg"
 expect_rc 0 "--plot into a writable place"
 grep -q "<svg" "$tmp/p.svg" || fail "no plot written"
