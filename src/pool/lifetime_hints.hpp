@@ -4,8 +4,8 @@
 //
 // Why: a block's last page is shared only with its address neighbour. When a long-lived
 // block's neighbours are temporaries, its partial last page stays pinned after they die:
-// at infer_llama's peak, 32 KV blocks of 2.73 pages each held 3 pages apiece, 8.75 pages
-// lost (docs/RESULTS.md). Placed in a row, 32 of them need 88 pages, not 96.
+// 32 KV blocks of 2.73 pages each hold 3 pages apiece when apart; placed in a row they need
+// 88 pages, not 96.
 //
 // How: deep-learning programs repeat (each layer, step or token makes the same requests in
 // the same order), and blocks that outlive the loop that makes them pile up. A request is
@@ -21,17 +21,16 @@
 //
 // The cost: long-lived blocks get runs of their own, so in a training loop (forward fills
 // them, backward empties them while other blocks grow) a memory-tight pool may move pages
-// between those runs and the others every step: without a bound, under PyTorch on the
-// H200 the timed run's driver time rose 3-6x on four workloads of six. The move budget
-// (below) bounds it: the hints stop for good where the moves keep coming (docs/RESULTS.md).
+// between those runs and the others every step, each move a remap. The move budget (below)
+// bounds it: the hints stop for good where the moves keep coming.
 //
 // Liveness is read from the block records (records are never freed while the arena
 // lives): a record still allocated at the same address, stamped with this request's
 // serial in block::free_epoch (unused while a block is allocated; set again on free).
 //
-// Keys are kept exactly (a 64-bit hash of the sizes): a direct-mapped table of 64 Ki
-// slots lost evidence to collisions (a trace has ~360-1,900 keys) and moved infer_llama
-// from 1.0054 to 1.0101 on sim. Past max_keys (a workload of endlessly new sizes), all
+// Keys are kept exactly (a 64-bit hash of the sizes): a table that lets keys collide
+// loses the evidence the guesses rest on (a trace has hundreds to thousands of keys). Past
+// max_keys (a workload of endlessly new sizes), all
 // evidence is forgotten and learned again. Not thread-safe: the pool's lock serializes
 // calls.
 #pragma once

@@ -13,11 +13,8 @@
 //
 // Large requests' blocks are never kept: freed, they go to their arena at once and merge
 // with their free neighbours. Held back unmerged, they split the free runs that later
-// large requests need whole, and vmm_page_pool then remaps pages to gather runs. On 27
-// recorded workloads (sim, vmm_page_pool, 2 passes) keeping them cost 12.9 against 7.5 s
-// of modelled driver time, 69,921 against 20,323 page maps in the last pass, and 1.0116
-// against 1.0095 fragmentation (geomean); keeping even one a thread cost 9.5 s and 44,011
-// maps (docs/RESULTS.md).
+// large requests need whole, and vmm_page_pool then remaps pages to gather runs: more
+// driver time, more page maps and more memory held, even when a thread keeps only one.
 //
 // With size classes for small requests (pool_options::small_classes, the default), the
 // small blocks a cache keeps are bounded by bytes (small_bytes_limit) and stay through a
@@ -25,8 +22,7 @@
 // Every block a small request gets is then of a class size, and a block serves only its
 // own class (neighbouring classes are more than 1/near_fit_share apart), so the cache keeps
 // one LIFO list per class instead of size bins: a push or a pop is a few loads and stores,
-// where the bins recompute a bin, keep back links and two bitmaps (callgrind, sim, mixed
-// pairs: see docs/RESULTS.md). A block of another size (made while the classes were off,
+// where the bins recompute a bin, keep back links and two bitmaps. A block of another size (made while the classes were off,
 // an observer attached) is not kept: it goes to its arena.
 //
 // Blocks kept here stay `allocated` in their arena: the arena does not see them, and

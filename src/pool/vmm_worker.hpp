@@ -1,16 +1,16 @@
 // vmm_worker: a helper thread that unmaps vmm_page_pool's old mappings off the allocating
 // thread.
 //
-// Why: on the H200, cuMemUnmap costs the calling thread ~35-45 us per mapping it covers
-// while the GPU is busy (~25 us idle), whether made as one call over many mappings or one
-// call each; a helper thread making such calls does not slow another thread's kernel
-// launches (scripts/probes/vmm_call_split_probe.cu, 2026-12-01). A remap moves free pages:
-// they are mapped at the new place at once (a handle may be mapped twice), and the old
-// mapping, whose last use is complete, can go whenever.
+// Why: cuMemUnmap costs the calling thread tens of microseconds per mapping it covers while
+// the GPU is busy, whether made as one call over many mappings or one call each, and a
+// helper thread making such calls does not slow another thread's kernel launches
+// (scripts/probes/vmm_call_split_probe.cu measures both). A remap moves free pages: they
+// are mapped at the new place at once (a handle may be mapped twice), and the old mapping,
+// whose last use is complete, can go whenever.
 //
-// (Access grants cannot move here: cudaMemsetAsync / cudaMemcpyAsync refuse, at the call, a
-// pointer whose access is not granted yet, even when the stream is made to wait for the
-// grant on the GPU; tried on the H200 the same day.)
+// Access grants stay on the allocating thread: cudaMemsetAsync / cudaMemcpyAsync refuse, at
+// the call, a pointer whose access is not granted yet, even when the stream is made to wait
+// for the grant on the GPU.
 //
 // What: unmap(va, pieces, token) queues the unmap of a run of mappings; jobs run in the
 // order queued; the pool reuses that address space only after collect() reports the token
@@ -18,10 +18,8 @@
 // mapped, and no driver must accept an unmap spanning mappings. A failure stops the job and
 // is reported with its token, its status and the bytes at the run's start still mapped.
 // Cost: while the worker unmaps, another thread's cuMemMap or access grant waits in the
-// driver. H200, encode_varlen replay, 2026-12-01: a concurrent cuMemMap took ~25 us with
-// runs of ~14 mappings unmapped in one call, ~21 us one mapping a call, ~0.8 us without
-// the worker (its unmaps then on the allocating thread). So vmm_page_pool queues a growth's
-// old mappings only after that growth's maps and access grant (vmm_page_pool::hold_unmaps_).
+// driver (the driver serializes them), so vmm_page_pool queues a growth's old mappings only
+// after that growth's maps and access grant (vmm_page_pool::hold_unmaps_).
 //
 // Thread safety: every member may be called from any thread.
 #pragma once
