@@ -387,13 +387,7 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
                ? arena.allocate_from_other_streams(
                      size, alignment, stream.value, requested,
                      [&](const detail::block& blk) {
-                       // A stream that cannot record or wait now (one being captured into
-                       // a CUDA graph refuses some calls) keeps its blocks for this time.
-                       try {
-                         return free_is_complete(blk.stream, blk.free_epoch, &stream);
-                       } catch (const cuda_error&) {
-                         return false;
-                       }
+                       return free_is_complete(blk.stream, blk.free_epoch, &stream);
                      })
                : nullptr;
   };
@@ -808,11 +802,7 @@ bool pool_base::reclaim_other_streams_free(std::uintptr_t to, bool wait) {
       // synchronize is not). The blocks are then safe in `to`'s order only, so they take a
       // new free epoch of `to`: another stream reuses them once `to` has passed the wait.
       const stream_handle to_handle{to};
-      try {
-        (void)free_is_complete(from, it->second.frees, &to_handle);
-      } catch (const cuda_error&) {
-        continue;  // a stream that cannot record or wait now keeps its blocks
-      }
+      (void)free_is_complete(from, it->second.frees, &to_handle);
       const std::uint64_t epoch = ++stream_state_of(to).frees;
       for (auto& a : arenas_) moved = a->retag_free(from, to, it->second.frees, epoch) != 0 || moved;
       continue;
@@ -823,14 +813,12 @@ bool pool_base::reclaim_other_streams_free(std::uintptr_t to, bool wait) {
       if (wait) {
         // A stream the platform no longer knows (destroyed without release_stream) has
         // its work taken as finished, as in synchronize_streams_with_free_blocks.
-        if (auto st = p.stream_synchronize(stream_handle{from}); st || st.kind == failure_kind::invalid_value)
-          s.completed_epoch = s.frees;
+        if (auto st = p.stream_synchronize(stream_handle{from});
+            !st && st.kind != failure_kind::invalid_value)
+          throw_cuda_error(st, "pool: synchronize a stream holding free blocks");
+        s.completed_epoch = s.frees;
       } else if (s.completed_epoch < s.frees) {
-        try {
-          (void)free_is_complete(from, s.frees, nullptr);
-        } catch (const cuda_error&) {
-          // As above: not known complete.
-        }
+        (void)free_is_complete(from, s.frees, nullptr);
       }
       complete_up_to = s.completed_epoch;
     }

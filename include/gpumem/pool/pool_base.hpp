@@ -337,6 +337,7 @@ class pool_base : public memory_resource {
   // Free blocks of streams other than `to` whose frees are known complete (wait: after
   // synchronizing those streams) become `to`'s, merged with its free neighbours; the
   // per-stream state of streams left with no free block is dropped. Whether any moved.
+  // Throws gpumem::cuda_error when the platform fails (nothing moved for that stream).
   // REQUIRES: mutex_ held.
   bool reclaim_other_streams_free(std::uintptr_t to, bool wait);
   // Free blocks of streams whose frees are known complete become the default stream's,
