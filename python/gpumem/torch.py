@@ -482,24 +482,23 @@ def reset_peak_memory_stats(device=None):
         raise gpumem.GpumemError(status, "gpumem.torch: no pool for device %r" % (device,))
 
 
-def _format_bytes(n, scale):
-    units = ("B  ", "KiB", "MiB", "GiB", "TiB", "PiB")
+def _scaled(n, scale, units, step, limit, width):
+    """n in the unit that keeps `scale` (the row's largest value) under limit, as PyTorch's
+    memory_summary formats its columns."""
     unit = 0
-    while unit + 1 < len(units) and scale >= 768 * 1024:
-        n //= 1024
-        scale /= 1024
+    while unit + 1 < len(units) and scale >= limit:
+        n //= step
+        scale /= step
         unit += 1
-    return "%6d %s" % (n, units[unit])
+    return "%*d %s" % (width, n, units[unit])
+
+
+def _format_bytes(n, scale):
+    return _scaled(n, scale, ("B  ", "KiB", "MiB", "GiB", "TiB", "PiB"), 1024, 768 * 1024, 6)
 
 
 def _format_count(n, scale):
-    units = (" ", "K", "M")
-    unit = 0
-    while unit + 1 < len(units) and scale >= 750 * 1000:
-        n //= 1000
-        scale /= 1000
-        unit += 1
-    return "%7d %s " % (n, units[unit])
+    return _scaled(n, scale, (" ", "K", "M"), 1000, 750 * 1000, 7) + " "
 
 
 def memory_summary(device=None, abbreviated=False):  # pylint: disable=unused-argument
