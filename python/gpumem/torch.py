@@ -133,6 +133,13 @@ def _relax_inductor_pool_asserts():
     # function, through torch.cuda.graph, whose pools gpumem keeps private.
     if hasattr(triton, "cudagraph_trees"):
         triton.cudagraph_trees = False
+    # Without trees, PyTorch checks a compiled function's input mutations only at compile
+    # time, and only when cudagraph_support_input_mutation is off: with it on, a function that
+    # mutates an input (an in-place counter, a cache's position buffer) is captured anyway,
+    # the capture's warm-up applies the mutation twice and replays mutate a copy, so results
+    # go wrong. Off, such a function runs without CUDA graphs, as trees decide for it too.
+    if hasattr(triton, "cudagraph_support_input_mutation"):
+        triton.cudagraph_support_input_mutation = False
 
 
 def allocator(path=None):

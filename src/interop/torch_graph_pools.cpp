@@ -153,11 +153,12 @@ void release_pool(int device, mempool_id id) {
   destroy_if_unused_locked(p);
 }
 
-graph_pool_totals graph_pools_totals() noexcept {
+graph_pool_totals graph_pools_totals(int device) noexcept {
   graph_pool_totals t;
   std::lock_guard lock(mutex_);
-  t.pools = pools_.size();
   for (auto& p : pools_) {
+    if (device >= 0 && p->device != device) continue;
+    t.pools += 1;
     gpumem_stats s{};
     if (gpumem_pool_stats(p->pool, &s) == GPUMEM_SUCCESS) t.reserved_bytes += s.reserved_bytes;
     t.live_allocations += p->live;

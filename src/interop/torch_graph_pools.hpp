@@ -72,6 +72,7 @@ struct graph_pool_totals {
   std::size_t reserved_bytes = 0;
   std::size_t live_allocations = 0;
 };
-graph_pool_totals graph_pools_totals() noexcept;
+// Of one device's pools, or of all with device -1.
+graph_pool_totals graph_pools_totals(int device = -1) noexcept;
 
 }  // namespace gpumem_torch

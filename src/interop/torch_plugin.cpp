@@ -108,6 +108,9 @@ struct device_counts {
   // requested peak since (sampled only after a reset).
   std::atomic<std::uint64_t> resets{0}, reserved_at_reset{0}, pool_peak_at_reset{0},
       reserved_sampled{0};
+  // The most reserved bytes of the shared pool and the private graph pools together seen
+  // when a graph pool served an allocation (capture time), since the last reset.
+  std::atomic<std::uint64_t> with_graphs_sampled{0};
 };
 std::array<device_counts, max_devices> counts_{};
 
@@ -236,6 +239,16 @@ void count_allocation(int device, gpumem_pool* pool, std::uint64_t size) noexcep
   }
 }
 
+// Samples the shared pool's and the device's graph pools' reserved bytes together (only
+// when a graph pool serves an allocation: capture time, off the steady path).
+void sample_reserved_with_graphs(int device) noexcept {
+  gpumem_pool* pool = pools_[device].load(std::memory_order_acquire);
+  gpumem_stats s{};
+  if (pool != nullptr && gpumem_pool_stats(pool, &s) != GPUMEM_SUCCESS) return;
+  raise_peak(counts_[device].with_graphs_sampled,
+             s.reserved_bytes + gpumem_torch::graph_pools_totals(device).reserved_bytes);
+}
+
 void count_free(int device, std::uint64_t size) noexcept {
   device_counts& c = counts_[device];
   c.requested.fetch_sub(size, std::memory_order_relaxed);
@@ -279,6 +292,7 @@ GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
     // A capture (or MemPool context) routes this stream's allocations to its private pool.
     if (void* ptr = gpumem_torch::graph_pool_allocate(graph, static_cast<size_t>(size), stream)) {
       count_allocation(device, nullptr, static_cast<std::uint64_t>(size));
+      sample_reserved_with_graphs(device);
       record(GPUMEM_TORCH_EVENT_ALLOC, device, ptr, static_cast<std::uint64_t>(size), stream);
       return ptr;
     }
@@ -478,6 +492,17 @@ GPUMEM_API int gpumem_torch_memory_counts(int device, gpumem_torch_counts* out) 
                                       s.reserved_bytes});
     r.reserved_peak_exact = 0;
   }
+  // PyTorch's reserved bytes include its graph pools': so do these. The private pools'
+  // bytes alive now count in the peak too (graph pools live as long as their graphs,
+  // usually beyond the shared pool's peak); a peak taken while a since-destroyed graph held
+  // memory counts as sampled at its captures, and the peak is then marked inexact.
+  const std::uint64_t graphs = gpumem_torch::graph_pools_totals(device).reserved_bytes;
+  const std::uint64_t sampled = c.with_graphs_sampled.load(std::memory_order_relaxed);
+  r.reserved_bytes += graphs;
+  if (graphs != 0 || sampled != 0) {
+    r.reserved_bytes_peak = std::max(r.reserved_bytes_peak + graphs, sampled);
+    r.reserved_peak_exact = 0;
+  }
   r.alloc_retries = s.alloc_retries;
   r.oom_count = s.oom_count;
   *out = r;
@@ -493,6 +518,7 @@ GPUMEM_API int gpumem_torch_reset_peak(int device) {
   c.reserved_at_reset.store(s.reserved_bytes, std::memory_order_relaxed);
   c.pool_peak_at_reset.store(s.peak_reserved_bytes, std::memory_order_relaxed);
   c.reserved_sampled.store(s.reserved_bytes, std::memory_order_relaxed);
+  c.with_graphs_sampled.store(0, std::memory_order_relaxed);
   c.resets.fetch_add(1, std::memory_order_relaxed);
   return GPUMEM_SUCCESS;
 }

@@ -218,6 +218,32 @@ class Compile(unittest.TestCase):
         self.assertLess(worst, 1e-3)
 
 
+    def test_reduce_overhead_with_a_mutated_input(self):
+        # A compiled function that mutates an input in place (a step counter, a cache
+        # position) must give eager's results call after call: captured into a graph, its
+        # warm-up and replays would apply the mutation to the wrong tensor or twice.
+        torch._dynamo.reset()
+
+        def step(x, counter):
+            counter.add_(1)
+            return x * counter
+
+        fn = torch.compile(step, mode="reduce-overhead")
+        x = torch.randn(1024, device="cuda")
+        c_eager = torch.zeros(1, device="cuda")
+        c_compiled = torch.zeros(1, device="cuda")
+        worst = 0.0
+        for _ in range(10):
+            worst = max(worst, (fn(x, c_compiled) - step(x, c_eager)).abs().max().item())
+        worst = max(worst, (c_compiled - c_eager).abs().item())
+        del fn
+        torch._dynamo.reset()
+        gc.collect()
+        _record("torch.compile(mode='reduce-overhead'), a function mutating its input",
+                worst == 0.0, "max |compiled - eager| = %g after 10 calls" % worst)
+        self.assertEqual(worst, 0.0)
+
+
 class EverydayFeatures(unittest.TestCase):
     def test_autocast_and_checkpointing(self):
         from torch.utils.checkpoint import checkpoint

@@ -7,8 +7,10 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "gpumem/interop/gpumem.h"
 
@@ -17,6 +19,19 @@
 #endif
 
 #include "gpumem/interop/gpumem_torch.h"
+
+// The CUDA-graph pool hooks PyTorch's allocator calls (src/interop/torch_graph_pools.hpp):
+// C++ signatures, as set_begin_allocate_to_pool and friends expect them.
+struct CUstream_st;
+using mempool_id = std::pair<unsigned long long, unsigned long long>;
+extern "C" {
+void gpumem_torch_begin_allocate_to_pool(int device, mempool_id id,
+                                         std::function<bool(CUstream_st*)> filter);
+void gpumem_torch_end_allocate_to_pool(int device, mempool_id id);
+void gpumem_torch_release_pool(int device, mempool_id id);
+void gpumem_torch_graph_pools(unsigned long long* pools, unsigned long long* reserved_bytes,
+                              unsigned long long* live_allocations);
+}
 
 namespace {
 
@@ -216,6 +231,36 @@ TEST(TorchPlugin, ResetPeakRestartsPeaksFromTheCurrentValues) {
   gpumem_torch_free(huge, huge_size, 0, nullptr);
   gpumem_torch_free(small, MiB, 0, nullptr);
   EXPECT_NE(gpumem_torch_reset_peak(64), GPUMEM_SUCCESS);  // out of range: refused
+}
+
+// PyTorch's reserved bytes include what its graph pools hold: so do the plug-in's, and the
+// reserved peak covers them; they leave reserved when the graph's pool is released.
+TEST(TorchPlugin, GraphPoolBytesCountInReservedAndItsPeak) {
+  const gpumem_torch_counts before = counts_of(0);
+  const mempool_id id{7, 0};
+  gpumem_torch_begin_allocate_to_pool(0, id, [](CUstream_st*) { return true; });
+  void* p = gpumem_torch_malloc(4 * MiB, 0, nullptr);
+  gpumem_torch_end_allocate_to_pool(0, id);
+  ASSERT_NE(p, nullptr);
+  unsigned long long pools = 0, graph_reserved = 0, live = 0;
+  gpumem_torch_graph_pools(&pools, &graph_reserved, &live);
+  ASSERT_EQ(pools, 1u);
+  ASSERT_GE(graph_reserved, 4u * MiB);
+  gpumem_torch_counts c = counts_of(0);
+  EXPECT_EQ(c.requested_bytes, before.requested_bytes + 4 * MiB);
+  EXPECT_EQ(c.reserved_bytes, stats_of(0).reserved_bytes + graph_reserved);
+  EXPECT_GE(c.reserved_bytes, c.requested_bytes);
+  EXPECT_GE(c.reserved_bytes_peak, c.reserved_bytes);
+  EXPECT_EQ(c.reserved_peak_exact, 0u);
+  gpumem_torch_free(p, 4 * MiB, 0, nullptr);
+  gpumem_torch_release_pool(0, id);
+  gpumem_torch_graph_pools(&pools, &graph_reserved, &live);
+  EXPECT_EQ(pools, 0u);
+  c = counts_of(0);
+  EXPECT_EQ(c.reserved_bytes, stats_of(0).reserved_bytes);
+  EXPECT_EQ(c.requested_bytes, before.requested_bytes);
+  // The peak keeps the bytes the graph held: sampled at its capture.
+  EXPECT_GE(c.reserved_bytes_peak, before.reserved_bytes + 4 * MiB);
 }
 
 }  // namespace
