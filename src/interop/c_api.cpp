@@ -40,7 +40,7 @@
 #include "gpumem/platform/status_error.hpp"
 #include "gpumem/platform/timed_platform.hpp"
 #include "gpumem/pool.hpp"
-#include "gpumem/pool/overhead.hpp"
+#include "gpumem/pool/core/overhead.hpp"
 // The telemetry layer's PyTorch snapshot writer, where this tree has it (it is built in
 // the same library, so the header's presence means the function's).
 #if __has_include("gpumem/telemetry/snapshot.hpp")

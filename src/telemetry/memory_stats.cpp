@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <sstream>
 
-#include "gpumem/pool/pool_base.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/core/pool_base.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
 
 namespace gpumem {
 

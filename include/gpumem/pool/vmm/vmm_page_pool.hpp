@@ -108,7 +108,7 @@
 #include <utility>
 #include <vector>
 
-#include "gpumem/pool/pool_base.hpp"
+#include "gpumem/pool/core/pool_base.hpp"
 
 namespace gpumem {
 
@@ -139,7 +139,7 @@ struct vmm_page_counts {
   // side by side in the long arena's runs.
   std::uint64_t long_lived_allocations = 0;
   // Pages gathered out of the long arena's free blocks for other blocks (the hints' move
-  // budget, src/pool/lifetime_hints.hpp), and whether the hints still guess (false when
+  // budget, src/pool/core/lifetime_hints.hpp), and whether the hints still guess (false when
   // off, or stopped by that budget).
   std::uint64_t long_lived_pages_moved = 0;
   bool lifetime_hints_active = false;

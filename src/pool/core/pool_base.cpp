@@ -1,4 +1,4 @@
-#include "gpumem/pool/pool_base.hpp"
+#include "gpumem/pool/core/pool_base.hpp"
 
 #include <algorithm>
 #include <bit>
@@ -9,9 +9,9 @@
 
 #include "gpumem/errors.hpp"
 #include "backend/ownership_registry.hpp"
-#include "pool/block_arena.hpp"
-#include "pool/lifetime_hints.hpp"
-#include "pool/thread_cache.hpp"
+#include "pool/core/block_arena.hpp"
+#include "pool/core/lifetime_hints.hpp"
+#include "pool/core/thread_cache.hpp"
 
 namespace gpumem {
 
@@ -1018,7 +1018,7 @@ std::string pool_base::report_locked(std::size_t bytes) const {
       if (!from.empty()) r << "      allocated at: " << from << "\n";
     }
   }
-  // What "reserved but not allocated" is made of (pool/overhead.hpp), and what to do when
+  // What "reserved but not allocated" is made of (pool/core/overhead.hpp), and what to do when
   // it is free bytes in pieces, none large enough.
   const overhead_breakdown o = overhead_locked();
   r << "  where the reserved bytes go now:\n" << o.to_string("    ");
