@@ -4,6 +4,7 @@
 #include "gpumem/pool/fixed_block_pool.hpp"
 #include "gpumem/pool/core/overhead.hpp"
 #include "gpumem/pool/pinned_host_pool.hpp"
+#include "gpumem/pool/pool_factory.hpp"
 #include "gpumem/pool/core/pool_base.hpp"
 #include "gpumem/pool/pool_options.hpp"
 #include "gpumem/pool/plan/step_planner.hpp"

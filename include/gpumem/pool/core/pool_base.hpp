@@ -110,6 +110,25 @@ struct memory_segment {
   std::vector<memory_block> blocks;  // by address; sizes sum to `size`
 };
 
+// Counters a pool keeps beyond resource_stats, read through pool_base::counters(): the
+// physical pages of a pool made of pages (has_pages), and every counter by the name
+// gpumem_pool_counter reads it by (the page fields among them).
+struct pool_counter {
+  std::string_view name;  // a literal: valid for the program's lifetime
+  std::uint64_t value = 0;
+};
+struct pool_counters {
+  bool has_pages = false;
+  std::size_t page_size = 0;
+  std::size_t mapped_pages = 0;
+  std::size_t spare_pages = 0;  // unmapped physical pages kept for reuse
+  std::size_t handles = 0;      // live physical handles
+  std::uint64_t pages_created = 0;
+  std::uint64_t pages_reclaimed = 0;  // unmapped from free blocks to be remapped elsewhere
+  std::uint64_t pages_released = 0;   // given back to the driver
+  std::vector<pool_counter> named;
+};
+
 class pool_base : public memory_resource {
  public:
   ~pool_base() override;
@@ -141,6 +160,8 @@ class pool_base : public memory_resource {
   std::string memory_report(std::size_t bytes) const;
   // Every segment with all its blocks (allocated, cached and free), by address.
   std::vector<memory_segment> memory_segments() const;
+  // The pool's own counters (pool_counters); none (has_pages false, no names) by default.
+  virtual pool_counters counters() const { return {}; }
   // Where the reserved bytes go now, part by part (pool/core/overhead.hpp), read under the lock.
   overhead_breakdown overhead() const;
   // Calls fn(segments) with the pool's mutex held, so what fn reads from the pool's

@@ -158,6 +158,8 @@ class vmm_page_pool final : public pool_base {
   static constexpr double remap_slack_max = 0.1;
   std::size_t page_size() const noexcept { return page_; }
   vmm_page_counts page_counts() const;
+  // page_counts() as pool_counters (src/pool/vmm/vmm_counters.cpp).
+  pool_counters counters() const override;
   // Unmaps the old mappings that wait on `stream` (after synchronizing it), then as
   // pool_base: the stream may be destroyed afterwards.
   void release_stream(stream_handle stream) override;
