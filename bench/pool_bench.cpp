@@ -24,7 +24,7 @@
 //               better). Small sizes (256 KiB) with the per-thread caches (the default) and
 //               without them (thread_cache:off: the pool's mutex on every call); large ones
 //               (4 MiB), which take the pool's mutex either way (their blocks merge at once,
-//               never held in a thread's cache: src/pool/thread_cache.hpp)
+//               never held in a thread's cache: src/pool/core/thread_cache.hpp)
 //
 // The pools run with their defaults (small requests in size classes, four to an octave: see
 // pool_options.hpp), with small_classes:0 (`/units`: 512-byte units) and with thread_cache:off (`/locked`), in the same process.
@@ -54,7 +54,7 @@
 #include "gpumem/platform.hpp"
 #include "gpumem/platform/timed_platform.hpp"
 #include "gpumem/pool.hpp"
-#include "pool/block_arena.hpp"
+#include "pool/core/block_arena.hpp"
 
 using namespace gpumem;
 using clock_type = std::chrono::steady_clock;

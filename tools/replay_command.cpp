@@ -20,12 +20,13 @@
 #include "gpumem/errors.hpp"
 #include "gpumem/platform.hpp"
 #include "gpumem/pool/caching_pool.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
+#include "gpumem/pool/pool_factory.hpp"
 #include "gpumem/replay/plot.hpp"
 #include "gpumem/replay/trace.hpp"
 #include "gpumem/telemetry/event_recorder.hpp"
-#include "gpumem/pool/step_planner.hpp"
-#include "gpumem/pool/overhead.hpp"
+#include "gpumem/pool/plan/step_planner.hpp"
+#include "gpumem/pool/core/overhead.hpp"
 #include "gpumem/telemetry/snapshot.hpp"
 #include "json_writer.hpp"
 
@@ -53,15 +54,17 @@ const std::vector<std::string> allocator_names = {"runtime", "driver", "vmm", "c
 
 allocator_under_test make_allocator(const std::string& name, platform& p, int device,
                                     const pool_options& options) {
+  resource_spec spec;
+  spec.allocator = name;
+  spec.device = device;
+  spec.options = options;
+  made_resource made = make_resource(p, spec);
   allocator_under_test a;
-  if (name == "runtime") a.resource = std::make_unique<runtime_resource>(p, device);
-  if (name == "driver") a.resource = std::make_unique<driver_resource>(p, device);
-  if (name == "vmm") a.resource = std::make_unique<vmm_resource>(p, device);
-  if (name == "caching_pool") {
-    a.upstream = std::make_unique<runtime_resource>(p, device);
-    a.resource = std::make_unique<caching_pool>(*a.upstream, options);
-  }
-  if (name == "vmm_page_pool") a.resource = std::make_unique<vmm_page_pool>(p, device, options);
+  a.upstream = std::move(made.upstream);
+  if (made.pool)
+    a.resource = std::move(made.pool);
+  else
+    a.resource = std::move(made.backend);
   return a;
 }
 

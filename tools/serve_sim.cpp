@@ -12,7 +12,7 @@
 #include "gpumem/errors.hpp"
 #include "gpumem/kv/kv_cache.hpp"
 #include "gpumem/pool/pinned_host_pool.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
 
 namespace gpumem::cli {
 

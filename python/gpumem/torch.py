@@ -341,7 +341,7 @@ def mark_step():
     it once per step, at the same point (the top of the loop). Once two steps in a row made
     the same requests, later steps are served from a precomputed layout in one region: no
     search, no driver call, memory at the plan's peak; a step that differs goes to the pool
-    from its first difference (see include/gpumem/pool/step_planner.hpp). With
+    from its first difference (see include/gpumem/pool/plan/step_planner.hpp). With
     GPUMEM_CONF's step_plan:off it does nothing."""
     lib = gpumem.load()
     status = lib.gpumem_torch_mark_step()

@@ -28,6 +28,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <span>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -40,7 +41,7 @@
 #include "gpumem/platform/status_error.hpp"
 #include "gpumem/platform/timed_platform.hpp"
 #include "gpumem/pool.hpp"
-#include "gpumem/pool/overhead.hpp"
+#include "gpumem/pool/core/overhead.hpp"
 // The telemetry layer's PyTorch snapshot writer, where this tree has it (it is built in
 // the same library, so the header's presence means the function's).
 #if __has_include("gpumem/telemetry/snapshot.hpp")
@@ -159,12 +160,6 @@ gpumem::stream_handle to_stream(void* stream) noexcept {
   return gpumem::stream_handle{reinterpret_cast<std::uintptr_t>(stream)};
 }
 
-std::string_view trim(std::string_view s) {
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
-  return s;
-}
-
 // The C API's own keys, taken out of the configuration; the rest is pool options.
 struct pool_spec {
   std::string allocator = "vmm_page_pool";
@@ -190,25 +185,22 @@ int parse_device(std::string_view value) {
   return device;
 }
 
+// The configuration grammar is the pool options' (for_each_config_item); the C API's own
+// keys are taken out here and the rest goes to pool_options::parse.
 pool_spec parse_spec(std::string_view config) {
   pool_spec spec;
-  while (!config.empty()) {
-    const auto comma = config.find(',');
-    const std::string_view item = trim(config.substr(0, comma));
-    config = comma == std::string_view::npos ? std::string_view{} : config.substr(comma + 1);
-    if (item.empty()) continue;
-    const auto colon = item.find(':');
-    if (colon == std::string_view::npos)
-      throw gpumem::invalid_argument("config: '" + std::string(item) + "' is not key:value");
-    const std::string_view key = trim(item.substr(0, colon));
-    const std::string_view value = trim(item.substr(colon + 1));
+  gpumem::for_each_config_item(config, [&](std::string_view key, std::string_view value,
+                                           std::string_view item) {
+    const auto one_of = [&](std::span<const std::string_view> names) {
+      return std::find(names.begin(), names.end(), value) != names.end();
+    };
     if (key == "allocator") {
-      if (value != "vmm_page_pool" && value != "caching_pool")
+      if (!one_of(gpumem::pool_names()))
         throw gpumem::invalid_argument("config: unknown allocator '" + std::string(value) +
                                        "': expected vmm_page_pool or caching_pool");
       spec.allocator = value;
     } else if (key == "backend") {
-      if (value != "runtime" && value != "driver" && value != "vmm")
+      if (!one_of(gpumem::backend_names()))
         throw gpumem::invalid_argument("config: unknown backend '" + std::string(value) +
                                        "': expected runtime, driver or vmm");
       spec.backend = value;
@@ -232,7 +224,7 @@ pool_spec parse_spec(std::string_view config) {
       if (!spec.pool_options.empty()) spec.pool_options += ',';
       spec.pool_options.append(item);
     }
-  }
+  });
   if (spec.sim_capacity != 0 && spec.platform == "cuda")
     throw gpumem::invalid_argument("config: 'sim_capacity' needs platform sim, not cuda");
   return spec;
@@ -255,17 +247,14 @@ std::unique_ptr<pool_body> make_pool(const char* config) {
   handle->timed = std::make_unique<gpumem::timed_platform>(*handle->platform);
   handle->platform = handle->timed.get();
   gpumem::platform& p = *handle->platform;
-  if (spec.allocator == "caching_pool") {
-    if (spec.backend == "driver")
-      handle->upstream = std::make_unique<gpumem::driver_resource>(p, spec.device);
-    else if (spec.backend == "vmm")
-      handle->upstream = std::make_unique<gpumem::vmm_resource>(p, spec.device);
-    else
-      handle->upstream = std::make_unique<gpumem::runtime_resource>(p, spec.device);
-    handle->pool = std::make_unique<gpumem::caching_pool>(*handle->upstream, options);
-  } else {
-    handle->pool = std::make_unique<gpumem::vmm_page_pool>(p, spec.device, options);
-  }
+  gpumem::resource_spec what;
+  what.allocator = spec.allocator;
+  what.backend = spec.backend;
+  what.device = spec.device;
+  what.options = options;
+  gpumem::made_resource made = gpumem::make_resource(p, what);
+  handle->upstream = std::move(made.upstream);
+  handle->pool = std::move(made.pool);
   if (spec.step_plan) handle->planner = std::make_unique<gpumem::step_planner>(*handle->pool);
   handle->allocator = spec.allocator;
   handle->device = spec.device;
@@ -579,26 +568,11 @@ gpumem_status gpumem_pool_counter(gpumem_pool* pool, const char* name, uint64_t*
       }
     }
     if (ns) throw gpumem::invalid_argument("gpumem_pool_counter: unknown CUDA call '" + std::string(call) + "'");
-    if (auto* vmm = dynamic_cast<const gpumem::vmm_page_pool*>(body->pool.get())) {
-      const gpumem::vmm_page_counts c = vmm->page_counts();
-      const std::pair<std::string_view, std::uint64_t> counters[] = {
-          {"page_size", c.page_size},         {"pages_mapped", c.mapped_pages},
-          {"pages_spare", c.spare_pages},     {"physical_handles", c.handles},
-          {"pages_created", c.pages_created}, {"pages_reclaimed", c.pages_reclaimed},
-          {"pages_released", c.pages_released},
-          {"remap_ns", c.remap_ns},
-          {"growth_slack_permille", static_cast<std::uint64_t>(c.growth_slack * 1000.0 + 0.5)},
-          {"slack_raises", c.slack_raises},
-          {"long_lived_allocations", c.long_lived_allocations},
-          {"long_lived_pages_moved", c.long_lived_pages_moved},
-          {"lifetime_hints_active", c.lifetime_hints_active ? 1u : 0u},
-          {"long_lived_bytes_handed_over", c.long_lived_bytes_handed_over}};
-      for (const auto& [key, value] : counters)
-        if (key == n) {
-          *out = value;
-          return;
-        }
-    }
+    for (const gpumem::pool_counter& c : body->pool->counters().named)
+      if (c.name == n) {
+        *out = c.value;
+        return;
+      }
     if (body->planner != nullptr) {
       const gpumem::step_planner_counts c = body->planner->counts();
       const std::pair<std::string_view, std::uint64_t> counters[] = {

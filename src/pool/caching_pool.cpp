@@ -5,7 +5,7 @@
 
 #include "gpumem/errors.hpp"
 #include "backend/ownership_registry.hpp"
-#include "pool/block_arena.hpp"
+#include "pool/core/block_arena.hpp"
 
 namespace gpumem {
 

@@ -47,25 +47,31 @@ std::size_t parse_bytes(std::string_view text) {
   return static_cast<std::size_t>(v);
 }
 
-pool_options pool_options::parse(std::string_view config) {
-  pool_options o;
+void for_each_config_item(
+    std::string_view config,
+    const std::function<void(std::string_view key, std::string_view value, std::string_view item)>& fn) {
   while (!config.empty()) {
     const auto comma = config.find(',');
-    std::string_view item = trim(config.substr(0, comma));
+    const std::string_view item = trim(config.substr(0, comma));
     config = comma == std::string_view::npos ? std::string_view{} : config.substr(comma + 1);
     if (item.empty()) continue;
     const auto colon = item.find(':');
     if (colon == std::string_view::npos)
       throw invalid_argument("config: '" + std::string(item) + "' is not key:value");
-    const std::string_view key = trim(item.substr(0, colon));
-    const std::string_view value = trim(item.substr(colon + 1));
+    fn(trim(item.substr(0, colon)), trim(item.substr(colon + 1)), item);
+  }
+}
+
+pool_options pool_options::parse(std::string_view config) {
+  pool_options o;
+  for_each_config_item(config, [&](std::string_view key, std::string_view value, std::string_view) {
     try {
       apply(o, key, value);
     } catch (const invalid_argument& e) {
       if (std::string(e.what()).find("'" + std::string(key) + "'") != std::string::npos) throw;
       throw invalid_argument(std::string(e.what()) + " (in '" + std::string(key) + "')");
     }
-  }
+  });
   return o;
 }
 

@@ -17,7 +17,7 @@
 #include "gpumem/platform/sim_platform.hpp"
 #include "gpumem/platform/timed_platform.hpp"
 #include "gpumem/platform/status_error.hpp"
-#include "gpumem/pool/step_planner.hpp"
+#include "gpumem/pool/plan/step_planner.hpp"
 
 #if GPUMEM_HAVE_ZLIB
 #include <zlib.h>

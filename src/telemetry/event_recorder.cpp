@@ -12,7 +12,7 @@
 #include <unordered_map>
 
 #include "gpumem/errors.hpp"
-#include "gpumem/pool/pool_base.hpp"
+#include "gpumem/pool/core/pool_base.hpp"
 
 namespace gpumem {
 

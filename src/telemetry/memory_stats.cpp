@@ -3,8 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
-#include "gpumem/pool/pool_base.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/core/pool_base.hpp"
 
 namespace gpumem {
 
@@ -41,8 +40,7 @@ memory_stats collect_memory_stats(const pool_base& pool) {
     if (const std::uint64_t n = p.calls_made(op); n != 0)
       m.driver_calls[std::string(platform_op_name(op))] = n;
   }
-  if (const auto* vmm = dynamic_cast<const vmm_page_pool*>(&pool)) {
-    const vmm_page_counts c = vmm->page_counts();
+  if (const pool_counters c = pool.counters(); c.has_pages) {
     m.has_pages = true;
     m.page_size = c.page_size;
     m.pages_mapped = c.mapped_pages;

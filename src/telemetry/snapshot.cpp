@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "gpumem/errors.hpp"
-#include "gpumem/pool/pool_base.hpp"
-#include "gpumem/pool/step_planner.hpp"
+#include "gpumem/pool/core/pool_base.hpp"
+#include "gpumem/pool/plan/step_planner.hpp"
 #include "gpumem/telemetry/event_recorder.hpp"
 #include "gpumem/telemetry/memory_stats.hpp"
 #include "telemetry/pickle_writer.hpp"

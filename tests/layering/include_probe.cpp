@@ -2,7 +2,7 @@
 // GPUMEM_PROBE_HEADER naming a header: it compiles when the layer may include that header
 // and fails with "not found" when the header belongs to a layer above it.
 #ifndef GPUMEM_PROBE_HEADER
-#define GPUMEM_PROBE_HEADER "gpumem/pool/pool_base.hpp"
+#define GPUMEM_PROBE_HEADER "gpumem/pool/core/pool_base.hpp"
 #endif
 #include GPUMEM_PROBE_HEADER
 

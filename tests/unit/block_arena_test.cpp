@@ -1,7 +1,7 @@
 // block_arena: splitting, quick-list reuse, merging, region linking, carving, alignment,
 // stream separation, and a randomized reference-model run. The arena only does
 // bookkeeping on addresses, so no memory backs the regions used here.
-#include "pool/block_arena.hpp"
+#include "pool/core/block_arena.hpp"
 
 #include <gtest/gtest.h>
 

@@ -21,7 +21,7 @@
 #include "gpumem/backend/backends.hpp"
 #include "gpumem/errors.hpp"
 #include "gpumem/platform/sim_platform.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
 #include "unit/pool_test_support.hpp"
 
 namespace {

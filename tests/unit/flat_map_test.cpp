@@ -6,7 +6,7 @@
 #include <random>
 #include <unordered_map>
 
-#include "pool/flat_map.hpp"
+#include "pool/core/flat_map.hpp"
 
 namespace {
 

@@ -10,7 +10,7 @@
 #include "gpumem/errors.hpp"
 #include "gpumem/platform/sim_platform.hpp"
 #include "gpumem/pool/pool_options.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
 #include "gpumem/replay/trace.hpp"
 #include "unit/pool_test_support.hpp"
 

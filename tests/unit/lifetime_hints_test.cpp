@@ -1,4 +1,4 @@
-// Lifetime hints (src/pool/lifetime_hints.hpp, pool_options::lifetime_hints): which large
+// Lifetime hints (src/pool/core/lifetime_hints.hpp, pool_options::lifetime_hints): which large
 // requests are guessed long-lived, and what vmm_page_pool does with them (their blocks side
 // by side in runs of their own, unrounded; the large arena takes their free space before
 // it grows; off with a reservation).
@@ -13,9 +13,9 @@
 #include "gpumem/errors.hpp"
 #include "gpumem/pool/pool_options.hpp"
 #include "gpumem/platform/sim_platform.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
 #include "gpumem/replay/trace.hpp"
-#include "pool/lifetime_hints.hpp"
+#include "pool/core/lifetime_hints.hpp"
 #include "unit/pool_test_support.hpp"
 
 namespace {

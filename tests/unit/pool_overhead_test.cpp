@@ -1,7 +1,7 @@
 // explain_overhead: a pool's reserved bytes split into requested, rounding, cached, free
 // (sharing a page or segment with live blocks, or not) and kept pages, the parts summing
 // to reserved; the request shapes whose rounding costs most, biggest first.
-#include "gpumem/pool/overhead.hpp"
+#include "gpumem/pool/core/overhead.hpp"
 
 #include <gtest/gtest.h>
 
@@ -13,7 +13,7 @@
 
 #include "gpumem/backend/backends.hpp"
 #include "gpumem/pool/caching_pool.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
 #include "unit/pool_test_support.hpp"
 
 namespace {

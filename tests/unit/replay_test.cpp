@@ -22,8 +22,8 @@
 #include "gpumem/errors.hpp"
 #include "gpumem/platform/sim_platform.hpp"
 #include "gpumem/pool/caching_pool.hpp"
-#include "gpumem/pool/pool_observer.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/core/pool_observer.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
 #include "unit/pool_test_support.hpp"
 
 namespace {

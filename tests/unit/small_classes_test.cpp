@@ -10,9 +10,9 @@
 
 #include "gpumem/errors.hpp"
 #include "gpumem/pool/caching_pool.hpp"
-#include "gpumem/pool/pool_observer.hpp"
+#include "gpumem/pool/core/pool_observer.hpp"
 #include "gpumem/pool/pool_options.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
 #include "gpumem/backend/backends.hpp"
 #include "unit/pool_test_support.hpp"
 

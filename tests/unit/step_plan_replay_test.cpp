@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "gpumem/platform/sim_platform.hpp"
-#include "gpumem/pool/step_planner.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/plan/step_planner.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
 #include "gpumem/replay/trace.hpp"
 #include "unit/pool_test_support.hpp"
 

@@ -13,9 +13,9 @@
 #include "gpumem/backend.hpp"
 #include "gpumem/platform/sim_platform.hpp"
 #include "gpumem/pool/caching_pool.hpp"
-#include "gpumem/pool/step_planner.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
-#include "pool/step_plan.hpp"
+#include "gpumem/pool/plan/step_planner.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
+#include "pool/plan/step_plan.hpp"
 #include "unit/pool_test_support.hpp"
 
 namespace {

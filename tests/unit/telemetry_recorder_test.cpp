@@ -14,7 +14,7 @@
 #include "gpumem/backend/backends.hpp"
 #include "gpumem/errors.hpp"
 #include "gpumem/pool/caching_pool.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
 #include "unit/pool_test_support.hpp"
 
 namespace {

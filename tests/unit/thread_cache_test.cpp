@@ -1,4 +1,4 @@
-// The pools' per-thread caches (pool_options::thread_cache, src/pool/thread_cache.hpp):
+// The pools' per-thread caches (pool_options::thread_cache, src/pool/core/thread_cache.hpp):
 // the fast path takes no pool lock, keeps stream order, gives its blocks back before the
 // pool grows, trims or reports, and refuses bad frees as the locked path does.
 #include <gtest/gtest.h>
@@ -14,9 +14,9 @@
 #include "gpumem/backend/backends.hpp"
 #include "gpumem/errors.hpp"
 #include "gpumem/pool/caching_pool.hpp"
-#include "gpumem/pool/overhead.hpp"
+#include "gpumem/pool/core/overhead.hpp"
 #include "gpumem/pool/pool_options.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
 #include "unit/pool_test_support.hpp"
 
 namespace {

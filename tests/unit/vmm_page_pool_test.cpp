@@ -1,7 +1,7 @@
 // vmm_page_pool on a sim device (1 GiB, 2 MiB pages): reuse without driver calls, data
 // integrity across reclaim/remap, stream-ordered reuse, the out-of-memory sequence, reserve
 // and release policies, bad input, stats and thread safety.
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
 
 #include <gtest/gtest.h>
 

@@ -30,7 +30,7 @@
 #include <string>
 #include <vector>
 
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
 
 namespace gpumem {
 

@@ -49,7 +49,7 @@
 #include "gpumem/kv/kv_layout.hpp"
 #include "gpumem/kv/prefix_hash.hpp"
 #include "gpumem/pool/pinned_host_pool.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
 
 namespace gpumem {
 

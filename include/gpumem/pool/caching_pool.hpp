@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <map>
 
-#include "gpumem/pool/pool_base.hpp"
+#include "gpumem/pool/core/pool_base.hpp"
 
 namespace gpumem {
 

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <limits>
 #include <string>
 #include <string_view>
@@ -55,5 +56,14 @@ struct pool_options {
 
 // "2G", "512M", "4096", "1.5G" -> bytes; throws gpumem::invalid_argument.
 std::size_t parse_bytes(std::string_view text);
+
+// The grammar of every configuration string (GPUMEM_CONF, the tool's --config, the C API's
+// gpumem_pool_create): items apart by commas, each "key:value" split at its first colon,
+// spaces and tabs around items, keys and values left out, empty items skipped. Calls
+// fn(key, value, item) for each item in order; throws gpumem::invalid_argument for an item
+// without a colon, before fn sees it.
+void for_each_config_item(
+    std::string_view config,
+    const std::function<void(std::string_view key, std::string_view value, std::string_view item)>& fn);
 
 }  // namespace gpumem

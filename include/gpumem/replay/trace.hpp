@@ -36,8 +36,8 @@
 
 #include "gpumem/backend/memory_resource.hpp"
 #include "gpumem/platform/platform.hpp"
-#include "gpumem/pool/pool_base.hpp"
-#include "gpumem/pool/pool_clock.hpp"
+#include "gpumem/pool/core/pool_base.hpp"
+#include "gpumem/pool/core/pool_clock.hpp"
 
 namespace gpumem {
 

@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "gpumem/pool/pool_observer.hpp"
+#include "gpumem/pool/core/pool_observer.hpp"
 
 namespace gpumem {
 

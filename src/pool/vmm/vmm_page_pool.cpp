@@ -1,4 +1,4 @@
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -7,8 +7,8 @@
 
 #include "gpumem/errors.hpp"
 #include "backend/ownership_registry.hpp"
-#include "pool/block_arena.hpp"
-#include "pool/vmm_worker.hpp"
+#include "pool/core/block_arena.hpp"
+#include "pool/vmm/vmm_worker.hpp"
 
 namespace gpumem {
 

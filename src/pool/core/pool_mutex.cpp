@@ -1,4 +1,4 @@
-#include "gpumem/pool/pool_mutex.hpp"
+#include "gpumem/pool/core/pool_mutex.hpp"
 
 #if defined(__linux__)
 #include <linux/futex.h>

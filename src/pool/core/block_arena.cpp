@@ -1,4 +1,4 @@
-#include "pool/block_arena.hpp"
+#include "pool/core/block_arena.hpp"
 
 #include <algorithm>
 #include <bit>

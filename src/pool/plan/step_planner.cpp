@@ -1,4 +1,4 @@
-#include "gpumem/pool/step_planner.hpp"
+#include "gpumem/pool/plan/step_planner.hpp"
 
 #include <algorithm>
 #include <cstdio>
@@ -8,7 +8,7 @@
 
 #include "gpumem/errors.hpp"
 #include "gpumem/platform/status_error.hpp"
-#include "pool/step_plan.hpp"
+#include "pool/plan/step_plan.hpp"
 
 namespace gpumem {
 
@@ -42,7 +42,7 @@ struct step_planner::state {
   std::unordered_map<std::uintptr_t, live_record> live;  // made since the first mark
 
   // The plan serves cycles: each begins at event `cycle_start` of a step (its point of
-  // fewest live bytes; src/pool/step_plan.hpp) and runs into the next step up to there.
+  // fewest live bytes; src/pool/plan/step_plan.hpp) and runs into the next step up to there.
   std::optional<step_plan> plan;
   std::vector<step_event> plan_source;  // the step the plan was built from
   std::size_t cycle_start = 0;

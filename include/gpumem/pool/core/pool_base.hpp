@@ -35,7 +35,7 @@
 //    the segments' sizes sum to the bytes the arenas hold (allocated + cached + free).
 //
 // Threads (pool_options::thread_cache, on by default): each thread has a cache in front of
-// the pool (src/pool/thread_cache.hpp) holding the live allocations it made and the blocks
+// the pool (src/pool/core/thread_cache.hpp) holding the live allocations it made and the blocks
 // of small requests it freed, by (stream, size). A small allocation that finds such a
 // block, and a free of a small pointer this thread allocated, take only that cache's lock,
 // never the pool's: threads do not serialize on the pool in the steady state. Everything
@@ -67,10 +67,10 @@
 
 #include "gpumem/backend/memory_resource.hpp"
 #include "gpumem/errors.hpp"
-#include "gpumem/pool/overhead.hpp"
-#include "gpumem/pool/pool_clock.hpp"
-#include "gpumem/pool/pool_mutex.hpp"
-#include "gpumem/pool/pool_observer.hpp"
+#include "gpumem/pool/core/overhead.hpp"
+#include "gpumem/pool/core/pool_clock.hpp"
+#include "gpumem/pool/core/pool_mutex.hpp"
+#include "gpumem/pool/core/pool_observer.hpp"
 #include "gpumem/pool/pool_options.hpp"
 
 namespace gpumem {
@@ -110,6 +110,25 @@ struct memory_segment {
   std::vector<memory_block> blocks;  // by address; sizes sum to `size`
 };
 
+// Counters a pool keeps beyond resource_stats, read through pool_base::counters(): the
+// physical pages of a pool made of pages (has_pages), and every counter by the name
+// gpumem_pool_counter reads it by (the page fields among them).
+struct pool_counter {
+  std::string_view name;  // a literal: valid for the program's lifetime
+  std::uint64_t value = 0;
+};
+struct pool_counters {
+  bool has_pages = false;
+  std::size_t page_size = 0;
+  std::size_t mapped_pages = 0;
+  std::size_t spare_pages = 0;  // unmapped physical pages kept for reuse
+  std::size_t handles = 0;      // live physical handles
+  std::uint64_t pages_created = 0;
+  std::uint64_t pages_reclaimed = 0;  // unmapped from free blocks to be remapped elsewhere
+  std::uint64_t pages_released = 0;   // given back to the driver
+  std::vector<pool_counter> named;
+};
+
 class pool_base : public memory_resource {
  public:
   ~pool_base() override;
@@ -141,7 +160,9 @@ class pool_base : public memory_resource {
   std::string memory_report(std::size_t bytes) const;
   // Every segment with all its blocks (allocated, cached and free), by address.
   std::vector<memory_segment> memory_segments() const;
-  // Where the reserved bytes go now, part by part (pool/overhead.hpp), read under the lock.
+  // The pool's own counters (pool_counters); none (has_pages false, no names) by default.
+  virtual pool_counters counters() const { return {}; }
+  // Where the reserved bytes go now, part by part (pool/core/overhead.hpp), read under the lock.
   overhead_breakdown overhead() const;
   // Calls fn(segments) with the pool's mutex held, so what fn reads from the pool's
   // observer matches the segments exactly (no operation runs in between).
@@ -285,7 +306,7 @@ class pool_base : public memory_resource {
   }
 
   void set_alignment_limit(std::size_t limit) noexcept { alignment_limit_ = limit; }
-  // From now on, large requests guessed long-lived (src/pool/lifetime_hints.hpp) go to the
+  // From now on, large requests guessed long-lived (src/pool/core/lifetime_hints.hpp) go to the
   // long arena, in 512-byte units (their tails share pages with the next long-lived block),
   // and the large arena may take the long arena's free blocks before it grows. The
   // subclass places the long arena's memory (vmm_page_pool: runs of their own). Call from

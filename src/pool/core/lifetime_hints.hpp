@@ -40,8 +40,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "pool/block_arena.hpp"
-#include "pool/flat_map.hpp"
+#include "pool/core/block_arena.hpp"
+#include "pool/core/flat_map.hpp"
 
 namespace gpumem::detail {
 

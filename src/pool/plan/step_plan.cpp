@@ -1,4 +1,4 @@
-#include "pool/step_plan.hpp"
+#include "pool/plan/step_plan.hpp"
 
 #include <algorithm>
 #include <map>

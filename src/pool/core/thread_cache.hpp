@@ -53,8 +53,8 @@
 #include <thread>
 #include <utility>
 
-#include "pool/block_arena.hpp"
-#include "pool/flat_map.hpp"
+#include "pool/core/block_arena.hpp"
+#include "pool/core/flat_map.hpp"
 
 namespace gpumem::detail {
 

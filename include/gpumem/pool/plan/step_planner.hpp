@@ -4,7 +4,7 @@
 // The loop calls mark_step() once per step (gpumem.torch.mark_step() from Python), at any
 // fixed point of it. From the first mark, the planner records each step's allocations and
 // frees. When two steps in a row are the same (sizes, alignments, streams, and the order of
-// allocations and frees), it plans the loop's cycle (src/pool/step_plan.hpp): the step's
+// allocations and frees), it plans the loop's cycle (src/pool/plan/step_plan.hpp): the step's
 // requests begun at its point of fewest live bytes rather than at the mark, so what lives
 // across the mark (gradients freed by a zero_grad at the top of the loop, the loss) is
 // planned too. Every allocation born and freed within the cycle, on its main stream, gets
@@ -59,7 +59,7 @@
 #include <string>
 #include <vector>
 
-#include "gpumem/pool/pool_base.hpp"
+#include "gpumem/pool/core/pool_base.hpp"
 
 namespace gpumem {
 

@@ -1,11 +1,11 @@
-#include "gpumem/pool/overhead.hpp"
+#include "gpumem/pool/core/overhead.hpp"
 
 #include <algorithm>
 #include <cstdio>
 #include <map>
 #include <utility>
 
-#include "gpumem/pool/pool_base.hpp"
+#include "gpumem/pool/core/pool_base.hpp"
 
 namespace gpumem {
 

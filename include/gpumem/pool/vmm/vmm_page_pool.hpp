@@ -108,7 +108,7 @@
 #include <utility>
 #include <vector>
 
-#include "gpumem/pool/pool_base.hpp"
+#include "gpumem/pool/core/pool_base.hpp"
 
 namespace gpumem {
 
@@ -139,7 +139,7 @@ struct vmm_page_counts {
   // side by side in the long arena's runs.
   std::uint64_t long_lived_allocations = 0;
   // Pages gathered out of the long arena's free blocks for other blocks (the hints' move
-  // budget, src/pool/lifetime_hints.hpp), and whether the hints still guess (false when
+  // budget, src/pool/core/lifetime_hints.hpp), and whether the hints still guess (false when
   // off, or stopped by that budget).
   std::uint64_t long_lived_pages_moved = 0;
   bool lifetime_hints_active = false;
@@ -158,6 +158,8 @@ class vmm_page_pool final : public pool_base {
   static constexpr double remap_slack_max = 0.1;
   std::size_t page_size() const noexcept { return page_; }
   vmm_page_counts page_counts() const;
+  // page_counts() as pool_counters (src/pool/vmm/vmm_counters.cpp).
+  pool_counters counters() const override;
   // Unmaps the old mappings that wait on `stream` (after synchronizing it), then as
   // pool_base: the stream may be destroyed afterwards.
   void release_stream(stream_handle stream) override;

@@ -1,4 +1,4 @@
-#include "pool/vmm_worker.hpp"
+#include "pool/vmm/vmm_worker.hpp"
 
 #include <utility>
 

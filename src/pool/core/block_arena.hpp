@@ -29,7 +29,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "pool/flat_map.hpp"
+#include "pool/core/flat_map.hpp"
 
 namespace gpumem::detail {
 
