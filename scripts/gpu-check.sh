@@ -24,9 +24,11 @@ $BUILD/tests/gpumem_gpu_tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
 $BUILD/tests/gpumem_tests 2>&1 >"$OUT/all_tests.log"; tail -4 "$OUT/all_tests.log"
 grep -E "SKIPPED|FAILED" "$OUT/all_tests.log" | head -20
 # The interop tests: the plug-in under PyTorch on this GPU (torch_out_of_memory: the
-# out-of-memory's type and text in forward, backward and on a side stream), its C++ entry
-# points, the Python package, the C API from C, the installed package.
-(cd $BUILD && ctest -R "torch_out_of_memory|TorchPlugin|python_package|c_api_c|install_package|python_onestep|torch_onestep|pip_install" \
+# out-of-memory's type and text in forward, backward and on a side stream; torch_graphs,
+# torch_mempool, torch_hf_generate: CUDA graphs, torch.compile, MemPool, HF generate with a
+# static cache, the table of docs/PYTORCH.md), its C++ entry points, the Python package, the
+# C API from C, the installed package.
+(cd $BUILD && ctest -R "torch_out_of_memory|torch_graphs|torch_mempool|torch_hf_generate|TorchPlugin|python_package|c_api_c|install_package|python_onestep|torch_onestep|pip_install" \
   --output-on-failure) >"$OUT/interop.log" 2>&1
 grep -E "tests passed|tests failed|Skipped|Failed" "$OUT/interop.log"
 # One step for a PyTorch user: pip install . into a venv that sees this machine's torch,
