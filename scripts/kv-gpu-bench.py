@@ -122,6 +122,9 @@ def bench_hf(a):
             row["kv_held_end"] = mem["mapped_bytes"]
             row["kv_over_live"] = round(mem["peak_mapped_bytes"] / row["live_kv_bytes"], 4)
             row["cow_copies"] = cache.kv_cache.stats()["cow_copies"]
+            if kind == "gpumem_paged":
+                row["decode_layers_paged"] = cache.decode_layers_paged
+                row["decode_layers_gathered"] = cache.decode_layers_gathered
             cache.release()
             cache.kv_cache.close()
         else:

@@ -156,6 +156,9 @@ class GpumemCache(_Base):
         self._step = None  # per-forward index tensors, made at layer 0
         self._group_leaders = None  # prefill: row -> leader row of its equal group
         self.peak_mapped_bytes = 0
+        # attention="paged": decode layers read through the block table / gathered (masked).
+        self.decode_layers_paged = 0
+        self.decode_layers_gathered = 0
         try:
             layers = [_Layer(self, i) for i in range(layout.layers)]
         except TypeError as e:
@@ -189,6 +192,15 @@ class GpumemCache(_Base):
         if key_states.dim() != 4:
             raise ValueError("gpumem.hf: keys of shape %s; expected [batch, kv_heads, tokens, "
                              "head_dim]" % (tuple(key_states.shape),))
+        if _ACTIVE[0] is not None:
+            cache, layer = _ACTIVE[0]
+            _ACTIVE[0] = None
+            raise RuntimeError(
+                "gpumem.hf: layer %d's attention did not read the paged cache: with "
+                "GpumemCache(attention='paged') the model must use the '%s' attention "
+                "(gpumem.hf.register_paged_attention(), then "
+                "model.set_attn_implementation('%s'))" % (layer, PAGED_ATTENTION,
+                                                           PAGED_ATTENTION))
         if layer_idx == 0:
             self._begin_step(key_states)
         elif self._step is None:
@@ -233,6 +245,7 @@ class GpumemCache(_Base):
                                   "the cache keeps whole sequences")
 
     def reset(self):
+        _ACTIVE[0] = None
         for s in self._seqs:
             self._kv.free(s)
         self._seqs = []
@@ -394,9 +407,11 @@ def _paged_attention(module, query, key, value, attention_mask, scaling=None, dr
     active = _ACTIVE[0]
     view_k = getattr(key, "_gpumem_view", None)
     if active is None or view_k is None or query.shape[2] != 1 or attention_mask is not None:
-        if view_k is not None:
+        if view_k is not None and active is not None:
+            _ACTIVE[0] = None
             # A padded decode batch: gather instead (the Triton kernel has no mask).
             cache, layer = active
+            cache.decode_layers_gathered += 1
             st = cache._step
             k, v = cache._kv.layer_views(layer)
             key = k[st["r_blocks"], st["r_slots"], st["r_heads"]]
@@ -404,6 +419,8 @@ def _paged_attention(module, query, key, value, attention_mask, scaling=None, dr
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
     cache, layer = active
+    _ACTIVE[0] = None  # consumed (update() checks that every layer's was)
+    cache.decode_layers_paged += 1
     st = cache._step
     out = paged_decode(query[:, :, 0], view_k, value._gpumem_view, (st["table"], st["lengths"]),
                        sm_scale=scaling, lengths_max=cache._length)

@@ -307,6 +307,7 @@ class KVCache:
         self._lib = _lib(lib)
         if pool is None:
             pool = _default_pool(device)
+        self.device = pool.device
         self._stream = gpumem._stream_value(stream)
         cfg = _Config()
         self._lib.gpumem_kv_config_init(ctypes.byref(cfg))
@@ -562,11 +563,11 @@ class KVCache:
                 # torch asks the driver which device the base address is on: map block 0.
                 seq, _ = self.add_sequence([0], salt=(1 << 64) - 1)
                 try:
-                    raw = torch.as_tensor(view, device="cuda")
+                    raw = torch.as_tensor(view, device="cuda:%d" % self.device)
                 finally:
                     self.free(seq)
             else:
-                raw = torch.as_tensor(view, device="cuda")
+                raw = torch.as_tensor(view, device="cuda:%d" % self.device)
             want = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32,
                     "fp8": getattr(torch, "float8_e4m3fn", torch.uint8)}[self.layout.dtype]
             full = raw.view(want) if raw.dtype != want else raw

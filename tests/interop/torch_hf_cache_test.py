@@ -147,6 +147,7 @@ class PagedAttentionTest(unittest.TestCase):
             model.config._attn_implementation = name
         cache = GpumemCache(model.config, attention="paged")
         out = generate(model, cache, ids, mask, **kw)
+        self.assertGreater(cache.decode_layers_paged, 0, "no decode step took the paged path")
         same = 0
         for step, (a, b) in enumerate(zip(ref.scores, out.scores)):
             err = (a - b).abs().max().item()
