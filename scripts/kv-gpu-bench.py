@@ -208,6 +208,61 @@ def bench_attention(a):
         torch.cuda.empty_cache()
 
 
+def bench_virtual(a):
+    """Virtually contiguous sequences (token-major): memory held against live bytes for
+    sequences of chat-like lengths, and SDPA reading a sequence's strided per-layer view
+    against the same keys and values copied contiguous."""
+    import random
+    import torch.nn.functional as F
+    import gpumem.kv as gkv
+    layers, kv_heads, head_dim = 32, 8, 128
+    rng = random.Random(3)
+    vs = gkv.VirtualSequences(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype="bf16",
+                              max_sequence_tokens=8192)
+    lengths = [int(min(8000, max(4, rng.lognormvariate(6.0, 1.0)))) for _ in range(64)]
+    seqs = [vs.add(n) for n in lengths]
+    info = vs.info()
+    per_layer_pages = sum(layers * -(-n * kv_heads * head_dim * 2 * 2 // info["page_size"])
+                          for n in lengths) * info["page_size"]
+    emit({"bench": "virtual_memory", "sequences": len(seqs), "live_bytes": info["live_bytes"],
+          "mapped_bytes": info["mapped_bytes"],
+          "mapped_over_live": round(info["mapped_bytes"] / info["live_bytes"], 4),
+          "per_layer_layout_bytes": per_layer_pages,
+          "per_layer_over_live": round(per_layer_pages / info["live_bytes"], 4)})
+    for s in seqs:
+        vs.free(s)
+    for length in (1024, 8000):
+        seq = vs.add(length)
+        k, v = vs.views(seq, 5)
+        k.normal_()
+        v.normal_()
+        ks, vv = vs.sdpa_views(seq, 5)
+        kd, vd = ks.contiguous(), vv.contiguous()
+        q = torch.randn(1, 32, 1, head_dim, device="cuda", dtype=torch.bfloat16)
+
+        def timed(fn):
+            for _ in range(5):
+                fn()
+            times = []
+            for _ in range(a.iters):
+                st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                st.record()
+                fn()
+                en.record()
+                en.synchronize()
+                times.append(st.elapsed_time(en) * 1000.0)
+            return statistics.median(times)
+
+        strided = timed(lambda: F.scaled_dot_product_attention(q, ks, vv, enable_gqa=True))
+        dense = timed(lambda: F.scaled_dot_product_attention(q, kd, vd, enable_gqa=True))
+        emit({"bench": "virtual_attention", "context": length, "strided_sdpa_us": round(strided, 2),
+              "dense_sdpa_us": round(dense, 2), "strided_over_dense": round(strided / dense, 3)})
+        del k, v, ks, vv, kd, vd
+        gc.collect()
+        vs.free(seq)
+    vs.close()
+
+
 def bench_serve(a):
     import serve_llama
     args = ["--mode", "both", "--json", "--requests", str(a.serve_requests), "--rate",
@@ -248,7 +303,7 @@ def bench_serve(a):
 def main():
     global OUT
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", choices=["hf", "attention", "serve"], action="append")
+    p.add_argument("--only", choices=["hf", "attention", "virtual", "serve"], action="append")
     p.add_argument("--full", action="store_true", help="the whole batch x prompt grid")
     p.add_argument("--out", help="also append the JSON lines to this file")
     p.add_argument("--new-tokens", type=int, default=256)
@@ -272,8 +327,9 @@ def main():
     emit({"bench": "info", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
           "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                           time.gmtime())})
-    only = a.only or ["attention", "hf", "serve"]
-    for part, fn in (("attention", bench_attention), ("hf", bench_hf), ("serve", bench_serve)):
+    only = a.only or ["attention", "virtual", "hf", "serve"]
+    for part, fn in (("attention", bench_attention), ("virtual", bench_virtual),
+                     ("hf", bench_hf), ("serve", bench_serve)):
         if part in only:
             t0 = time.perf_counter()
             try:

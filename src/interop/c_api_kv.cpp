@@ -29,6 +29,10 @@ struct gpumem_kv_cache {
   gpumem::platform* platform = nullptr;
 };
 
+struct gpumem_kv_vseqs {
+  std::unique_ptr<gpumem::kv_virtual_sequences> seqs;
+};
+
 namespace {
 
 using gpumem::detail::c_api_fail;
@@ -101,6 +105,16 @@ gpumem_kv_layout to_c(const gpumem::kv_layout& l) noexcept {
   c.block_tokens = l.block_tokens;
   c.dtype = from_dtype(l.dtype);
   return c;
+}
+
+// Writes text to buf (truncated, NUL-terminated when capacity > 0); returns its full length.
+size_t copy_text(const std::string& text, char* buf, size_t capacity) {
+  if (buf != nullptr && capacity > 0) {
+    const std::size_t n = std::min(text.size(), capacity - 1);
+    std::memcpy(buf, text.data(), n);
+    buf[n] = '\0';
+  }
+  return text.size();
 }
 
 std::span<const gpumem::token_id> token_span(const std::int32_t* tokens, std::size_t count) {
@@ -426,12 +440,103 @@ size_t gpumem_kv_validate(gpumem_kv_cache* cache, char* buf, size_t capacity) {
              GPUMEM_SUCCESS) {
     text = gpumem_last_error();
   }
-  if (buf != nullptr && capacity > 0) {
-    const std::size_t n = std::min(text.size(), capacity - 1);
-    std::memcpy(buf, text.data(), n);
-    buf[n] = '\0';
+  return copy_text(text, buf, capacity);
+}
+
+gpumem_status gpumem_kv_vseqs_create(gpumem_pool* pool, const gpumem_kv_layout* layout,
+                                     uint64_t max_sequence_tokens, void* stream,
+                                     gpumem_kv_vseqs** out) {
+  constexpr const char* where = "gpumem_kv_vseqs_create";
+  GPUMEM_KV_REQUIRE(out != nullptr, where, "null output pointer");
+  *out = nullptr;
+  GPUMEM_KV_REQUIRE(layout != nullptr, where, "null layout");
+  const gpumem::detail::c_api_pool_parts parts = gpumem::detail::c_api_pool(pool, where);
+  if (parts.pool == nullptr) return gpumem_last_status();
+  return guarded(where, [&] {
+    auto* pages = dynamic_cast<gpumem::vmm_page_pool*>(parts.pool);
+    if (pages == nullptr)
+      throw gpumem::invalid_argument(
+          std::string("virtually contiguous sequences need a vmm_page_pool, not a '") +
+          std::string(parts.pool->name()) + "'");
+    gpumem::kv_layout l;
+    l.layers = layout->layers;
+    l.kv_heads = layout->kv_heads;
+    l.head_dim = layout->head_dim;
+    l.block_tokens = layout->block_tokens;
+    l.dtype = to_dtype(layout->dtype, where);
+    auto handle = std::make_unique<gpumem_kv_vseqs>();
+    handle->seqs = std::make_unique<gpumem::kv_virtual_sequences>(
+        *pages, l, max_sequence_tokens,
+        gpumem::stream_handle{reinterpret_cast<std::uintptr_t>(stream)});
+    *out = handle.release();
+  });
+}
+
+void gpumem_kv_vseqs_destroy(gpumem_kv_vseqs* vseqs) { delete vseqs; }
+
+gpumem_status gpumem_kv_vseqs_add(gpumem_kv_vseqs* vseqs, uint64_t tokens, uint64_t* seq) {
+  constexpr const char* where = "gpumem_kv_vseqs_add";
+  GPUMEM_KV_REQUIRE(vseqs != nullptr, where, "null handle");
+  GPUMEM_KV_REQUIRE(seq != nullptr, where, "null output pointer");
+  return guarded(where, [&] { *seq = vseqs->seqs->add(tokens); });
+}
+
+gpumem_status gpumem_kv_vseqs_append(gpumem_kv_vseqs* vseqs, uint64_t seq, uint64_t tokens) {
+  constexpr const char* where = "gpumem_kv_vseqs_append";
+  GPUMEM_KV_REQUIRE(vseqs != nullptr, where, "null handle");
+  return guarded(where, [&] { vseqs->seqs->append(seq, tokens); });
+}
+
+gpumem_status gpumem_kv_vseqs_free(gpumem_kv_vseqs* vseqs, uint64_t seq) {
+  constexpr const char* where = "gpumem_kv_vseqs_free";
+  GPUMEM_KV_REQUIRE(vseqs != nullptr, where, "null handle");
+  return guarded(where, [&] { vseqs->seqs->free(seq); });
+}
+
+gpumem_status gpumem_kv_vseqs_sequence(gpumem_kv_vseqs* vseqs, uint64_t seq, uint64_t* base,
+                                       uint64_t* tokens) {
+  constexpr const char* where = "gpumem_kv_vseqs_sequence";
+  GPUMEM_KV_REQUIRE(vseqs != nullptr, where, "null handle");
+  return guarded(where, [&] {
+    const std::uint64_t b = vseqs->seqs->base(seq);
+    const std::uint64_t t = vseqs->seqs->tokens(seq);
+    if (base != nullptr) *base = b;
+    if (tokens != nullptr) *tokens = t;
+  });
+}
+
+gpumem_status gpumem_kv_vseqs_info_get(gpumem_kv_vseqs* vseqs, gpumem_kv_vseqs_info* out) {
+  constexpr const char* where = "gpumem_kv_vseqs_info_get";
+  GPUMEM_KV_REQUIRE(vseqs != nullptr, where, "null handle");
+  GPUMEM_KV_REQUIRE(out != nullptr, where, "null output pointer");
+  return guarded(where, [&] {
+    const gpumem::kv_virtual_sequences& v = *vseqs->seqs;
+    const gpumem::kv_layout& l = v.layout();
+    gpumem_kv_vseqs_info i{};
+    i.sequences = v.sequences();
+    i.mapped_bytes = v.mapped_bytes();
+    i.live_bytes = v.live_bytes();
+    i.max_sequence_tokens = v.max_sequence_tokens();
+    i.page_size = v.page_size();
+    i.token_stride = v.token_stride();
+    i.kv_stride = l.kv_heads * l.head_dim * l.dtype_bytes();
+    i.layer_stride = 2 * i.kv_stride;
+    i.head_stride = l.head_dim * l.dtype_bytes();
+    i.dtype_bytes = l.dtype_bytes();
+    *out = i;
+  });
+}
+
+size_t gpumem_kv_vseqs_validate(gpumem_kv_vseqs* vseqs, char* buf, size_t capacity) {
+  std::string text;
+  if (vseqs == nullptr) {
+    refuse("gpumem_kv_vseqs_validate", "null handle");
+    text = "null handle";
+  } else if (guarded("gpumem_kv_vseqs_validate", [&] { text = vseqs->seqs->validate(); }) !=
+             GPUMEM_SUCCESS) {
+    text = gpumem_last_error();
   }
-  return text.size();
+  return copy_text(text, buf, capacity);
 }
 
 }  // extern "C"

@@ -12,6 +12,8 @@
 
 static int failures = 0;
 
+#define MIB ((uint64_t)1 << 20)
+
 #define CHECK(cond)                                                                  \
   do {                                                                               \
     if (!(cond)) {                                                                   \
@@ -290,8 +292,73 @@ static void one_budget(void) {
   gpumem_pool_destroy(pool);
 }
 
+/* Virtually contiguous sequences: a sequence's bytes at base + token * token_stride + ...,
+ * growing by pages with the bytes kept, at most one partly used page each, pages back to
+ * the pool at free, bad input refused. */
+static void virtual_sequences(void) {
+  gpumem_pool* pool = NULL;
+  gpumem_kv_vseqs* vs = NULL;
+  gpumem_kv_config c = small_config();
+  gpumem_kv_vseqs_info info;
+  gpumem_stats ps;
+  uint64_t a = 0, b = 0, base = 0, tokens = 0, base2 = 0;
+  unsigned short* p;
+  char text[128];
+  CHECK(gpumem_pool_create("platform:sim,sim_capacity:1G,limit:6M", &pool) == GPUMEM_SUCCESS);
+  if (pool == NULL) return;
+  c.layout.dtype = 7;
+  CHECK(gpumem_kv_vseqs_create(pool, &c.layout, 8192, NULL, &vs) == GPUMEM_ERROR_INVALID_ARGUMENT);
+  c.layout.dtype = GPUMEM_KV_F16;
+  CHECK(gpumem_kv_vseqs_create(pool, &c.layout, 0, NULL, &vs) == GPUMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(gpumem_kv_vseqs_create(pool, &c.layout, 8192, NULL, &vs) == GPUMEM_SUCCESS && vs != NULL);
+  if (vs == NULL) {
+    gpumem_pool_destroy(pool);
+    return;
+  }
+  CHECK(gpumem_kv_vseqs_info_get(vs, &info) == GPUMEM_SUCCESS);
+  /* 2 layers x 2 (K, V) x 2 heads x 64 dims x 2 bytes = 1 KiB a token: 2048 tokens a page. */
+  CHECK(info.token_stride == 1024 && info.layer_stride == 512 && info.kv_stride == 256);
+  CHECK(info.head_stride == 128 && info.dtype_bytes == 2 && info.page_size == 2 * MIB);
+
+  CHECK(gpumem_kv_vseqs_add(vs, 10, &a) == GPUMEM_SUCCESS);
+  CHECK(gpumem_kv_vseqs_sequence(vs, a, &base, &tokens) == GPUMEM_SUCCESS && tokens == 10);
+  /* Token 9, layer 1, values, head 1, dim 3. */
+  p = (unsigned short*)(size_t)(base + 9 * info.token_stride + info.layer_stride +
+                                info.kv_stride + info.head_stride + 3 * info.dtype_bytes);
+  *p = 4321;
+  CHECK(gpumem_kv_vseqs_append(vs, a, 3000) == GPUMEM_SUCCESS); /* crosses into page 2 */
+  CHECK(gpumem_kv_vseqs_sequence(vs, a, &base2, &tokens) == GPUMEM_SUCCESS);
+  CHECK(base2 == base && tokens == 3010 && *p == 4321);
+  *(unsigned short*)(size_t)(base + 3009 * info.token_stride) = 7; /* mapped and writable */
+  CHECK(gpumem_kv_vseqs_add(vs, 1, &b) == GPUMEM_SUCCESS);
+  CHECK(gpumem_kv_vseqs_info_get(vs, &info) == GPUMEM_SUCCESS);
+  CHECK(info.sequences == 2 && info.mapped_bytes == 3 * 2 * MIB);
+  CHECK(info.live_bytes == 3011 * 1024);
+  CHECK(gpumem_kv_vseqs_validate(vs, text, sizeof text) == 0);
+
+  /* Bad input: past the maximum, a freed sequence, the pool's limit. */
+  CHECK(gpumem_kv_vseqs_append(vs, a, 8192) == GPUMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "max_sequence_tokens 8192") != NULL);
+  CHECK(gpumem_kv_vseqs_add(vs, 9000, &b) == GPUMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(gpumem_kv_vseqs_free(vs, b) == GPUMEM_SUCCESS);
+  CHECK(gpumem_kv_vseqs_sequence(vs, b, &base, NULL) == GPUMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "was freed") != NULL);
+  CHECK(gpumem_kv_vseqs_append(vs, a, 5000) == GPUMEM_ERROR_OUT_OF_MEMORY); /* 6 MiB limit */
+  CHECK(gpumem_kv_vseqs_info_get(vs, &info) == GPUMEM_SUCCESS);
+  CHECK(info.mapped_bytes == 2 * 2 * MIB && info.live_bytes == 3010 * 1024);
+  CHECK(gpumem_kv_vseqs_append(vs, a, 1000) == GPUMEM_SUCCESS); /* within its 2 pages */
+  CHECK(gpumem_kv_vseqs_validate(vs, text, sizeof text) == 0);
+  CHECK(gpumem_kv_vseqs_free(vs, a) == GPUMEM_SUCCESS);
+  CHECK(gpumem_kv_vseqs_info_get(vs, &info) == GPUMEM_SUCCESS && info.mapped_bytes == 0);
+  CHECK(gpumem_kv_vseqs_add(NULL, 1, &a) == GPUMEM_ERROR_INVALID_ARGUMENT);
+  gpumem_kv_vseqs_destroy(vs);
+  CHECK(gpumem_pool_stats(pool, &ps) == GPUMEM_SUCCESS && ps.live_bytes == 0);
+  gpumem_pool_destroy(pool);
+}
+
 int main(void) {
   lifecycle();
+  virtual_sequences();
   bad_input();
   one_budget();
   if (failures != 0) {

@@ -227,6 +227,65 @@ class KVCacheTest(unittest.TestCase):
         self.assertEqual((lay.layers, lay.kv_heads, lay.head_dim, lay.dtype), (4, 8, 128, "bf16"))
 
 
+class VirtualSequencesTest(unittest.TestCase):
+    def setUp(self):
+        self.pool = gpumem.Pool("sim_capacity:1G,limit:6M", allocator="vmm_page_pool",
+                                platform="sim")
+        self.vs = kv.VirtualSequences(layers=2, kv_heads=2, head_dim=64, dtype="f16",
+                                      max_sequence_tokens=8192, pool=self.pool)
+
+    def tearDown(self):
+        self.vs.close()
+        gc.collect()
+        self.pool.close()
+
+    def test_views_address_the_token_major_layout_and_grow_in_place(self):
+        vs = self.vs
+        a = vs.add(10)
+        k, v = vs.array_views(a, 1)
+        cai = v.__cuda_array_interface__
+        self.assertEqual(cai["shape"], (10, 2, 64))
+        self.assertEqual(cai["strides"], (1024, 128, 2))  # 2 layers x K,V x 2 x 64 x 2 bytes
+        base, tokens = vs.sequence(a)
+        self.assertEqual((cai["data"][0], tokens), (base + 512 + 256, 10))
+        self.assertEqual(k.__cuda_array_interface__["data"][0], base + 512)
+        addr = cai["data"][0] + 9 * 1024 + 128 + 3 * 2
+        ctypes.c_uint16.from_address(addr).value = 4321
+        vs.append(a, 3000)  # a second page, mapped after the first
+        self.assertEqual(vs.sequence(a), (base, 3010))
+        self.assertEqual(ctypes.c_uint16.from_address(addr).value, 4321)
+        info = vs.info()
+        self.assertEqual((info["mapped_bytes"], info["live_bytes"]), (4 << 20, 3010 * 1024))
+        self.assertEqual(vs.validate(), "")
+
+    def test_free_refuses_while_a_view_lives(self):
+        vs = self.vs
+        a = vs.add(5)
+        k, v = vs.array_views(a, 0)
+        with self.assertRaisesRegex(gpumem.InvalidArgumentError, "2 live view"):
+            vs.free(a)
+        self.assertEqual(vs.sequence(a)[1], 5)
+        del k, v
+        gc.collect()
+        vs.free(a)
+        with self.assertRaisesRegex(gpumem.InvalidArgumentError, "was freed"):
+            vs.sequence(a)
+
+    def test_bad_input(self):
+        vs = self.vs
+        a = vs.add(4000)
+        with self.assertRaisesRegex(gpumem.InvalidArgumentError, "max_sequence_tokens 8192"):
+            vs.append(a, 5000)
+        with self.assertRaises(gpumem.OutOfMemoryError):
+            vs.add(4000)  # 2 more pages over the pool's 6 MiB
+        self.assertEqual(vs.info()["sequences"], 1)
+        with self.assertRaisesRegex(gpumem.InvalidArgumentError, "layer 2 of a 2-layer"):
+            vs.array_views(a, 2)
+        with self.assertRaisesRegex(gpumem.InvalidArgumentError, "holds 4000 tokens"):
+            vs.array_views(a, 0, tokens=4001)
+        self.assertEqual(vs.validate(), "")
+
+
 if __name__ == "__main__":
     result = unittest.main(exit=False, verbosity=2).result
     sys.exit(0 if result.wasSuccessful() else 1)

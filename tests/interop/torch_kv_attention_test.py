@@ -158,6 +158,35 @@ class PagedDecodeTest(unittest.TestCase):
             paged_decode(torch.zeros(1, 2, 64, device="cuda", dtype=torch.float16), k, v, tables)
 
 
+class VirtualSequencesTest(unittest.TestCase):
+    def test_sdpa_reads_strided_sequences_as_they_are(self):
+        import torch.nn.functional as F
+        vs = kv.VirtualSequences(layers=4, kv_heads=8, head_dim=128, dtype="bf16",
+                                 max_sequence_tokens=8192)
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        for n in (1, 300, 2049):
+            seq = vs.add(n)
+            for layer in (0, 3):
+                k, v = vs.views(seq, layer)
+                self.assertEqual(tuple(k.shape), (n, 8, 128))
+                self.assertEqual(k.stride(0) * 2, vs.info()["token_stride"])
+                k.copy_(torch.randn(n, 8, 128, device="cuda", generator=gen).to(torch.bfloat16))
+                v.copy_(torch.randn(n, 8, 128, device="cuda", generator=gen).to(torch.bfloat16))
+                ks, vs_ = vs.sdpa_views(seq, layer)
+                q = torch.randn(1, 32, 1, 128, device="cuda", generator=gen).to(torch.bfloat16)
+                out = F.scaled_dot_product_attention(q, ks, vs_, enable_gqa=True)
+                ref = F.scaled_dot_product_attention(q.float(), ks.float().contiguous(),
+                                                     vs_.float().contiguous(), enable_gqa=True)
+                err = (out.float() - ref).abs().max().item()
+                self.assertLess(err, TOL[torch.bfloat16], "length %d layer %d: %.3g" % (n, layer, err))
+                del k, v, ks, vs_
+            info = vs.info()
+            self.assertLessEqual(info["mapped_bytes"] - info["live_bytes"],
+                                 info["sequences"] * info["page_size"])
+            vs.free(seq)
+        self.assertEqual(vs.info()["mapped_bytes"], 0)
+
+
 if __name__ == "__main__":
     result = unittest.main(exit=False, verbosity=2).result
     sys.exit(0 if result.wasSuccessful() else 1)

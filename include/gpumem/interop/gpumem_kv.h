@@ -194,6 +194,51 @@ GPUMEM_API gpumem_status gpumem_kv_synchronize(gpumem_kv_cache* cache);
  * gpumem_pool_report does (truncated, NUL-terminated); returns the full length. */
 GPUMEM_API size_t gpumem_kv_validate(gpumem_kv_cache* cache, char* buf, size_t capacity);
 
+/* --- Virtually contiguous sequences (include/gpumem/kv/kv_virtual_sequences.hpp) ---------
+ * Each sequence's keys and values in one virtual range of its own that grows by mapping
+ * pages, token-major (all layers of a token side by side):
+ *
+ *   address(seq, token, layer, kv, head, dim) = base(seq) + token * token_stride
+ *       + layer * layer_stride + kv * kv_stride + head * head_stride + dim * dtype_bytes
+ *
+ * so one layer's keys of a sequence are an ordinary strided [tokens][kv_heads][head_dim]
+ * array that stock attention (SDPA) reads without a block table. A sequence holds at most
+ * one partly used page. Pages come from the pool and go back at free (which waits for the
+ * stream). Errors as above; layout.block_tokens is ignored. */
+typedef struct gpumem_kv_vseqs gpumem_kv_vseqs;
+
+typedef struct gpumem_kv_vseqs_info {
+  uint64_t sequences;
+  uint64_t mapped_bytes;        /* device memory held */
+  uint64_t live_bytes;          /* tokens held * token_stride */
+  uint64_t max_sequence_tokens; /* each range is reserved for this many */
+  uint64_t page_size;
+  uint64_t token_stride;
+  uint64_t layer_stride;
+  uint64_t kv_stride;
+  uint64_t head_stride;
+  uint64_t dtype_bytes;
+} gpumem_kv_vseqs_info;
+
+GPUMEM_API gpumem_status gpumem_kv_vseqs_create(gpumem_pool* pool, const gpumem_kv_layout* layout,
+                                                uint64_t max_sequence_tokens, void* stream,
+                                                gpumem_kv_vseqs** out);
+GPUMEM_API void gpumem_kv_vseqs_destroy(gpumem_kv_vseqs* vseqs);
+/* A sequence with room for `tokens` tokens. */
+GPUMEM_API gpumem_status gpumem_kv_vseqs_add(gpumem_kv_vseqs* vseqs, uint64_t tokens,
+                                             uint64_t* seq);
+/* Room for `tokens` more (all or nothing). */
+GPUMEM_API gpumem_status gpumem_kv_vseqs_append(gpumem_kv_vseqs* vseqs, uint64_t seq,
+                                                uint64_t tokens);
+GPUMEM_API gpumem_status gpumem_kv_vseqs_free(gpumem_kv_vseqs* vseqs, uint64_t seq);
+/* The sequence's base address and token count (either output may be NULL). */
+GPUMEM_API gpumem_status gpumem_kv_vseqs_sequence(gpumem_kv_vseqs* vseqs, uint64_t seq,
+                                                  uint64_t* base, uint64_t* tokens);
+GPUMEM_API gpumem_status gpumem_kv_vseqs_info_get(gpumem_kv_vseqs* vseqs,
+                                                  gpumem_kv_vseqs_info* out);
+/* As gpumem_kv_validate. */
+GPUMEM_API size_t gpumem_kv_vseqs_validate(gpumem_kv_vseqs* vseqs, char* buf, size_t capacity);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif
