@@ -238,13 +238,19 @@ class Engine:
         toks = torch.tensor(prompt[cached:], device=dev)
         wb = table[0].long()[pos // self.bt]
         ws = pos % self.bt
-        mask = torch.arange(n, device=dev)[None, :] <= pos[:, None]  # [new tokens, n]
+        # Causal over the whole prompt; with a cached prefix, the new tokens see it all.
+        mask = None if cached == 0 else \
+            torch.arange(n, device=dev)[None, :] <= pos[:, None]  # [new tokens, n]
+        group = self.runner.heads // self.runner.kv_heads
 
         def attend(layer, q):
             k, v = self.store.layer_views(layer)
             kk, vv = gather_kv(k, v, table, n)  # [1, Hkv, n, D]
+            kk = kk.repeat_interleave(group, dim=1)  # GQA as plain heads: any SDPA backend
+            vv = vv.repeat_interleave(group, dim=1)
             qq = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, new tokens, D]
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask,
+                                               is_causal=mask is None)
             return o[0].transpose(0, 1)
 
         hidden = self.runner.forward(toks, pos, self.store, wb, ws, attend)
@@ -347,6 +353,7 @@ class Engine:
         start = time.perf_counter()
         offset = 0.0  # idle time skipped (no request running or waiting)
         arrived_at = {}
+        steps = 0
         while pending or self.waiting or self.running or self.swapped:
             now = time.perf_counter() - start + offset
             if not self.running and not self.waiting and not self.swapped and pending and \
@@ -389,6 +396,10 @@ class Engine:
                 self.make_room()
             if self.running:
                 self.decode()
+            steps += 1
+            if self.kv is not None and a.shrink_every and steps % a.shrink_every == 0:
+                # Elastic: pages above the highest used block go back to the pool.
+                self.kv.shrink(keep_free=len(self.running))
             self.mem_samples.append(self.kv_bytes())
             if a.duration and time.perf_counter() - start > a.duration:
                 break
@@ -447,6 +458,8 @@ def main(argv=None):
     p.add_argument("--multi-sample", type=float, default=0.1)
     p.add_argument("--preempt", choices=["recompute", "swap"], default="recompute")
     p.add_argument("--max-batch", type=int, default=512)
+    p.add_argument("--shrink-every", type=int, default=64,
+                   help="paged: give unused pages back every N steps (0: never)")
     p.add_argument("--block-tokens", type=int, default=16)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=2048)
