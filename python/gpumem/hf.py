@@ -91,8 +91,8 @@ class _Layer(_LayerBase):
     def update(self, key_states, value_states, cache_kwargs=None, *args, **kwargs):
         return self._owner.update(key_states, value_states, self.index, cache_kwargs)
 
-    def get_mask_sizes(self, cache_position, *args, **kwargs):
-        return self._owner.get_mask_sizes(cache_position, self.index)
+    def get_mask_sizes(self, cache_position=None, *args, **kwargs):
+        return self._owner.get_mask_sizes(cache_position, self.index, **kwargs)
 
     def get_seq_length(self, *args, **kwargs):
         return self._owner.get_seq_length(self.index)
@@ -154,7 +154,6 @@ class GpumemCache(_Base):
         self._seqs = []
         self._length = 0
         self._step = None  # per-forward index tensors, made at layer 0
-        self._group_leaders = None  # prefill: row -> leader row of its equal group
         self.peak_mapped_bytes = 0
         # attention="paged": decode layers read through the block table / gathered (masked).
         self.decode_layers_paged = 0
@@ -178,8 +177,17 @@ class GpumemCache(_Base):
     def get_seq_length(self, layer_idx=0, *args, **kwargs):
         return self._length
 
-    def get_mask_sizes(self, cache_position, layer_idx=0, *args, **kwargs):
-        query = cache_position.shape[0] if hasattr(cache_position, "shape") else int(cache_position)
+    def get_mask_sizes(self, cache_position=None, layer_idx=0, *args, **kwargs):
+        """(kv_length, kv_offset) for the mask of the next forward: every cached token and
+        the query's. The query is given as cache_position (a tensor of its positions) or,
+        in transformers versions that pass it so, as its length."""
+        query = cache_position
+        if query is None:
+            query = kwargs.get("query_length", kwargs.get("cache_position"))
+        if query is None:
+            raise TypeError("gpumem.hf: get_mask_sizes got neither cache_position nor "
+                            "query_length (transformers %s)" % _transformers_version())
+        query = query.shape[0] if hasattr(query, "shape") else int(query)
         return self._length + query, 0
 
     def get_max_cache_shape(self, layer_idx=0, *args, **kwargs):
@@ -195,6 +203,11 @@ class GpumemCache(_Base):
         if _ACTIVE[0] is not None:
             cache, layer = _ACTIVE[0]
             _ACTIVE[0] = None
+            if cache is not self:
+                cache = None  # left by another cache's failed step: not this model's doing
+        else:
+            cache = None
+        if cache is not None:
             raise RuntimeError(
                 "gpumem.hf: layer %d's attention did not read the paged cache: with "
                 "GpumemCache(attention='paged') the model must use the '%s' attention "
