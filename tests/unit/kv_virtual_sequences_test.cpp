@@ -54,7 +54,7 @@ TEST_F(KvVirtualSequences, GrowsInPlaceAndKeepsBytes) {
 
 TEST_F(KvVirtualSequences, RefusalsAreTypedAndChangeNothing) {
   pool_options o;
-  o.limit = 6 * MiB;
+  o.limit_bytes = 6 * MiB;
   vmm_page_pool pool(sim, 0, o);
   kv_layout bad = token_layout();
   bad.kv_heads = 0;
@@ -73,6 +73,7 @@ TEST_F(KvVirtualSequences, RefusalsAreTypedAndChangeNothing) {
 }
 
 TEST_F(KvVirtualSequences, EveryPlatformFailureDuringGrowthLeavesStateAndLeaksNothing) {
+  int failures = 0;
   for (platform_op op : {platform_op::map, platform_op::set_access, platform_op::reserve_range,
                          platform_op::create_physical}) {
     for (std::uint64_t nth = 1; nth <= 3; ++nth) {
@@ -85,22 +86,35 @@ TEST_F(KvVirtualSequences, EveryPlatformFailureDuringGrowthLeavesStateAndLeaksNo
       f.kind = failure_kind::driver_error;
       sim.inject_fault(op, f);
       const std::size_t before = vs.mapped_bytes();
-      bool failed = false;
+      bool append_failed = false, add_failed = false;
       try {
         vs.append(a, 6000);  // 3 more pages: several maps
+      } catch (const gpumem::cuda_error&) {
+        append_failed = true;
+      } catch (const gpumem::out_of_memory&) {
+        append_failed = true;
+      }
+      try {
         (void)vs.add(3000);
       } catch (const gpumem::cuda_error&) {
-        failed = true;
+        add_failed = true;
       } catch (const gpumem::out_of_memory&) {
-        failed = true;
+        add_failed = true;
       }
       sim.clear_faults();
       EXPECT_EQ(vs.validate(), "");
-      if (failed) EXPECT_GE(vs.mapped_bytes(), before);
+      if (append_failed) {
+        ++failures;
+        EXPECT_EQ(vs.tokens(a), 100u);  // the append is all or nothing
+        EXPECT_GE(vs.mapped_bytes(), before);
+      }
+      if (add_failed) ++failures;
+      EXPECT_EQ(vs.sequences(), add_failed ? 1u : 2u);
       vs.append(a, 100);  // usable afterwards
       EXPECT_EQ(vs.validate(), "");
     }
   }
+  EXPECT_GE(failures, 8);  // each op's early calls fail the growth
 }
 
 }  // namespace
