@@ -38,6 +38,7 @@ Lifetime of views, and stale block tables:
    are refused ("... was freed"): ids are never reused.
 """
 
+import array
 import ctypes
 import threading
 import weakref
@@ -361,14 +362,19 @@ class KVCache:
 
     @staticmethod
     def _tokens(tokens):
-        tokens = list(tokens)
-        arr = (ctypes.c_int32 * max(1, len(tokens)))()
-        for i, t in enumerate(tokens):
-            t = int(t)
-            if not -(1 << 31) <= t < (1 << 31):
-                raise OverflowError("gpumem.kv: token id %d does not fit in 32 bits" % t)
-            arr[i] = t
-        return arr, len(tokens)
+        """Token ids as a C int32 array (and their count); OverflowError past 32 bits."""
+        try:
+            ints = array.array("i", tokens)  # checks the range in C
+        except TypeError:
+            ints = array.array("i", [int(t) for t in tokens])
+        except OverflowError:
+            raise OverflowError("gpumem.kv: a token id does not fit in 32 bits") from None
+        if ints.itemsize != 4:  # no 32-bit C int on this platform: convert one by one
+            out = (ctypes.c_int32 * max(1, len(ints)))(*ints)
+            return out, len(ints)
+        if not ints:
+            return (ctypes.c_int32 * 1)(), 0
+        return (ctypes.c_int32 * len(ints)).from_buffer(ints), len(ints)
 
     def add_sequence(self, tokens=(), salt=0):
         """A new sequence holding the prompt `tokens` (token ids). Returns (seq, cached):
