@@ -68,6 +68,13 @@ def llama(layers, hidden, heads, kv_heads, intermediate, vocab, seed=0):
 def bench_hf(a):
     import gpumem.hf as ghf
     from transformers import DynamicCache
+    # StaticCache makes generate compile the forward (minutes per shape): every cache is
+    # measured eager, the same way.
+    try:
+        import torch._dynamo
+        torch._dynamo.config.disable = True
+    except Exception:
+        pass
     model = llama(a.layers, a.hidden, a.heads, a.kv_heads, a.intermediate, a.vocab)
     head_dim = a.hidden // a.heads
     bytes_per_token = a.layers * 2 * a.kv_heads * head_dim * 2
