@@ -155,13 +155,13 @@ class ContiguousStore:
                                  layout.kv_heads, layout.head_dim), dtype=dtype, device=device)
         self.free_slots = list(range(self.slots))
         self.length = {}
+        # Slot s's block table: blocks [s * per_seq, (s + 1) * per_seq).
+        self.rows = torch.arange(self.slots * self.per_seq, dtype=torch.int32,
+                                 device=device).view(self.slots, self.per_seq)
         self.reserved_bytes = self.slots * bytes_per_slot
 
     def layer_views(self, layer):
         return self.full[:, layer, 0], self.full[:, layer, 1]
-
-    def table_row(self, slot):
-        return list(range(slot * self.per_seq, (slot + 1) * self.per_seq))
 
 
 # --- the engine ----------------------------------------------------------------------------
@@ -205,9 +205,9 @@ class Engine:
         if self.kv is not None:
             t = self.kv.block_tables(seqs, row_blocks=row_blocks)
             return t.tensors(self.device)
-        rows = [self.store.table_row(s) for s in seqs]
         lens = [self.store.length[s] for s in seqs]
-        return (torch.tensor(rows, dtype=torch.int32, device=self.device),
+        index = torch.tensor(seqs, dtype=torch.long, device=self.device)
+        return (self.store.rows[index],
                 torch.tensor(lens, dtype=torch.int32, device=self.device))
 
     # -- admission --
