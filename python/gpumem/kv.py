@@ -222,6 +222,114 @@ class _Owner:
             self.handle = None
 
 
+# --- DLPack export (torch.from_dlpack): the tensor's device is stated, so torch neither
+# asks the driver where the address lives nor needs numpy (the __cuda_array_interface__
+# path does both). Layouts of dlpack.h (DLPack 0.x, the "dltensor" capsule).
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DLDeleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                             ("deleter", _DLDeleter)]
+_DL_CUDA = 2
+_DL_CODES = {"<f2": (2, 16), "<f4": (2, 32), "<i2": (0, 16), "|u1": (1, 8)}  # (code, bits)
+_dlpack_live = {}  # address of a DLManagedTensor -> what it needs alive (until the deleter)
+_dlpack_lock = threading.Lock()
+
+
+def _dlpack_release(managed):
+    with _dlpack_lock:
+        _dlpack_live.pop(ctypes.addressof(managed.contents), None)
+
+
+_dlpack_deleter = _DLDeleter(_dlpack_release)
+_DLTENSOR_NAME = ctypes.create_string_buffer(b"dltensor")
+
+
+def _dlpack_capsule(view, device):
+    """A "dltensor" capsule over a StorageView / SequenceView (keeps the view alive until
+    the consumer's deleter runs)."""
+    itemsize = int(view.typestr[-1])
+    code, bits = _DL_CODES[view.typestr]
+    ndim = len(view.shape)
+    shape = (ctypes.c_int64 * ndim)(*view.shape)
+    strides = (ctypes.c_int64 * ndim)(*[st // itemsize for st in view.strides])
+    m = _DLManagedTensor()
+    m.dl_tensor.data = view.ptr
+    m.dl_tensor.device = _DLDevice(_DL_CUDA, device)
+    m.dl_tensor.ndim = ndim
+    m.dl_tensor.dtype = _DLDataType(code, bits, 1)
+    m.dl_tensor.shape = shape
+    m.dl_tensor.strides = strides
+    m.dl_tensor.byte_offset = 0
+    m.manager_ctx = None
+    m.deleter = _dlpack_deleter
+    with _dlpack_lock:
+        _dlpack_live[ctypes.addressof(m)] = (m, shape, strides, view)
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype = ctypes.py_object
+    new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return new(ctypes.addressof(m), ctypes.cast(_DLTENSOR_NAME, ctypes.c_char_p), None)
+
+
+def _dlpack_forget_unconsumed(capsule):
+    """Drops what a capsule nobody consumed keeps alive (a consumer renames it)."""
+    valid = ctypes.pythonapi.PyCapsule_IsValid
+    valid.restype = ctypes.c_int
+    valid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    if not valid(capsule, b"dltensor"):
+        return
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype = ctypes.c_void_p
+    get.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    with _dlpack_lock:
+        _dlpack_live.pop(get(capsule, b"dltensor"), None)
+
+
+def _to_torch(view, device):
+    """A torch tensor over a view's memory (no copy): DLPack first, then
+    __cuda_array_interface__; checked to address exactly the view's memory."""
+    import torch
+    errors = []
+    for how in ("dlpack", "cuda_array_interface"):
+        capsule = None
+        try:
+            if how == "dlpack":
+                capsule = _dlpack_capsule(view, device)
+                t = torch.utils.dlpack.from_dlpack(capsule)
+            else:
+                t = torch.as_tensor(view, device="cuda:%d" % device)
+            itemsize = t.element_size()
+            if (t.data_ptr() != view.ptr or tuple(t.shape) != tuple(view.shape) or
+                    tuple(st * itemsize for st in t.stride()) != tuple(view.strides) or
+                    t.device != torch.device("cuda", device)):
+                raise RuntimeError("the tensor does not address the view's memory")
+            return t
+        except Exception as e:  # the next way, or the error below
+            errors.append("%s: %s: %s" % (how, type(e).__name__, e))
+            if capsule is not None:
+                _dlpack_forget_unconsumed(capsule)
+    raise gpumem.GpumemError(gpumem.ERROR_INTERNAL,
+                             "gpumem.kv: cannot make a torch tensor over the cache: " +
+                             "; ".join(errors))
+
+
 class StorageView:
     """The whole block range through `__cuda_array_interface__` (version 3): shape
     [max_blocks, layers, 2, block_tokens, kv_heads, head_dim], byte strides, the cache's
@@ -567,14 +675,15 @@ class KVCache:
             import torch
             view = self.storage_view()
             if self._storage_struct().capacity_blocks == 0:
-                # torch asks the driver which device the base address is on: map block 0.
+                # The __cuda_array_interface__ path asks the driver which device the base
+                # address is on: map block 0 while the tensor is made.
                 seq, _ = self.add_sequence([0], salt=(1 << 64) - 1)
                 try:
-                    raw = torch.as_tensor(view, device="cuda:%d" % self.device)
+                    raw = _to_torch(view, self.device)
                 finally:
                     self.free(seq)
             else:
-                raw = torch.as_tensor(view, device="cuda:%d" % self.device)
+                raw = _to_torch(view, self.device)
             want = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32,
                     "fp8": getattr(torch, "float8_e4m3fn", torch.uint8)}[self.layout.dtype]
             full = raw.view(want) if raw.dtype != want else raw
@@ -774,7 +883,7 @@ class VirtualSequences:
                 "fp8": getattr(torch, "float8_e4m3fn", torch.uint8)}[self.layout.dtype]
         out = []
         for v in self.array_views(seq, layer, tokens):
-            t = torch.as_tensor(v, device="cuda:%d" % self.device)
+            t = _to_torch(v, self.device)
             out.append(t.view(want) if t.dtype != want else t)
         return tuple(out)
 

@@ -217,6 +217,26 @@ class KVCacheTest(unittest.TestCase):
         self.assertIsNone(owner())  # destroyed with the last view
         pool.close()
 
+    def test_dlpack_capsule_describes_the_view_and_its_deleter_releases_it(self):
+        view = self.cache.storage_view()
+        cap = kv._dlpack_capsule(view, 0)
+        get = ctypes.pythonapi.PyCapsule_GetPointer
+        get.restype = ctypes.c_void_p
+        get.argtypes = [ctypes.py_object, ctypes.c_char_p]
+        managed = kv._DLManagedTensor.from_address(get(cap, b"dltensor"))
+        t = managed.dl_tensor
+        self.assertEqual(t.data, view.ptr)
+        self.assertEqual((t.device.device_type, t.device.device_id), (2, 0))  # kDLCUDA
+        self.assertEqual((t.dtype.code, t.dtype.bits, t.dtype.lanes), (2, 16, 1))  # f16
+        self.assertEqual([t.shape[i] for i in range(t.ndim)], list(view.shape))
+        self.assertEqual([t.strides[i] * 2 for i in range(t.ndim)], list(view.strides))
+        self.assertEqual(len(kv._dlpack_live), 1)  # the view is kept until the deleter
+        managed.deleter(ctypes.pointer(managed))  # what a consumer calls when done
+        self.assertEqual(len(kv._dlpack_live), 0)
+        cap = kv._dlpack_capsule(view, 0)
+        kv._dlpack_forget_unconsumed(cap)  # never consumed: nothing kept
+        self.assertEqual(len(kv._dlpack_live), 0)
+
     def test_layout_from_a_model_config(self):
         class Cfg:
             num_attention_heads = 32
