@@ -14,7 +14,8 @@ The storage is one virtual range of `max_blocks` blocks, fixed for the cache's l
     storage[block][layer][kv][token][head][dim]    kv 0 = keys, 1 = values
 
 `storage_view()` describes it through `__cuda_array_interface__` (torch.as_tensor, CuPy,
-Numba); `tensor()` is that range as a torch tensor of the cache's dtype and
+Numba); `tensor()` is that range as a torch tensor of the cache's dtype (made through
+DLPack, else that interface) and
 `layer_views(l)` the per-layer key and value tensors of shape
 [max_blocks, block_tokens, kv_heads, head_dim] (strided views of the same memory). Token t
 of a sequence is at `k[table[t // block_tokens], t % block_tokens]`. The cache manages
