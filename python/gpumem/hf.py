@@ -31,6 +31,8 @@ and dtype against the cache's layout (when one was given), and the interface of 
 installed transformers (a Cache with `layers`).
 """
 
+import weakref
+
 import gpumem
 import gpumem.kv as gkv
 
@@ -78,7 +80,8 @@ class _Layer(_LayerBase):
     is_sliding = False
 
     def __init__(self, owner, index):  # pylint: disable=super-init-not-called
-        self._owner = owner
+        # A proxy: no reference cycle, so a dropped cache's pages go back at once.
+        self._owner = weakref.proxy(owner)
         self.index = index
         self.keys = None
         self.values = None
