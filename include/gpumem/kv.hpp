@@ -3,4 +3,5 @@
 #include "gpumem/kv/kv_block_storage.hpp"
 #include "gpumem/kv/kv_cache.hpp"
 #include "gpumem/kv/kv_layout.hpp"
+#include "gpumem/kv/kv_virtual_sequences.hpp"
 #include "gpumem/kv/prefix_hash.hpp"

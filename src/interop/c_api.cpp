@@ -19,6 +19,7 @@
 //    always a live allocation: record_stream refuses any other pointer, and gpumem_free is
 //    the only way an allocation of a live pool dies.
 #include "gpumem/interop/gpumem.h"
+#include "interop/c_api_internal.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -751,3 +752,18 @@ gpumem_status gpumem_snapshot(gpumem_pool* pool, const char* path) {
 }
 
 }  // extern "C"
+
+// For the C API's other files (c_api_internal.hpp).
+namespace gpumem::detail {
+
+gpumem_status c_api_fail(gpumem_status status, const char* text) noexcept {
+  return fail(status, text);
+}
+
+c_api_pool_parts c_api_pool(gpumem_pool* pool, const char* where) noexcept {
+  pool_body* body = live_body(pool, where);
+  if (body == nullptr) return {};
+  return {body->pool.get(), body->platform, body->device};
+}
+
+}  // namespace gpumem::detail

@@ -139,6 +139,8 @@ class kv_cache {
 
   const kv_layout& layout() const noexcept { return config_.layout; }
   std::uintptr_t base() const noexcept { return storage_.base(); }
+  // Blocks the virtual range holds (ids below it); those below capacity are mapped.
+  std::size_t max_blocks() const noexcept { return storage_.max_blocks(); }
   void* block_address(block_id b) const noexcept { return storage_.address(b); }
   kv_cache_stats stats() const;
   std::string validate() const;

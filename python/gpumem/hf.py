@@ -1,0 +1,457 @@
+"""A Hugging Face transformers Cache backed by gpumem's paged KV cache.
+
+    from gpumem.hf import GpumemCache
+    cache = GpumemCache(model.config)
+    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=256)
+
+Each row of the batch is a gpumem sequence; keys and values live in the cache's blocks
+(one virtual range, pages mapped as sequences grow), never in per-layer tensors that are
+concatenated again every step. `update()` writes a layer's new keys and values into the
+blocks through the block table and returns that layer's keys and values as dense
+[batch, kv_heads, length, head_dim] tensors (gathered from the blocks, freed after the
+layer's attention), so every attention implementation of transformers works unchanged
+and gives the same numbers as DynamicCache.
+
+Beam search (`reorder_cache`) and `num_return_sequences` / `num_beams` rows use fork: a
+reordered beam shares every block of its parent and copies only a shared, partly filled
+last block when it next appends (copy on write). Rows of the prompt batch that are equal
+(generate repeats each prompt for its beams or returned sequences, side by side) share
+one copy of the prompt's blocks: at the prefill each layer's keys and values of such a
+row are checked equal to the first row of its group (a row that differs raises, naming
+the rows; pass share_prompt_rows=False for inputs that repeat tokens under different
+attention masks).
+
+With attention="paged" (register_paged_attention() and model.set_attn_implementation(
+"gpumem_paged")), a decode step's attention reads the blocks directly with the Triton
+kernel of gpumem.kv_attention instead of gathering them; prefill and padded batches take
+the gathered path through SDPA.
+
+Checked at the first update, with a clear error: the model's layers, KV heads, head_dim
+and dtype against the cache's layout (when one was given), and the interface of the
+installed transformers (a Cache with `layers`).
+"""
+
+import weakref
+
+import gpumem
+import gpumem.kv as gkv
+
+try:
+    import torch
+    from transformers import cache_utils as _cu
+    _IMPORT_ERROR = None
+except ImportError as e:  # torch or transformers missing: the module still imports
+    torch = None
+    _cu = None
+    _IMPORT_ERROR = e
+
+__all__ = ["GpumemCache", "register_paged_attention", "PAGED_ATTENTION"]
+
+PAGED_ATTENTION = "gpumem_paged"
+
+
+def _require():
+    if _IMPORT_ERROR is not None:
+        raise ImportError("gpumem.hf needs torch and transformers: %s" % _IMPORT_ERROR)
+    missing = [name for name in ("Cache",) if not hasattr(_cu, name)]
+    if missing:
+        raise ImportError("gpumem.hf: transformers.cache_utils has no %s (transformers %s)"
+                          % (", ".join(missing), _transformers_version()))
+
+
+def _transformers_version():
+    try:
+        import transformers
+        return transformers.__version__
+    except Exception:
+        return "?"
+
+
+_Base = _cu.Cache if _cu is not None and hasattr(_cu, "Cache") else object
+_LayerBase = (_cu.CacheLayerMixin if _cu is not None and hasattr(_cu, "CacheLayerMixin")
+              else object)
+
+
+class _Layer(_LayerBase):
+    """What transformers sees of one layer: flags and the last returned tensors. The data
+    is in the gpumem cache; GpumemCache handles every call for the layers."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, owner, index):  # pylint: disable=super-init-not-called
+        # A proxy: no reference cycle, so a dropped cache's pages go back at once.
+        self._owner = weakref.proxy(owner)
+        self.index = index
+        self.keys = None
+        self.values = None
+        self.is_initialized = False
+
+    # The abstract methods of CacheLayerMixin, answered by the cache.
+    def lazy_initialization(self, key_states, *args, **kwargs):
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, cache_kwargs=None, *args, **kwargs):
+        return self._owner.update(key_states, value_states, self.index, cache_kwargs)
+
+    def get_mask_sizes(self, cache_position=None, *args, **kwargs):
+        return self._owner.get_mask_sizes(cache_position, self.index, **kwargs)
+
+    def get_seq_length(self, *args, **kwargs):
+        return self._owner.get_seq_length(self.index)
+
+    def get_max_cache_shape(self, *args, **kwargs):
+        return -1
+
+    def reset(self):
+        self.keys = None
+        self.values = None
+
+    def reorder_cache(self, beam_idx):
+        raise RuntimeError("gpumem.hf: reorder_cache goes through GpumemCache, not a layer")
+
+    @property
+    def max_batch_size(self):
+        return len(self._owner._seqs)
+
+    @property
+    def max_cache_len(self):
+        return -1
+
+
+class GpumemCache(_Base):
+    """A transformers Cache over gpumem.kv.KVCache (see the module text).
+
+    config: the model's config (layers, KV heads, head_dim); layout: a gpumem.kv.Layout
+        instead; kv_cache: an existing KVCache to use (its layout must match).
+    dtype: the KV dtype (default: that of the first keys seen); block_tokens; max_blocks,
+        pool, device, scrub, max_sequence_tokens: passed to KVCache.
+    share_prompt_rows: equal prompt rows share blocks (see the module text).
+    attention: "gather" (any attention implementation) or "paged" (the Triton decode
+        through register_paged_attention())."""
+
+    is_compileable = False
+
+    def __init__(self, config=None, *, layout=None, kv_cache=None, dtype=None, block_tokens=16,
+                 max_blocks=0, pool=None, device=None, scrub=False, max_sequence_tokens=0,
+                 share_prompt_rows=True, attention="gather"):
+        _require()
+        if layout is None and kv_cache is None and config is None:
+            raise ValueError("gpumem.hf.GpumemCache: give the model's config, a layout or "
+                             "a KVCache")
+        if layout is None and config is not None:
+            layout = gkv.Layout.from_hf_config(config, dtype=_dtype_name(dtype) or "bf16",
+                                               block_tokens=block_tokens)
+        if kv_cache is not None:
+            layout = kv_cache.layout
+        if attention not in ("gather", "paged"):
+            raise ValueError("gpumem.hf.GpumemCache: attention must be 'gather' or 'paged'")
+        self._layout = layout
+        self._dtype_given = dtype is not None or kv_cache is not None
+        self._kv = kv_cache
+        self._kv_args = dict(max_blocks=max_blocks, pool=pool, scrub=scrub,
+                             max_sequence_tokens=max_sequence_tokens, prefix_caching=False)
+        self._device = device
+        self._share = share_prompt_rows
+        self._attention = attention
+        self._seqs = []
+        self._length = 0
+        self._step = None  # per-forward index tensors, made at layer 0
+        self.peak_mapped_bytes = 0
+        # attention="paged": decode layers read through the block table / gathered (masked).
+        self.decode_layers_paged = 0
+        self.decode_layers_gathered = 0
+        try:
+            layers = [_Layer(self, i) for i in range(layout.layers)]
+        except TypeError as e:
+            raise TypeError("gpumem.hf: transformers %s's CacheLayerMixin wants more than "
+                            "this GpumemCache implements (%s)" % (_transformers_version(), e)) \
+                from None
+        try:
+            super().__init__(layers=layers)
+        except (TypeError, AttributeError) as e:
+            raise TypeError("gpumem.hf: transformers %s's Cache does not take layers= (%s); "
+                            "this GpumemCache is written for the layer-based Cache of "
+                            "transformers >= 4.56" % (_transformers_version(), e)) from None
+        self.layers = layers
+
+    # --- transformers' Cache interface -------------------------------------------------
+
+    def get_seq_length(self, layer_idx=0, *args, **kwargs):
+        return self._length
+
+    def get_mask_sizes(self, cache_position=None, layer_idx=0, *args, **kwargs):
+        """(kv_length, kv_offset) for the mask of the next forward: every cached token and
+        the query's. The query is given as cache_position (a tensor of its positions) or,
+        in transformers versions that pass it so, as its length."""
+        query = cache_position
+        if query is None:
+            query = kwargs.get("query_length", kwargs.get("cache_position"))
+        if query is None:
+            raise TypeError("gpumem.hf: get_mask_sizes got neither cache_position nor "
+                            "query_length (transformers %s)" % _transformers_version())
+        query = query.shape[0] if hasattr(query, "shape") else int(query)
+        return self._length + query, 0
+
+    def get_max_cache_shape(self, layer_idx=0, *args, **kwargs):
+        return -1
+
+    def get_max_length(self):
+        return None
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, *args, **kwargs):
+        if key_states.dim() != 4:
+            raise ValueError("gpumem.hf: keys of shape %s; expected [batch, kv_heads, tokens, "
+                             "head_dim]" % (tuple(key_states.shape),))
+        if _ACTIVE[0] is not None:
+            cache, layer = _ACTIVE[0]
+            _ACTIVE[0] = None
+            if cache is not self:
+                cache = None  # left by another cache's failed step: not this model's doing
+        else:
+            cache = None
+        if cache is not None:
+            raise RuntimeError(
+                "gpumem.hf: layer %d's attention did not read the paged cache: with "
+                "GpumemCache(attention='paged') the model must use the '%s' attention "
+                "(gpumem.hf.register_paged_attention(), then "
+                "model.set_attn_implementation('%s'))" % (layer, PAGED_ATTENTION,
+                                                           PAGED_ATTENTION))
+        if layer_idx == 0:
+            self._begin_step(key_states)
+        elif self._step is None:
+            raise RuntimeError("gpumem.hf: layer %d updated before layer 0 in a forward pass"
+                               % layer_idx)
+        batch, heads, tokens, dim = key_states.shape
+        st = self._step
+        if (batch, tokens) != (st["batch"], st["tokens"]):
+            raise ValueError("gpumem.hf: layer %d got %d rows x %d tokens, layer 0 got %d x %d"
+                             % (layer_idx, batch, tokens, st["batch"], st["tokens"]))
+        if st["check_groups"] is not None:
+            self._check_groups(key_states, value_states, layer_idx, st["check_groups"])
+        k, v = self._kv.layer_views(layer_idx)
+        # [batch, heads, tokens, D] -> the blocks' [tokens, heads, D] slots.
+        k[st["w_blocks"], st["w_slots"]] = key_states.transpose(1, 2)
+        v[st["w_blocks"], st["w_slots"]] = value_states.transpose(1, 2)
+        layer = self.layers[layer_idx]
+        layer.is_initialized = True
+        if self._attention == "paged" and tokens == 1:
+            _ACTIVE[0] = (self, layer_idx)
+            return _PagedMarker.wrap(k, key_states), _PagedMarker.wrap(v, value_states)
+        keys = k[st["r_blocks"], st["r_slots"], st["r_heads"]]
+        values = v[st["r_blocks"], st["r_slots"], st["r_heads"]]
+        return keys, values
+
+    def reorder_cache(self, beam_idx):
+        """Row i becomes a fork of old row beam_idx[i] (copy on write); old rows freed."""
+        self._remap_rows([int(i) for i in beam_idx.tolist()])
+
+    def batch_select_indices(self, indices):
+        self._remap_rows([int(i) for i in torch.as_tensor(indices).flatten().tolist()])
+
+    def batch_repeat_interleave(self, repeats):
+        self._remap_rows([i for i in range(len(self._seqs)) for _ in range(int(repeats))])
+
+    def crop(self, max_length):
+        if max_length < 0:
+            max_length = self._length + max_length
+        if max_length >= self._length:
+            return
+        raise NotImplementedError("gpumem.hf: crop() (assisted decoding) is not supported: "
+                                  "the cache keeps whole sequences")
+
+    def reset(self):
+        _ACTIVE[0] = None
+        for s in self._seqs:
+            self._kv.free(s)
+        self._seqs = []
+        self._length = 0
+        self._step = None
+
+    def release(self):
+        """Frees every sequence and gives the pages back to the pool."""
+        self.reset()
+        if self._kv is not None:
+            self._kv.shrink(drop_cached=True)
+
+    # --- gpumem ------------------------------------------------------------------------
+
+    @property
+    def kv_cache(self):
+        return self._kv
+
+    def memory(self):
+        """Device bytes the cache holds now, and its peak over the steps so far."""
+        mapped = self._kv.stats()["mapped_bytes"] if self._kv is not None else 0
+        return {"mapped_bytes": mapped, "peak_mapped_bytes": max(self.peak_mapped_bytes, mapped)}
+
+    def _make_cache(self, key_states):
+        dtype = _dtype_name(key_states.dtype)
+        if self._kv is None:
+            if not self._dtype_given:
+                self._layout = gkv.Layout(self._layout.layers, self._layout.kv_heads,
+                                          self._layout.head_dim, dtype,
+                                          self._layout.block_tokens)
+            device = self._device if self._device is not None else key_states.device.index or 0
+            self._kv = gkv.KVCache(self._layout, device=device,
+                                   stream=torch.cuda.current_stream(key_states.device).cuda_stream,
+                                   **self._kv_args)
+        _, heads, _, dim = key_states.shape
+        self._kv.check_layout(self._layout.layers, heads, dim, dtype)
+
+    def _begin_step(self, key_states):
+        batch, _, tokens, _ = key_states.shape
+        if self._kv is None or not self._seqs:
+            self._make_cache(key_states)
+        bt = self._layout.block_tokens
+        check_groups = None
+        if not self._seqs:
+            leaders = self._prompt_groups(key_states) if self._share and batch > 1 else None
+            seqs = []
+            try:
+                for row in range(batch):
+                    if leaders is not None and leaders[row] != row:
+                        seqs.append(self._kv.fork(seqs[leaders[row]]))
+                    else:
+                        seqs.append(self._kv.add_sequence([0] * tokens)[0])
+            except Exception:
+                for s in seqs:
+                    self._kv.free(s)
+                raise
+            self._seqs = seqs
+            if leaders is not None and any(leaders[r] != r for r in range(batch)):
+                check_groups = leaders
+            self._length = 0
+        else:
+            if batch != len(self._seqs):
+                raise ValueError("gpumem.hf: %d rows in this step, %d sequences in the cache "
+                                 "(the batch changed without reorder_cache / "
+                                 "batch_select_indices)" % (batch, len(self._seqs)))
+            if tokens == 1:
+                self._kv.append_each(self._seqs, [0] * batch)
+            else:
+                for s in self._seqs:
+                    self._kv.append(s, [0] * tokens)
+        old = self._length
+        self._length = old + tokens
+        tables = self._kv.block_tables(self._seqs)
+        table, lengths = tables.tensors(key_states.device)
+        dev = key_states.device
+        wpos = torch.arange(old, old + tokens, device=dev).unsqueeze(0).expand(batch, tokens)
+        w_blocks = torch.gather(table.long(), 1, wpos // bt)
+        rpos = torch.arange(self._length, device=dev)
+        r_blocks = torch.gather(table.long(), 1, (rpos // bt).unsqueeze(0).expand(batch, -1))
+        heads = key_states.shape[1]
+        self._step = {
+            "batch": batch, "tokens": tokens, "check_groups": check_groups,
+            "w_blocks": w_blocks, "w_slots": wpos % bt,
+            "r_blocks": r_blocks[:, None, :], "r_slots": (rpos % bt)[None, None, :],
+            "r_heads": torch.arange(heads, device=dev)[None, :, None],
+            "table": table, "lengths": lengths, "tables": tables,
+        }
+        self.peak_mapped_bytes = max(self.peak_mapped_bytes, self._kv.stats()["mapped_bytes"])
+
+    @staticmethod
+    def _prompt_groups(key_states):
+        """leaders[row]: the first row of the run of equal rows `row` is in (layer 0's
+        keys compared with the row before: generate repeats prompts side by side)."""
+        batch = key_states.shape[0]
+        same = (key_states[1:] == key_states[:-1]).flatten(1).all(1).tolist()
+        leaders = [0] * batch
+        for row in range(1, batch):
+            leaders[row] = leaders[row - 1] if same[row - 1] else row
+        return leaders
+
+    @staticmethod
+    def _check_groups(key_states, value_states, layer_idx, leaders):
+        idx = torch.tensor(leaders, device=key_states.device)
+        ok_k = (key_states == key_states[idx]).flatten(1).all(1)
+        ok_v = (value_states == value_states[idx]).flatten(1).all(1)
+        bad = (~(ok_k & ok_v)).nonzero().flatten().tolist()
+        if bad:
+            row = bad[0]
+            raise ValueError("gpumem.hf: prompt rows %d and %d have equal keys at layer 0 but "
+                             "differ at layer %d (equal tokens under different attention "
+                             "masks?): they cannot share blocks; use "
+                             "GpumemCache(share_prompt_rows=False)"
+                             % (leaders[row], row, layer_idx))
+
+    def _remap_rows(self, sources):
+        if any(not 0 <= i < len(self._seqs) for i in sources):
+            raise IndexError("gpumem.hf: row index out of range for %d rows" % len(self._seqs))
+        new = []
+        try:
+            for i in sources:
+                new.append(self._kv.fork(self._seqs[i]))
+        except Exception:
+            for s in new:
+                self._kv.free(s)
+            raise
+        for s in self._seqs:
+            self._kv.free(s)
+        self._seqs = new
+        self._step = None
+
+
+def _dtype_name(dtype):
+    if dtype is None:
+        return None
+    return gkv._DTYPE_NAMES[gkv.dtype_code(dtype)]
+
+
+# --- the paged attention path ----------------------------------------------------------
+
+_ACTIVE = [None]  # (cache, layer) of the update that returned paged markers
+
+
+class _PagedMarker:
+    """A decode step's update() in paged mode returns the new token's keys and values
+    (shape [batch, heads, 1, D], what an attention implementation that ignores the marker
+    would see); the layer's views ride along as an attribute."""
+
+    @staticmethod
+    def wrap(view, new_states):
+        t = new_states
+        t._gpumem_view = view
+        return t
+
+
+def _paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from gpumem.kv_attention import paged_decode
+    active = _ACTIVE[0]
+    view_k = getattr(key, "_gpumem_view", None)
+    if active is None or view_k is None or query.shape[2] != 1 or attention_mask is not None:
+        if view_k is not None and active is not None:
+            _ACTIVE[0] = None
+            # A padded decode batch: gather instead (the Triton kernel has no mask).
+            cache, layer = active
+            cache.decode_layers_gathered += 1
+            st = cache._step
+            k, v = cache._kv.layer_views(layer)
+            key = k[st["r_blocks"], st["r_slots"], st["r_heads"]]
+            value = v[st["r_blocks"], st["r_slots"], st["r_heads"]]
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, dropout=dropout, **kwargs)
+    cache, layer = active
+    _ACTIVE[0] = None  # consumed (update() checks that every layer's was)
+    cache.decode_layers_paged += 1
+    st = cache._step
+    out = paged_decode(query[:, :, 0], view_k, value._gpumem_view, (st["table"], st["lengths"]),
+                       sm_scale=scaling, lengths_max=cache._length)
+    return out.unsqueeze(1), None  # [batch, 1, heads, D], as sdpa_attention_forward returns
+
+
+def register_paged_attention():
+    """Registers "gpumem_paged" with transformers' attention and mask interfaces; then
+    model.set_attn_implementation("gpumem_paged") (or config._attn_implementation)."""
+    _require()
+    from transformers import AttentionInterface
+    AttentionInterface.register(PAGED_ATTENTION, _paged_attention)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        AttentionMaskInterface.register(PAGED_ATTENTION, sdpa_mask)
+    except ImportError:
+        pass
+    return PAGED_ATTENTION
