@@ -431,7 +431,7 @@ class pool_base : public memory_resource {
   // unpublished bytes at once, so they are exact while one thread uses the pool and can
   // miss up to stats_slack per other thread with more. The direction is a template
   // argument: each call site then has no branch on it (with mixed sizes a branch on the
-  // sign, at the shared call, was mispredicted ~1 pair in 2). REQUIRES: c.mutex held;
+  // sign, at a shared call, is mispredicted often). REQUIRES: c.mutex held;
   // `locked`: mutex_ held too, and a publish goes to locked_live_ / locked_blocks_.
   template <bool allocated, bool locked = false>
   void count(detail::thread_cache& c, std::size_t requested, std::size_t block) noexcept;
