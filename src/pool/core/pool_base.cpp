@@ -66,7 +66,7 @@ pool_base::pool_base(platform& platform, int device, pool_options options,
   arenas_[small_arena] = std::make_unique<detail::block_arena>(small_arena, 512, quick_blocks);
   arenas_[large_arena] = std::make_unique<detail::block_arena>(large_arena, 512, 0);
   arenas_[long_arena] = std::make_unique<detail::block_arena>(long_arena, 512, 0);
-  streams_.try_emplace(0);  // the default stream: fresh and reserved memory is tagged with it
+  streams_.states.try_emplace(0);  // the default stream: fresh and reserved memory is tagged with it
   fast_path_.store(fast_path_allowed_, std::memory_order_relaxed);
 }
 
@@ -81,9 +81,9 @@ bool pool_base::lifetime_hints_active_locked() const noexcept {
 }
 
 pool_base::~pool_base() {
-  for (auto& [stream, s] : streams_)
+  for (auto& [stream, s] : streams_.states)
     if (s.event.value != 0) (void)device_platform().event_destroy(s.event);
-  for (event_handle e : spare_events_) (void)device_platform().event_destroy(e);
+  for (event_handle e : streams_.spare_events) (void)device_platform().event_destroy(e);
 }
 
 inline detail::thread_cache* pool_base::this_thread_cache() const noexcept {
@@ -362,8 +362,7 @@ void pool_base::deallocate_locked(std::uintptr_t addr, std::size_t bytes, stream
   std::lock_guard lock(mutex_);
   check_stream_locked(stream, "deallocate");
   if (options_.guard && free_guarded(addr, bytes, stream)) {
-    recent_frees_[recent_next_] = addr;
-    recent_next_ = (recent_next_ + 1) % recent_frees_.size();
+    recent_frees_.note(addr);
     notify(pool_event_kind::free, addr, bytes, stream.value);
     guarded_live_bytes_ -= bytes;
     guarded_live_count_ -= 1;

@@ -76,6 +76,8 @@ void pool_base::hand_over_long_lived_free() {
   }
 }
 
+// One function, over 80 lines: the out-of-memory sequence reads top to bottom in the order
+// pool_base.hpp states it, each step a fallback of the one before.
 detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std::size_t alignment,
                                stream_handle stream, std::size_t requested) {
   detail::block_arena& a = *arenas_[id];
@@ -83,7 +85,7 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
   if (id == large_arena && hints_ != nullptr && !hints_->active()) hand_over_long_lived_free();
   const std::size_t max_split = split_limit(size);
   auto from_other_streams = [&](detail::block_arena& arena) {
-    return streams_.size() > 1
+    return streams_.states.size() > 1
                ? arena.allocate_from_other_streams(
                      size, alignment, stream.value, requested,
                      [&](const detail::block& blk) {
