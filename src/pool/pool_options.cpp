@@ -75,6 +75,7 @@ pool_options pool_options::parse(std::string_view config) {
   return o;
 }
 
+// One branch per key of the option table (option_table.cpp): over 80 lines.
 void pool_options::apply(pool_options& o, std::string_view key, std::string_view value) {
   {
     if (key == "reserve") {

@@ -10,8 +10,7 @@ namespace gpumem::detail {
 // The private helpers of allocate() and release() (new_block, take, cut_before, rebin,
 // best_fit, insert_free...) are defined `inline`: used in this file only, so the compiler
 // folds them into their callers instead of paying a call for each of the many small steps
-// of a split or merge (callgrind, sim, vmm_page_pool, pool_bench's mixed-size pairs: 1,182
-// -> 1,043 instructions a pair, with the cache look-up change in pool_base.cpp).
+// of a split or merge.
 
 block_arena::block_arena(std::uint8_t id, std::size_t unit, std::size_t max_cached_blocks)
     : id_(id), unit_(unit), max_cached_blocks_(max_cached_blocks) {

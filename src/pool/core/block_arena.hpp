@@ -79,7 +79,7 @@ struct size_bins {
     level = 63 - std::countl_zero(units);
     // The 4 bits below the leading one (zeros shifted in under 16 units): units << 4 >>
     // level is units >> (level - 4) or units << (4 - level) without a branch on which (with
-    // mixed sizes that branch cost ~0.9 mispredicts a pair in cachegrind's branch model).
+    // mixed sizes the CPU would mispredict that branch often).
     sub = static_cast<int>(((units << 4) >> level) & 15);
   }
   bool empty() const noexcept { return level_mask == 0; }
@@ -109,8 +109,8 @@ struct size_bins {
     if (b->bin_next != nullptr) b->bin_next->bin_prev = b->bin_prev;
     b->bin_prev = b->bin_next = nullptr;
     // The bin's bit goes when it is empty, the level's when its last bin went: computed,
-    // not branched on (whether a bin empties is data-dependent: ~0.2 mispredicts a mixed
-    // pair, cachegrind).
+    // not branched on (whether a bin empties is data-dependent, so a branch on it is
+    // mispredicted).
     bin_mask[f] &= ~(static_cast<std::uint32_t>(heads[f][sb] == nullptr) << sb);
     level_mask &= ~(static_cast<std::uint64_t>(bin_mask[f] == 0) << f);
   }
@@ -299,8 +299,8 @@ class block_arena {
   std::size_t allocated_blocks_ = 0;
   // Blocks at the edges of contiguous regions, by their outer address, so a region added
   // next to an existing one is linked to it (and can merge). Hash maps: a split or merge at
-  // a region's edge updates one, and a std::map's search there cost ~1.2 mispredicted
-  // branches a large pair in pool_bench's mixed loop (cachegrind, sim, vmm_page_pool).
+  // a region's edge updates one, and a look-up by exact address needs no ordered search
+  // (whose branches a predictor misses).
   flat_map<std::uintptr_t, block*, mix_hash> region_start_;  // start address -> first block
   flat_map<std::uintptr_t, block*, mix_hash> region_end_;    // end address -> last block
   std::vector<block*> spare_blocks_;  // recycled block records

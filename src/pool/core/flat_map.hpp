@@ -3,18 +3,14 @@
 // deletion (no tombstones), no allocation except when the table grows.
 //
 // Load at most 1/MaxLoadInverse: a look-up, insert or erase then nearly always ends at its
-// first slot. Probe runs of varying length are branches the CPU mispredicts; at the 3/4
-// load this map had before, an insert + erase pair cost ~42 ns with 64 keys (2.1 GHz EPYC),
-// ~12 ns at 1/8, and pool_bench's mixed-size allocate+free pair fell from 148 to 130 ns
-// (vmm_page_pool, sim). The cost is host memory: up to 2 * MaxLoadInverse slots per key,
-// right after the table doubled.
+// first slot. Probe runs of varying length are branches the CPU mispredicts, so a sparse
+// table is faster than a dense one. The cost is host memory: up to 2 * MaxLoadInverse
+// slots per key, right after the table doubled.
 //  - 1/4 (the default), the arena's quick lists: keyed by (stream, size), many keys where
-//    sizes vary, each looked up once a call; at 1/8 the larger table cost caching_pool with
-//    thread_cache:off 10% on the H200 (6.9x -> 6.2x cudaMallocAsync, mixed pairs).
+//    sizes vary, each looked up once a call; a sparser table there costs more in cache
+//    misses than it saves in probes.
 //  - 1/8, a thread cache's live records (thread_cache.hpp): 64 live records sit in 512 slots,
-//    not 256, and the slot after a key's home holds another key ~11% of the time instead of
-//    ~22% (pool_bench's mixed-size addresses); cachegrind's branch model counts 1.0 fewer
-//    mispredicts a mixed pair.
+//    not 256, so the slot after a key's home holds another key about half as often.
 //
 // Invariants: size() < capacity / max_load_inverse; every key sits at or after its home slot with no
 // empty slot between (the linear-probing invariant backward-shift deletion keeps);

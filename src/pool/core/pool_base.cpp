@@ -56,18 +56,17 @@ pool_base::pool_base(platform& platform, int device, pool_options options,
     throw invalid_argument("pool: round_large must be 0 or a power of two, not " +
                            std::to_string(options.round_large));
   // With thread caches in front, the arenas keep no quick lists of their own: a block a
-  // cache gives back is merged at once, so best fit sees every free byte (fragmentation on
-  // the shared traces: train_llama 1.0011 -> 1.0006, infer_llama 1.0139 -> 1.0120 for
-  // vmm_page_pool, lower for caching_pool too, sim). Without them (thread_cache:off, guard,
-  // scrub, a release threshold) the small arena's quick lists are the fast path of
-  // exact-size reuse. Large blocks are never held back unmerged, in quick lists or thread
-  // caches (thread_cache.hpp says why): with quick lists for them, thread_cache:off spent
-  // twice the driver time on 27 recorded workloads (sim, 2 passes: 15.0 against 7.4 s).
+  // cache gives back is merged at once, so best fit sees every free byte (less
+  // fragmentation). Without them (thread_cache:off, guard, scrub, a release threshold) the
+  // small arena's quick lists are the fast path of exact-size reuse. Large blocks are never
+  // held back unmerged, in quick lists or thread caches (thread_cache.hpp says why): an
+  // unmerged large block splits the free run it belongs to, and the pool then maps pages
+  // for requests that run would hold.
   const std::size_t quick_blocks = fast_path_allowed_ ? 0 : 4096;
   arenas_[small_arena] = std::make_unique<detail::block_arena>(small_arena, 512, quick_blocks);
   arenas_[large_arena] = std::make_unique<detail::block_arena>(large_arena, 512, 0);
   arenas_[long_arena] = std::make_unique<detail::block_arena>(long_arena, 512, 0);
-  streams_.try_emplace(0);  // the default stream: fresh and reserved memory is tagged with it
+  streams_.states.try_emplace(0);  // the default stream: fresh and reserved memory is tagged with it
   fast_path_.store(fast_path_allowed_, std::memory_order_relaxed);
 }
 
@@ -82,9 +81,9 @@ bool pool_base::lifetime_hints_active_locked() const noexcept {
 }
 
 pool_base::~pool_base() {
-  for (auto& [stream, s] : streams_)
+  for (auto& [stream, s] : streams_.states)
     if (s.event.value != 0) (void)device_platform().event_destroy(s.event);
-  for (event_handle e : spare_events_) (void)device_platform().event_destroy(e);
+  for (event_handle e : streams_.spare_events) (void)device_platform().event_destroy(e);
 }
 
 inline detail::thread_cache* pool_base::this_thread_cache() const noexcept {
@@ -282,7 +281,7 @@ template <bool locked>
 }
 
 // do_deallocate's paths that take the pool mutex, out of line: the cache path, inlined,
-// then saves few registers (callgrind, sim: ~40 instructions a pair in prologues before).
+// then saves few registers (its prologue and epilogue stay short).
 [[gnu::noinline]] void pool_base::free_to_arena(detail::thread_cache& c, std::uintptr_t addr,
                                                 std::size_t bytes, stream_handle stream) {
   // Its owner holding the pool mutex, no other thread can touch c (thread_cache.hpp): no
@@ -363,8 +362,7 @@ void pool_base::deallocate_locked(std::uintptr_t addr, std::size_t bytes, stream
   std::lock_guard lock(mutex_);
   check_stream_locked(stream, "deallocate");
   if (options_.guard && free_guarded(addr, bytes, stream)) {
-    recent_frees_[recent_next_] = addr;
-    recent_next_ = (recent_next_ + 1) % recent_frees_.size();
+    recent_frees_.note(addr);
     notify(pool_event_kind::free, addr, bytes, stream.value);
     guarded_live_bytes_ -= bytes;
     guarded_live_count_ -= 1;

@@ -55,12 +55,11 @@ bool pool_base::return_free_small_regions() {
 
 void pool_base::hand_over_long_lived_free() {
   // Once the hints stopped, no block is placed in the long arena any more, but its free
-  // blocks stayed there: the large arena took them block by block, and a growth gathered
-  // their pages into runs of its own, so the layout the budget stopped kept costing remaps
-  // (sim, 46 traces, 2 passes: 13.4 s of modelled driver time; handed over: 12.7 s, and
-  // last-pass maps 49.0k -> 42.9k, geomean 1.0068 -> 1.0069). Handed over, they become the
-  // large arena's own, merged with its free neighbours. Only blocks whose last use is known
-  // complete: a region the large arena adds is free at once, for any stream.
+  // blocks stay there: left, the large arena takes them block by block and a growth
+  // gathers their pages into runs of its own, so the layout the budget stopped keeps
+  // costing remaps. Handed over, they become the large arena's own, merged with its free
+  // neighbours. Only blocks whose last use is known complete: a region the large arena adds
+  // is free at once, for any stream.
   detail::block_arena& from = *arenas_[long_arena];
   detail::block_arena& to = *arenas_[large_arena];
   if (from.free_bytes() == 0 && from.cached_bytes() == 0) return;  // (every large miss asks)
@@ -77,6 +76,8 @@ void pool_base::hand_over_long_lived_free() {
   }
 }
 
+// One function, over 80 lines: the out-of-memory sequence reads top to bottom in the order
+// pool_base.hpp states it, each step a fallback of the one before.
 detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std::size_t alignment,
                                stream_handle stream, std::size_t requested) {
   detail::block_arena& a = *arenas_[id];
@@ -84,7 +85,7 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
   if (id == large_arena && hints_ != nullptr && !hints_->active()) hand_over_long_lived_free();
   const std::size_t max_split = split_limit(size);
   auto from_other_streams = [&](detail::block_arena& arena) {
-    return streams_.size() > 1
+    return streams_.states.size() > 1
                ? arena.allocate_from_other_streams(
                      size, alignment, stream.value, requested,
                      [&](const detail::block& blk) {
@@ -99,8 +100,8 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
     if (auto* b = from_other_streams(a)) return b;
     if (id == large_arena && hints_ != nullptr) {
       // The long arena's free space before growing: growing would move its pages here
-      // anyway, at a remap each (sim, 46 traces: 18.4 s of driver time against 14.4 s).
-      // Not the other way: short-lived blocks in the large arena's holes would pin them.
+      // anyway, at a remap each. Not the other way: short-lived blocks in the large
+      // arena's holes would pin them.
       detail::block_arena& long_lived = *arenas_[long_arena];
       if (auto* b = long_lived.allocate(size, alignment, stream.value, requested, max_split)) return b;
     }
@@ -109,9 +110,8 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
       large.flush();
       // A piece of the large arena's free space becomes the small arena's: the small
       // requests that follow are served there, cached in the thread caches' class lists.
-      // A small block taken from the large arena itself goes back there on every small
-      // miss (drain_thread_caches), a third of all requests in pool_bench's mixed loop on
-      // sim, at ~330 instructions each (callgrind).
+      // A small block taken from the large arena itself would go back there on every small
+      // miss (drain_thread_caches), each a pass under the pool lock.
       const std::size_t fits = size + (alignment > a.unit() ? alignment - a.unit() : 0);
       if (const std::size_t piece = a.round(std::max(small_piece_bytes(), fits));
           small_piece_bytes() != 0 && move_free_piece(large_arena, small_arena, piece, stream))
@@ -125,10 +125,8 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
   // request leaves their small blocks there (each cache keeps at most small_cache bytes of
   // them, the classes its next requests take: emptying them on every small miss would
   // leave the caches cold) and grows first from the pages the pool holds (kept unmapped or
-  // gathered from free runs). They go back before the pool makes new pages. Draining them
-  // before gathering too kept two more pages of infer_llama's 2 GiB (1.0044 against 1.0063)
-  // but cost 13% more instructions a mixed pair (sim) and a sixth of the speed against
-  // cudaMallocAsync on the H200 (docs/RESULTS.md).
+  // gathered from free runs). They go back before the pool makes new pages: draining them
+  // before gathering too would save a page or two at the cost of every small miss.
   const bool keep_small = id == small_arena && small_classes_on();
   drain_thread_caches(keep_small);
   if (auto* b = find_free()) return b;

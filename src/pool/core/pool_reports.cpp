@@ -34,7 +34,7 @@ std::string pool_base::diagnose_locked(std::uintptr_t addr) const {
     });
     if (!inside.empty()) return inside;
   }
-  bool freed = std::find(recent_frees_.begin(), recent_frees_.end(), addr) != recent_frees_.end();
+  bool freed = recent_frees_.contains(addr);
   for (const auto& c : caches_) {
     std::lock_guard cache_lock(c->mutex);
     freed = freed || std::find(c->recent_frees.begin(), c->recent_frees.end(), addr) !=

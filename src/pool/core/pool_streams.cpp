@@ -24,12 +24,12 @@ bool pool_base::free_known_complete(const detail::block& b) {
 
 bool pool_base::free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch,
                                  const stream_handle* wanted_by) {
-  auto& s = streams_[freed_on];
+  auto& s = streams_.states[freed_on];
   if (s.completed_epoch >= epoch) return true;
   platform& p = device_platform();
-  if (s.event.value == 0 && !spare_events_.empty()) {
-    s.event = spare_events_.back();
-    spare_events_.pop_back();
+  if (s.event.value == 0 && !streams_.spare_events.empty()) {
+    s.event = streams_.spare_events.back();
+    streams_.spare_events.pop_back();
   } else if (s.event.value == 0) {
     auto ev = p.event_create(device());
     if (!ev) throw_cuda_error(ev.error(), "pool: event for cross-stream reuse");
@@ -66,8 +66,8 @@ void pool_base::release_stream(stream_handle stream) {
   // Blocks freed on the stream may sit in thread caches: into the arenas first, so they
   // are re-tagged below (the stream's state is made as they go back).
   if (stream.value != 0) drain_thread_caches();
-  auto it = streams_.find(stream.value);
-  if (it == streams_.end() || stream.value == 0) return;
+  auto it = streams_.states.find(stream.value);
+  if (it == streams_.states.end() || stream.value == 0) return;
   // Its blocks become the default stream's, safe at once: the stream's work is done.
   if (auto st = device_platform().stream_synchronize(stream);
       !st && st.kind != failure_kind::invalid_value)  // invalid: already destroyed (as above)
@@ -75,8 +75,8 @@ void pool_base::release_stream(stream_handle stream) {
   for (auto& a : arenas_) a->retag_free(stream.value, 0);
   for (auto& a : arenas_) a->drop_empty_bins();
   if (it->second.event.value != 0) (void)device_platform().event_destroy(it->second.event);
-  streams_.erase(it);
-  last_stream_state_ = nullptr;
+  streams_.states.erase(it);
+  streams_.last_state = nullptr;
   // A later free on that handle is checked again (it may name a new stream, or none).
   for (auto& c : caches_) {
     std::uintptr_t known = stream.value;
@@ -86,7 +86,7 @@ void pool_base::release_stream(stream_handle stream) {
 
 std::size_t pool_base::tracked_streams() const {
   std::lock_guard lock(mutex_);
-  return streams_.size();
+  return streams_.states.size();
 }
 
 void pool_base::check_stream(stream_handle stream, std::string_view caller) {
@@ -95,7 +95,7 @@ void pool_base::check_stream(stream_handle stream, std::string_view caller) {
 }
 
 void pool_base::check_stream_locked(stream_handle stream, std::string_view caller) {
-  if (stream.value == 0 || streams_.find(stream.value) != streams_.end()) return;
+  if (stream.value == 0 || streams_.states.find(stream.value) != streams_.states.end()) return;
   // A query that enqueues nothing: legal while a CUDA graph is being captured on the stream.
   auto owner = device_platform().stream_device(stream);
   if (!owner) {
@@ -111,8 +111,8 @@ void pool_base::check_stream_locked(stream_handle stream, std::string_view calle
                            " belongs to device " + std::to_string(owner.value()) + ", the '" +
                            std::string(name()) + "' pool to device " + std::to_string(device()) +
                            "; nothing was changed");
-  if (streams_.size() >= prune_streams_at_) prune_stream_states();
-  streams_.try_emplace(stream.value);
+  if (streams_.states.size() >= streams_.prune_at) prune_stream_states();
+  streams_.states.try_emplace(stream.value);
 }
 
 bool pool_base::reclaim_other_streams_free(std::uintptr_t to, bool wait) {
@@ -128,8 +128,8 @@ bool pool_base::reclaim_other_streams_free(std::uintptr_t to, bool wait) {
   platform& p = device_platform();
   bool moved = false;
   for (std::uintptr_t from : others) {
-    auto it = streams_.find(from);
-    if (it != streams_.end() && options_.cross_stream == cross_stream_policy::wait) {
+    auto it = streams_.states.find(from);
+    if (it != streams_.states.end() && options_.cross_stream == cross_stream_policy::wait) {
       // Policy wait: `to` is made to wait on `from`'s frees instead (an event recorded on
       // `from` and waited on by `to`: legal inside a CUDA graph capture, where a query or a
       // synchronize is not). The blocks are then safe in `to`'s order only, so they take a
@@ -141,8 +141,8 @@ bool pool_base::reclaim_other_streams_free(std::uintptr_t to, bool wait) {
       continue;
     }
     std::uint64_t complete_up_to = 0;  // no state: only blocks safe at once (epoch 0)
-    if (it != streams_.end()) {
-      stream_state& s = it->second;
+    if (it != streams_.states.end()) {
+      detail::stream_state& s = it->second;
       if (wait) {
         // A stream the platform no longer knows (destroyed without release_stream) has
         // its work taken as finished, as in synchronize_streams_with_free_blocks.
@@ -158,14 +158,14 @@ bool pool_base::reclaim_other_streams_free(std::uintptr_t to, bool wait) {
     for (auto& a : arenas_) moved = a->retag_free(from, to, complete_up_to) != 0 || moved;
   }
   for (auto& a : arenas_) a->drop_empty_bins();
-  if (streams_.size() >= prune_streams_at_) prune_stream_states();
+  if (streams_.states.size() >= streams_.prune_at) prune_stream_states();
   return moved;
 }
 
 void pool_base::prune_stream_states() {
   constexpr std::size_t spare_event_limit = 64;
   for (auto& a : arenas_) a->flush();
-  for (auto& [from, s] : streams_) {
+  for (auto& [from, s] : streams_.states) {
     if (from == 0) continue;
     if (s.completed_epoch < s.frees) {
       try {
@@ -176,7 +176,7 @@ void pool_base::prune_stream_states() {
     }
     for (auto& a : arenas_) a->retag_free(from, 0, s.completed_epoch);
   }
-  for (auto it = streams_.begin(); it != streams_.end();) {
+  for (auto it = streams_.states.begin(); it != streams_.states.end();) {
     bool holds = it->first == 0;  // the default stream's state stays
     for (auto& a : arenas_) holds = holds || a->holds_stream(it->first);
     if (holds) {
@@ -186,20 +186,20 @@ void pool_base::prune_stream_states() {
     // Blocks of this stream still in thread caches get a fresh state when they come back:
     // their epochs then start again, and an event recorded after that covers their use.
     if (it->second.event.value != 0) {
-      if (spare_events_.size() < spare_event_limit)
-        spare_events_.push_back(it->second.event);
+      if (streams_.spare_events.size() < spare_event_limit)
+        streams_.spare_events.push_back(it->second.event);
       else
         (void)device_platform().event_destroy(it->second.event);
     }
-    it = streams_.erase(it);
+    it = streams_.states.erase(it);
   }
-  last_stream_state_ = nullptr;
+  streams_.last_state = nullptr;
   for (auto& a : arenas_) a->drop_empty_bins();
-  prune_streams_at_ = std::max<std::size_t>(64, 2 * streams_.size());
+  streams_.prune_at = std::max<std::size_t>(64, 2 * streams_.states.size());
 }
 
 void pool_base::synchronize_streams_with_free_blocks() {
-  for (auto& [stream, s] : streams_) {
+  for (auto& [stream, s] : streams_.states) {
     // A stream the platform no longer knows was destroyed: its work is taken as finished
     // (see the header: destroy a stream after its work, or release_stream it first).
     if (auto st = device_platform().stream_synchronize(stream_handle{stream});

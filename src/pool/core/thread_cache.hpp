@@ -60,9 +60,7 @@ namespace gpumem::detail {
 
 // The cache's lock. Its owner takes it on every call and other threads rarely (a drain,
 // a free from another thread), so it is almost never contended: then one atomic exchange
-// and a store, where std::mutex costs two read-modify-writes and two calls into libc
-// (callgrind, sim: a same-size allocate+free pair took 645 instructions with std::mutex, 531
-// with this).
+// and a store, where std::mutex costs two read-modify-writes and two calls into libc.
 // A waiter yields: a drain holds it for up to max_free_blocks releases.
 class cache_lock_word {
  public:
@@ -209,8 +207,7 @@ struct alignas(64) thread_cache {
   // Gives back the freed blocks of the large arena (arena 1) only, as drain(). Kept apart
   // from the small arena's blocks, so this visits no other block: a small miss with size
   // classes drains them on every call (caching_pool's small requests use the large arena's
-  // free space), and walking a full cache each time took 17% of pool_bench's mixed pairs
-  // (caching_pool, small_classes:4, sim, perf).
+  // free space), and walking a full cache each time would dominate those misses.
   template <class F>
   void drain_large(F&& give_back) {
     if (free_bytes[1] == 0) return;
@@ -317,7 +314,7 @@ struct alignas(64) thread_cache {
   // above, octave (2^o, 2^(o+1)] cut in n steps of 2^shift units, shift = o - log2(n):
   // c = shift * n + u / 2^shift - 1, which is the first formula with shift 0. So shift is
   // clamped at 0 (a conditional move), not branched on: with mixed sizes, a branch on
-  // u <= 2n was mispredicted ~0.5 times a pair (cachegrind).
+  // u <= 2n is mispredicted often.
   static constexpr std::size_t class_unit = 512;
   int class_shift(std::size_t u) const noexcept {
     return std::max(static_cast<int>(std::bit_width(u - 1)) - 1 - per_octave_log2_, 0);

@@ -67,6 +67,7 @@
 
 #include "gpumem/backend/memory_resource.hpp"
 #include "gpumem/errors.hpp"
+#include "gpumem/pool/core/detail/pool_state.hpp"
 #include "gpumem/pool/core/overhead.hpp"
 #include "gpumem/pool/core/pool_clock.hpp"
 #include "gpumem/pool/core/pool_mutex.hpp"
@@ -338,13 +339,6 @@ class pool_base : public memory_resource {
  private:
   static const steady_pool_clock steady_clock_;
   const pool_clock* clock_ = &steady_clock_;  // guarded by mutex_
-  struct stream_state {
-    std::uint64_t frees = 0;            // blocks freed on this stream so far
-    event_handle event{};               // recorded lazily when another stream wants memory
-    std::uint64_t event_epoch = 0;      // `frees` when the event was recorded
-    bool event_pending = false;
-    std::uint64_t completed_epoch = 0;  // frees up to here are known complete
-  };
 
   // mine_if_known: this thread's cache when the caller found it (else it is looked up, or
   // made, under the lock).
@@ -431,7 +425,7 @@ class pool_base : public memory_resource {
   // unpublished bytes at once, so they are exact while one thread uses the pool and can
   // miss up to stats_slack per other thread with more. The direction is a template
   // argument: each call site then has no branch on it (with mixed sizes a branch on the
-  // sign, at the shared call, was mispredicted ~1 pair in 2). REQUIRES: c.mutex held;
+  // sign, at a shared call, is mispredicted often). REQUIRES: c.mutex held;
   // `locked`: mutex_ held too, and a publish goes to locked_live_ / locked_blocks_.
   template <bool allocated, bool locked = false>
   void count(detail::thread_cache& c, std::size_t requested, std::size_t block) noexcept;
@@ -493,32 +487,26 @@ class pool_base : public memory_resource {
   std::size_t block_bytes_locked() const;
   std::size_t guarded_live_bytes_ = 0;  // requested bytes of live guarded allocations
   std::size_t guarded_live_count_ = 0;
-  std::unordered_map<std::uintptr_t, stream_state> streams_;
-  std::size_t prune_streams_at_ = 64;       // prune_stream_states when streams_ grows past
-  std::vector<event_handle> spare_events_;  // of dropped stream states, for reuse
-  // The state of the stream last looked up (elements of an unordered_map keep their
-  // address; reset when a stream is released). Most frees are on the stream of the last.
-  std::uintptr_t last_stream_ = 0;
-  stream_state* last_stream_state_ = nullptr;
-  stream_state& stream_state_of(std::uintptr_t stream) {
-    if (last_stream_state_ == nullptr || last_stream_ != stream) {
-      auto it = streams_.find(stream);
-      if (it == streams_.end()) {
-        if (streams_.size() >= prune_streams_at_) prune_stream_states();
-        it = streams_.try_emplace(stream).first;
+  detail::stream_states streams_;  // guarded by mutex_
+  // The state of `stream`, made when new. REQUIRES: mutex_ held.
+  detail::stream_state& stream_state_of(std::uintptr_t stream) {
+    if (streams_.last_state == nullptr || streams_.last != stream) {
+      auto it = streams_.states.find(stream);
+      if (it == streams_.states.end()) {
+        if (streams_.states.size() >= streams_.prune_at) prune_stream_states();
+        it = streams_.states.try_emplace(stream).first;
       }
-      last_stream_state_ = &it->second;
-      last_stream_ = stream;
+      streams_.last_state = &it->second;
+      streams_.last = stream;
     }
-    return *last_stream_state_;
+    return *streams_.last_state;
   }
   std::size_t alignment_limit_;
   // reserved bytes and their peak, retries, OOMs, guarded allocation counts; the rest of
   // the stats live in the atomics above and the thread caches.
   resource_stats stats_{};
   pool_observer* observer_ = nullptr;
-  std::array<std::uintptr_t, 1024> recent_frees_{};  // to tell a double free from a stranger
-  std::size_t recent_next_ = 0;
+  detail::recent_frees recent_frees_;  // guarded by mutex_
 };
 
 }  // namespace gpumem

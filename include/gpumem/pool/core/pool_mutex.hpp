@@ -1,10 +1,9 @@
 // pool_mutex: the pools' lock. A futex mutex (U. Drepper, "Futexes Are Tricky", mutex 3;
 // glibc's own lock is the same): uncontended, lock and unlock are one atomic operation each,
-// inline, where std::mutex calls into libc for each (pthread_mutex_lock and unlock took 35
-// instructions of a mixed-size pair, sim, callgrind). Contended, a waiter sleeps in the
-// kernel on the futex at once, as in glibc (std::atomic::wait, tried first, spins and yields
-// before sleeping: with 4 threads on one pool the locked pairs took 2-4x longer on the
-// H200's 16-core host). Not fair, as std::mutex is not.
+// inline, where std::mutex calls into libc for each. Contended, a waiter sleeps in the
+// kernel on the futex at once, as in glibc (std::atomic::wait spins and yields before
+// sleeping, which costs a pool shared by several threads more than it saves). Not fair, as
+// std::mutex is not.
 // Lockable: for std::lock_guard, std::unique_lock and std::scoped_lock.
 #pragma once
 
