@@ -7,7 +7,7 @@
 
 #include "gpumem/errors.hpp"
 #include "gpumem/kv/kv_virtual_sequences.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
 #include "unit/pool_test_support.hpp"
 
 namespace {

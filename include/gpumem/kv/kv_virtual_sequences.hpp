@@ -33,7 +33,7 @@
 #include <vector>
 
 #include "gpumem/kv/kv_layout.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
 
 namespace gpumem {
 
