@@ -57,55 +57,58 @@ vmm_page_pool::vmm_page_pool(platform& platform, int device, pool_options option
   if (options.reserve_fraction > 0)
     reserve = static_cast<std::size_t>(options.reserve_fraction *
                                        static_cast<double>(device_total_bytes()));
-  if (reserve > 0) {
-    // A constructor that throws runs no destructor: give back what was taken here, as the
-    // destructor does (mappings an undo could not remove, then handles, then the range).
-    // The error being thrown is the reservation's; a call failing here is tried once more
-    // (a failed call changes nothing), so one more transient failure strands nothing.
-    auto give_back = [&] {
-      auto retried = [](auto&& call) {
-        if (!call()) (void)call();
-      };
-      for (const chunk& c : chunks_) {
-        if (!c.live) continue;
-        if (c.mapped_at != no_page)
-          retried([&] { return platform.unmap(page_address(c.mapped_at), c.pages * page_); });
-        retried([&] { return platform.release_physical(c.handle); });
-      }
-      retried([&] { return platform.free_range(va_base_, va_pages_ * page_); });
-      detail::registry_remove(reinterpret_cast<void*>(va_base_));
+  if (reserve > 0) reserve_up_front(reserve);
+}
+
+void vmm_page_pool::reserve_up_front(std::size_t reserve) {
+  platform& platform = device_platform();
+  // A constructor that throws runs no destructor: give back what was taken here, as the
+  // destructor does (mappings an undo could not remove, then handles, then the range).
+  // The error being thrown is the reservation's; a call failing here is tried once more
+  // (a failed call changes nothing), so one more transient failure strands nothing.
+  auto give_back = [&] {
+    auto retried = [](auto&& call) {
+      if (!call()) (void)call();
     };
-    std::lock_guard lock(mutex_);
-    bool made = false;
+    for (const chunk& c : chunks_) {
+      if (!c.live) continue;
+      if (c.mapped_at != no_page)
+        retried([&] { return platform.unmap(page_address(c.mapped_at), c.pages * page_); });
+      retried([&] { return platform.release_physical(c.handle); });
+    }
+    retried([&] { return platform.free_range(va_base_, va_pages_ * page_); });
+    detail::registry_remove(reinterpret_cast<void*>(va_base_));
+  };
+  std::lock_guard lock(mutex_);
+  bool made = false;
+  try {
+    made = create_chunks((reserve + page_ - 1) / page_, handle_sizes::reservation);
+  } catch (...) {
+    give_back();  // a driver failure: create_chunks kept only handles it could not release
+    throw;
+  }
+  if (!made) {
+    give_back();
+    throw out_of_memory("gpumem: vmm_page_pool could not reserve " + format_bytes(reserve) +
+                        " up front on device " + std::to_string(device()));
+  }
+  // Mapped up front too, as one free run of the large arena with one access grant: the
+  // reserved memory then serves requests with no driver call (mapping it on demand costs
+  // ~26 us a page of access grant on the H200, one-page handle by handle). Small requests
+  // take their pages from it as from any free run. (Guard mode maps per allocation.)
+  if (!options_.guard) {
+    bool mapped = false;
     try {
-      made = create_chunks((reserve + page_ - 1) / page_, handle_sizes::reservation);
+      mapped = grow(arena(large_arena), large_arena, (reserve + page_ - 1) / page_ * page_,
+                    arena(large_arena).unit(), stream_handle{}, growth::any);
     } catch (...) {
-      give_back();  // a driver failure: create_chunks kept only handles it could not release
+      give_back();  // grow unmapped what it had mapped
       throw;
     }
-    if (!made) {
+    if (!mapped) {
       give_back();
-      throw out_of_memory("gpumem: vmm_page_pool could not reserve " + format_bytes(reserve) +
-                          " up front on device " + std::to_string(device));
-    }
-    // Mapped up front too, as one free run of the large arena with one access grant: the
-    // reserved memory then serves requests with no driver call (mapping it on demand costs
-    // ~26 us a page of access grant on the H200, one-page handle by handle). Small requests
-    // take their pages from it as from any free run. (Guard mode maps per allocation.)
-    if (!options_.guard) {
-      bool mapped = false;
-      try {
-        mapped = grow(arena(large_arena), large_arena, (reserve + page_ - 1) / page_ * page_,
-                      arena(large_arena).unit(), stream_handle{}, growth::any);
-      } catch (...) {
-        give_back();  // grow unmapped what it had mapped
-        throw;
-      }
-      if (!mapped) {
-        give_back();
-        throw out_of_memory("gpumem: vmm_page_pool could not map the " + format_bytes(reserve) +
-                            " reserved up front on device " + std::to_string(device));
-      }
+      throw out_of_memory("gpumem: vmm_page_pool could not map the " + format_bytes(reserve) +
+                          " reserved up front on device " + std::to_string(device()));
     }
   }
 }

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <span>
+#include <utility>
+#include <vector>
 
 #include "gpumem/errors.hpp"
 #include "pool/core/block_arena.hpp"
@@ -10,16 +12,9 @@
 
 namespace gpumem {
 
-std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait, const stream_handle* same_stream,
-                                   std::uintptr_t keep_end, std::uint32_t for_arena) {
-  struct candidate {
-    std::uint32_t arena_id;
-    detail::block* b;
-    std::vector<std::uint32_t> chunks;  // wholly inside b, by ascending address
-    std::size_t pages = 0;
-    bool deferred = false;              // old mapping retires later (same-stream remap)
-  };
-  std::vector<candidate> found;
+std::vector<vmm_page_pool::reclaim_candidate> vmm_page_pool::reclaim_candidates(
+    bool wait, const stream_handle* same_stream, std::uintptr_t keep_end) {
+  std::vector<reclaim_candidate> found;
   for (std::uint32_t id : {small_arena, large_arena, long_arena}) {
     arena(id).flush();
     for (detail::block* b : arena(id).free_blocks()) {
@@ -31,7 +26,7 @@ std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait, const stream_h
       }
       const std::size_t first = (b->addr - va_base_ + page_ - 1) / page_;
       const std::size_t end = (b->addr + b->size - va_base_) / page_;
-      candidate c{id, b, {}, 0, deferred};
+      reclaim_candidate c{id, b, {}, 0, deferred};
       for (std::size_t p = first; p < end;) {
         const std::uint32_t ch = page_table_[p];
         const chunk& k = chunks_[ch];
@@ -44,6 +39,12 @@ std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait, const stream_h
       if (c.pages > 0) found.push_back(std::move(c));
     }
   }
+  return found;
+}
+
+std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait, const stream_handle* same_stream,
+                                   std::uintptr_t keep_end, std::uint32_t for_arena) {
+  std::vector<reclaim_candidate> found = reclaim_candidates(wait, same_stream, keep_end);
   if (found.empty()) return 0;
   // Completed frees first (their address space comes back at once), then the least
   // recently freed: the lowest free_epoch, the stream's counter when the block reached its
@@ -57,7 +58,7 @@ std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait, const stream_h
   // Once the hints stopped (their move budget), first instead: no long-lived block comes
   // any more, and the runs' free pages serve the others best gathered early.
   const bool long_last = lifetime_hints_active_locked();
-  std::sort(found.begin(), found.end(), [long_last](const candidate& x, const candidate& y) {
+  std::sort(found.begin(), found.end(), [long_last](const reclaim_candidate& x, const reclaim_candidate& y) {
     if (x.deferred != y.deferred) return !x.deferred;
     const bool x_long = x.arena_id == long_arena, y_long = y.arena_id == long_arena;
     if (x_long != y_long) return long_last ? y_long : x_long;
@@ -73,60 +74,71 @@ std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait, const stream_h
     std::size_t take = 0, pages = 0;
     while (take < n && got + pages < wanted) pages += chunks_[c.chunks[n - 1 - take++]].pages;
     if (c.deferred || worker_ != nullptr) {
-      // Carved out now; the old mapping stays until the old work is done (retire_completed),
-      // or, done already, until the map worker has unmapped it.
-      const std::size_t lo = chunks_[c.chunks[n - take]].mapped_at;
-      retiring_run r{lo, {}, pages, c.b->stream, c.b->free_epoch};  // before carve moves b
-      r.work_pending = c.deferred;
-      arena(c.arena_id).carve(c.b, page_address(lo), pages * page_);
-      notify(pool_event_kind::segment_unmap, page_address(lo), pages * page_);
-      for (std::size_t i = n - take; i < n; ++i) {
-        chunk& k = chunks_[c.chunks[i]];
-        r.chunks.emplace_back(c.chunks[i], k.pages);
-        for (std::size_t q = 0; q < k.pages; ++q) page_table_[k.mapped_at + q] = retiring_page;
-        k.mapped_at = no_page;
-        k.retiring += 1;
-        if (c.deferred) {
-          k.waiting += 1;
-          k.only_stream = r.stream;
-        }
-        spare_.push_back(c.chunks[i]);
-      }
-      // (Not queued when the driver wants one unmap per mapping: the next retire_completed
-      // unmaps it on the caller's thread. Held while a growth maps: queue_held_unmaps.)
-      if (!c.deferred && !hold_unmaps_) (void)queue_unmap(r);
-      retiring_.push_back(std::move(r));
+      carve_retiring(c, take, pages);
       got += pages;
       note_reclaimed(c.arena_id, for_arena, pages);
       if (got >= wanted) break;
       continue;
     }
-    // On a driver failure only the top `done` chunks are unmapped: record exactly those.
-    auto [done, failed] = unmap_run({c.chunks.end() - static_cast<std::ptrdiff_t>(take), c.chunks.end()});
-    if (done < take) {
-      pages = 0;
-      for (std::size_t i = n - done; i < n; ++i) pages += chunks_[c.chunks[i]].pages;
-    }
-    const std::size_t lo = done == 0 ? 0 : chunks_[c.chunks[n - done]].mapped_at;
-    if (done > 0) {
-      arena(c.arena_id).carve(c.b, page_address(lo), pages * page_);
-      notify(pool_event_kind::segment_unmap, page_address(lo), pages * page_);
-    }
-    for (std::size_t i = n - done; i < n; ++i) {
-      chunk& k = chunks_[c.chunks[i]];
-      for (std::size_t p = 0; p < k.pages; ++p) page_table_[k.mapped_at + p] = no_chunk;
-      k.mapped_at = no_page;
-      spare_.push_back(c.chunks[i]);
-    }
-    if (done > 0) {
-      va_insert(lo, pages);
-      got += pages;
-      note_reclaimed(c.arena_id, for_arena, pages);
-    }
+    const auto [done_pages, failed] = unmap_and_carve(c, take, pages);
+    got += done_pages;
+    if (done_pages > 0) note_reclaimed(c.arena_id, for_arena, done_pages);
     if (!failed.ok()) throw_cuda_error(failed, "vmm_page_pool: unmap free chunks to reuse them");
     if (got >= wanted) break;
   }
   return got;
+}
+
+void vmm_page_pool::carve_retiring(reclaim_candidate& c, std::size_t take, std::size_t pages) {
+  const std::size_t n = c.chunks.size();
+  // Carved out now; the old mapping stays until the old work is done (retire_completed),
+  // or, done already, until the map worker has unmapped it.
+  const std::size_t lo = chunks_[c.chunks[n - take]].mapped_at;
+  retiring_run r{lo, {}, pages, c.b->stream, c.b->free_epoch};  // before carve moves b
+  r.work_pending = c.deferred;
+  arena(c.arena_id).carve(c.b, page_address(lo), pages * page_);
+  notify(pool_event_kind::segment_unmap, page_address(lo), pages * page_);
+  for (std::size_t i = n - take; i < n; ++i) {
+    chunk& k = chunks_[c.chunks[i]];
+    r.chunks.emplace_back(c.chunks[i], k.pages);
+    for (std::size_t q = 0; q < k.pages; ++q) page_table_[k.mapped_at + q] = retiring_page;
+    k.mapped_at = no_page;
+    k.retiring += 1;
+    if (c.deferred) {
+      k.waiting += 1;
+      k.only_stream = r.stream;
+    }
+    spare_.push_back(c.chunks[i]);
+  }
+  // (Not queued when the driver wants one unmap per mapping: the next retire_completed
+  // unmaps it on the caller's thread. Held while a growth maps: queue_held_unmaps.)
+  if (!c.deferred && !hold_unmaps_) (void)queue_unmap(r);
+  retiring_.push_back(std::move(r));
+}
+
+std::pair<std::size_t, status> vmm_page_pool::unmap_and_carve(reclaim_candidate& c, std::size_t take,
+                                                              std::size_t pages) {
+  const std::size_t n = c.chunks.size();
+  // On a driver failure only the top `done` chunks are unmapped: record exactly those.
+  auto [done, failed] = unmap_run({c.chunks.end() - static_cast<std::ptrdiff_t>(take), c.chunks.end()});
+  if (done < take) {
+    pages = 0;
+    for (std::size_t i = n - done; i < n; ++i) pages += chunks_[c.chunks[i]].pages;
+  }
+  const std::size_t lo = done == 0 ? 0 : chunks_[c.chunks[n - done]].mapped_at;
+  if (done > 0) {
+    arena(c.arena_id).carve(c.b, page_address(lo), pages * page_);
+    notify(pool_event_kind::segment_unmap, page_address(lo), pages * page_);
+  }
+  for (std::size_t i = n - done; i < n; ++i) {
+    chunk& k = chunks_[c.chunks[i]];
+    for (std::size_t p = 0; p < k.pages; ++p) page_table_[k.mapped_at + p] = no_chunk;
+    k.mapped_at = no_page;
+    spare_.push_back(c.chunks[i]);
+  }
+  if (done == 0) return {0, failed};
+  va_insert(lo, pages);
+  return {pages, failed};
 }
 
 void vmm_page_pool::note_reclaimed(std::uint32_t from_arena, std::uint32_t for_arena,

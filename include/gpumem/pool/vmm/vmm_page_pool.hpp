@@ -246,6 +246,10 @@ class vmm_page_pool final : public pool_base {
   static constexpr std::uint32_t retiring_page = 0xfffffffeu;  // page_table_: a retiring page
 
   std::uintptr_t page_address(std::size_t page) const noexcept { return va_base_ + page * page_; }
+  // The constructor's reservation (pool_options::reserve): created in one-page chunks and
+  // mapped as one free run of the large arena; on failure what it took is given back,
+  // with the range, and the error thrown.
+  void reserve_up_front(std::size_t reserve);
   // Creates chunks for `pages` pages (sized as above) into spare_; false (and
   // nothing kept of this call, but a chunk the undo could not release: it stays spare)
   // when the device or the limit has no room. Throws gpumem::cuda_error likewise.
@@ -269,6 +273,23 @@ class vmm_page_pool final : public pool_base {
   // pages), or arena_count for none (a loan, a release).
   std::size_t reclaim(std::size_t wanted, bool wait, const stream_handle* same_stream = nullptr,
                       std::uintptr_t keep_end = 0, std::uint32_t for_arena = arena_count);
+  // A cached free block whose chunks lie wholly inside it: what reclaim may take.
+  struct reclaim_candidate {
+    std::uint32_t arena_id;
+    detail::block* b;
+    std::vector<std::uint32_t> chunks;  // wholly inside b, by ascending address
+    std::size_t pages = 0;
+    bool deferred = false;              // old mapping retires later (same-stream remap)
+  };
+  std::vector<reclaim_candidate> reclaim_candidates(bool wait, const stream_handle* same_stream,
+                                                    std::uintptr_t keep_end);
+  // Carves c's top `take` chunks (`pages` pages) out of its block now, as a retiring run
+  // whose old mapping is unmapped later (retire_completed, or the map worker).
+  void carve_retiring(reclaim_candidate& c, std::size_t take, std::size_t pages);
+  // Unmaps c's top `take` chunks (`pages` pages) and carves them out: the pages reclaimed
+  // (on a driver failure, those of the top chunks that were unmapped) and the failure.
+  std::pair<std::size_t, status> unmap_and_carve(reclaim_candidate& c, std::size_t take,
+                                                 std::size_t pages);
   // Counts pages reclaimed from `from_arena`'s free blocks for `for_arena` (as reclaim).
   void note_reclaimed(std::uint32_t from_arena, std::uint32_t for_arena, std::size_t pages) noexcept;
   // Unmaps the retiring runs whose work is complete (with `wait`: after synchronizing their
@@ -301,6 +322,38 @@ class vmm_page_pool final : public pool_base {
   // Returns how many chunks, counted from the top, are unmapped, and the failure if any.
   std::pair<std::size_t, status> unmap_run(std::span<const std::uint32_t> chunk_ids);
   void va_insert(std::size_t first, std::size_t count);
+
+  // A growth's request (grow_untimed) and the steps it is made of (vmm_growth.cpp).
+  struct growth_request {
+    detail::block_arena& arena;
+    std::uint32_t arena_id;
+    std::size_t size, pad, pages;  // the request, the alignment's padding, the pages both need
+    stream_handle stream;
+    bool tight;  // no growth slack left (split_limit): take free pages before new ones
+    bool huge;   // huge_growth bytes or more
+  };
+  // A free block at the top of its mapped run that the growth extends in place.
+  struct extension {
+    std::size_t first_page = no_page;  // the unmapped page right after it
+    std::size_t pages = 0;             // the pages it lacks
+    std::uintptr_t block_end = 0;      // the extended block's end (reclaim leaves it whole)
+    std::uint32_t segment = 0;         // the extended block's: the new pages join it
+  };
+  // The extension needing the fewest pages, or none (first_page == no_page). Sets
+  // `retiring_after_run` when a half run's next page is still retiring on the map worker.
+  extension find_extension(const growth_request& g, bool& retiring_after_run) const;
+  // Moves spare chunks this stream may map, covering `wanted` pages, into `chosen`; false
+  // (chosen handed back, this growth's new chunks released) when that fails.
+  bool choose_chunks(std::size_t wanted, std::uintptr_t stream, std::size_t first_new,
+                     std::vector<std::uint32_t>& chosen, std::size_t& covered);
+  // Takes `covered` pages of free address space for the growth; its first page, or no_page.
+  std::size_t place_run(const growth_request& g, const extension& ext, std::size_t covered,
+                        bool& run_extends);
+  // Maps `chosen` side by side from `first`, with one access grant; on failure undoes it
+  // (chunks back to spare_, but stranded ones) and returns the failure.
+  status map_chosen(std::span<const std::uint32_t> chosen, std::size_t first, std::size_t covered);
+  // Releases the chunks from `first_new` on that are spare (a failed growth's new ones).
+  void release_new_chunks(std::size_t first_new);
 
   std::size_t page_ = 0;
   std::uintptr_t va_base_ = 0;
