@@ -186,7 +186,7 @@ class vmm_page_pool final : public pool_base {
   // once its last use is complete: without `wait`, blocks whose free is not yet known
   // complete (event query) are skipped; with `wait`, every stream is synchronized first.
   // With `same_stream`, blocks freed on that stream whose last use is not yet known
-  // complete are taken too, their old mapping left to retire (see above). The free block
+  // complete are taken too, their old mapping left to retire (docs/PAGE_POOL.md). The free block
   // ending at `keep_end` (the run a growth extends in place) is left whole. `for_arena`:
   // the arena a growth gathers for (pages it takes from another arena's runs are moved
   // pages), or arena_count for none (a loan, a release).
