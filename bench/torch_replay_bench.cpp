@@ -2,7 +2,8 @@
 // caching allocator (c10::cuda::CUDACachingAllocator raw_alloc_with_stream / raw_delete,
 // what every torch tensor allocation goes through) and through gpumem's pools on the same
 // GPU: peak reserved, fragmentation (peak reserved / the trace's peak live requested bytes)
-// and host time per event, cold (first pass) and warm (last pass).
+// and host time per event, cold (first pass) and warm (last pass); for gpumem's pools also
+// the last pass's memory-moving driver calls (replay_result::last_pass_memory_calls).
 //
 // Built only when libtorch is found (GPUMEM_TORCH_DIR, or python3's torch package).
 // Usage: torch_replay_bench TRACE [--passes N]
@@ -11,6 +12,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <chrono>
+#include <cstdint>
 #include <exception>
 #include <cstdio>
 #include <cstring>
@@ -31,6 +33,8 @@ struct row {
   std::size_t peak_reserved = 0;
   double cold = 0, warm = 0;
   bool oom = false;
+  std::uint64_t last_pass_calls = 0;  // gpumem's pools only (c10's calls are not counted)
+  bool calls_counted = false;
 };
 
 // The trace's other streams are made by gpumem's platform, not c10's stream pool: that asks
@@ -94,7 +98,7 @@ row replay_through_gpumem(const gpumem::trace& t, gpumem::memory_resource& pool,
   o.passes = passes;
   const auto res = gpumem::replay_trace(t, pool, o);
   return {"gpumem " + res.allocator, res.peak_reserved_bytes, res.ns_per_event_cold,
-          res.ns_per_event_warm, res.oom};
+          res.ns_per_event_warm, res.oom, res.last_pass_memory_calls, true};
 }
 
 }  // namespace
@@ -127,12 +131,13 @@ int main(int argc, char** argv) {
     gpumem::caching_pool pool(upstream);
     rows.push_back(replay_through_gpumem(t, pool, passes));
   }
-  std::printf("%-32s %12s %9s %12s %12s\n", "allocator", "peak_res_GiB", "frag", "ns/ev cold",
-              "ns/ev warm");
+  std::printf("%-32s %12s %9s %12s %12s %16s\n", "allocator", "peak_res_GiB", "frag",
+              "ns/ev cold", "ns/ev warm", "last-pass calls");
   for (const auto& r : rows)
-    std::printf("%-32s %12.2f %9.4f %12.0f %12.0f%s\n", r.allocator.c_str(),
+    std::printf("%-32s %12.2f %9.4f %12.0f %12.0f %16s%s\n", r.allocator.c_str(),
                 static_cast<double>(r.peak_reserved) / (1 << 30),
                 static_cast<double>(r.peak_reserved) / static_cast<double>(t.peak_live_bytes),
-                r.cold, r.warm, r.oom ? "  (out of memory)" : "");
+                r.cold, r.warm, r.calls_counted ? std::to_string(r.last_pass_calls).c_str() : "-",
+                r.oom ? "  (out of memory)" : "");
   return 0;
 }

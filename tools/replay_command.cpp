@@ -88,6 +88,19 @@ std::string describe_calls(const replay_result& r, bool last_pass = false) {
   return out.empty() ? "-" : out;
 }
 
+// The last pass's memory-moving driver calls per allocation, as a percentage ("0%" when none).
+double last_pass_share(const replay_result& r) {
+  return r.last_pass_allocs == 0 ? 0.0
+                                 : 100.0 * static_cast<double>(r.last_pass_memory_calls) /
+                                       static_cast<double>(r.last_pass_allocs);
+}
+
+std::string call_share(const replay_result& r) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.2f%%", last_pass_share(r));
+  return text;
+}
+
 // Runs `passes` passes of `t` on `pool`, on streams of its platform, as replay_trace does
 // (allocations still live at the end of a pass are freed before the next; with `gpu_lag`
 // on sim, queued work completes only every gpu_lag events), stopping after global event
@@ -231,6 +244,10 @@ void print_summary(const std::vector<std::string>& paths,
     std::size_t traces = 0, ooms = 0;
     double log_frag_sum = 0, worst = 0, driver_ns = 0;
     std::string worst_trace;
+    // The last pass's memory-moving calls in all, and the worst share of them per allocation.
+    std::uint64_t last_pass_calls = 0;
+    double worst_share = 0;
+    std::string worst_share_trace;
   };
   std::vector<std::pair<std::string, summary>> rows;  // in the tables' order
   for (std::size_t i = 0; i < by_trace.size(); ++i)
@@ -244,6 +261,11 @@ void print_summary(const std::vector<std::string>& paths,
       if (r.oom) {  // its fragmentation then covers the trace only up to the failure
         s.ooms += 1;
         continue;
+      }
+      s.last_pass_calls += r.last_pass_memory_calls;
+      if (s.worst_share_trace.empty() || last_pass_share(r) > s.worst_share) {
+        s.worst_share = last_pass_share(r);
+        s.worst_share_trace = paths[i];
       }
       s.log_frag_sum += std::log(r.fragmentation);
       if (r.fragmentation > s.worst) {
@@ -266,6 +288,11 @@ void print_summary(const std::vector<std::string>& paths,
       json->member("fragmentation_worst", s.worst);
       json->member("fragmentation_worst_trace", s.worst_trace);
       json->member(on_sim ? "modelled_driver_ms" : "driver_ms", s.driver_ns / 1e6);
+      if (passes > 1) {
+        json->member("last_pass_memory_calls", s.last_pass_calls);
+        json->member("last_pass_calls_per_alloc_worst", s.worst_share / 100.0);
+        json->member("last_pass_calls_per_alloc_worst_trace", s.worst_share_trace);
+      }
       json->end_object();
     }
     json->end_array();
@@ -281,6 +308,13 @@ void print_summary(const std::vector<std::string>& paths,
     std::printf("%-14s %6zu %5zu %12.4f %10.1f  %.4f (%s)\n", name.c_str(), s.traces, s.ooms,
                 geomean(s), s.driver_ns / 1e6, s.worst,
                 s.worst_trace.empty() ? "-" : s.worst_trace.c_str());
+  if (passes < 2) return;
+  std::printf("\nlast pass: memory-moving driver calls (create, map, unmap, set access, release, "
+              "malloc, free)\n%-14s %10s  %s\n", "allocator", "calls", "worst per allocation (trace)");
+  for (const auto& [name, s] : rows)
+    std::printf("%-14s %10llu  %.2f%% (%s)\n", name.c_str(),
+                static_cast<unsigned long long>(s.last_pass_calls), s.worst_share,
+                s.worst_share_trace.empty() ? "-" : s.worst_share_trace.c_str());
 }
 
 }  // namespace
@@ -591,6 +625,8 @@ int run_replay(int argc, char** argv) {
           w.key("last_pass_driver_calls").begin_object();
           for (auto& [call, n] : r.last_pass_driver_calls) w.member(call, n);
           w.end_object();
+          w.member("last_pass_memory_calls", r.last_pass_memory_calls);
+          w.member("last_pass_allocs", r.last_pass_allocs);
         }
         w.key(on_sim ? "modelled_driver_ms_by_call" : "driver_ms_by_call").begin_object();
         for (auto& [call, ns] : r.driver_call_ns) w.member(call, ns / 1e6);
@@ -667,7 +703,10 @@ int run_replay(int argc, char** argv) {
                   r.fragmentation, r.ns_per_event_cold, r.ns_per_event_warm, driver_ms,
                   describe_calls(r).c_str());
       if (passes > 1 && !r.oom)
-        std::printf("%-14s %s\n", "  last pass:", describe_calls(r, true).c_str());
+        std::printf("%-14s %s memory-moving driver calls for %s allocations (%s): %s\n",
+                    "  last pass:", std::to_string(r.last_pass_memory_calls).c_str(),
+                    std::to_string(r.last_pass_allocs).c_str(), call_share(r).c_str(),
+                    describe_calls(r, true).c_str());
       if (r.steps_marked > 0)
         std::printf("%-14s %llu steps marked, %llu plan(s) built, %llu allocations served from "
                     "a plan; %llu steps left it, %llu rejoined, %llu handed the region over\n",

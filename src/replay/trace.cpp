@@ -449,6 +449,23 @@ std::string oversized_request(const trace& t, const std::string& allocator, std:
          ", more than the device's whole memory (" + format_bytes(device_total) + ")";
 }
 
+bool moves_memory(platform_op op) noexcept {
+  switch (op) {
+    case platform_op::create_physical:
+    case platform_op::release_physical:
+    case platform_op::map:
+    case platform_op::unmap:
+    case platform_op::set_access:
+    case platform_op::runtime_malloc:
+    case platform_op::runtime_free:
+    case platform_op::driver_alloc:
+    case platform_op::driver_free:
+      return true;
+    default:
+      return false;
+  }
+}
+
 replay_result replay_trace(const trace& t, memory_resource& resource, const replay_options& options) {
   replay_result r;
   r.allocator = std::string(resource.name());
@@ -516,6 +533,7 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
   for (int pass = 0; pass < options.passes && !r.oom; ++pass) {
     for (std::size_t i = 0; i < platform_op_count; ++i)
       calls_at_pass[i] = p.calls_made(static_cast<platform_op>(i));
+    const std::uint64_t allocs_before = r.allocs;
     const auto start = std::chrono::steady_clock::now();
     std::uint64_t index = 0;
     auto next_step = options.step_starts.begin();
@@ -563,6 +581,7 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
     const double per_event = index == 0 ? 0 : ns / static_cast<double>(index);
     if (pass == 0) r.ns_per_event_cold = per_event;
     r.ns_per_event_warm = per_event;
+    if (options.passes > 1) r.last_pass_allocs = r.allocs - allocs_before;
     // Allocations still live at the end of a pass are freed before the next one.
     for (const trace_event& e : t.events) {
       if (e.op == trace_event::kind::alloc && ptrs[e.id] != nullptr) {
@@ -591,7 +610,11 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
     const std::uint64_t n = p.calls_made(op) - calls_before[i];
     if (n == 0) continue;
     const auto name = std::string(platform_op_name(op));
-    if (options.passes > 1) r.last_pass_driver_calls[name] = p.calls_made(op) - calls_at_pass[i];
+    if (options.passes > 1) {
+      const std::uint64_t last = p.calls_made(op) - calls_at_pass[i];
+      r.last_pass_driver_calls[name] = last;
+      if (moves_memory(op)) r.last_pass_memory_calls += last;
+    }
     r.driver_calls[name] = n;
     const double ns = static_cast<double>(op_ns(op) - ns_before[i]);
     r.driver_call_ns[name] = ns;

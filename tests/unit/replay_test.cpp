@@ -516,15 +516,22 @@ TEST_F(Replay, TheLastPassCountsItsOwnDriverCalls) {
   EXPECT_EQ(raw.driver_calls.at("cudaMalloc"), 3 * t.allocs);
   EXPECT_EQ(raw.last_pass_driver_calls.at("cudaMalloc"), t.allocs);
   EXPECT_EQ(raw.last_pass_driver_calls.at("cudaFree"), t.allocs);
+  // Both move memory; the stream and event calls beside them do not.
+  EXPECT_EQ(raw.last_pass_memory_calls, 2 * t.allocs);
+  EXPECT_EQ(raw.last_pass_allocs, t.allocs);
 
   runtime_resource upstream(sim);
   caching_pool pool(upstream);
   const replay_result cached = replay_trace(t, pool, touching_passes(3));
   ASSERT_GT(cached.driver_calls.at("cudaMalloc"), 0u);
   EXPECT_EQ(cached.last_pass_driver_calls.at("cudaMalloc"), 0u) << "the pool did not settle";
+  EXPECT_EQ(cached.last_pass_memory_calls, 0u);
+  EXPECT_EQ(cached.last_pass_allocs, t.allocs);
 
   const replay_result once = replay_trace(t, pool, touching_passes(1));
   EXPECT_TRUE(once.last_pass_driver_calls.empty()) << "one pass has no separate last pass";
+  EXPECT_EQ(once.last_pass_memory_calls, 0u);
+  EXPECT_EQ(once.last_pass_allocs, 0u);
 }
 
 TEST_F(Replay, SyntheticTraceOnTheVmmPagePool) {

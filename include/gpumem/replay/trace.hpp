@@ -134,6 +134,11 @@ struct replay_result {
   // Calls made during the last pass alone (with several passes: the steady state of a
   // workload that repeats; a pool that has settled makes none there).
   std::map<std::string, std::uint64_t> last_pass_driver_calls;
+  // Of those, the calls that take, give back or move device memory (moves_memory), and the
+  // allocations the last pass made: a pool that repeats a pass without moving memory makes
+  // last_pass_memory_calls == 0. Both 0 with one pass.
+  std::uint64_t last_pass_memory_calls = 0;
+  std::uint64_t last_pass_allocs = 0;
   double driver_ns = 0;                // driver time: modelled on sim, measured through a
                                        // timed_platform (on the GPU), else 0
   bool oom = false;
@@ -151,6 +156,12 @@ struct replay_result {
   std::vector<std::pair<std::uint64_t, std::size_t>> live_samples;
   std::vector<std::pair<std::uint64_t, std::size_t>> reserved_samples;
 };
+
+// Whether `op` takes device memory from the driver, gives it back or moves it: cuMemCreate,
+// cuMemRelease, cuMemMap, cuMemUnmap, cuMemSetAccess, and the raw allocation calls
+// (cudaMalloc, cudaFree, cuMemAlloc, cuMemFree). Stream-ordered pool calls
+// (cudaMallocAsync) and bookkeeping (events, streams) do not.
+bool moves_memory(platform_op op) noexcept;
 
 // Where the steps of a loop begin in `t`, as event indices, for a trace that ends by
 // repeating the same requests: the shortest period P (in allocations: sizes and streams)

@@ -1,101 +1,20 @@
-// vmm_page_pool: device memory on demand from one large virtual range, backed by
-// physical chunks (handles of one page of the VMM granularity, 2 MiB on an H200; 64 MiB
-// ones for a growth of at least 1 GiB, or big_chunk pages) that are mapped only where
-// blocks need them.
-//
-//  - The virtual range is reserved once (default 2x device memory; address space is free).
-//  - A reservation up front (pool_options::reserve) is created in one-page chunks and mapped
-//    at construction as one free run with one access grant, so requests within it make no
-//    driver call (mapped on demand, each page would cost its ~26 us access grant then).
-//  - A chunk is the unit of mapping: the driver maps a handle only from its start
-//    (cuMemMap offset 0), so a chunk is the unit that moves; one-page chunks let any free
-//    page move alone.
-//  - Growing by N pages takes, in order: unmapped chunks kept for reuse; chunks reclaimed
-//    from cached free blocks whose last use is known complete, anywhere in the range, the
-//    least recently freed first (unmapped there, in one call per run, and mapped here: a
-//    request does not grow reserved memory while such chunks exist — the GMLake
-//    "stitching" idea); and only then new chunks for the missing pages. The chosen chunks
-//    are mapped side by side into one fresh virtual run, with ONE cuMemSetAccess over it.
-//  - Gathering few pages: every page moved costs an unmap, a map and an access grant
-//    (~40 us on an idle H200, ~80 us on a busy one), so where the pool has no growth slack
-//    left a request whose size a free run holds half of grows that run in place (when the
-//    address space above it is unmapped), mapping only the pages it lacks; and the small
-//    arena's fresh runs go to the top of the address space, away from the large runs that
-//    grow upwards.
-//  - Same-stream remap without waiting: a free block whose last use is not yet known
-//    complete may still give its chunks to a request on the SAME stream (stream order puts
-//    the new work after the old). Its chunks are mapped at the new address while the old
-//    address stays mapped ("retiring") until an event shows the old work done; only then is
-//    the old range unmapped and its address space reused. Until then those chunks may be
-//    mapped for that stream only. So a program whose CPU runs ahead of the GPU (PyTorch)
-//    reuses pages instead of growing.
-//  - Guard mode (pool_options::guard, for debugging): each allocation gets one-page chunks
-//    of its own in a fresh virtual run, placed so it ends at the run's end (rounded down to
-//    its alignment), and the page after the run stays unmapped: an overrun past the last
-//    page faults at once (sim: SIGSEGV; GPU: an illegal address). Frees synchronize their
-//    stream, unmap and keep the chunks for reuse. The arenas are not used.
-//  - Whole pages for large blocks: pool_options::round_large defaults to the page size, so
-//    a large request's block owns whole pages when that loses less than half a page (and
-//    while the rounding loss stays within 1/32 of the live bytes; otherwise 512-byte
-//    blocks as for small ones). No page is pinned by another live block's tail, and a
-//    tensor re-allocated a little larger each step (a KV cache grown by one token) fits the
-//    block its predecessor freed. A request at most half a page past a multiple (a flat
-//    parameter buffer and a few KiB) is not rounded: a page it would mostly leave unused
-//    for its whole life costs more than its tail sharing a page with the next block (free
-//    of cost while both live; no more than the rounding loss when the neighbour dies
-//    first). FSDP-style flat buffers lost 2.3% to rounding before this rule (RESULTS.md).
-//  - Packing: when a live block's last page has a free tail at the end of its run and the
-//    address space after it is unmapped, a growth maps only the pages the request lacks
-//    right after that tail, so consecutive large blocks share a page (blocks that are not
-//    whole pages: small ones, large ones just over a multiple, and large ones past the
-//    rounding cap).
-//  - Lifetime hints (pool_options::lifetime_hints, off by default; lifetime_hints.hpp): a large
-//    request guessed long-lived goes to a third arena, in 512-byte units, whose runs start
-//    from the middle of the virtual range; consecutive long-lived blocks pack there (their
-//    partial last pages shared) instead of each pinning a page beside dying temporaries.
-//    The large arena takes the long arena's free blocks before growing; pages move between
-//    the arenas' runs by the same gathers as anywhere.
-//  - Map worker (pool_options::map_worker): a reclaimed run whose last use is complete is
-//    carved out at once, its chunks mapped at their new place while the old mapping (a
-//    handle may be mapped twice) is unmapped on a helper thread; its address space comes
-//    back when the worker reports it done. So the allocating thread pays for cuMemMap and
-//    cuMemSetAccess only. The driver serializes these with the worker's unmaps (H200:
-//    ~21-25 us a map beside them, ~1 us without), so a growth hands the worker old
-//    mappings (its gather's, and those found done as it starts) only once it has mapped
-//    and granted access (hold_unmaps_; the mixed loop's
-//    driver time a pair 21 -> 11 ns, docs/RESULTS.md). Paths that need every old mapping
-//    gone (release, lending, the pool's end, address space running out) wait for the
-//    worker first.
-//  - Growth slack (pool_options::growth_slack = F, default 0): memory tight to the byte
-//    makes a training step gather its largest tensor from scattered free pages every step
-//    (at the step's peak the free memory is exactly that tensor, in dozens of pieces), and
-//    each remapped page costs ~80 us of driver time on a busy H200. With F > 0, while
-//    reserved stays within (1 + F) x peak live, a request does not split a free run much
-//    larger than itself and a growth takes new pages before reclaiming: the large runs
-//    stay whole for the large tensors that come back each step. Past the budget the pool
-//    is as tight as without it; a growth that cannot create pages still reclaims.
-//  - A huge growth's multi-page chunks serve only requests that cover a chunk: their run
-//    is a segment of its own, which the large arena splits only for requests of a chunk or
-//    more (block_arena::restrict_segment). A smaller block placed in one would pin the
-//    chunk's other pages where no gather can move them (a training run with a >= 1 GiB
-//    logits tensor drifted to 1.10 over 8 passes that way). Smaller requests take other
-//    memory, or a growth that reclaims the free chunks, releasing a big one and making it
-//    again as one-page chunks where it would overshoot (after waiting for the map worker
-//    when that is what still holds it). As a last resort before out-of-memory, any free
-//    block serves.
-//  - Physical memory is given back (cuMemRelease) for unmapped chunks: under memory
-//    pressure, past the release threshold, or on trim().
+// vmm_page_pool: device memory on demand from one large virtual range, backed by physical
+// chunks (handles of one VMM page, 2 MiB on an H200, or of several pages for huge growths)
+// mapped only where blocks need them. A growth maps kept, reclaimed (a gather: pages of
+// cached free blocks whose last use is complete, unmapped there) or new chunks side by side
+// into one fresh virtual run with one access grant. How it places, gathers, retires old
+// mappings, lends pages and guards allocations: docs/PAGE_POOL.md. Code by concept in
+// src/pool/vmm/: vmm_page_pool.cpp (chunks, release, reports), vmm_growth.cpp,
+// vmm_reclaim.cpp, vmm_remap_budget.cpp, vmm_retiring.cpp (map worker), vmm_lending.cpp,
+// vmm_guard.cpp.
 //
 // Invariants (validate()):
-//  - reserved_bytes == sum of live chunk sizes == (mapped + spare chunk pages) * page_size;
+//  - reserved_bytes == sum of live chunk sizes == (mapped + spare + lent chunk pages) * page_size;
 //  - a mapped chunk's pages all name it in the page table, and are covered by arena blocks;
-//  - each live chunk is mapped once, in the spare list, or lent out — exactly one of these.
-//
-// Lending: lend_pages() hands one-page physical handles to another mapper (the KV cache
-// maps them into its own virtual range), taken as a growth takes pages — kept ones,
-// reclaimed free pages, then new memory — and counted in this pool's reserved bytes and
-// limit. return_pages() takes them back as spare pages, usable by the pool's own blocks.
-// So the pool and the KV cache share one memory budget and pages move between them.
+//  - each live chunk is mapped once, in the spare list, or lent out — exactly one of these;
+//  - a retiring run's pages are marked retiring in the page table, and each chunk's
+//    retiring and waiting counts equal the runs that name it.
+// REQUIRES: a borrower of lent pages unmaps them before returning them or destroying the pool.
 #pragma once
 
 #include <algorithm>
@@ -215,7 +134,7 @@ class vmm_page_pool final : public pool_base {
   // (train_llama, sim: 1.025 with N = 16). Without it, a growth creating at least
   // huge_growth_bytes takes handles of a 16th of that (64 MiB by default): the driver's
   // access grant costs ~26-29 us per handle in the range (H200), so 512 one-page handles
-  // cost 36-44 us a page to grow, 64 MiB ones 1.4-1.9 us (pool_bench, 2026-12-01). Smaller thresholds pinned free pages
+  // cost 36-44 us a page to grow, 64 MiB ones 1.4-1.9 us (pool_bench). Smaller thresholds pinned free pages
   // in partly used big handles (torch_train_fixed, sim: 1.0139 from 128 MiB, 1.0104 from
   // 512 MiB, 1.0004 from 1 GiB, as with one-page handles only). A reservation up front stays
   // in one-page handles, as do lent pages and guarded allocations.
@@ -246,6 +165,10 @@ class vmm_page_pool final : public pool_base {
   static constexpr std::uint32_t retiring_page = 0xfffffffeu;  // page_table_: a retiring page
 
   std::uintptr_t page_address(std::size_t page) const noexcept { return va_base_ + page * page_; }
+  // The constructor's reservation (pool_options::reserve): created in one-page chunks and
+  // mapped as one free run of the large arena; on failure what it took is given back,
+  // with the range, and the error thrown.
+  void reserve_up_front(std::size_t reserve);
   // Creates chunks for `pages` pages (sized as above) into spare_; false (and
   // nothing kept of this call, but a chunk the undo could not release: it stays spare)
   // when the device or the limit has no room. Throws gpumem::cuda_error likewise.
@@ -263,12 +186,29 @@ class vmm_page_pool final : public pool_base {
   // once its last use is complete: without `wait`, blocks whose free is not yet known
   // complete (event query) are skipped; with `wait`, every stream is synchronized first.
   // With `same_stream`, blocks freed on that stream whose last use is not yet known
-  // complete are taken too, their old mapping left to retire (see above). The free block
+  // complete are taken too, their old mapping left to retire (docs/PAGE_POOL.md). The free block
   // ending at `keep_end` (the run a growth extends in place) is left whole. `for_arena`:
   // the arena a growth gathers for (pages it takes from another arena's runs are moved
   // pages), or arena_count for none (a loan, a release).
   std::size_t reclaim(std::size_t wanted, bool wait, const stream_handle* same_stream = nullptr,
                       std::uintptr_t keep_end = 0, std::uint32_t for_arena = arena_count);
+  // A cached free block whose chunks lie wholly inside it: what reclaim may take.
+  struct reclaim_candidate {
+    std::uint32_t arena_id;
+    detail::block* b;
+    std::vector<std::uint32_t> chunks;  // wholly inside b, by ascending address
+    std::size_t pages = 0;
+    bool deferred = false;              // old mapping retires later (same-stream remap)
+  };
+  std::vector<reclaim_candidate> reclaim_candidates(bool wait, const stream_handle* same_stream,
+                                                    std::uintptr_t keep_end);
+  // Carves c's top `take` chunks (`pages` pages) out of its block now, as a retiring run
+  // whose old mapping is unmapped later (retire_completed, or the map worker).
+  void carve_retiring(reclaim_candidate& c, std::size_t take, std::size_t pages);
+  // Unmaps c's top `take` chunks (`pages` pages) and carves them out: the pages reclaimed
+  // (on a driver failure, those of the top chunks that were unmapped) and the failure.
+  std::pair<std::size_t, status> unmap_and_carve(reclaim_candidate& c, std::size_t take,
+                                                 std::size_t pages);
   // Counts pages reclaimed from `from_arena`'s free blocks for `for_arena` (as reclaim).
   void note_reclaimed(std::uint32_t from_arena, std::uint32_t for_arena, std::size_t pages) noexcept;
   // Unmaps the retiring runs whose work is complete (with `wait`: after synchronizing their
@@ -301,6 +241,38 @@ class vmm_page_pool final : public pool_base {
   // Returns how many chunks, counted from the top, are unmapped, and the failure if any.
   std::pair<std::size_t, status> unmap_run(std::span<const std::uint32_t> chunk_ids);
   void va_insert(std::size_t first, std::size_t count);
+
+  // A growth's request (grow_untimed) and the steps it is made of (vmm_growth.cpp).
+  struct growth_request {
+    detail::block_arena& arena;
+    std::uint32_t arena_id;
+    std::size_t size, pad, pages;  // the request, the alignment's padding, the pages both need
+    stream_handle stream;
+    bool tight;  // no growth slack left (split_limit): take free pages before new ones
+    bool huge;   // huge_growth bytes or more
+  };
+  // A free block at the top of its mapped run that the growth extends in place.
+  struct extension {
+    std::size_t first_page = no_page;  // the unmapped page right after it
+    std::size_t pages = 0;             // the pages it lacks
+    std::uintptr_t block_end = 0;      // the extended block's end (reclaim leaves it whole)
+    std::uint32_t segment = 0;         // the extended block's: the new pages join it
+  };
+  // The extension needing the fewest pages, or none (first_page == no_page). Sets
+  // `retiring_after_run` when a half run's next page is still retiring on the map worker.
+  extension find_extension(const growth_request& g, bool& retiring_after_run) const;
+  // Moves spare chunks this stream may map, covering `wanted` pages, into `chosen`; false
+  // (chosen handed back, this growth's new chunks released) when that fails.
+  bool choose_chunks(std::size_t wanted, std::uintptr_t stream, std::size_t first_new,
+                     std::vector<std::uint32_t>& chosen, std::size_t& covered);
+  // Takes `covered` pages of free address space for the growth; its first page, or no_page.
+  std::size_t place_run(const growth_request& g, const extension& ext, std::size_t covered,
+                        bool& run_extends);
+  // Maps `chosen` side by side from `first`, with one access grant; on failure undoes it
+  // (chunks back to spare_, but stranded ones) and returns the failure.
+  status map_chosen(std::span<const std::uint32_t> chosen, std::size_t first, std::size_t covered);
+  // Releases the chunks from `first_new` on that are spare (a failed growth's new ones).
+  void release_new_chunks(std::size_t first_new);
 
   std::size_t page_ = 0;
   std::uintptr_t va_base_ = 0;
