@@ -10,6 +10,7 @@
 
 #include "args.hpp"
 #include "commands.hpp"
+#include "json_writer.hpp"
 #include "gpumem/platform/cuda_platform.hpp"
 
 #ifndef GPUMEM_VERSION_STRING
@@ -113,6 +114,18 @@ int dispatch(int argc, char** argv) {
   return c->run(argc - 1, argv + 1);
 }
 
+// With --json a refusal that comes before any output is also one JSON text on stdout, so a
+// script that parses stdout reads why instead of nothing.
+void json_refusal(int argc, char** argv, const char* what, bool usage) {
+  for (int i = 1; i < argc; ++i)
+    if (std::string_view(argv[i]) == "--json") {
+      std::cout << "{\"error\": " << gpumem::cli::json_writer::quote(what)
+                << ", \"usage_error\": " << (usage ? "true" : "false") << "}\n";
+      std::cout.flush();
+      return;
+    }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -121,6 +134,7 @@ int main(int argc, char** argv) {
   } catch (const usage_error& e) {
     std::cout.flush();
     std::cerr << "gpumem: error: " << e.what() << "\n";
+    json_refusal(argc, argv, e.what(), true);
     if (!e.usage().empty()) {
       std::cerr << e.usage() << "\n";
       // The usage line starts "usage: gpumem <command>"; point at that command's help.
@@ -134,6 +148,7 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::cout.flush();
     std::cerr << "gpumem: error: " << e.what() << "\n";
+    json_refusal(argc, argv, e.what(), false);
     return 1;
   } catch (...) {
     std::cout.flush();

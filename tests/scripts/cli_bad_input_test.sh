@@ -160,4 +160,13 @@ for command in replay serve-sim info; do
     [ -e "$src/$file" ] || [ -e "$src/docs/$file" ] || fail "gpumem $command --help cites $file, which does not exist"
   done
 done
+
+# With --json, a refusal before any replay is one JSON text on stdout too (it was empty).
+run "$gpumem" replay "$good" --device sim --config no_such_key:1 --json
+expect_rc 1 "an unknown --config key with --json"
+expect_err "no_such_key"
+python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); assert "no_such_key" in d["error"] and d["usage_error"] is False, d' "$tmp/out" || fail "refusal not in the JSON"
+run "$gpumem" replay "$good" --no-such-flag --json
+expect_rc 2 "an unknown flag with --json"
+python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); assert d["usage_error"] is True, d' "$tmp/out" || fail "usage refusal not in the JSON"
 echo "cli bad input: ok"
