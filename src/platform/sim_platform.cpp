@@ -42,6 +42,8 @@ sim_platform::~sim_platform() {
   for (auto& [p, a] : s.device_allocations) (void)::munmap(p, a.size);
   for (auto& [p, size] : s.host_allocations) (void)::munmap(p, size);
   if (s.spare_mapping != nullptr) (void)::munmap(s.spare_mapping, host_page);
+  for (auto& [id, h] : s.handles)
+    if (h.own_fd >= 0) ::close(h.own_fd);
   if (s.memfd >= 0) ::close(s.memfd);
 }
 
@@ -160,7 +162,8 @@ std::string sim_platform::validate() const {
     return nullptr;
   };
   for (auto& [id, h] : s.handles)
-    if (const char* why = check(h.device, h.extents, h.size, g))
+    if (const char* why = h.imported ? (h.own_fd < 0 ? "imported without its memfd" : nullptr)
+                                     : check(h.device, h.extents, h.size, g))
       return "physical handle " + std::to_string(id) + ": " + why;
   for (auto& [p, a] : s.device_allocations)
     if (const char* why = check(a.device, a.extents, a.size, host_page))

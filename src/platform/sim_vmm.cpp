@@ -113,10 +113,7 @@ status sim_platform::release_physical(physical_handle handle) {
     released_bytes = it->second.size;
     // As on CUDA: the memory lives on while mappings of it remain.
     it->second.released = true;
-    if (it->second.mappings == 0) {
-      s.free_frames(it->second.device, it->second.extents);
-      s.handles.erase(it);
-    }
+    if (it->second.mappings == 0) s.drop_handle(it);
     return status::success();
   }();
   GPUMEM_SIM_CHARGE(platform_op::release_physical, released_bytes);
@@ -161,7 +158,11 @@ status sim_platform::map(std::uintptr_t va, std::size_t size, physical_handle ha
   }
   // One host mapping per extent, PROT_NONE until set_access.
   bool restored = true;
-  if (const int err = s.map_extents(va, size, h->second.extents, PROT_NONE, restored)) {
+  // A shareable or imported handle's bytes are its own memfd's, from offset 0.
+  const int err = h->second.own_fd >= 0
+                      ? s.map_own_fd(va, size, h->second.own_fd)
+                      : s.map_extents(va, size, h->second.extents, PROT_NONE, restored);
+  if (err != 0) {
     s.mappings.erase(record);
     return fail(platform_op::map, failure_kind::out_of_memory,
                 std::string("host mmap failed (") + std::strerror(err) +
@@ -205,10 +206,7 @@ status sim_platform::unmap(std::uintptr_t va, std::size_t size) {
                     "is still mapped");
   for (auto m = first; m != it;) {
     auto h = s.handles.find(m->second.handle);
-    if (--h->second.mappings == 0 && h->second.released) {
-      s.free_frames(h->second.device, h->second.extents);
-      s.handles.erase(h);
-    }
+    if (--h->second.mappings == 0 && h->second.released) s.drop_handle(h);
     m = s.mappings.erase(m);
   }
   return status::success();

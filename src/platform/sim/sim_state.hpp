@@ -183,9 +183,13 @@ class frame_allocator {
 struct handle_record {
   int device;
   std::vector<extent> extents;  // absolute memfd runs, each a multiple of the granularity
-  std::size_t size;             // == sum of the extents
+  std::size_t size;             // == sum of the extents (but for an imported handle)
   std::size_t mappings = 0;
   bool released = false;
+  // Shareable (create_shareable_physical) and imported handles: the memfd of their own that
+  // holds their bytes from offset 0 (extents then only count the device's frames taken).
+  int own_fd = -1;
+  bool imported = false;  // another sim device's memory: no frames of this one
 };
 
 struct mapping_record {
@@ -316,6 +320,15 @@ struct sim_platform::state {
     return 0;
   }
 
+  // Maps [0, len) of a handle's own memfd at va, MAP_FIXED over the reservation, PROT_NONE
+  // until set_access. Returns 0 or the errno (the reservation is then still in place).
+  int map_own_fd(std::uintptr_t va, std::size_t len, int fd) {
+    if (::mmap(at(va), len, PROT_NONE, MAP_FIXED | MAP_SHARED, fd, 0) != MAP_FAILED) return 0;
+    const int err = errno;
+    if (!fully_mapped(va, len)) (void)with_spare_mapping([&] { return reserve_again(va, len); });
+    return err;
+  }
+
   std::size_t device_base(int device) const {
     return static_cast<std::size_t>(device) * options.capacity;
   }
@@ -343,6 +356,14 @@ struct sim_platform::state {
     // Gives the host memory back; the frames read as zeros afterwards.
     ::fallocate(memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
                 static_cast<off_t>(file_offset), static_cast<off_t>(size));
+  }
+
+  // A handle released and no longer mapped: its frames go back, its own memfd is closed
+  // (the memory lives on while another process maps or holds it), its record goes.
+  void drop_handle(std::map<std::uint64_t, handle_record>::iterator it) {
+    free_frames(it->second.device, it->second.extents);
+    if (it->second.own_fd >= 0) ::close(it->second.own_fd);
+    handles.erase(it);
   }
 
   void free_frames(int device, const std::vector<extent>& extents) {
