@@ -81,10 +81,14 @@ void vmm_page_pool::sleep(sleep_mode mode, stream_handle stream) {
     st.frees_at_sleep = frees;
   }
 
-  // Every mapped chunk sleeps, in address order (adjacent ones copy and unmap together).
+  // Every chunk still mapped sleeps, in address order (adjacent ones copy and unmap
+  // together); those an earlier, failed call unmapped are past the copy and the unmap.
   std::vector<std::uint32_t> ids;
-  for (std::uint32_t id = 0; id < chunks_.size(); ++id)
-    if (chunks_[id].live && chunks_[id].mapped_at != no_page) ids.push_back(id);
+  for (std::uint32_t id = 0; id < chunks_.size(); ++id) {
+    if (!chunks_[id].live || chunks_[id].mapped_at == no_page) continue;
+    auto it = st.chunks.find(id);
+    if (it == st.chunks.end() || it->second == phase::mapped) ids.push_back(id);
+  }
   std::sort(ids.begin(), ids.end(),
             [&](std::uint32_t a, std::uint32_t b) { return chunks_[a].mapped_at < chunks_[b].mapped_at; });
 

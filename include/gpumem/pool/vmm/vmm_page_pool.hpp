@@ -235,6 +235,7 @@ class vmm_page_pool final : public pool_base {
   void note_gather_time(std::uint64_t started_ns, std::size_t request) noexcept;
   double slack_now() const noexcept { return std::max(options_.growth_slack, raised_slack_); }
   std::string validate_holdings() const override;
+  std::size_t asleep_bytes_locked() const override { return sleeping_pages_locked() * page_; }
   void* allocate_guarded(std::size_t bytes, std::size_t alignment, stream_handle stream) override;
   bool free_guarded(std::uintptr_t addr, std::size_t bytes, stream_handle stream) override;
 
