@@ -119,6 +119,14 @@ bool c_api_vmm_free(c_api_vmm_state* state, void* ptr, std::size_t size, void* s
 
 extern "C" {
 
+uint32_t gpumem_set_current_tag(uint32_t tag) {
+  const uint32_t previous = gpumem::scoped_tag::current();
+  gpumem::scoped_tag::set_current(tag);
+  return previous;
+}
+
+uint32_t gpumem_current_tag(void) { return gpumem::scoped_tag::current(); }
+
 gpumem_status gpumem_allocate_tagged(gpumem_pool* pool, size_t size, size_t alignment,
                                      void* stream, uint32_t tag, void** out) {
   if (out == nullptr)

@@ -240,6 +240,11 @@ GPUMEM_API gpumem_status gpumem_snapshot(gpumem_pool* pool, const char* path);
  * gpumem_export can give to another process. Its allocations do not sleep. */
 #define GPUMEM_TAG_SHARED 0xFFFFFFFFu
 
+/* The calling thread's current tag (0 initially): gpumem_set_current_tag returns the one
+ * it replaces. The PyTorch plug-in (gpumem_torch_malloc) places allocations in the current
+ * tag, so `with gpumem.torch.tag(...)` tags the tensors made inside it. */
+GPUMEM_API uint32_t gpumem_set_current_tag(uint32_t tag);
+GPUMEM_API uint32_t gpumem_current_tag(void);
 GPUMEM_API gpumem_status gpumem_allocate_tagged(gpumem_pool* pool, size_t size,
                                                 size_t alignment, void* stream, uint32_t tag,
                                                 void** out);

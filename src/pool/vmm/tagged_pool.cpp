@@ -19,6 +19,7 @@ std::string tag_name(std::uint32_t tag) {
 scoped_tag::scoped_tag(std::uint32_t tag) noexcept : previous_(current_tag) { current_tag = tag; }
 scoped_tag::~scoped_tag() { current_tag = previous_; }
 std::uint32_t scoped_tag::current() noexcept { return current_tag; }
+void scoped_tag::set_current(std::uint32_t tag) noexcept { current_tag = tag; }
 
 tagged_pool::tagged_pool(pool_base& untagged, pool_options options)
     : memory_resource(untagged.device_platform(), untagged.device()),

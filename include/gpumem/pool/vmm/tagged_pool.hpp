@@ -45,6 +45,8 @@ class scoped_tag {
   scoped_tag(const scoped_tag&) = delete;
   scoped_tag& operator=(const scoped_tag&) = delete;
   static std::uint32_t current() noexcept;
+  // Sets the thread's current tag without a scope (the C API's gpumem_set_current_tag).
+  static void set_current(std::uint32_t tag) noexcept;
 
  private:
   std::uint32_t previous_;
