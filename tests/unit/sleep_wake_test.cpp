@@ -256,7 +256,9 @@ TEST_P(SleepWakeFaults, EveryPositionLeavesAValidPoolAndARetryCompletes) {
   }
   EXPECT_GT(failures, 0u) << "no injected failure reached sleep or wake";
   // Failures after the first page slept leave the tag partly asleep (and refusing).
-  if (fc.op == platform_op::release_physical || fc.in_wake) EXPECT_GT(left_partly_asleep, 0u);
+  if (fc.op == platform_op::release_physical || fc.in_wake) {
+    EXPECT_GT(left_partly_asleep, 0u);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
