@@ -173,6 +173,24 @@ TEST_F(SleepWake, FreeWhileAsleepIsAllowedAndItsPagesAreGivenBack) {
   pool.deallocate(keep, 8 * MiB);
 }
 
+// The fixture's TearDown checks that the device holds nothing afterwards: no handle,
+// mapping, range or pinned host block.
+TEST_F(SleepWake, DestroyingASleepingOrHalfAsleepPoolLeaksNothing) {
+  {
+    vmm_page_pool untagged(sim);
+    tagged_pool pool(untagged, {});
+    (void)fill_tag(pool, 1);
+    (void)fill_tag(pool, 2);
+    pool.sleep(1, sleep_mode::offload);
+    sim.inject_fault(platform_op::release_physical, sim_fault{2, false, 0.0, failure_kind::driver_error});
+    EXPECT_THROW(pool.sleep(2, sleep_mode::offload), cuda_error);
+    sim.clear_faults();
+    EXPECT_TRUE(pool.asleep(2));
+    EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  }
+  EXPECT_TRUE(sim.is_valid()) << sim.validate();
+}
+
 TEST_F(SleepWake, CachingPoolSaysNotSupported) {
   runtime_resource upstream(sim);
   caching_pool untagged(upstream);

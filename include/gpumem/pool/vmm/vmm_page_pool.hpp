@@ -87,7 +87,8 @@
 //    pressure, past the release threshold, or on trim().
 //
 // Invariants (validate()):
-//  - reserved_bytes == sum of live chunk sizes == (mapped + spare chunk pages) * page_size;
+//  - reserved_bytes == sum of live chunk sizes == (mapped + spare chunk pages) * page_size,
+//    less the pages of chunks asleep (sleep(): handle released, pages kept in the table);
 //  - a mapped chunk's pages all name it in the page table, and are covered by arena blocks;
 //  - each live chunk is mapped once, in the spare list, or lent out — exactly one of these.
 //
