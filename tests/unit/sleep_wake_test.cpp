@@ -11,7 +11,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <csignal>
+#include <thread>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -189,6 +191,49 @@ TEST_F(SleepWake, DestroyingASleepingOrHalfAsleepPoolLeaksNothing) {
     EXPECT_TRUE(pool.is_valid()) << pool.validate();
   }
   EXPECT_TRUE(sim.is_valid()) << sim.validate();
+}
+
+// Allocations racing sleep and wake: each fails with invalid_argument (the tag sleeps) or
+// succeeds; frees of the tag go on throughout. Afterwards (awake) every allocation still
+// held is mapped (written: a pointer into a sleeping page would fault) and the pool valid.
+// (Touching the memory while it sleeps is the caller's error, so the worker does not.)
+TEST_F(SleepWake, AllocationsRacingSleepAndWakeGetMemoryOrARefusal) {
+  vmm_page_pool untagged(sim);
+  tagged_pool pool(untagged, {});
+  void* resident = pool.allocate(8 * MiB, 256, {}, 1);
+  write_pattern(resident, 8 * MiB, 2);
+  std::atomic<bool> stop{false};
+  std::atomic<std::size_t> served{0}, refused{0};
+  std::vector<std::pair<void*, std::size_t>> held;
+  std::thread worker([&] {
+    for (std::size_t i = 0; !stop.load(); ++i) {
+      const std::size_t bytes = (i % 7 + 1) * 300 * 1024;
+      try {
+        held.emplace_back(pool.allocate(bytes, 256, {}, 1), bytes);
+        served.fetch_add(1);
+      } catch (const invalid_argument&) {
+        refused.fetch_add(1);
+      }
+      if (held.size() > 8) {
+        pool.deallocate(held.front().first, held.front().second);  // allowed asleep too
+        held.erase(held.begin());
+      }
+    }
+  });
+  for (int cycle = 0; cycle < 20; ++cycle) {
+    pool.sleep(1, sleep_mode::offload);
+    std::this_thread::yield();
+    pool.wake(1);
+    std::this_thread::yield();
+  }
+  stop.store(true);
+  worker.join();
+  EXPECT_GT(served.load(), 0u);
+  for (auto& [p, n] : held) std::memset(p, 0x3c, n);
+  for (auto& [p, n] : held) pool.deallocate(p, n);
+  EXPECT_TRUE(has_pattern(resident, 8 * MiB, 2));
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.deallocate(resident, 8 * MiB);
 }
 
 TEST_F(SleepWake, CachingPoolSaysNotSupported) {
