@@ -53,4 +53,11 @@ class invalid_argument : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+// The resource cannot do what was asked (sleep on a caching pool, sharing on a platform
+// without it); nothing changed.
+class not_supported : public std::logic_error {
+ public:
+  using std::logic_error::logic_error;
+};
+
 }  // namespace gpumem

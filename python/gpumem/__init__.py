@@ -188,6 +188,18 @@ def _declare(lib):
         "gpumem_stream_destroy": (c.c_int, [pool_p, c.c_void_p]),
         "gpumem_stream_synchronize": (c.c_int, [pool_p, c.c_void_p]),
         "gpumem_snapshot": (c.c_int, [pool_p, c.c_char_p]),
+        "gpumem_set_current_tag": (c.c_uint32, [c.c_uint32]),
+        "gpumem_current_tag": (c.c_uint32, []),
+        "gpumem_allocate_tagged": (c.c_int, [pool_p, c.c_size_t, c.c_size_t, c.c_void_p,
+                                             c.c_uint32, c.POINTER(c.c_void_p)]),
+        "gpumem_sleep": (c.c_int, [pool_p, c.c_uint32, c.c_int, c.c_void_p]),
+        "gpumem_wake": (c.c_int, [pool_p, c.c_uint32, c.c_void_p]),
+        "gpumem_tag_asleep": (c.c_int, [pool_p, c.c_uint32]),
+        "gpumem_tag_stats": (c.c_int, [pool_p, c.c_uint32, c.POINTER(Stats)]),
+        "gpumem_device_memory": (c.c_int, [pool_p, c.POINTER(c.c_size_t),
+                                           c.POINTER(c.c_size_t)]),
+        "gpumem_export": (c.c_int, [pool_p, c.c_void_p, c.POINTER(c.c_int)]),
+        "gpumem_import": (c.c_int, [pool_p, c.c_int, c.c_size_t, c.POINTER(c.c_void_p)]),
         "gpumem_torch_pool": (pool_p, [c.c_int]),
         "gpumem_torch_pool_exists": (c.c_int, [c.c_int]),
         "gpumem_torch_stats": (c.c_int, [c.c_int, c.POINTER(Stats)]),
@@ -353,6 +365,40 @@ def _stream_value(stream):
     return _pointer(stream, "stream")
 
 
+# Tags (gpumem.h): 0 is untagged; SHARED_TAG holds memory shared between processes.
+SHARED_TAG = 0xFFFFFFFF
+SLEEP_MODES = {"offload": 0, "discard": 1}
+_tag_ids = {"shared": SHARED_TAG}
+_tag_lock = threading.Lock()
+
+
+def tag_id(tag):
+    """A tag as the C API's integer: an int as is (0 .. 2**32-1), a name ("weights", "kv")
+    the same number every time in this process (names are numbered from 1 in the order
+    first seen; "shared" is SHARED_TAG)."""
+    if isinstance(tag, str):
+        _text(tag, "tag name")
+        with _tag_lock:
+            if tag not in _tag_ids:
+                used = set(_tag_ids.values())
+                n = 1
+                while n in used:
+                    n += 1
+                _tag_ids[tag] = n
+            return _tag_ids[tag]
+    return _unsigned(tag, "tag", 32)
+
+
+def _sleep_mode(mode):
+    if isinstance(mode, str):
+        if mode not in SLEEP_MODES:
+            raise ValueError("gpumem: sleep mode must be 'offload' or 'discard', got %r" % mode)
+        return SLEEP_MODES[mode]
+    if mode not in (0, 1) or isinstance(mode, bool):
+        raise ValueError("gpumem: sleep mode must be 0 (offload) or 1 (discard), got %r" % (mode,))
+    return mode
+
+
 class Pool:
     """A gpumem pool (gpumem_pool_create). `config` is a GPUMEM_CONF string; allocator,
     device and platform, when given, are added to it as the C API's keys."""
@@ -472,6 +518,55 @@ class Pool:
 
     def snapshot(self, path):
         _check(self._lib, self._lib.gpumem_snapshot(self.handle, _path(path)))
+
+    # --- tags, sleep / wake, sharing (gpumem.h) ------------------------------------------
+    def malloc_tagged(self, size, tag, stream=None, alignment=256):
+        """An allocation in `tag` (an int or a name, see tag_id)."""
+        out = ctypes.c_void_p()
+        _check(self._lib, self._lib.gpumem_allocate_tagged(
+            self.handle, _size(size), _size(alignment, "alignment"), _stream_value(stream),
+            tag_id(tag), ctypes.byref(out)))
+        return out.value
+
+    def sleep(self, tag, mode="offload", stream=None):
+        """Releases every page of `tag` keeping its addresses (offload: bytes to the host)."""
+        _check(self._lib, self._lib.gpumem_sleep(self.handle, tag_id(tag), _sleep_mode(mode),
+                                                 _stream_value(stream)))
+
+    def wake(self, tag, stream=None):
+        """Maps new pages at the same addresses and restores the offloaded bytes."""
+        _check(self._lib, self._lib.gpumem_wake(self.handle, tag_id(tag), _stream_value(stream)))
+
+    def asleep(self, tag):
+        r = self._lib.gpumem_tag_asleep(self.handle, tag_id(tag))
+        if r < 0:
+            _raise(self._lib, self._lib.gpumem_last_status())
+        return bool(r)
+
+    def tag_stats(self, tag):
+        s = Stats()
+        _check(self._lib, self._lib.gpumem_tag_stats(self.handle, tag_id(tag), ctypes.byref(s)))
+        return s.as_dict()
+
+    def device_memory(self):
+        """(free, total) bytes of the pool's device, as the driver reports them."""
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        _check(self._lib, self._lib.gpumem_device_memory(self.handle, ctypes.byref(free),
+                                                         ctypes.byref(total)))
+        return free.value, total.value
+
+    def export(self, ptr):
+        """A new file descriptor (the caller's) for a live allocation of the shared tag."""
+        fd = ctypes.c_int(-1)
+        _check(self._lib, self._lib.gpumem_export(self.handle, _pointer(ptr), ctypes.byref(fd)))
+        return fd.value
+
+    def import_fd(self, fd, size):
+        """Maps memory another process exported; free it with free(ptr, size)."""
+        out = ctypes.c_void_p()
+        _check(self._lib, self._lib.gpumem_import(self.handle, _unsigned(fd, "fd", _INT_BITS - 1),
+                                                  _size(size), ctypes.byref(out)))
+        return out.value
 
     def stream_create(self):
         out = ctypes.c_void_p()

@@ -543,3 +543,52 @@ def memory_summary(device=None, abbreviated=False):  # pylint: disable=unused-ar
                  % (st["num_device_alloc"], st["num_device_free"]))
     lines.append(heavy)
     return "\n".join(lines) + "\n"
+
+
+# --- tags, sleep and wake (gpumem.h) --------------------------------------------------------
+
+class tag:  # pylint: disable=invalid-name
+    """`with gpumem.torch.tag("weights"): model = build()` places the tensors allocated
+    inside (by this thread, through the plug-in) in the tag's own pages, so they can sleep
+    and wake together (sleep, wake) or, for the tag "shared", be shared with other
+    processes (gpumem.ipc). Untagged allocations keep tag 0. Nests."""
+
+    def __init__(self, name):
+        self.id = gpumem.tag_id(name)
+        self._previous = None
+
+    def __enter__(self):
+        self._previous = gpumem.load().gpumem_set_current_tag(self.id)
+        return self
+
+    def __exit__(self, *exc):
+        gpumem.load().gpumem_set_current_tag(self._previous)
+        return False
+
+
+def _current_stream(device):
+    import torch  # pylint: disable=import-outside-toplevel
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def sleep(tag_name, mode="offload", device=None):
+    """Gives the tag's device memory back to the driver, keeping every address: 'offload'
+    copies the bytes to pinned host memory first, 'discard' drops them (the KV cache).
+    Waits for the device's work first. Tensors, pointers and CUDA graphs made before stay
+    valid after wake(); allocating in the tag meanwhile raises gpumem.InvalidArgumentError."""
+    import torch  # pylint: disable=import-outside-toplevel
+    index = _device_index(device)
+    torch.cuda.synchronize(index)
+    pool(index).sleep(tag_name, mode, _current_stream(index))
+
+
+def wake(tag_name, device=None):
+    """Maps new pages at the tag's addresses and restores its offloaded bytes, ordered on
+    the current stream before any work queued after it."""
+    index = _device_index(device)
+    pool(index).wake(tag_name, _current_stream(index))
+
+
+def tag_stats(tag_name, device=None):
+    """Live and reserved bytes of one tag."""
+    return pool(_device_index(device)).tag_stats(tag_name)

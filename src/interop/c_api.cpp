@@ -78,7 +78,12 @@ struct pool_body {
   std::mutex streams_mutex;
   std::vector<std::uintptr_t> made_streams;
 
+  // Tags, sleep / wake, sharing (c_api_vmm.cpp): made on first use, destroyed first.
+  std::mutex vmm_mutex;
+  std::atomic<gpumem::detail::c_api_vmm_state*> vmm{nullptr};
+
   ~pool_body() {
+    gpumem::detail::c_api_vmm_destroy(vmm.load());
     planner.reset();  // before the pool it stands on
     // The pool first: its destructor may still wait for work on these streams.
     pool.reset();
@@ -305,6 +310,19 @@ pool_body* live_body(gpumem_pool* pool, const char* where) noexcept {
   return nullptr;
 }
 
+// Whether untagged allocations are refused because tag 0 sleeps (gpumem_sleep); sets the
+// error then. One atomic load while no tag was ever used.
+bool untagged_asleep(const pool_body& body, const char* where) noexcept {
+  const auto* vmm = body.vmm.load(std::memory_order_acquire);
+  if (vmm == nullptr || !gpumem::detail::c_api_vmm_untagged_asleep(vmm)) return false;
+  char text[160];
+  std::snprintf(text, sizeof text,
+                "%s: the untagged memory (tag 0) is asleep; gpumem_wake it before allocating",
+                where);
+  fail(GPUMEM_ERROR_INVALID_ARGUMENT, text);
+  return true;
+}
+
 // Whether `addr` is the address of a live allocation this pool handed out (through the
 // planner when there is one: its planned allocations too).
 // The pool has no lookup of one address, so this reads every segment's blocks: O(blocks),
@@ -446,6 +464,7 @@ gpumem_status gpumem_allocate(gpumem_pool* pool, size_t size, size_t alignment, 
   *out = nullptr;
   pool_body* body = live_body(pool, "gpumem_allocate");
   if (body == nullptr) return last_error_status;
+  if (untagged_asleep(*body, "gpumem_allocate")) return last_error_status;
   return guarded("gpumem_allocate",
                  [&] { *out = body->front().allocate(size, alignment, to_stream(stream)); });
 }
@@ -454,6 +473,7 @@ void* gpumem_malloc(gpumem_pool* pool, size_t size, void* stream) {
   void* ptr = nullptr;
   pool_body* body = live_body(pool, "gpumem_malloc");
   if (body == nullptr) return nullptr;
+  if (untagged_asleep(*body, "gpumem_malloc")) return nullptr;
   guarded("gpumem_malloc", [&] {
     ptr = body->front().allocate(size, gpumem::default_alignment, to_stream(stream));
   });
@@ -463,6 +483,10 @@ void* gpumem_malloc(gpumem_pool* pool, size_t size, void* stream) {
 gpumem_status gpumem_free(gpumem_pool* pool, void* ptr, size_t size, void* stream) {
   pool_body* body = live_body(pool, "gpumem_free");
   if (body == nullptr) return last_error_status;
+  if (auto* vmm = body->vmm.load(std::memory_order_acquire); vmm != nullptr) {
+    gpumem_status result = GPUMEM_SUCCESS;
+    if (gpumem::detail::c_api_vmm_free(vmm, ptr, size, stream, result)) return result;
+  }
   return guarded("gpumem_free", [&] {
     const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
     const gpumem::stream_handle s = to_stream(stream);
@@ -763,7 +787,8 @@ gpumem_status c_api_fail(gpumem_status status, const char* text) noexcept {
 c_api_pool_parts c_api_pool(gpumem_pool* pool, const char* where) noexcept {
   pool_body* body = live_body(pool, where);
   if (body == nullptr) return {};
-  return {body->pool.get(), body->platform, body->device};
+  return {body->pool.get(), body->platform, body->device, &body->front(), &body->vmm,
+          &body->vmm_mutex};
 }
 
 }  // namespace gpumem::detail

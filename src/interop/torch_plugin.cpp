@@ -282,6 +282,15 @@ extern "C" {
 // Throws on failure (see the top of this file): an out-of-memory as c10::OutOfMemoryError
 // when built against libtorch, anything else (and any failure without libtorch) as
 // std::runtime_error. Null only for size 0.
+// The thread's current tag (gpumem_current_tag: gpumem.torch.tag) places the tensor: tag 0
+// as gpumem_malloc, others in the tag's own pages.
+static void* allocate_in_current_tag(gpumem_pool* pool, size_t size, void* stream) noexcept {
+  const uint32_t tag = gpumem_current_tag();
+  if (tag == 0) return gpumem_malloc(pool, size, stream);
+  void* ptr = nullptr;
+  return gpumem_allocate_tagged(pool, size, 256, stream, tag, &ptr) == GPUMEM_SUCCESS ? ptr : nullptr;
+}
+
 GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
   if (size == 0) return nullptr;  // PyTorch's own allocator returns null for empty tensors
   std::string why;
@@ -302,7 +311,7 @@ GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
   } else if (gpumem_pool* pool = pool_for(device); pool == nullptr) {
     why = "gpumem_torch: " + (pool_failure_.empty() ? std::string("pool creation failed")
                                                     : pool_failure_);
-  } else if (void* ptr = gpumem_malloc(pool, static_cast<size_t>(size), stream)) {
+  } else if (void* ptr = allocate_in_current_tag(pool, static_cast<size_t>(size), stream)) {
     count_allocation(device, pool, static_cast<std::uint64_t>(size));
     record(GPUMEM_TORCH_EVENT_ALLOC, device, ptr, static_cast<std::uint64_t>(size), stream);
     return ptr;

@@ -174,6 +174,45 @@ struct driver_api {
   }
 };
 
+// Entry points for sharing memory between processes: optional (a driver without them
+// still serves everything else; sharing then answers not_supported), loaded on first use.
+using pfn_mem_export = CUresult(CUDAAPI*)(void*, CUmemGenericAllocationHandle,
+                                          CUmemAllocationHandleType, unsigned long long);
+using pfn_mem_import = CUresult(CUDAAPI*)(CUmemGenericAllocationHandle*, void*,
+                                          CUmemAllocationHandleType);
+using pfn_mem_get_properties = CUresult(CUDAAPI*)(CUmemAllocationProp*,
+                                                  CUmemGenericAllocationHandle);
+static_assert(std::is_same_v<pfn_mem_export, decltype(&::cuMemExportToShareableHandle)>);
+static_assert(std::is_same_v<pfn_mem_import, decltype(&::cuMemImportFromShareableHandle)>);
+static_assert(std::is_same_v<pfn_mem_get_properties,
+                             decltype(&::cuMemGetAllocationPropertiesFromHandle)>);
+
+struct sharing_api {
+  pfn_mem_export mem_export = nullptr;
+  pfn_mem_import mem_import = nullptr;
+  pfn_mem_get_properties mem_get_properties = nullptr;
+  bool loaded = false;
+
+  template <class Fn>
+  static bool load_one(const char* symbol, Fn& fn) {
+    void* address = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    const cudaError_t e = cudaGetDriverEntryPointByVersion(symbol, &address, driver_abi_version,
+                                                           cudaEnableDefault, &found);
+    if (e == cudaSuccess && found == cudaDriverEntryPointSuccess && address != nullptr) {
+      fn = reinterpret_cast<Fn>(address);
+      return true;
+    }
+    (void)cudaGetLastError();
+    return false;
+  }
+  void load() {
+    loaded = load_one("cuMemExportToShareableHandle", mem_export) &&
+             load_one("cuMemImportFromShareableHandle", mem_import) &&
+             load_one("cuMemGetAllocationPropertiesFromHandle", mem_get_properties);
+  }
+};
+
 // Two helpers: what kind of failure a CUDA error code is, for layers above that know no
 // CUDA codes. An invalid device ordinal is "no such device", hence no_device.
 failure_kind runtime_failure_kind(cudaError_t e) noexcept {
@@ -463,6 +502,64 @@ class cuda_platform final : public platform {
     CUmemGenericAllocationHandle handle = 0;
     const CUresult r = api_.mem_create(&handle, size, &prop, 0);
     if (r != CUDA_SUCCESS) return driver_failure(op, r);
+    return physical_handle{static_cast<std::uint64_t>(handle)};
+  }
+
+  // --- sharing between processes ---------------------------------------------------------
+  result<physical_handle> create_shareable_physical(int device, std::size_t size) override {
+    constexpr platform_op op = platform_op::create_physical;
+    calls_.add(op);
+    relaxed_capture relaxed;
+    CUmemAllocationProp prop = pinned_device_prop(device);
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    CUmemGenericAllocationHandle handle = 0;
+    const CUresult r = api_.mem_create(&handle, size, &prop, 0);
+    if (r != CUDA_SUCCESS) return driver_failure(op, r);
+    return physical_handle{static_cast<std::uint64_t>(handle)};
+  }
+
+  result<int> export_handle(physical_handle handle) override {
+    constexpr platform_op op = platform_op::export_handle;
+    calls_.add(op);
+    const sharing_api& api = sharing();
+    if (!api.loaded)
+      return status::failure(op, failure_kind::not_supported, CUDA_ERROR_NOT_SUPPORTED,
+                             "CUDA_ERROR_NOT_SUPPORTED",
+                             "the driver lacks cuMemExportToShareableHandle");
+    int fd = -1;
+    const CUresult r =
+        api.mem_export(&fd, static_cast<CUmemGenericAllocationHandle>(handle.value),
+                       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+    if (r != CUDA_SUCCESS) return driver_failure(op, r);
+    return fd;
+  }
+
+  result<physical_handle> import_handle(int device, int fd, std::size_t size) override {
+    constexpr platform_op op = platform_op::import_handle;
+    calls_.add(op);
+    (void)size;  // the driver reports no size for an imported handle: cuMemMap checks it
+    const sharing_api& api = sharing();
+    if (!api.loaded)
+      return status::failure(op, failure_kind::not_supported, CUDA_ERROR_NOT_SUPPORTED,
+                             "CUDA_ERROR_NOT_SUPPORTED",
+                             "the driver lacks cuMemImportFromShareableHandle");
+    CUmemGenericAllocationHandle handle = 0;
+    const CUresult r = api.mem_import(
+        &handle, reinterpret_cast<void*>(static_cast<std::uintptr_t>(fd)),
+        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    if (r != CUDA_SUCCESS) return driver_failure(op, r);
+    CUmemAllocationProp prop{};
+    const CUresult q = api.mem_get_properties(&prop, handle);
+    if (q != CUDA_SUCCESS || prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
+        prop.location.id != device) {
+      (void)api_.mem_release(handle);
+      if (q != CUDA_SUCCESS) return driver_failure(op, q);
+      return status::failure(op, failure_kind::invalid_value, CUDA_ERROR_INVALID_VALUE,
+                             "CUDA_ERROR_INVALID_VALUE",
+                             "the exported memory is on device " +
+                                 std::to_string(prop.location.id) + ", not on device " +
+                                 std::to_string(device));
+    }
     return physical_handle{static_cast<std::uint64_t>(handle)};
   }
 
@@ -826,7 +923,14 @@ class cuda_platform final : public platform {
     return status::success();
   }
 
+  const sharing_api& sharing() {
+    std::call_once(sharing_once_, [this] { sharing_.load(); });
+    return sharing_;
+  }
+
   const driver_api api_;
+  std::once_flag sharing_once_;
+  sharing_api sharing_;
   const int device_count_;
   std::unique_ptr<std::atomic<CUcontext>[]> primary_contexts_;  // nullptr: not retained
   std::unique_ptr<CUdevice[]> primary_devices_;  // written before its context is published

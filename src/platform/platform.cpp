@@ -43,9 +43,34 @@ std::string_view platform_op_name(platform_op op) noexcept {
     case platform_op::memset_async: return "cudaMemsetAsync";
     case platform_op::async_malloc: return "cudaMallocAsync";
     case platform_op::async_free: return "cudaFreeAsync";
+    case platform_op::export_handle: return "cuMemExportToShareableHandle";
+    case platform_op::import_handle: return "cuMemImportFromShareableHandle";
     case platform_op::count_: break;
   }
   return "unknown";
+}
+
+// Platforms without sharing between processes.
+result<physical_handle> platform::create_shareable_physical(int device, std::size_t size) {
+  (void)device, (void)size;
+  calls_.add(platform_op::create_physical);
+  return status::failure(platform_op::create_physical, failure_kind::not_supported, 801,
+                         "CUDA_ERROR_NOT_SUPPORTED",
+                         "this platform has no shareable physical memory");
+}
+
+result<int> platform::export_handle(physical_handle handle) {
+  (void)handle;
+  calls_.add(platform_op::export_handle);
+  return status::failure(platform_op::export_handle, failure_kind::not_supported, 801,
+                         "CUDA_ERROR_NOT_SUPPORTED", "this platform cannot export memory");
+}
+
+result<physical_handle> platform::import_handle(int device, int fd, std::size_t size) {
+  (void)device, (void)fd, (void)size;
+  calls_.add(platform_op::import_handle);
+  return status::failure(platform_op::import_handle, failure_kind::not_supported, 801,
+                         "CUDA_ERROR_NOT_SUPPORTED", "this platform cannot import memory");
 }
 
 std::string status::describe() const {

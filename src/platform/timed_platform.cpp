@@ -178,4 +178,22 @@ status timed_platform::async_free(void* ptr, stream_handle stream) {
   return timed(ns_[static_cast<std::size_t>(platform_op::async_free)], [&] { return inner_.async_free(ptr, stream); });
 }
 
+result<physical_handle> timed_platform::create_shareable_physical(int device, std::size_t size) {
+  calls_.add(platform_op::create_physical);
+  return timed(ns_[static_cast<std::size_t>(platform_op::create_physical)],
+               [&] { return inner_.create_shareable_physical(device, size); });
+}
+
+result<int> timed_platform::export_handle(physical_handle handle) {
+  calls_.add(platform_op::export_handle);
+  return timed(ns_[static_cast<std::size_t>(platform_op::export_handle)],
+               [&] { return inner_.export_handle(handle); });
+}
+
+result<physical_handle> timed_platform::import_handle(int device, int fd, std::size_t size) {
+  calls_.add(platform_op::import_handle);
+  return timed(ns_[static_cast<std::size_t>(platform_op::import_handle)],
+               [&] { return inner_.import_handle(device, fd, size); });
+}
+
 }  // namespace gpumem

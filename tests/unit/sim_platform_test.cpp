@@ -754,6 +754,11 @@ class op_harness {
       case platform_op::driver_free: drv_ = sim_.driver_alloc(0, 4096).value(); break;
       case platform_op::host_free: host_ = sim_.host_alloc_pinned(4096).value(); break;
       case platform_op::async_free: async_ = sim_.async_malloc(0, 4096, {}).value(); break;
+      case platform_op::export_handle: handle_ = sim_.create_shareable_physical(0, g_).value(); break;
+      case platform_op::import_handle:
+        handle_ = sim_.create_shareable_physical(0, g_).value();
+        fd_ = sim_.export_handle(handle_).value();
+        break;
       case platform_op::stream_destroy:
       case platform_op::stream_synchronize:
       case platform_op::stream_device: stream_ = sim_.stream_create(0).value(); break;
@@ -881,6 +886,16 @@ class op_harness {
         if (s.ok()) async_ = nullptr;
         return s;
       }
+      case platform_op::export_handle: {
+        auto r = sim_.export_handle(handle_);
+        if (r.ok()) ::close(r.value());
+        return as_status(r);
+      }
+      case platform_op::import_handle: {
+        auto r = sim_.import_handle(0, fd_, g_);
+        if (r.ok()) (void)sim_.release_physical(r.value());
+        return as_status(r);
+      }
       case platform_op::count_: break;
     }
     ADD_FAILURE() << "no way to drive platform_op " << static_cast<int>(op);
@@ -913,6 +928,8 @@ class op_harness {
     stream_ = {};
     if (event_.value != 0) (void)sim_.event_destroy(event_);
     event_ = {};
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
   }
 
  private:
@@ -927,6 +944,7 @@ class op_harness {
   std::size_t g_;
   std::uintptr_t range_ = 0;
   physical_handle handle_{};
+  int fd_ = -1;
   bool mapped_ = false;
   void* rt_ = nullptr;
   void* drv_ = nullptr;

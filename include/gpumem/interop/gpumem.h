@@ -211,6 +211,72 @@ GPUMEM_API gpumem_status gpumem_stream_synchronize(gpumem_pool* pool, void* stre
  * exporter. */
 GPUMEM_API gpumem_status gpumem_snapshot(gpumem_pool* pool, const char* path);
 
+/* --- Tags, sleep and wake ------------------------------------------------------------
+ * Every allocation carries a tag: 0 for gpumem_malloc / gpumem_allocate (untagged), any
+ * other value through gpumem_allocate_tagged. Each tag other than 0 has a vmm_page_pool of
+ * its own (made on first use, the pool's options without a reservation up front), so two
+ * tags never share a page. gpumem_free frees an allocation of any tag.
+ *
+ * gpumem_sleep(pool, tag, mode, stream) gives back to the driver the physical memory of
+ * every page of the tag, keeping every virtual address reserved: mode 0 (offload) copies
+ * the bytes to pinned host memory first, mode 1 (discard) drops them. Work on `stream`
+ * queued before is complete before the pages go; work on other streams that uses the
+ * memory must be complete already. gpumem_wake(pool, tag, stream) maps new pages at the
+ * same addresses and copies the offloaded bytes back on `stream`, before any work queued
+ * on `stream` after it: pointers, tensors and CUDA graphs made before the sleep stay valid.
+ * Refusals (nothing changes, no byte is lost):
+ *  - GPUMEM_ERROR_INVALID_ARGUMENT: an allocation in a sleeping tag (tag 0: gpumem_malloc
+ *    too), a sleep of a sleeping tag, a wake of a tag that does not sleep, a mode other
+ *    than 0 or 1, the shared tag;
+ *  - GPUMEM_ERROR_NOT_SUPPORTED: tag 0 of a caching_pool (it cannot keep addresses);
+ *  - GPUMEM_ERROR_OUT_OF_MEMORY from gpumem_wake: the device has no room; the offloaded
+ *    bytes stay on the host and a later gpumem_wake succeeds once there is room;
+ *  - GPUMEM_ERROR_CUDA: a driver call failed halfway; the tag is then partly asleep (still
+ *    refusing allocations) and the same call again completes it.
+ * Freeing an allocation of a sleeping tag is allowed; its pages are given back at wake. */
+#define GPUMEM_SLEEP_OFFLOAD 0
+#define GPUMEM_SLEEP_DISCARD 1
+/* The tag of memory shared between processes: each allocation owns a physical handle that
+ * gpumem_export can give to another process. Its allocations do not sleep. */
+#define GPUMEM_TAG_SHARED 0xFFFFFFFFu
+
+/* The calling thread's current tag (0 initially): gpumem_set_current_tag returns the one
+ * it replaces. The PyTorch plug-in (gpumem_torch_malloc) places allocations in the current
+ * tag, so `with gpumem.torch.tag(...)` tags the tensors made inside it. */
+GPUMEM_API uint32_t gpumem_set_current_tag(uint32_t tag);
+GPUMEM_API uint32_t gpumem_current_tag(void);
+GPUMEM_API gpumem_status gpumem_allocate_tagged(gpumem_pool* pool, size_t size,
+                                                size_t alignment, void* stream, uint32_t tag,
+                                                void** out);
+GPUMEM_API gpumem_status gpumem_sleep(gpumem_pool* pool, uint32_t tag, int mode /* 0 offload, 1 discard */,
+                                      void* stream);
+GPUMEM_API gpumem_status gpumem_wake(gpumem_pool* pool, uint32_t tag, void* stream);
+/* 1 when the tag sleeps (wholly or partly), 0 when awake, -1 for a bad pool. */
+GPUMEM_API int gpumem_tag_asleep(gpumem_pool* pool, uint32_t tag);
+/* Stats of one tag (all zero for a tag never used). */
+GPUMEM_API gpumem_status gpumem_tag_stats(gpumem_pool* pool, uint32_t tag, gpumem_stats* out);
+/* The pool's device memory as the driver reports it (cudaMemGetInfo). */
+GPUMEM_API gpumem_status gpumem_device_memory(gpumem_pool* pool, size_t* free_bytes,
+                                              size_t* total_bytes);
+
+/* --- Sharing device memory between processes ----------------------------------------
+ * gpumem_export gives a new file descriptor (close-on-exec, the caller's to close) for a
+ * live allocation of GPUMEM_TAG_SHARED (CUDA: a POSIX file descriptor handle). Another
+ * process receives it (gpumem_send_fd / gpumem_receive_fd: SCM_RIGHTS over a connected
+ * Unix socket) and gpumem_import maps it in a range of its own pool: the same memory, no
+ * copy. gpumem_free(pool, ptr, size, stream) on the imported pointer unmaps it. The memory
+ * lives while any process maps it or holds a descriptor: the exporter may free its
+ * allocation first, and an importer that exits or is killed leaks nothing of the
+ * exporter's. Bad input gives GPUMEM_ERROR_INVALID_ARGUMENT: export of a pointer that is
+ * not a live shared allocation; import of a closed or foreign descriptor, of a size that
+ * does not match the exported memory (sim checks it exactly; CUDA refuses a larger size at
+ * the mapping), of memory of another device than the pool's. */
+GPUMEM_API gpumem_status gpumem_export(gpumem_pool* pool, void* ptr, int* fd_out);
+GPUMEM_API gpumem_status gpumem_import(gpumem_pool* pool, int fd, size_t size, void** ptr_out);
+/* Sends `fd` with `size` over a connected Unix domain socket; receives them. */
+GPUMEM_API gpumem_status gpumem_send_fd(int socket, int fd, uint64_t size);
+GPUMEM_API gpumem_status gpumem_receive_fd(int socket, int* fd_out, uint64_t* size_out);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

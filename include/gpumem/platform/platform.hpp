@@ -56,6 +56,8 @@ enum class platform_op : std::uint8_t {
   memset_async,
   async_malloc,
   async_free,
+  export_handle,
+  import_handle,
   count_
 };
 inline constexpr std::size_t platform_op_count = static_cast<std::size_t>(platform_op::count_);
@@ -242,6 +244,26 @@ class platform {
   // is measured against.
   virtual result<void*> async_malloc(int device, std::size_t size, stream_handle stream) = 0;
   virtual status async_free(void* ptr, stream_handle stream) = 0;
+
+  // --- sharing physical memory between processes -----------------------------------------
+  // The physical memory behind a handle lives while any process holds a handle to it or
+  // maps it: a process that exits (or is killed) drops its share, and nothing of another
+  // process's is lost or leaked. Platforms without sharing answer not_supported (the
+  // defaults below).
+  // A physical handle that export_handle accepts: cuMemCreate with the POSIX file
+  // descriptor handle type requested (counted as create_physical). Sim: its frames are a
+  // memfd of their own.
+  virtual result<physical_handle> create_shareable_physical(int device, std::size_t size);
+  // A new close-on-exec file descriptor for `handle` (cuMemExportToShareableHandle), the
+  // caller's to close or to pass to another process (SCM_RIGHTS over a Unix socket).
+  // invalid_value for a handle not made by create_shareable_physical.
+  virtual result<int> export_handle(physical_handle handle);
+  // A handle on `device` for memory exported as `fd` (cuMemImportFromShareableHandle); the
+  // fd stays the caller's. `size` (a multiple of the granularity) is what the caller will
+  // map: invalid_value when the exported memory is smaller (sim, and cuda where the driver
+  // says), when `fd` is closed or not an exported handle, or when the memory is another
+  // device's. Released with release_physical, mapped with map like any handle.
+  virtual result<physical_handle> import_handle(int device, int fd, std::size_t size);
 
   // --- accounting ----------------------------------------------------------------------
   const call_counters& calls() const noexcept { return calls_; }

@@ -126,6 +126,11 @@ class sim_platform final : public platform {
   // Sim has no stream-ordered pool of its own: these allocate and free at once.
   result<void*> async_malloc(int device, std::size_t size, stream_handle stream) override;
   status async_free(void* ptr, stream_handle stream) override;
+  // Sharing (src/platform/sim_sharing.cpp): a shareable handle's bytes are a memfd of its
+  // own, exported as a duplicate of it and imported by another process's sim device.
+  result<physical_handle> create_shareable_physical(int device, std::size_t size) override;
+  result<int> export_handle(physical_handle handle) override;
+  result<physical_handle> import_handle(int device, int fd, std::size_t size) override;
 
   struct state;  // detail
 

@@ -56,6 +56,9 @@ class timed_platform final : public platform {
   status memset_async(void* dst, int value, std::size_t bytes, stream_handle stream) override;
   result<void*> async_malloc(int device, std::size_t size, stream_handle stream) override;
   status async_free(void* ptr, stream_handle stream) override;
+  result<physical_handle> create_shareable_physical(int device, std::size_t size) override;
+  result<int> export_handle(physical_handle handle) override;
+  result<physical_handle> import_handle(int device, int fd, std::size_t size) override;
 
  private:
   platform& inner_;

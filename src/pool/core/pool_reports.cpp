@@ -298,7 +298,7 @@ std::string pool_base::validate() const {
     if (auto why = a->validate(); !why.empty()) return why;
   std::size_t held = 0;
   for (const auto& a : arenas_) held += a->allocated_bytes() + a->cached_bytes() + a->free_bytes();
-  if (held > stats_.reserved_bytes) return "arenas hold more than is reserved";
+  if (held > stats_.reserved_bytes + asleep_bytes_locked()) return "arenas hold more than is reserved";
   // Each allocated arena block is either live (recorded in one thread cache) or freed into
   // one thread cache, never both and never twice.
   std::size_t live_requested = 0, live_blocks = 0, cached_in_threads = 0, records = 0;

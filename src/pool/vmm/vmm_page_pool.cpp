@@ -8,6 +8,7 @@
 #include "gpumem/errors.hpp"
 #include "backend/ownership_registry.hpp"
 #include "pool/core/block_arena.hpp"
+#include "pool/vmm/sleep_state.hpp"
 #include "pool/vmm/vmm_worker.hpp"
 
 namespace gpumem {
@@ -118,6 +119,7 @@ vmm_page_pool::~vmm_page_pool() {
   // driver that is already shutting down.
   platform& p = device_platform();
   stop_worker();  // its queued unmaps done; what is left is unmapped here
+  forget_sleeping_chunks();  // their memory is the driver's already
   for (auto& r : retiring_) {
     (void)p.stream_synchronize(stream_handle{r.stream});
     std::size_t at = r.first_page;
@@ -246,6 +248,7 @@ void vmm_page_pool::va_insert(std::size_t first, std::size_t count) {
 }
 
 std::size_t vmm_page_pool::release_cached() {
+  if (sleeping_locked()) return 0;  // sleeping pages hold nothing; wake() trims afterwards
   reclaim(va_pages_, true);
   retire_completed(true);
   std::size_t released = 0;
@@ -308,7 +311,8 @@ std::string vmm_page_pool::validate_holdings() const {
     for (std::size_t p = 0; p < c.pages; ++p)
       if (page_table_[c.mapped_at + p] != id) return "page table disagrees with a chunk's mapping";
   }
-  if (live_pages * page_ != reserved_locked()) return "chunks do not add up to reserved";
+  if (live_pages * page_ != reserved_locked() + sleeping_pages_locked() * page_)
+    return "chunks (but sleeping ones) do not add up to reserved";
   std::size_t table_mapped = 0, table_retiring = 0;
   for (std::uint32_t id : page_table_) {
     table_mapped += id != no_chunk && id != retiring_page ? 1 : 0;

@@ -230,6 +230,9 @@ class pool_base : public memory_resource {
   // already before it fails).
   virtual std::string advice_when_free_is_split() const { return {}; }
   virtual std::string validate_holdings() const { return {}; }
+  // Bytes of the arenas' memory whose pages sleep (vmm_page_pool::sleep): released to the
+  // driver, so not reserved, while their blocks stay in the arenas. REQUIRES: mutex_ held.
+  virtual std::size_t asleep_bytes_locked() const { return 0; }
   // Guard mode (pool_options::guard; vmm_page_pool only): an allocation of its own pages
   // with an unmapped page after it. nullptr: out of memory. REQUIRES: mutex_ held.
   virtual void* allocate_guarded(std::size_t bytes, std::size_t alignment, stream_handle stream) {

@@ -9,7 +9,8 @@
 // vmm_guard.cpp.
 //
 // Invariants (validate()):
-//  - reserved_bytes == sum of live chunk sizes == (mapped + spare + lent chunk pages) * page_size;
+//  - reserved_bytes == sum of live chunk sizes == (mapped + spare + lent chunk pages) * page_size,
+//    less the pages of chunks asleep (sleep(): handle released, pages kept in the table);
 //  - a mapped chunk's pages all name it in the page table, and are covered by arena blocks;
 //  - each live chunk is mapped once, in the spare list, or lent out — exactly one of these;
 //  - a retiring run's pages are marked retiring in the page table, and each chunk's
@@ -33,7 +34,14 @@ namespace gpumem {
 
 namespace detail {
 class vmm_worker;
+struct vmm_sleep_state;
 }
+
+// What sleep does with the bytes of the pages it releases.
+enum class sleep_mode : std::uint8_t {
+  offload,  // copied to pinned host memory first, restored by wake
+  discard,  // dropped: after wake the memory holds unspecified bytes
+};
 
 struct vmm_page_counts {
   std::size_t page_size = 0;
@@ -91,6 +99,33 @@ class vmm_page_pool final : public pool_base {
   // back, when one is not a handle lent by this pool.
   void return_pages(std::span<const physical_handle> handles);
 
+  // Sleep and wake (src/pool/vmm/sleep_wake.cpp). sleep() gives cached free memory back
+  // (trim), then unmaps every page still mapped and releases its physical memory to the
+  // driver, after copying its bytes to pinned host memory (offload), keeping every virtual
+  // address reserved: reserved_bytes drops to 0. wake() creates new physical pages, maps
+  // them at the same addresses, grants access and copies the offloaded bytes back on
+  // `stream`, ordered before any work queued on `stream` after it. Pointers (and CUDA
+  // graphs that captured them) stay valid across the pair.
+  // REQUIRES: no allocation from this pool from sleep() until wake() returns (tagged_pool
+  // refuses them); before sleep(), work using the memory is queued on `stream` or complete.
+  // Frees while asleep are allowed; wake() gives the pages of blocks freed meanwhile back.
+  // Throws gpumem::invalid_argument, changing nothing, for a double sleep, a wake without
+  // sleep, guard or scrub mode, or pages lent out; gpumem::out_of_memory from wake() when
+  // the device (or the limit) lacks room; gpumem::cuda_error when a driver call fails.
+  // After a failure, part of the pages may sleep and the rest be awake: the pool is valid,
+  // no byte is lost (offloaded bytes stay on the host), and the same call again completes.
+  void sleep(sleep_mode mode, stream_handle stream = {});
+  void wake(stream_handle stream = {});
+  // Whether any page is asleep (sleep() began and wake() has not completed).
+  bool asleep() const;
+  // Bytes of pages released by sleep and not yet woken.
+  std::size_t sleeping_bytes() const;
+  // Whether `ptr` lies in this pool's virtual range.
+  bool owns(const void* ptr) const noexcept {
+    const auto a = reinterpret_cast<std::uintptr_t>(ptr);
+    return a >= va_base_ && a < va_base_ + va_pages_ * page_;
+  }
+
  protected:
   bool grow(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
             std::size_t alignment, stream_handle stream, growth kind) override;
@@ -120,6 +155,7 @@ class vmm_page_pool final : public pool_base {
   void note_gather_time(std::uint64_t started_ns, std::size_t request) noexcept;
   double slack_now() const noexcept { return std::max(options_.growth_slack, raised_slack_); }
   std::string validate_holdings() const override;
+  std::size_t asleep_bytes_locked() const override { return sleeping_pages_locked() * page_; }
   void* allocate_guarded(std::size_t bytes, std::size_t alignment, stream_handle stream) override;
   bool free_guarded(std::uintptr_t addr, std::size_t bytes, stream_handle stream) override;
 
@@ -306,6 +342,13 @@ class vmm_page_pool final : public pool_base {
   // driver serializes them, and a map beside the worker's unmaps took ~21-25 us on the
   // H200, ~1 us alone (vmm_worker.hpp).
   bool hold_unmaps_ = false;
+  // Sleep and wake's state (null until the first sleep): which chunks sleep, their host
+  // copies. A sleeping chunk stays live with its pages in the page table, its handle
+  // released (reserved bytes exclude it).
+  std::unique_ptr<detail::vmm_sleep_state> sleep_;
+  bool sleeping_locked() const noexcept;
+  void forget_sleeping_chunks() noexcept;  // the destructor's: sleeping chunks are not live
+  std::size_t sleeping_pages_locked() const noexcept;
 };
 
 }  // namespace gpumem

@@ -1,0 +1,80 @@
+// shared_memory: device memory shared between processes, without copies.
+//
+// An allocation here owns one physical handle created shareable (CUDA: the POSIX file
+// descriptor handle type requested at cuMemCreate; sim: a memfd of its own), mapped in a
+// virtual range of its own with access granted. export_fd gives a file descriptor for it,
+// which another process receives (send_fd / receive_fd: SCM_RIGHTS over a Unix socket)
+// and passes to import: the same physical memory mapped in a range of the importer's.
+// The memory lives while any process holds a handle or a mapping of it: the exporter may
+// free its allocation while an importer still reads it, and an importer that exits or is
+// killed without closing takes nothing of the exporter's.
+//
+// Invariants (validate()): every entry's range is reserved and mapped over its whole size
+// with one handle; live_bytes == sum of the requested sizes of own allocations;
+// reserved_bytes == sum of their page-rounded sizes (imports are another process's
+// memory and count in imported_bytes only).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "gpumem/backend/memory_resource.hpp"
+
+namespace gpumem {
+
+class shared_memory {
+ public:
+  shared_memory(platform& platform, int device);
+  ~shared_memory();  // unmaps and releases what is left; never throws
+  shared_memory(const shared_memory&) = delete;
+  shared_memory& operator=(const shared_memory&) = delete;
+
+  // Throws gpumem::invalid_argument (0 bytes), gpumem::out_of_memory, gpumem::not_supported
+  // (no shareable memory on this platform), gpumem::cuda_error; nothing is left behind.
+  void* allocate(std::size_t bytes);
+  // A new file descriptor for own allocation `ptr` (the caller closes it). Throws
+  // gpumem::invalid_argument for a pointer that is not one (an import, an interior one).
+  int export_fd(void* ptr);
+  // Maps memory another process exported as `fd` (the fd stays the caller's). Throws
+  // gpumem::invalid_argument for a closed or foreign fd, a size that does not match the
+  // exported memory, memory of another device; gpumem::cuda_error otherwise.
+  void* import(int fd, std::size_t bytes);
+  // Frees an own allocation or unmaps an import (`bytes` as given at allocate / import).
+  // Throws gpumem::invalid_argument, changing nothing, for an unknown pointer or size.
+  void release(void* ptr, std::size_t bytes);
+  bool owns(const void* ptr) const;
+  bool is_import(const void* ptr) const;
+
+  resource_stats stats() const;
+  std::size_t imported_bytes() const;
+  std::string validate() const;
+  int device() const noexcept { return device_; }
+
+ private:
+  struct entry {
+    std::size_t requested = 0;
+    std::size_t mapped = 0;  // page-rounded
+    physical_handle handle{};
+    bool imported = false;
+  };
+  void* map_new(physical_handle handle, std::size_t mapped, const char* caller);
+
+  platform& platform_;
+  int device_;
+  std::size_t page_ = 0;
+  mutable std::mutex mutex_;
+  std::map<std::uintptr_t, entry> entries_;
+  resource_stats stats_{};
+  std::size_t imported_bytes_ = 0;
+};
+
+// Passing a file descriptor to another process over a connected Unix domain socket
+// (SCM_RIGHTS), with `size` as the message. send_fd returns false (errno set) on failure;
+// receive_fd returns -1 (errno set) on failure or when the peer closed the socket.
+bool send_fd(int socket, int fd, std::uint64_t size);
+int receive_fd(int socket, std::uint64_t* size);
+
+}  // namespace gpumem

@@ -1,0 +1,230 @@
+// The C API's tags, sleep / wake and sharing between processes (gpumem.h) over
+// gpumem::tagged_pool.
+//
+// A pool's state (c_api_vmm_state) is made on the first call that needs it and lives until
+// the pool is destroyed (before the pool: its tag pools and shared memory go first). Tag 0
+// is the pool itself, reached through the step planner like gpumem_malloc.
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "gpumem/errors.hpp"
+#include "gpumem/interop/gpumem.h"
+#include "gpumem/pool/vmm/tagged_pool.hpp"
+#include "interop/c_api_internal.hpp"
+
+namespace gpumem::detail {
+
+struct c_api_vmm_state {
+  explicit c_api_vmm_state(pool_base& pool) : tags(pool, pool.options()) {}
+  tagged_pool tags;
+};
+
+void c_api_vmm_destroy(c_api_vmm_state* state) noexcept { delete state; }
+
+bool c_api_vmm_untagged_asleep(const c_api_vmm_state* state) noexcept {
+  try {
+    return state->tags.asleep(0);
+  } catch (...) {
+    return false;
+  }
+}
+
+}  // namespace gpumem::detail
+
+namespace {
+
+using gpumem::detail::c_api_fail;
+using gpumem::detail::c_api_vmm_state;
+
+gpumem_status fail_with(gpumem_status status, const char* where, const char* what) noexcept {
+  try {
+    return c_api_fail(status, (std::string(where) + ": " + what).c_str());
+  } catch (...) {
+    return c_api_fail(status, what);
+  }
+}
+
+// Runs f, turning every exception into a status and this thread's error text.
+template <class F>
+gpumem_status guarded(const char* where, F&& f) noexcept {
+  try {
+    f();
+    return GPUMEM_SUCCESS;
+  } catch (const gpumem::out_of_memory& e) {
+    return c_api_fail(GPUMEM_ERROR_OUT_OF_MEMORY, e.what());
+  } catch (const gpumem::invalid_argument& e) {
+    return fail_with(GPUMEM_ERROR_INVALID_ARGUMENT, where, e.what());
+  } catch (const gpumem::not_supported& e) {
+    return fail_with(GPUMEM_ERROR_NOT_SUPPORTED, where, e.what());
+  } catch (const gpumem::cuda_error& e) {
+    return fail_with(GPUMEM_ERROR_CUDA, where, e.what());
+  } catch (const std::bad_alloc&) {
+    return c_api_fail(GPUMEM_ERROR_INTERNAL, "gpumem: host memory exhausted");
+  } catch (const std::exception& e) {
+    return fail_with(GPUMEM_ERROR_INTERNAL, where, e.what());
+  } catch (...) {
+    return c_api_fail(GPUMEM_ERROR_INTERNAL, "gpumem: unknown exception");
+  }
+}
+
+gpumem::stream_handle to_stream(void* stream) noexcept {
+  return gpumem::stream_handle{reinterpret_cast<std::uintptr_t>(stream)};
+}
+
+// The pool's state, made now if need be. REQUIRES: parts.pool != nullptr.
+c_api_vmm_state& state_of(const gpumem::detail::c_api_pool_parts& parts) {
+  if (auto* s = parts.vmm->load(std::memory_order_acquire); s != nullptr) return *s;
+  std::lock_guard lock(*parts.vmm_mutex);
+  if (auto* s = parts.vmm->load(std::memory_order_acquire); s != nullptr) return *s;
+  auto* made = new c_api_vmm_state(*parts.pool);
+  parts.vmm->store(made, std::memory_order_release);
+  return *made;
+}
+
+void fill_stats(const gpumem::resource_stats& s, gpumem_stats* out) {
+  *out = gpumem_stats{};
+  out->live_bytes = s.live_bytes;
+  out->peak_live_bytes = s.peak_live_bytes;
+  out->live_allocations = s.live_allocations;
+  out->reserved_bytes = s.reserved_bytes;
+  out->peak_reserved_bytes = s.peak_reserved_bytes;
+  out->cached_bytes = s.cached_bytes;
+  out->allocations = s.allocations;
+  out->deallocations = s.deallocations;
+  out->alloc_retries = s.alloc_retries;
+  out->oom_count = s.oom_count;
+  out->fragmentation = s.fragmentation();
+}
+
+}  // namespace
+
+namespace gpumem::detail {
+
+bool c_api_vmm_free(c_api_vmm_state* state, void* ptr, std::size_t size, void* stream,
+                    gpumem_status& result) noexcept {
+  std::uint32_t tag = 0;
+  try {
+    tag = state->tags.tag_of(ptr);
+  } catch (...) {
+    return false;
+  }
+  if (tag == 0) return false;
+  result = guarded("gpumem_free", [&] { state->tags.deallocate(ptr, size, to_stream(stream)); });
+  return true;
+}
+
+}  // namespace gpumem::detail
+
+extern "C" {
+
+uint32_t gpumem_set_current_tag(uint32_t tag) {
+  const uint32_t previous = gpumem::scoped_tag::current();
+  gpumem::scoped_tag::set_current(tag);
+  return previous;
+}
+
+uint32_t gpumem_current_tag(void) { return gpumem::scoped_tag::current(); }
+
+gpumem_status gpumem_allocate_tagged(gpumem_pool* pool, size_t size, size_t alignment,
+                                     void* stream, uint32_t tag, void** out) {
+  if (out == nullptr)
+    return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_allocate_tagged: null output pointer");
+  *out = nullptr;
+  const auto parts = gpumem::detail::c_api_pool(pool, "gpumem_allocate_tagged");
+  if (parts.pool == nullptr) return gpumem_last_status();
+  return guarded("gpumem_allocate_tagged", [&] {
+    c_api_vmm_state& st = state_of(parts);
+    if (tag == 0) {
+      if (st.tags.asleep(0))
+        throw gpumem::invalid_argument("the untagged memory (tag 0) is asleep; wake it first");
+      *out = parts.front->allocate(size, alignment, to_stream(stream));
+      return;
+    }
+    *out = st.tags.allocate(size, alignment, to_stream(stream), tag);
+  });
+}
+
+gpumem_status gpumem_sleep(gpumem_pool* pool, uint32_t tag, int mode, void* stream) {
+  const auto parts = gpumem::detail::c_api_pool(pool, "gpumem_sleep");
+  if (parts.pool == nullptr) return gpumem_last_status();
+  if (mode != GPUMEM_SLEEP_OFFLOAD && mode != GPUMEM_SLEEP_DISCARD)
+    return fail_with(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_sleep",
+                     "mode must be 0 (offload) or 1 (discard)");
+  return guarded("gpumem_sleep", [&] {
+    state_of(parts).tags.sleep(tag, mode == GPUMEM_SLEEP_OFFLOAD ? gpumem::sleep_mode::offload
+                                                                : gpumem::sleep_mode::discard,
+                               to_stream(stream));
+  });
+}
+
+gpumem_status gpumem_wake(gpumem_pool* pool, uint32_t tag, void* stream) {
+  const auto parts = gpumem::detail::c_api_pool(pool, "gpumem_wake");
+  if (parts.pool == nullptr) return gpumem_last_status();
+  return guarded("gpumem_wake", [&] { state_of(parts).tags.wake(tag, to_stream(stream)); });
+}
+
+int gpumem_tag_asleep(gpumem_pool* pool, uint32_t tag) {
+  const auto parts = gpumem::detail::c_api_pool(pool, "gpumem_tag_asleep");
+  if (parts.pool == nullptr) return -1;
+  const auto* st = parts.vmm->load(std::memory_order_acquire);
+  return st != nullptr && st->tags.asleep(tag) ? 1 : 0;
+}
+
+gpumem_status gpumem_tag_stats(gpumem_pool* pool, uint32_t tag, gpumem_stats* out) {
+  if (out == nullptr)
+    return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_tag_stats: null output pointer");
+  const auto parts = gpumem::detail::c_api_pool(pool, "gpumem_tag_stats");
+  if (parts.pool == nullptr) return gpumem_last_status();
+  return guarded("gpumem_tag_stats",
+                 [&] { fill_stats(state_of(parts).tags.tag_stats(tag), out); });
+}
+
+gpumem_status gpumem_device_memory(gpumem_pool* pool, size_t* free_bytes, size_t* total_bytes) {
+  const auto parts = gpumem::detail::c_api_pool(pool, "gpumem_device_memory");
+  if (parts.pool == nullptr) return gpumem_last_status();
+  auto info = parts.device_platform->mem_info(parts.device);
+  if (!info) return fail_with(GPUMEM_ERROR_CUDA, "gpumem_device_memory", info.error().describe().c_str());
+  if (free_bytes != nullptr) *free_bytes = info.value().free;
+  if (total_bytes != nullptr) *total_bytes = info.value().total;
+  return GPUMEM_SUCCESS;
+}
+
+gpumem_status gpumem_export(gpumem_pool* pool, void* ptr, int* fd_out) {
+  if (fd_out == nullptr)
+    return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_export: null output pointer");
+  *fd_out = -1;
+  const auto parts = gpumem::detail::c_api_pool(pool, "gpumem_export");
+  if (parts.pool == nullptr) return gpumem_last_status();
+  return guarded("gpumem_export", [&] { *fd_out = state_of(parts).tags.export_allocation(ptr); });
+}
+
+gpumem_status gpumem_import(gpumem_pool* pool, int fd, size_t size, void** ptr_out) {
+  if (ptr_out == nullptr)
+    return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_import: null output pointer");
+  *ptr_out = nullptr;
+  const auto parts = gpumem::detail::c_api_pool(pool, "gpumem_import");
+  if (parts.pool == nullptr) return gpumem_last_status();
+  return guarded("gpumem_import",
+                 [&] { *ptr_out = state_of(parts).tags.import_allocation(fd, size); });
+}
+
+gpumem_status gpumem_send_fd(int socket, int fd, uint64_t size) {
+  if (gpumem::send_fd(socket, fd, size)) return GPUMEM_SUCCESS;
+  char text[128];
+  std::snprintf(text, sizeof text, "gpumem_send_fd: sendmsg failed (%s)", std::strerror(errno));
+  return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, text);
+}
+
+gpumem_status gpumem_receive_fd(int socket, int* fd_out, uint64_t* size_out) {
+  if (fd_out == nullptr)
+    return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_receive_fd: null output pointer");
+  *fd_out = gpumem::receive_fd(socket, size_out);
+  if (*fd_out >= 0) return GPUMEM_SUCCESS;
+  char text[128];
+  std::snprintf(text, sizeof text, "gpumem_receive_fd: recvmsg failed (%s)", std::strerror(errno));
+  return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, text);
+}
+
+}  // extern "C"

@@ -1,0 +1,221 @@
+// shared_memory: see gpumem/pool/vmm/shared_memory.hpp.
+#include "gpumem/pool/vmm/shared_memory.hpp"
+
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "gpumem/errors.hpp"
+#include "gpumem/platform/status_error.hpp"
+
+namespace gpumem {
+
+namespace {
+
+// A failed platform call as the typed error: bad input is the caller's, a missing feature
+// is not_supported, exhaustion out_of_memory, the rest a driver error.
+[[noreturn]] void throw_for(const status& s, const std::string& where) {
+  switch (s.kind) {
+    case failure_kind::invalid_value:
+      throw invalid_argument(where + ": " + s.describe());
+    case failure_kind::not_supported:
+      throw not_supported(where + ": " + s.describe());
+    case failure_kind::out_of_memory:
+      throw out_of_memory("gpumem: out of memory: " + where + ": " + s.describe());
+    default:
+      throw_cuda_error(s, where);
+  }
+}
+
+}  // namespace
+
+shared_memory::shared_memory(platform& platform, int device) : platform_(platform), device_(device) {
+  auto g = platform_.granularity(device);
+  if (!g) throw_for(g.error(), "shared_memory: granularity");
+  page_ = std::max(g.value().recommended, g.value().minimum);
+}
+
+shared_memory::~shared_memory() {
+  for (auto& [va, e] : entries_) {
+    (void)platform_.unmap(va, e.mapped);
+    (void)platform_.release_physical(e.handle);
+    (void)platform_.free_range(va, e.mapped);
+  }
+}
+
+void* shared_memory::map_new(physical_handle handle, std::size_t mapped, const char* caller) {
+  auto range = platform_.reserve_range(mapped, page_);
+  if (!range) {
+    (void)platform_.release_physical(handle);
+    throw_for(range.error(), std::string(caller) + ": reserve a virtual range");
+  }
+  const std::uintptr_t va = range.value();
+  if (auto s = platform_.map(va, mapped, handle, 0); !s) {
+    (void)platform_.free_range(va, mapped);
+    (void)platform_.release_physical(handle);
+    throw_for(s, std::string(caller) + ": map");
+  }
+  if (auto s = platform_.set_access(device_, va, mapped); !s) {
+    (void)platform_.unmap(va, mapped);
+    (void)platform_.free_range(va, mapped);
+    (void)platform_.release_physical(handle);
+    throw_for(s, std::string(caller) + ": grant access");
+  }
+  return reinterpret_cast<void*>(va);
+}
+
+void* shared_memory::allocate(std::size_t bytes) {
+  if (bytes == 0) throw invalid_argument("shared_memory::allocate: 0 bytes");
+  const std::size_t mapped = (bytes + page_ - 1) / page_ * page_;
+  std::lock_guard lock(mutex_);
+  auto h = platform_.create_shareable_physical(device_, mapped);
+  if (!h) throw_for(h.error(), "shared_memory::allocate: create shareable memory");
+  void* p = map_new(h.value(), mapped, "shared_memory::allocate");
+  entries_.emplace(reinterpret_cast<std::uintptr_t>(p), entry{bytes, mapped, h.value(), false});
+  stats_.live_bytes += bytes;
+  stats_.live_allocations += 1;
+  stats_.allocations += 1;
+  stats_.reserved_bytes += mapped;
+  stats_.peak_live_bytes = std::max(stats_.peak_live_bytes, stats_.live_bytes);
+  stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
+  return p;
+}
+
+int shared_memory::export_fd(void* ptr) {
+  std::lock_guard lock(mutex_);
+  auto it = entries_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (it == entries_.end())
+    throw invalid_argument("shared_memory::export: not a live shareable allocation "
+                           "(allocate it with the shared tag)");
+  if (it->second.imported)
+    throw invalid_argument("shared_memory::export: an imported allocation is exported by "
+                           "the process that made it");
+  auto fd = platform_.export_handle(it->second.handle);
+  if (!fd) throw_for(fd.error(), "shared_memory::export");
+  return fd.value();
+}
+
+void* shared_memory::import(int fd, std::size_t bytes) {
+  if (bytes == 0) throw invalid_argument("shared_memory::import: 0 bytes");
+  const std::size_t mapped = (bytes + page_ - 1) / page_ * page_;
+  std::lock_guard lock(mutex_);
+  auto h = platform_.import_handle(device_, fd, mapped);
+  if (!h) throw_for(h.error(), "shared_memory::import");
+  void* p = map_new(h.value(), mapped, "shared_memory::import");
+  entries_.emplace(reinterpret_cast<std::uintptr_t>(p), entry{bytes, mapped, h.value(), true});
+  imported_bytes_ += mapped;
+  return p;
+}
+
+void shared_memory::release(void* ptr, std::size_t bytes) {
+  std::lock_guard lock(mutex_);
+  auto it = entries_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (it == entries_.end())
+    throw invalid_argument("shared_memory::release: not a live shared allocation or import");
+  if (it->second.requested != bytes)
+    throw invalid_argument("shared_memory::release: size " + std::to_string(bytes) +
+                           " differs from the " + std::to_string(it->second.requested) +
+                           " bytes allocated");
+  const std::uintptr_t va = it->first;
+  entry& e = it->second;
+  if (auto s = platform_.unmap(va, e.mapped); !s) throw_cuda_error(s, "shared_memory::release: unmap");
+  // Unmapped: from here on the entry goes whatever the driver says (a handle it refuses to
+  // release, or a range it refuses to free, cannot be used again anyway).
+  (void)platform_.release_physical(e.handle);
+  (void)platform_.free_range(va, e.mapped);
+  if (e.imported) {
+    imported_bytes_ -= e.mapped;
+  } else {
+    stats_.live_bytes -= e.requested;
+    stats_.live_allocations -= 1;
+    stats_.deallocations += 1;
+    stats_.reserved_bytes -= e.mapped;
+  }
+  entries_.erase(it);
+}
+
+bool shared_memory::owns(const void* ptr) const {
+  std::lock_guard lock(mutex_);
+  return entries_.contains(reinterpret_cast<std::uintptr_t>(ptr));
+}
+
+bool shared_memory::is_import(const void* ptr) const {
+  std::lock_guard lock(mutex_);
+  auto it = entries_.find(reinterpret_cast<std::uintptr_t>(ptr));
+  return it != entries_.end() && it->second.imported;
+}
+
+resource_stats shared_memory::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+std::size_t shared_memory::imported_bytes() const {
+  std::lock_guard lock(mutex_);
+  return imported_bytes_;
+}
+
+std::string shared_memory::validate() const {
+  std::lock_guard lock(mutex_);
+  std::size_t live = 0, reserved = 0, imported = 0;
+  for (auto& [va, e] : entries_) {
+    if (e.mapped % page_ != 0 || e.requested > e.mapped) return "a shared entry's size is wrong";
+    (e.imported ? imported : reserved) += e.mapped;
+    if (!e.imported) live += e.requested;
+  }
+  if (live != stats_.live_bytes || reserved != stats_.reserved_bytes || imported != imported_bytes_)
+    return "shared memory's counts disagree with its entries";
+  return {};
+}
+
+bool send_fd(int socket, int fd, std::uint64_t size) {
+  iovec io{&size, sizeof size};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &io;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
+  ssize_t n;
+  do n = ::sendmsg(socket, &msg, MSG_NOSIGNAL);
+  while (n < 0 && errno == EINTR);
+  return n == static_cast<ssize_t>(sizeof size);
+}
+
+int receive_fd(int socket, std::uint64_t* size) {
+  std::uint64_t got = 0;
+  iovec io{&got, sizeof got};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &io;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  ssize_t n;
+  do n = ::recvmsg(socket, &msg, MSG_CMSG_CLOEXEC);
+  while (n < 0 && errno == EINTR);
+  if (n != static_cast<ssize_t>(sizeof got)) {
+    if (n >= 0) errno = ECONNRESET;
+    return -1;
+  }
+  int fd = -1;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c))
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+      std::memcpy(&fd, CMSG_DATA(c), sizeof fd);
+  if (fd < 0) {
+    errno = EBADMSG;
+    return -1;
+  }
+  if (size != nullptr) *size = got;
+  return fd;
+}
+
+}  // namespace gpumem

@@ -1,0 +1,253 @@
+// vmm_page_pool::sleep / wake: release every physical page of the pool keeping its virtual
+// addresses, and map new pages at the same addresses later (vmm_page_pool.hpp).
+//
+// A chunk goes to sleep in three steps, each recorded, so a failure at any step leaves a
+// state that the next sleep() or wake() completes:
+//   mapped   -> its bytes are copied to the host (offload), then it is unmapped
+//   unmapped -> its handle is released (its bytes are now only on the host)
+//   released -> asleep; wake() creates a handle, maps it, grants access and copies back.
+// A chunk that is mapped is awake whatever its record says; wake() puts an unmapped chunk
+// (handle still held, bytes intact) back with no copy.
+//
+// Invariants (checked by validate_holdings through sleeping_pages_locked()):
+//  - released_pages == sum of the pages of chunks in phase released;
+//  - every chunk with a record is live and keeps its pages in the page table;
+//  - host_offset names, for every chunk the current sleep copied, where its bytes are in
+//    `host` (offload only), until a wake completes and gives `host` back.
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "gpumem/errors.hpp"
+#include "gpumem/pool/pinned_host_pool.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
+#include "pool/vmm/sleep_state.hpp"
+
+namespace gpumem {
+
+
+bool vmm_page_pool::sleeping_locked() const noexcept {
+  return sleep_ != nullptr && !sleep_->chunks.empty();
+}
+
+std::size_t vmm_page_pool::sleeping_pages_locked() const noexcept {
+  return sleep_ != nullptr ? sleep_->released_pages : 0;
+}
+
+void vmm_page_pool::forget_sleeping_chunks() noexcept {
+  if (sleep_ == nullptr) return;
+  for (auto& [id, ph] : sleep_->chunks)
+    if (ph == detail::vmm_sleep_state::phase::released) chunks_[id].live = false;
+}
+
+bool vmm_page_pool::asleep() const {
+  std::lock_guard lock(mutex_);
+  return sleeping_locked();
+}
+
+std::size_t vmm_page_pool::sleeping_bytes() const {
+  std::lock_guard lock(mutex_);
+  return sleeping_pages_locked() * page_;
+}
+
+void vmm_page_pool::sleep(sleep_mode mode, stream_handle stream) {
+  using phase = detail::vmm_sleep_state::phase;
+  check_stream(stream, "vmm_page_pool::sleep");
+  bool resuming = false;
+  {
+    std::lock_guard lock(mutex_);
+    if (options_.guard || options_.scrub)
+      throw invalid_argument("vmm_page_pool::sleep: not available in guard or scrub mode");
+    if (counts_.lent_pages != 0)
+      throw invalid_argument("vmm_page_pool::sleep: " + std::to_string(counts_.lent_pages) +
+                             " pages are lent out (a KV cache maps them); return them first");
+    if (sleep_ != nullptr && sleep_->complete)
+      throw invalid_argument("vmm_page_pool::sleep: already asleep (wake it first)");
+    resuming = sleeping_locked();
+  }
+  // Free memory needs neither a copy nor a restore: give it back first.
+  if (!resuming) trim();
+  const std::uint64_t frees = stats().deallocations;
+
+  std::lock_guard lock(mutex_);
+  platform& p = device_platform();
+  retire_completed(true);  // no old mapping of a remapped page is left
+  if (sleep_ == nullptr) sleep_ = std::make_unique<detail::vmm_sleep_state>();
+  auto& st = *sleep_;
+  if (!resuming) {
+    st.mode = mode;  // a sleep that failed halfway completes in its own mode
+    st.frees_at_sleep = frees;
+  }
+
+  // Every chunk still mapped sleeps, in address order (adjacent ones copy and unmap
+  // together); those an earlier, failed call unmapped are past the copy and the unmap.
+  std::vector<std::uint32_t> ids;
+  for (std::uint32_t id = 0; id < chunks_.size(); ++id) {
+    if (!chunks_[id].live || chunks_[id].mapped_at == no_page) continue;
+    auto it = st.chunks.find(id);
+    if (it == st.chunks.end() || it->second == phase::mapped) ids.push_back(id);
+  }
+  std::sort(ids.begin(), ids.end(),
+            [&](std::uint32_t a, std::uint32_t b) { return chunks_[a].mapped_at < chunks_[b].mapped_at; });
+
+  if (st.mode == sleep_mode::offload) {
+    if (st.staging == nullptr) st.staging = std::make_unique<pinned_host_pool>(p, device());
+    if (!resuming && st.host != nullptr) {  // left by a sleep that failed before any page slept
+      st.staging->deallocate(st.host, st.host_bytes, stream);
+      st.host = nullptr;
+      st.host_offset.clear();
+    }
+    if (st.host == nullptr && !ids.empty()) {
+      std::size_t total = 0;
+      for (std::uint32_t id : ids) {
+        st.host_offset[id] = total;
+        total += chunks_[id].pages * page_;
+      }
+      st.host = st.staging->allocate(total, stream);  // throws out_of_memory: nothing changed
+      st.host_bytes = total;
+    }
+    // Copies of adjacent chunks (adjacent in the host block too) go as one.
+    for (std::size_t i = 0; i < ids.size();) {
+      std::size_t j = i + 1;
+      const chunk& first = chunks_[ids[i]];
+      std::size_t pages = first.pages;
+      while (j < ids.size() && chunks_[ids[j]].mapped_at == first.mapped_at + pages &&
+             st.host_offset.at(ids[j]) == st.host_offset.at(ids[i]) + pages * page_) {
+        pages += chunks_[ids[j]].pages;
+        ++j;
+      }
+      auto* host = static_cast<char*>(st.host) + st.host_offset.at(ids[i]);
+      if (auto s = p.memcpy_async(host, reinterpret_cast<void*>(page_address(first.mapped_at)),
+                                  pages * page_, stream);
+          !s)
+        throw_cuda_error(s, "vmm_page_pool::sleep: copy the pages to the host");
+      i = j;
+    }
+  }
+  // The copies, and the work queued before them, are done before the pages go.
+  if (auto s = p.stream_synchronize(stream); !s)
+    throw_cuda_error(s, "vmm_page_pool::sleep: wait for the stream");
+  for (std::uint32_t id : ids) st.chunks.try_emplace(id, phase::mapped);
+
+  // Unmap runs of adjacent chunks (one call each where the driver accepts it).
+  for (std::size_t i = 0; i < ids.size();) {
+    std::size_t j = i + 1;
+    while (j < ids.size() &&
+           chunks_[ids[j]].mapped_at == chunks_[ids[j - 1]].mapped_at + chunks_[ids[j - 1]].pages)
+      ++j;
+    const std::span<const std::uint32_t> run(ids.data() + i, j - i);
+    auto [done, failed] = unmap_run(run);
+    // unmap_run reports the chunks unmapped from the top of the run.
+    for (std::size_t k = 0; k < done; ++k) st.chunks[run[run.size() - 1 - k]] = phase::unmapped;
+    if (!failed.ok()) throw_cuda_error(failed, "vmm_page_pool::sleep: unmap the pages");
+    i = j;
+  }
+  // Release the physical memory of every unmapped sleeping chunk.
+  for (auto& [id, ph] : st.chunks) {
+    if (ph != phase::unmapped) continue;
+    chunk& c = chunks_[id];
+    if (auto s = p.release_physical(c.handle); !s)
+      throw_cuda_error(s, "vmm_page_pool::sleep: release the physical memory");
+    c.handle = physical_handle{};
+    ph = phase::released;
+    st.released_pages += c.pages;
+    sub_reserved(c.pages * page_);
+    counts_.pages_released += c.pages;
+  }
+  st.complete = true;
+}
+
+void vmm_page_pool::wake(stream_handle stream) {
+  using phase = detail::vmm_sleep_state::phase;
+  check_stream(stream, "vmm_page_pool::wake");
+  const std::uint64_t frees = stats().deallocations;
+  bool freed_while_asleep = false;
+  {
+    std::lock_guard lock(mutex_);
+    if (!sleeping_locked()) throw invalid_argument("vmm_page_pool::wake: not asleep");
+    platform& p = device_platform();
+    auto& st = *sleep_;
+    // Address order, so the restoring copies of adjacent chunks could merge on the stream.
+    std::vector<std::uint32_t> ids;
+    for (auto& [id, ph] : st.chunks) ids.push_back(id);
+    std::sort(ids.begin(), ids.end(),
+              [&](std::uint32_t a, std::uint32_t b) { return chunks_[a].mapped_at < chunks_[b].mapped_at; });
+    st.complete = false;  // from here the pool is partly awake until this loop ends
+    for (std::uint32_t id : ids) {
+      chunk& c = chunks_[id];
+      const phase ph = st.chunks.at(id);
+      const std::uintptr_t va = page_address(c.mapped_at);
+      const std::size_t bytes = c.pages * page_;
+      if (ph == phase::mapped) {  // never left
+        st.chunks.erase(id);
+        continue;
+      }
+      physical_handle fresh = c.handle;
+      if (ph == phase::released) {
+        if (options_.limit_bytes != 0 && reserved_locked() + bytes > options_.limit_bytes)
+          throw out_of_memory("gpumem: vmm_page_pool::wake: the pool's limit (" +
+                              format_bytes(options_.limit_bytes) + ") leaves no room for " +
+                              format_bytes(sleeping_pages_locked() * page_) +
+                              " still asleep; the offloaded bytes stay on the host, wake again "
+                              "once memory is free");
+        auto h = p.create_physical(device(), bytes);
+        if (!h) {
+          if (h.error().kind == failure_kind::out_of_memory)
+            throw out_of_memory("gpumem: vmm_page_pool::wake: device " + std::to_string(device()) +
+                                " has no room for " +
+                                format_bytes(sleeping_pages_locked() * page_) +
+                                " still asleep (" + h.error().describe() +
+                                "); the offloaded bytes stay on the host, wake again once "
+                                "memory is free");
+          throw_cuda_error(h.error(), "vmm_page_pool::wake: create physical memory");
+        }
+        fresh = h.value();
+      }
+      // Map and grant access; undo this chunk's step on failure (a fresh handle is given
+      // back, a kept one stays unmapped), so the chunk keeps its phase.
+      if (auto s = p.map(va, bytes, fresh, 0); !s) {
+        if (ph == phase::released) (void)p.release_physical(fresh);
+        throw_cuda_error(s, "vmm_page_pool::wake: map the pages");
+      }
+      if (auto s = p.set_access(device(), va, bytes); !s) {
+        (void)p.unmap(va, bytes);
+        if (ph == phase::released) (void)p.release_physical(fresh);
+        throw_cuda_error(s, "vmm_page_pool::wake: grant access to the pages");
+      }
+      if (ph == phase::released && st.mode == sleep_mode::offload) {
+        auto* host = static_cast<char*>(st.host) + st.host_offset.at(id);
+        if (auto s = p.memcpy_async(reinterpret_cast<void*>(va), host, bytes, stream); !s) {
+          (void)p.unmap(va, bytes);
+          (void)p.release_physical(fresh);
+          throw_cuda_error(s, "vmm_page_pool::wake: copy the pages back");
+        }
+      }
+      if (ph == phase::released) {
+        c.handle = fresh;
+        st.released_pages -= c.pages;
+        add_reserved(bytes);
+        counts_.pages_created += c.pages;
+      }
+      st.chunks.erase(id);
+    }
+    freed_while_asleep = frees != st.frees_at_sleep;
+    // Every chunk is awake: the host copy is free once the copies on `stream` are done.
+    if (st.host != nullptr) {
+      st.staging->deallocate(st.host, st.host_bytes, stream);
+      st.host = nullptr;
+      st.host_bytes = 0;
+      st.host_offset.clear();
+    }
+  }
+  // Blocks freed while asleep were restored with the rest: give their pages back, once
+  // the copies into them are done.
+  if (freed_while_asleep) {
+    if (auto s = device_platform().stream_synchronize(stream); !s)
+      throw_cuda_error(s, "vmm_page_pool::wake: wait for the stream");
+    trim();
+  }
+}
+
+}  // namespace gpumem

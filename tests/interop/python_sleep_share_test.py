@@ -1,0 +1,108 @@
+"""gpumem's tags, sleep / wake and sharing from Python (ctypes, sim device, no PyTorch
+needed): a pattern survives sleep and wake at the same address while the device's free
+memory rises by the tag's bytes; the refusals as typed exceptions; memory shared with a
+forked process over a Unix socket; gpumem.torch.tag sets the thread's tag. The PyTorch
+parts (gpumem.ipc.open, gpumem.torch.sleep) run in tests/interop/torch_sleep_share_test.py."""
+import ctypes
+import os
+import socket
+import sys
+
+import gpumem
+import gpumem.torch as gt
+
+MIB = 1 << 20
+
+
+def pattern(n, seed):
+    return bytes((i * 131 + seed * 17) & 0xFF for i in range(n))
+
+
+def main():
+    lib = gpumem.load()
+    with gpumem.Pool("sim_capacity:256M") as pool:
+        size = 6 * MIB + 100
+        p = pool.malloc_tagged(size, "weights")
+        data = pattern(4096, 3)
+        ctypes.memmove(p, data, len(data))
+        ctypes.memmove(p + size - 4096, data, len(data))
+        reserved = pool.tag_stats("weights")["reserved_bytes"]
+        assert reserved >= size, reserved
+        free_before, _ = pool.device_memory()
+        pool.sleep("weights", "offload")
+        assert pool.asleep("weights")
+        free_asleep, _ = pool.device_memory()
+        assert free_asleep - free_before == reserved, (free_asleep, free_before, reserved)
+        for bad in (lambda: pool.malloc_tagged(MIB, "weights"),
+                    lambda: pool.sleep("weights"),
+                    lambda: pool.wake("kv")):
+            try:
+                bad()
+            except gpumem.InvalidArgumentError:
+                pass
+            else:
+                raise AssertionError("refusal expected")
+        try:
+            pool.sleep("weights", "later")
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("bad mode accepted")
+        pool.wake("weights")
+        pool.stream_synchronize()
+        assert ctypes.string_at(p, 4096) == data
+        assert ctypes.string_at(p + size - 4096, 4096) == data
+        assert pool.device_memory()[0] == free_before
+        pool.free(p, size)
+
+        # Sharing with a forked process: it maps the memory and writes its half.
+        shared = pool.malloc_tagged(4 * MIB, "shared")
+        ctypes.memmove(shared, pattern(1024, 7), 1024)
+        fd = pool.export(shared)
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                parent.close()
+                with gpumem.Pool("sim_capacity:64M") as mine:
+                    _, fds, _, _ = socket.recv_fds(child, 16, 1)
+                    q = mine.import_fd(fds[0], 4 * MIB)
+                    os.close(fds[0])
+                    if ctypes.string_at(q, 1024) == pattern(1024, 7):
+                        ctypes.memset(q + 2 * MIB, 0xAB, 2 * MIB)
+                        child.send(b"k")
+                        mine.free(q, 4 * MIB)
+                        code = 0
+            finally:
+                os._exit(code)
+        child.close()
+        socket.send_fds(parent, [b"x"], [fd])
+        os.close(fd)
+        assert parent.recv(1) == b"k"
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        assert ctypes.string_at(shared + 4 * MIB - 1, 1) == b"\xab"
+        try:
+            pool.import_fd(parent.fileno(), 4 * MIB)  # a socket is no exported memory
+        except gpumem.InvalidArgumentError:
+            pass
+        else:
+            raise AssertionError("a foreign descriptor was imported")
+        parent.close()
+        pool.free(shared, 4 * MIB)
+
+    # gpumem.torch.tag sets (and restores) this thread's tag for the plug-in's allocations.
+    assert lib.gpumem_current_tag() == 0
+    with gt.tag("kv") as t:
+        assert lib.gpumem_current_tag() == t.id == gpumem.tag_id("kv") != 0
+        with gt.tag("shared"):
+            assert lib.gpumem_current_tag() == gpumem.SHARED_TAG
+        assert lib.gpumem_current_tag() == t.id
+    assert lib.gpumem_current_tag() == 0
+    print("python_sleep_share_test: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Sleep / wake and sharing under PyTorch on a GPU (skips with 77 without torch or a
+device): tensors made under gpumem.torch.tag sleep (the driver's free memory rises by the
+tag's bytes) and wake with the same bytes at the same addresses; a CUDA graph captured
+before the sleep replays with identical results after the wake; allocating in a sleeping
+tag raises; gpumem.ipc shares a tensor with a spawned process that checks and writes it."""
+import os
+import socket
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from torch_test_support import require_torch_and_gpu  # noqa: E402
+
+
+def consumer(fd):
+    torch = require_torch_and_gpu()
+    import gpumem.torch as gt
+    import gpumem.ipc as ipc
+    gt.enable()
+    sock = socket.socket(fileno=fd)
+    t = ipc.open(ipc.Handle.receive(sock))
+    ok = bool(torch.equal(t[:1000], torch.arange(1000, device="cuda", dtype=torch.float32)))
+    t[1000:].fill_(7.0)
+    torch.cuda.synchronize()
+    sock.sendall(b"ok" if ok else b"no")
+    return 0
+
+
+def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--consumer":
+        return consumer(int(sys.argv[2]))
+    torch = require_torch_and_gpu()
+    import gpumem
+    import gpumem.torch as gt
+    import gpumem.ipc as ipc
+    gt.enable()
+
+    with gt.tag("weights"):
+        w = torch.randn(4096, 4096, device="cuda")
+        b = torch.randn(4096, device="cuda")
+    x = torch.randn(8, 4096, device="cuda")
+    address = w.data_ptr()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y = x @ w + b
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x @ w + b
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = y.clone()
+    w_copy = w.clone()
+
+    reserved = gt.tag_stats("weights")["reserved_bytes"]
+    free_before = torch.cuda.mem_get_info()[0]
+    gt.sleep("weights", "offload")
+    free_asleep = torch.cuda.mem_get_info()[0]
+    assert free_asleep - free_before >= reserved * 95 // 100, (free_asleep, free_before, reserved)
+    try:
+        with gt.tag("weights"):
+            torch.empty(1024, device="cuda")
+    except RuntimeError as e:
+        assert "asleep" in str(e), e
+    else:
+        raise AssertionError("allocation in a sleeping tag succeeded")
+    gt.wake("weights")
+    y.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert w.data_ptr() == address
+    assert torch.equal(w, w_copy), "weights changed across sleep/wake"
+    assert torch.equal(y, expected), "the graph's output changed across sleep/wake"
+    del graph
+
+    with gt.tag("shared"):
+        t = torch.zeros(1 << 20, device="cuda")
+    t[:1000] = torch.arange(1000, device="cuda", dtype=torch.float32)
+    torch.cuda.synchronize()
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--consumer",
+                             str(child.fileno())], pass_fds=[child.fileno()])
+    child.close()
+    ipc.share(t).send(parent)
+    answer = parent.recv(2)
+    assert proc.wait() == 0
+    assert answer == b"ok", answer
+    torch.cuda.synchronize()
+    assert float(t[-1]) == 7.0, "the consumer's write is not visible"
+    print("torch_sleep_share_test: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,398 @@
+// Tags, sleep / wake and shared memory on a sim device: tags never share a page; sleep
+// releases every page of a tag (the device's used bytes fall by them, the addresses fault)
+// and wake restores the bytes at the same addresses; the refusals; a failure injected into
+// each driver call sleep and wake make, at each position, leaves a valid pool and no lost
+// byte, and the same call again completes; sharing's bad input (closed, foreign fd, size,
+// another device) and its lifetime (the exporter frees first).
+#include "gpumem/pool/vmm/tagged_pool.hpp"
+
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
+#include <thread>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "gpumem/errors.hpp"
+#include "gpumem/pool/caching_pool.hpp"
+#include "gpumem/backend/backends.hpp"
+#include "unit/pool_test_support.hpp"
+
+namespace {
+
+using namespace gpumem;
+using gpumem_test::MiB;
+
+unsigned char byte_at(std::size_t i, unsigned seed) {
+  return static_cast<unsigned char>((i * 131u + seed * 17u + (i >> 12)) & 0xffu);
+}
+void write_pattern(void* p, std::size_t n, unsigned seed) {
+  auto* b = static_cast<unsigned char*>(p);
+  for (std::size_t i = 0; i < n; ++i) b[i] = byte_at(i, seed);
+}
+bool has_pattern(const void* p, std::size_t n, unsigned seed) {
+  const auto* b = static_cast<const unsigned char*>(p);
+  for (std::size_t i = 0; i < n; ++i)
+    if (b[i] != byte_at(i, seed)) return false;
+  return true;
+}
+
+class SleepWake : public gpumem_test::sim_pool_test {
+ protected:
+  struct allocation {
+    void* p;
+    std::size_t bytes;
+    unsigned seed;
+  };
+  // Allocations of tag 1 in sizes that give one-page and multi-page blocks, shared pages.
+  std::vector<allocation> fill_tag(tagged_pool& pool, std::uint32_t tag) {
+    std::vector<allocation> out;
+    unsigned seed = 1;
+    for (std::size_t bytes : {6 * MiB, 2 * MiB + 100, 300 * std::size_t{1024}, 20 * MiB, std::size_t{512}})
+      out.push_back({pool.allocate(bytes, 256, {}, tag), bytes, seed++});
+    for (auto& a : out) write_pattern(a.p, a.bytes, a.seed);
+    return out;
+  }
+  void expect_patterns(const std::vector<allocation>& all) {
+    for (auto& a : all) EXPECT_TRUE(has_pattern(a.p, a.bytes, a.seed)) << "allocation at " << a.p;
+  }
+  void free_all(tagged_pool& pool, std::vector<allocation>& all) {
+    for (auto& a : all) pool.deallocate(a.p, a.bytes);
+    all.clear();
+  }
+};
+
+TEST_F(SleepWake, TagsNeverSharePagesAndScopedTagRoutes) {
+  vmm_page_pool untagged(sim);
+  tagged_pool pool(untagged, {});
+  void* a = pool.allocate(1000, 256, {}, 1);
+  void* b = pool.allocate(1000, 256, {}, 2);
+  void* c = nullptr;
+  {
+    scoped_tag t(2);
+    c = pool.allocate(1000);
+  }
+  void* d = pool.allocate(1000);  // tag 0 again
+  const auto page = [](void* p) { return reinterpret_cast<std::uintptr_t>(p) / (2 * MiB); };
+  EXPECT_NE(page(a), page(b));
+  EXPECT_EQ(pool.tag_of(a), 1u);
+  EXPECT_EQ(pool.tag_of(b), 2u);
+  EXPECT_EQ(pool.tag_of(c), 2u);
+  EXPECT_EQ(pool.tag_of(d), 0u);
+  EXPECT_TRUE(untagged.owns(d));
+  EXPECT_EQ(pool.tag_stats(2).live_allocations, 2u);
+  EXPECT_EQ(pool.tag_stats(1).live_bytes, 1000u);
+  EXPECT_EQ(pool.stats().live_bytes, 4000u);
+  for (void* p : {a, b, c, d}) pool.deallocate(p, 1000);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
+TEST_F(SleepWake, OffloadReleasesEveryPageAndWakeRestoresBytesAtTheSameAddresses) {
+  vmm_page_pool untagged(sim);
+  tagged_pool pool(untagged, {});
+  auto tagged = fill_tag(pool, 1);
+  void* other = pool.allocate(4 * MiB, 256, {}, 2);
+  write_pattern(other, 4 * MiB, 77);
+  const std::size_t reserved = pool.tag_stats(1).reserved_bytes;
+  const std::size_t used = sim.used_bytes(0);
+  ASSERT_GE(reserved, 28 * MiB);
+
+  pool.sleep(1, sleep_mode::offload);
+  EXPECT_TRUE(pool.asleep(1));
+  EXPECT_EQ(sim.used_bytes(0), used - reserved);
+  EXPECT_EQ(pool.tag_stats(1).reserved_bytes, 0u);
+  EXPECT_EQ(pool.tag_stats(1).live_bytes, 6 * MiB + 2 * MiB + 100 + 300 * 1024 + 20 * MiB + 512);
+  EXPECT_TRUE(has_pattern(other, 4 * MiB, 77));
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  EXPECT_TRUE(sim.is_valid()) << sim.validate();
+
+  pool.wake(1);
+  EXPECT_FALSE(pool.asleep(1));
+  EXPECT_EQ(sim.used_bytes(0), used);
+  EXPECT_EQ(pool.tag_stats(1).reserved_bytes, reserved);
+  expect_patterns(tagged);
+  // Usable as before: new allocations in the tag, and a second cycle.
+  void* more = pool.allocate(3 * MiB, 256, {}, 1);
+  pool.sleep(1, sleep_mode::offload);
+  pool.wake(1);
+  expect_patterns(tagged);
+  pool.deallocate(more, 3 * MiB);
+  free_all(pool, tagged);
+  pool.deallocate(other, 4 * MiB);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
+TEST_F(SleepWake, SleepingMemoryFaultsLikeAnIllegalAddress) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  vmm_page_pool untagged(sim);
+  tagged_pool pool(untagged, {});
+  auto* p = static_cast<volatile unsigned char*>(pool.allocate(4 * MiB, 256, {}, 1));
+  p[0] = 1;
+  pool.sleep(1, sleep_mode::discard);
+  EXPECT_DEATH((void)p[0], "");
+  pool.wake(1);
+  p[0] = 2;  // mapped again
+  EXPECT_EQ(p[0], 2);
+  pool.deallocate(const_cast<unsigned char*>(p), 4 * MiB);
+}
+
+TEST_F(SleepWake, RefusalsChangeNothing) {
+  vmm_page_pool untagged(sim);
+  tagged_pool pool(untagged, {});
+  auto tagged = fill_tag(pool, 1);
+  EXPECT_THROW(pool.wake(1), invalid_argument);  // wake without sleep
+  pool.sleep(1, sleep_mode::offload);
+  EXPECT_THROW(pool.allocate(MiB, 256, {}, 1), invalid_argument);
+  {
+    scoped_tag t(1);
+    EXPECT_THROW(pool.allocate(MiB), invalid_argument);
+  }
+  EXPECT_THROW(pool.sleep(1, sleep_mode::offload), invalid_argument);  // double sleep
+  EXPECT_THROW(pool.sleep(tagged_pool::shared_tag, sleep_mode::offload), invalid_argument);
+  EXPECT_TRUE(pool.asleep(1));
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.wake(1);
+  expect_patterns(tagged);
+  free_all(pool, tagged);
+}
+
+TEST_F(SleepWake, FreeWhileAsleepIsAllowedAndItsPagesAreGivenBack) {
+  vmm_page_pool untagged(sim);
+  tagged_pool pool(untagged, {});
+  void* keep = pool.allocate(8 * MiB, 256, {}, 1);
+  void* drop = pool.allocate(8 * MiB, 256, {}, 1);
+  write_pattern(keep, 8 * MiB, 3);
+  pool.sleep(1, sleep_mode::offload);
+  pool.deallocate(drop, 8 * MiB);
+  pool.wake(1);
+  EXPECT_EQ(pool.tag_stats(1).reserved_bytes, 8 * MiB);
+  EXPECT_TRUE(has_pattern(keep, 8 * MiB, 3));
+  pool.deallocate(keep, 8 * MiB);
+}
+
+// The fixture's TearDown checks that the device holds nothing afterwards: no handle,
+// mapping, range or pinned host block.
+TEST_F(SleepWake, DestroyingASleepingOrHalfAsleepPoolLeaksNothing) {
+  {
+    vmm_page_pool untagged(sim);
+    tagged_pool pool(untagged, {});
+    (void)fill_tag(pool, 1);
+    (void)fill_tag(pool, 2);
+    pool.sleep(1, sleep_mode::offload);
+    sim.inject_fault(platform_op::release_physical, sim_fault{2, false, 0.0, failure_kind::driver_error});
+    EXPECT_THROW(pool.sleep(2, sleep_mode::offload), cuda_error);
+    sim.clear_faults();
+    EXPECT_TRUE(pool.asleep(2));
+    EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  }
+  EXPECT_TRUE(sim.is_valid()) << sim.validate();
+}
+
+// Allocations racing sleep and wake: each fails with invalid_argument (the tag sleeps) or
+// succeeds; frees of the tag go on throughout. Afterwards (awake) every allocation still
+// held is mapped (written: a pointer into a sleeping page would fault) and the pool valid.
+// (Touching the memory while it sleeps is the caller's error, so the worker does not.)
+TEST_F(SleepWake, AllocationsRacingSleepAndWakeGetMemoryOrARefusal) {
+  vmm_page_pool untagged(sim);
+  tagged_pool pool(untagged, {});
+  void* resident = pool.allocate(8 * MiB, 256, {}, 1);
+  write_pattern(resident, 8 * MiB, 2);
+  std::atomic<bool> stop{false};
+  std::atomic<std::size_t> served{0}, refused{0};
+  std::vector<std::pair<void*, std::size_t>> held;
+  std::thread worker([&] {
+    for (std::size_t i = 0; !stop.load(); ++i) {
+      const std::size_t bytes = (i % 7 + 1) * 300 * 1024;
+      try {
+        held.emplace_back(pool.allocate(bytes, 256, {}, 1), bytes);
+        served.fetch_add(1);
+      } catch (const invalid_argument&) {
+        refused.fetch_add(1);
+      }
+      if (held.size() > 8) {
+        pool.deallocate(held.front().first, held.front().second);  // allowed asleep too
+        held.erase(held.begin());
+      }
+    }
+  });
+  for (int cycle = 0; cycle < 20; ++cycle) {
+    pool.sleep(1, sleep_mode::offload);
+    std::this_thread::yield();
+    pool.wake(1);
+    std::this_thread::yield();
+  }
+  stop.store(true);
+  worker.join();
+  EXPECT_GT(served.load(), 0u);
+  for (auto& [p, n] : held) std::memset(p, 0x3c, n);
+  for (auto& [p, n] : held) pool.deallocate(p, n);
+  EXPECT_TRUE(has_pattern(resident, 8 * MiB, 2));
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.deallocate(resident, 8 * MiB);
+}
+
+TEST_F(SleepWake, CachingPoolSaysNotSupported) {
+  runtime_resource upstream(sim);
+  caching_pool untagged(upstream);
+  tagged_pool pool(untagged, {});
+  EXPECT_THROW(pool.sleep(0, sleep_mode::offload), not_supported);
+  EXPECT_THROW(pool.wake(0), not_supported);
+  // Other tags are vmm_page_pools and sleep.
+  void* p = pool.allocate(MiB, 256, {}, 5);
+  pool.sleep(5, sleep_mode::discard);
+  pool.wake(5);
+  pool.deallocate(p, MiB);
+}
+
+TEST_F(SleepWake, WakeOutOfMemoryKeepsTheBytesAndARetrySucceeds) {
+  vmm_page_pool untagged(sim);
+  tagged_pool pool(untagged, {});
+  void* slept = pool.allocate(600 * MiB, 256, {}, 1);
+  write_pattern(slept, 600 * MiB, 9);
+  pool.sleep(1, sleep_mode::offload);
+  void* squatter = pool.allocate(600 * MiB, 256, {}, 0);
+  EXPECT_THROW(pool.wake(1), out_of_memory);
+  EXPECT_TRUE(pool.asleep(1));
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  EXPECT_TRUE(sim.is_valid()) << sim.validate();
+  pool.deallocate(squatter, 600 * MiB);
+  untagged.trim();
+  pool.wake(1);
+  EXPECT_TRUE(has_pattern(slept, 600 * MiB, 9));
+  pool.deallocate(slept, 600 * MiB);
+}
+
+// A failure injected into the n-th call of each operation sleep or wake makes: afterwards
+// the pool and the device are valid, the tag refuses allocations while any page sleeps,
+// and the same call again completes; the bytes survive.
+struct fault_case {
+  platform_op op;
+  bool in_wake;
+};
+
+class SleepWakeFaults : public SleepWake, public ::testing::WithParamInterface<fault_case> {};
+
+TEST_P(SleepWakeFaults, EveryPositionLeavesAValidPoolAndARetryCompletes) {
+  const fault_case fc = GetParam();
+  std::size_t failures = 0, left_partly_asleep = 0;
+  for (std::uint64_t nth = 1; nth <= 6; ++nth) {
+    SCOPED_TRACE("failing call " + std::to_string(nth) + " of " +
+                 std::string(platform_op_name(fc.op)));
+    vmm_page_pool untagged(sim);
+    tagged_pool pool(untagged, {});
+    auto tagged = fill_tag(pool, 1);
+    if (fc.in_wake) pool.sleep(1, sleep_mode::offload);
+    sim.inject_fault(fc.op, sim_fault{nth, false, 0.0, failure_kind::driver_error});
+    bool failed = false;
+    try {
+      if (fc.in_wake) pool.wake(1);
+      else pool.sleep(1, sleep_mode::offload);
+    } catch (const cuda_error&) {
+      failed = true;
+    }
+    sim.clear_faults();
+    EXPECT_TRUE(pool.is_valid()) << pool.validate();
+    EXPECT_TRUE(sim.is_valid()) << sim.validate();
+    failures += failed ? 1 : 0;
+    if (failed && pool.asleep(1)) {
+      ++left_partly_asleep;
+      // Partly asleep: allocations stay refused until the step completes.
+      EXPECT_THROW(pool.allocate(MiB, 256, {}, 1), invalid_argument);
+    }
+    if (fc.in_wake) {
+      if (failed) pool.wake(1);  // the retry completes the wake
+    } else {
+      if (failed) pool.sleep(1, sleep_mode::offload);  // the retry completes the sleep
+      EXPECT_TRUE(pool.asleep(1));
+      EXPECT_EQ(pool.tag_stats(1).reserved_bytes, 0u);
+      pool.wake(1);
+    }
+    EXPECT_FALSE(pool.asleep(1));
+    expect_patterns(tagged);
+    free_all(pool, tagged);
+    EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  }
+  EXPECT_GT(failures, 0u) << "no injected failure reached sleep or wake";
+  // Failures after the first page slept leave the tag partly asleep (and refusing).
+  if (fc.op == platform_op::release_physical || fc.in_wake) {
+    EXPECT_GT(left_partly_asleep, 0u);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Calls, SleepWakeFaults,
+    ::testing::Values(fault_case{platform_op::memcpy_async, false},
+                      fault_case{platform_op::stream_synchronize, false},
+                      fault_case{platform_op::unmap, false},
+                      fault_case{platform_op::release_physical, false},
+                      fault_case{platform_op::create_physical, true},
+                      fault_case{platform_op::map, true},
+                      fault_case{platform_op::set_access, true},
+                      fault_case{platform_op::memcpy_async, true}),
+    [](const auto& info) {
+      return std::string(platform_op_name(info.param.op)) + (info.param.in_wake ? "_wake" : "_sleep");
+    });
+
+// --- sharing ------------------------------------------------------------------------------
+
+TEST_F(SleepWake, SharedMemoryExportImportAndBadInput) {
+  shared_memory shared(sim, 0);
+  void* p = shared.allocate(3 * MiB);  // 4 MiB of pages
+  write_pattern(p, 3 * MiB, 4);
+  const int fd = shared.export_fd(p);
+  ASSERT_GE(fd, 0);
+  EXPECT_THROW(shared.import(fd, 7 * MiB), invalid_argument);    // size mismatch
+  EXPECT_THROW(shared.export_fd(static_cast<char*>(p) + 64), invalid_argument);  // interior
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);
+  EXPECT_THROW(shared.import(pipe_fds[0], 4 * MiB), invalid_argument);  // foreign fd
+  ::close(pipe_fds[0]);
+  ::close(pipe_fds[1]);
+  EXPECT_THROW(shared.import(pipe_fds[0], 4 * MiB), invalid_argument);  // closed fd
+  void* q = shared.import(fd, 4 * MiB);
+  ::close(fd);
+  EXPECT_TRUE(has_pattern(q, 3 * MiB, 4));
+  EXPECT_TRUE(shared.is_import(q));
+  EXPECT_EQ(shared.imported_bytes(), 4 * MiB);
+  // The exporter frees first: the import still reads the bytes.
+  shared.release(p, 3 * MiB);
+  EXPECT_TRUE(has_pattern(q, 3 * MiB, 4));
+  EXPECT_THROW(shared.release(q, MiB), invalid_argument);  // wrong size: nothing changed
+  shared.release(q, 4 * MiB);
+  EXPECT_EQ(shared.validate(), "");
+}
+
+TEST(SleepWakeDevices, ImportIntoAPoolOfAnotherDeviceIsRefused) {
+  sim_options o;
+  o.capacity = 256 * MiB;
+  o.device_count = 2;
+  sim_platform sim(o);
+  {
+    shared_memory on0(sim, 0), on1(sim, 1);
+    void* p = on0.allocate(2 * MiB);
+    const int fd = on0.export_fd(p);
+    try {
+      (void)on1.import(fd, 2 * MiB);
+      ADD_FAILURE() << "import into device 1 of device 0's memory succeeded";
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("device 0"), std::string::npos) << e.what();
+    }
+    ::close(fd);
+    on0.release(p, 2 * MiB);
+  }
+  EXPECT_TRUE(sim.live_objects().none()) << sim.live_objects().describe();
+}
+
+TEST_F(SleepWake, PlatformWithoutSharingSaysNotSupported) {
+  // The seam's defaults: a platform that does not override sharing refuses it as such.
+  auto r = sim.platform::create_shareable_physical(0, 2 * MiB);  // the base class's
+  EXPECT_FALSE(r.ok());
+  EXPECT_EQ(r.error().kind, failure_kind::not_supported);
+}
+
+}  // namespace
