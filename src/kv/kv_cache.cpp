@@ -39,7 +39,7 @@ kv_cache::kv_cache(vmm_page_pool& pages, kv_cache_config config, pinned_host_poo
   tokens_.resize(meta_.size() * config_.layout.block_tokens);
   if (config_.tiers != nullptr && !config_.prefix_caching)
     throw invalid_argument("kv_cache: tiers need prefix_caching (blocks are found by prefix hash)");
-  if (config_.tiers != nullptr) space_ = tier_space(config_.layout, config_.tiers->options().space);
+  if (config_.tiers != nullptr) space_ = layout_space(config_.layout, config_.tiers->options().space);
 }
 
 kv_cache::~kv_cache() {

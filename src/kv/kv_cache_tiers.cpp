@@ -7,7 +7,7 @@
 
 namespace gpumem {
 
-std::uint64_t kv_cache::tier_space(const kv_layout& l, std::uint64_t extra) noexcept {
+std::uint64_t kv_cache::layout_space(const kv_layout& l, std::uint64_t extra) noexcept {
   // Two caches share tier blocks only when their blocks have the same shape.
   std::uint64_t h = detail::mix64(extra ^ 0x6b76746965727331ull, l.layers + 1);
   h = detail::mix64(h ^ l.kv_heads, l.head_dim + 0x9e3779b97f4a7c15ull);

@@ -155,6 +155,8 @@ class kv_cache {
   void* block_address(block_id b) const noexcept { return storage_.address(b); }
   kv_cache_stats stats() const;
   std::string validate() const;
+  // The `space` of this cache's tier keys: its layout's fingerprint (0 without tiers).
+  std::uint64_t tier_space() const noexcept { return space_; }
 
  private:
   static constexpr block_id no_block = 0xfffffffeu;  // LRU list end
@@ -210,7 +212,7 @@ class kv_cache {
   // Copies the first `count` found blocks into fresh blocks of `s` (REQUIRES they are
   // available); returns how many were adopted (a failed copy ends the run).
   std::size_t adopt_tier_blocks(sequence& s, kv_tiers::fetched& found, std::size_t count);
-  static std::uint64_t tier_space(const kv_layout& layout, std::uint64_t extra) noexcept;
+  static std::uint64_t layout_space(const kv_layout& layout, std::uint64_t extra) noexcept;
   [[noreturn]] void throw_out_of_blocks(std::size_t wanted, const char* what) const;
 
   kv_cache_config config_;

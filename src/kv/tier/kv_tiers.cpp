@@ -1,5 +1,6 @@
 #include "gpumem/kv/tier/kv_tiers.hpp"
 
+#include <chrono>
 #include <cstring>
 
 #include "gpumem/errors.hpp"
@@ -133,13 +134,24 @@ void kv_tiers::worker() {
   }
 }
 
+bool kv_tiers::wait_event(event_handle e) noexcept {
+  // Polled, so the worker only ever waits on its own copies (a short sleep between polls
+  // costs nothing next to a block's trip to a store).
+  for (;;) {
+    auto q = platform_.event_query(e);
+    if (!q.ok()) return false;
+    if (q.value()) return true;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
 void kv_tiers::write(std::vector<job>& jobs) {
   std::vector<kv_block_key> keys;
   std::vector<std::span<const std::byte>> values;
   std::size_t ready = 0;
   for (job& j : jobs) {
     // The payload copy was queued on the cache's stream before the event.
-    const bool copied = j.has_event ? platform_.event_synchronize(j.event).ok()
+    const bool copied = j.has_event ? wait_event(j.event)
                                     : platform_.stream_synchronize(j.stream).ok();
     if (!copied) continue;
     kv_record::seal({j.s.record, j.s.bytes});

@@ -122,6 +122,8 @@ class kv_tiers {
     bool has_event = false;
   };
   void worker();
+  // Waits until a recorded event completed; false when the platform reports a failure.
+  bool wait_event(event_handle e) noexcept;
   void write(std::vector<job>& jobs);
   // Puts records into tier `level`; what it spills goes one tier down.
   void put_into(std::size_t level, std::span<const kv_block_key> keys,
