@@ -58,19 +58,29 @@ inline std::string redis_unavailable() {
       GTEST_SKIP() << why;                                             \
   } while (0)
 
-inline int free_loopback_port() {
+// Binds `port` on loopback (0: any) and returns the port bound, 0 when it is taken.
+inline int bind_loopback(int port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
   socklen_t len = sizeof a;
-  int port = 0;
+  int bound = 0;
   if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
       ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
-    port = ntohs(a.sin_port);
+    bound = ntohs(a.sin_port);
   ::close(fd);
-  return port;
+  return bound;
+}
+
+// A free loopback port whose cluster bus port (port + 10000) is free too.
+inline int free_loopback_port() {
+  for (int i = 0; i < 100; ++i) {
+    const int p = bind_loopback(0);
+    if (p > 0 && p + 10000 < 65536 && bind_loopback(p + 10000) != 0) return p;
+  }
+  return bind_loopback(0);
 }
 
 // Runs a program, waits, returns its standard output.

@@ -141,6 +141,7 @@ class redis_kv_store final : public kv_store {
     kv_store_stats s = counters_;
     s.errors = health_.errors;
     s.reconnects = health_.reconnects;
+    s.redirects = health_.redirects;
     s.last_error = health_.last_error;
     return s;
   }
@@ -239,6 +240,7 @@ class redis_kv_store final : public kv_store {
       for (const pending& p : todo) by_link[p.link].push_back(p);
       todo.clear();
       bool moved = false;
+      std::vector<pending> failed;  // their node did not answer
       for (auto& [link, ops] : by_link) {
         for (std::size_t first = 0; first < ops.size();) {
           // One pipeline of at most pipeline_bytes of values (one value at least).
@@ -272,8 +274,8 @@ class redis_kv_store final : public kv_store {
             if (which[c] < 0) continue;
             const pending& p = ops[static_cast<std::size_t>(which[c])];
             if (c >= replies.size()) {
-              if (cluster_) slots_stale_ = true;  // the node failed: ask for the map again
-              continue;                          // out[p.index] stays null: an error
+              failed.push_back(p);  // out[p.index] stays null (an error) unless rerouted
+              continue;
             }
             redis_reply& r = replies[c];
             bool ask = false;
@@ -295,6 +297,18 @@ class redis_kv_store final : public kv_store {
         }
       }
       if (moved) slots_stale_ = true;  // one MOVED: more slots probably moved too
+      if (cluster_ && !failed.empty()) {
+        // A node failed: ask the others for the map now; a key whose slot has another
+        // owner (the node was removed, or failed over) is retried there.
+        slots_stale_ = true;
+        next_refresh_ = {};
+        refresh_slots();
+        for (const pending& p : failed) {
+          const long link = route(keys[p.index]);
+          if (link >= 0 && static_cast<std::size_t>(link) != p.link)
+            todo.push_back({p.index, static_cast<std::size_t>(link)});
+        }
+      }
     }
     for (const pending& p : todo) (void)p, ++health_.errors;  // redirected too often
   }

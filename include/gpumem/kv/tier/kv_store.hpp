@@ -51,6 +51,7 @@ struct kv_store_stats {
   std::uint64_t errors = 0;        // failed requests (connection, timeout, error replies)
   std::uint64_t evictions = 0;     // values the store dropped to make room (host LRU)
   std::uint64_t reconnects = 0;    // connections established after a failure
+  std::uint64_t redirects = 0;     // Redis Cluster MOVED / ASK replies followed
   std::size_t held_bytes = 0;      // bytes held (host store)
   std::size_t entries = 0;         // values held (host store)
   std::string last_error;          // "" when none
