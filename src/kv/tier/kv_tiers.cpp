@@ -228,38 +228,57 @@ kv_tiers::fetched kv_tiers::fetch(std::span<const kv_block_key> keys, std::size_
   f.record_bytes = record_bytes;
   reap(false);
   try {
-    for (std::size_t i = 0; i < keys.size(); ++i) {
+    // Which tier holds each key (contains: no bytes move), tier by tier for the keys
+    // still unclaimed, as far as the leading run reaches: staging memory and transfers are
+    // then spent on blocks that will be used only.
+    const std::size_t n = keys.size();
+    constexpr std::size_t none = ~std::size_t{0};
+    std::vector<std::size_t> owner(n, none);
+    std::size_t run = 0;
+    for (std::size_t t = 0; t < stores_.size(); ++t) {
+      std::vector<kv_block_key> ask;
+      std::vector<std::size_t> where;
+      for (std::size_t i = run; i < n; ++i)
+        if (owner[i] == none) {
+          ask.push_back(keys[i]);
+          where.push_back(i);
+        }
+      if (ask.empty()) break;
+      std::unique_ptr<bool[]> has(new bool[ask.size()]);
+      stores_[t]->contains(ask, {has.get(), ask.size()});
+      for (std::size_t j = 0; j < ask.size(); ++j)
+        if (has[j]) owner[where[j]] = t;
+      while (run < n && owner[run] != none) ++run;
+    }
+    // The bytes of the run, one batch per tier; a key that fails its get (evicted
+    // meanwhile, corrupt, the store failed) ends the run there.
+    for (std::size_t i = 0; i < run; ++i) {
       try {
         f.staging.push_back(static_cast<std::byte*>(staging_.allocate(record_bytes, stream)));
       } catch (const out_of_memory&) {
-        break;  // look up the blocks that have room
+        break;  // the blocks that have room
       }
     }
-    const std::size_t n = f.staging.size();
-    constexpr std::size_t none = ~std::size_t{0};
-    std::vector<std::size_t> from(n, none);
-    std::vector<kv_block_key> ask;
-    std::vector<std::span<std::byte>> dst;
-    std::vector<std::size_t> where;
+    run = f.staging.size();
+    std::vector<bool> got(run, false);
     for (std::size_t t = 0; t < stores_.size(); ++t) {
-      ask.clear();
-      dst.clear();
-      where.clear();
-      for (std::size_t i = 0; i < n; ++i) {
-        if (from[i] != none) continue;
-        ask.push_back(keys[i]);
-        dst.emplace_back(f.staging[i], record_bytes);
-        where.push_back(i);
-      }
-      if (ask.empty()) break;
+      std::vector<kv_block_key> ask;
+      std::vector<std::span<std::byte>> dst;
+      std::vector<std::size_t> where;
+      for (std::size_t i = 0; i < run; ++i)
+        if (owner[i] == t) {
+          ask.push_back(keys[i]);
+          dst.emplace_back(f.staging[i], record_bytes);
+          where.push_back(i);
+        }
+      if (ask.empty()) continue;
       std::vector<kv_get_status> st(ask.size(), kv_get_status::miss);
       stores_[t]->get(ask, dst, st);
-      for (std::size_t j = 0; j < ask.size(); ++j)
-        if (st[j] == kv_get_status::hit) from[where[j]] = t;
+      for (std::size_t j = 0; j < ask.size(); ++j) got[where[j]] = st[j] == kv_get_status::hit;
     }
-    for (std::size_t i = 0; i < n && from[i] != none; ++i) {
+    for (std::size_t i = 0; i < run && got[i]; ++i) {
       f.records.push_back(f.staging[i]);
-      f.tier.push_back(from[i]);
+      f.tier.push_back(owner[i]);
     }
     std::lock_guard lock(mutex_);
     counters_.lookups += keys.size();

@@ -13,7 +13,8 @@
 //    it holds the key already (the bytes are not sent twice).
 //  - more than max_pending_bytes queued: the block is dropped (counted), not waited for.
 // Lookup (kv_cache::add_sequence, after the GPU prefix lookup missed): fetch() asks the
-// tiers in order, each for the keys still missing, in one batch per tier; every record is
+// tiers in order which of the keys still unclaimed they hold (contains, one batch per
+// tier), then gets the leading run's records (one batch per tier); every record is
 // verified (sizes, key, checksum) by its store; the cache confirms the leading run
 // (parent hash, salt, tokens) and copies it into fresh blocks, stream-ordered.
 // Invariants: pending_bytes == bytes of records queued or being written; every staged
@@ -104,7 +105,8 @@ class kv_tiers {
     // Everything staged for the lookup (run or not), freed by release().
     std::vector<std::byte*> staging;
   };
-  // Looks keys (a prefix chain, in order) up, tier by tier, one batch per tier.
+  // Looks keys (a prefix chain, in order) up: which tier holds each, then the bytes of the
+  // leading run, one batch per tier and step.
   fetched fetch(std::span<const kv_block_key> keys, std::size_t record_bytes,
                 stream_handle stream) noexcept;
   // Counts the blocks of a fetch that the cache used, per tier.
