@@ -1,6 +1,12 @@
 #include "redis_link.hpp"
 
+#include <limits.h>
 #include <sys/time.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <algorithm>
 #include <iostream>
@@ -98,33 +104,91 @@ bool redis_link::ready() {
   return true;
 }
 
+// Commands go out by writev straight from the callers' buffers (a 2 MiB value is not
+// copied into a client buffer first), and replies come in through large reads fed to
+// hiredis's protocol reader; the socket's timeouts (SO_SNDTIMEO/SO_RCVTIMEO, set at
+// connect) bound every call.
 bool redis_link::run(const std::vector<redis_command>& commands,
                      std::vector<redis_reply>& replies) {
   replies.clear();
   if (!ready()) return false;
-  std::vector<const char*> argv;
-  std::vector<std::size_t> lens;
-  for (const redis_command& cmd : commands) {
-    argv.clear();
-    lens.clear();
-    for (std::string_view a : cmd) {
-      argv.push_back(a.data());
-      lens.push_back(a.size());
+  // RESP framing: "*<argc>\r\n" then "$<len>\r\n<arg>\r\n" per argument.
+  std::string framing;
+  framing.reserve(commands.size() * 64);
+  struct piece {
+    bool own;           // framing[offset, offset + len) or the argument's own bytes
+    std::size_t offset;
+    const char* data;
+    std::size_t len;
+  };
+  std::vector<piece> pieces;
+  pieces.reserve(commands.size() * 8);
+  auto add_framing = [&](const std::string& text) {
+    if (!pieces.empty() && pieces.back().own) {
+      pieces.back().len += text.size();
+    } else {
+      pieces.push_back({true, framing.size(), nullptr, text.size()});
     }
-    if (redisAppendCommandArgv(ctx_, static_cast<int>(argv.size()), argv.data(), lens.data()) !=
-        REDIS_OK) {
-      fail(std::string("append: ") + ctx_->errstr);
-      return false;
+    framing += text;
+  };
+  for (const redis_command& cmd : commands) {
+    add_framing("*" + std::to_string(cmd.size()) + "\r\n");
+    for (std::string_view a : cmd) {
+      add_framing("$" + std::to_string(a.size()) + "\r\n");
+      if (a.size() <= 256) {
+        framing.append(a.data(), a.size());
+        pieces.back().len += a.size();
+      } else {
+        pieces.push_back({false, 0, a.data(), a.size()});
+      }
+      add_framing("\r\n");
     }
   }
-  for (std::size_t i = 0; i < commands.size(); ++i) {
-    void* r = nullptr;
-    if (redisGetReply(ctx_, &r) != REDIS_OK || r == nullptr) {
-      const std::string why = ctx_->err != 0 ? ctx_->errstr : "no reply";
-      fail(why == "Resource temporarily unavailable" ? "timed out (" + why + ")" : why);
+  std::vector<iovec> iov;
+  iov.reserve(pieces.size());
+  for (const piece& p : pieces)
+    iov.push_back({const_cast<char*>(p.own ? framing.data() + p.offset : p.data), p.len});
+  std::size_t first = 0;
+  while (first < iov.size()) {
+    const int count = static_cast<int>(std::min<std::size_t>(iov.size() - first, IOV_MAX));
+    const ssize_t n = ::writev(ctx_->fd, iov.data() + first, count);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      fail(errno == EAGAIN || errno == EWOULDBLOCK ? "timed out writing"
+                                                   : std::string("write: ") + std::strerror(errno));
       return false;
     }
-    replies.emplace_back(static_cast<redisReply*>(r));
+    auto left = static_cast<std::size_t>(n);
+    while (first < iov.size() && left >= iov[first].iov_len) left -= iov[first++].iov_len;
+    if (left > 0) {
+      iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + left;
+      iov[first].iov_len -= left;
+    }
+  }
+  std::vector<char> buf(std::size_t{1} << 20);
+  while (replies.size() < commands.size()) {
+    void* r = nullptr;
+    if (redisReaderGetReply(ctx_->reader, &r) != REDIS_OK) {
+      fail("protocol error");
+      return false;
+    }
+    if (r != nullptr) {
+      replies.emplace_back(static_cast<redisReply*>(r));
+      continue;
+    }
+    const ssize_t n = ::read(ctx_->fd, buf.data(), buf.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      fail(n == 0 ? "connection closed by the server"
+           : errno == EAGAIN || errno == EWOULDBLOCK
+               ? "timed out (no reply within the command timeout)"
+               : std::string("read: ") + std::strerror(errno));
+      return false;
+    }
+    if (redisReaderFeed(ctx_->reader, buf.data(), static_cast<std::size_t>(n)) != REDIS_OK) {
+      fail("protocol error");
+      return false;
+    }
   }
   health_.connection_ok();
   return true;
