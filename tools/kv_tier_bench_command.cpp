@@ -166,6 +166,7 @@ void device_mode(platform& p, const parsed_args& args, figures& out) {
   const std::size_t blocks = std::max<std::size_t>(1, sequence / bs);
   kv_tiers_options to;
   to.max_pending_bytes = blocks * (bs + 4096) + (std::size_t{64} << 20);
+  to.reserve_staging_bytes = to.max_pending_bytes;
   to.space = static_cast<std::uint64_t>(clock_type::now().time_since_epoch().count());
   kv_tiers tiers(p, 0, make_stores(p, args), to);
   vmm_page_pool pages(p, 0);

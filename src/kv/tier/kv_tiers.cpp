@@ -25,6 +25,14 @@ kv_tiers::kv_tiers(platform& platform, int device, std::vector<std::unique_ptr<k
   for (const auto& s : stores_)
     if (s == nullptr) throw invalid_argument("kv_tiers: a store is null");
   tier_hits_.assign(stores_.size(), 0);
+  if (options_.reserve_staging_bytes != 0) {
+    try {
+      void* p = staging_.allocate(options_.reserve_staging_bytes);
+      staging_.deallocate(p, options_.reserve_staging_bytes);
+    } catch (const out_of_memory&) {
+      // Best effort: staging is then allocated as write-backs need it.
+    }
+  }
   worker_ = std::thread([this] { worker(); });
 }
 

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include <algorithm>
@@ -109,7 +110,8 @@ bool redis_link::ready() {
 // hiredis's protocol reader; the socket's timeouts (SO_SNDTIMEO/SO_RCVTIMEO, set at
 // connect) bound every call.
 bool redis_link::run(const std::vector<redis_command>& commands,
-                     std::vector<redis_reply>& replies) {
+                     std::vector<redis_reply>& replies,
+                     std::span<const std::span<std::byte>> into) {
   replies.clear();
   if (!ready()) return false;
   // RESP framing: "*<argc>\r\n" then "$<len>\r\n<arg>\r\n" per argument.
@@ -165,6 +167,11 @@ bool redis_link::run(const std::vector<redis_command>& commands,
       iov[first].iov_len -= left;
     }
   }
+  if (!into.empty()) {
+    if (!read_simple_replies(commands.size(), replies, into)) return false;
+    health_.connection_ok();
+    return true;
+  }
   std::vector<char> buf(std::size_t{1} << 20);
   while (replies.size() < commands.size()) {
     void* r = nullptr;
@@ -191,6 +198,155 @@ bool redis_link::run(const std::vector<redis_command>& commands,
     }
   }
   health_.connection_ok();
+  return true;
+}
+
+namespace {
+
+// Replies allocated as hiredis allocates them (malloc/calloc; freeReplyObject frees).
+redisReply* new_reply(int type) {
+  auto* r = static_cast<redisReply*>(std::calloc(1, sizeof(redisReply)));
+  if (r != nullptr) r->type = type;
+  return r;
+}
+
+// Buffered reads from the socket, with bulk payloads read straight into their target.
+class socket_reader {
+ public:
+  explicit socket_reader(int fd) : fd_(fd), buf_(std::size_t{1} << 20) {}
+  const std::string& error() const { return error_; }
+  // One CRLF-terminated line, without the CRLF.
+  bool line(std::string& out) {
+    for (;;) {
+      for (std::size_t i = pos_; i + 1 < end_; ++i)
+        if (buf_[i] == '\r' && buf_[i + 1] == '\n') {
+          out.assign(buf_.data() + pos_, i - pos_);
+          pos_ = i + 2;
+          return true;
+        }
+      if (!fill()) return false;
+    }
+  }
+  // n bytes into dst (nullptr: dropped).
+  bool bytes(char* dst, std::size_t n) {
+    const std::size_t have = std::min(n, end_ - pos_);
+    if (dst != nullptr) std::memcpy(dst, buf_.data() + pos_, have);
+    pos_ += have;
+    n -= have;
+    if (dst != nullptr) dst += have;
+    while (n > 0) {
+      if (dst == nullptr || n < buf_.size() / 4) {  // small rests go through the buffer
+        if (!fill()) return false;
+        const std::size_t take = std::min(n, end_ - pos_);
+        if (dst != nullptr) std::memcpy(dst, buf_.data() + pos_, take);
+        pos_ += take;
+        n -= take;
+        if (dst != nullptr) dst += take;
+        continue;
+      }
+      const ssize_t r = ::read(fd_, dst, n);
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) return failed(r);
+      dst += r;
+      n -= static_cast<std::size_t>(r);
+    }
+    return true;
+  }
+
+ private:
+  bool fill() {
+    if (pos_ == end_) pos_ = end_ = 0;
+    if (end_ == buf_.size()) {
+      std::memmove(buf_.data(), buf_.data() + pos_, end_ - pos_);
+      end_ -= pos_;
+      pos_ = 0;
+    }
+    for (;;) {
+      const ssize_t r = ::read(fd_, buf_.data() + end_, buf_.size() - end_);
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) return failed(r);
+      end_ += static_cast<std::size_t>(r);
+      return true;
+    }
+  }
+  bool failed(ssize_t r) {
+    error_ = r == 0 ? "connection closed by the server"
+             : errno == EAGAIN || errno == EWOULDBLOCK
+                 ? "timed out (no reply within the command timeout)"
+                 : std::string("read: ") + std::strerror(errno);
+    return false;
+  }
+  int fd_;
+  std::vector<char> buf_;
+  std::size_t pos_ = 0, end_ = 0;
+  std::string error_;
+};
+
+}  // namespace
+
+bool redis_link::read_simple_replies(std::size_t count, std::vector<redis_reply>& replies,
+                                     std::span<const std::span<std::byte>> into) {
+  socket_reader in(ctx_->fd);
+  std::string head;
+  for (std::size_t i = 0; i < count; ++i) {
+    if (!in.line(head)) {
+      fail(in.error());
+      return false;
+    }
+    if (head.empty()) {
+      fail("protocol error (an empty reply line)");
+      return false;
+    }
+    const char kind = head[0];
+    const std::string rest = head.substr(1);
+    redisReply* r = nullptr;
+    if (kind == '+' || kind == '-') {
+      r = new_reply(kind == '+' ? REDIS_REPLY_STATUS : REDIS_REPLY_ERROR);
+      if (r != nullptr) {
+        r->str = static_cast<char*>(std::malloc(rest.size() + 1));
+        if (r->str != nullptr) std::memcpy(r->str, rest.c_str(), rest.size() + 1);
+        r->len = r->str != nullptr ? rest.size() : 0;
+      }
+    } else if (kind == ':') {
+      r = new_reply(REDIS_REPLY_INTEGER);
+      if (r != nullptr) r->integer = std::atoll(rest.c_str());
+    } else if (kind == '$') {
+      const long long n = std::atoll(rest.c_str());
+      if (n < 0) {
+        r = new_reply(REDIS_REPLY_NIL);
+      } else {
+        const auto len = static_cast<std::size_t>(n);
+        r = new_reply(REDIS_REPLY_STRING);
+        if (r == nullptr) {
+          fail("out of memory for a reply");
+          return false;
+        }
+        r->len = len;
+        const std::span<std::byte> target = i < into.size() ? into[i] : std::span<std::byte>{};
+        char* dst = nullptr;
+        if (!target.empty() && target.size() == len) {
+          dst = reinterpret_cast<char*>(target.data());
+        } else if (target.empty()) {
+          r->str = static_cast<char*>(std::malloc(len + 1));
+          if (r->str != nullptr) r->str[len] = '\0';
+          dst = r->str;
+        }
+        if (!in.bytes(dst, len) || !in.bytes(nullptr, 2)) {
+          freeReplyObject(r);
+          fail(in.error());
+          return false;
+        }
+      }
+    } else {
+      fail(std::string("protocol error (an unexpected reply type '") + kind + "')");
+      return false;
+    }
+    if (r == nullptr) {
+      fail("out of memory for a reply");
+      return false;
+    }
+    replies.emplace_back(r);
+  }
   return true;
 }
 

@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -61,7 +62,12 @@ class redis_link {
 
   // Sends every command in one pipeline and reads every reply into `replies` (same
   // order). false when the connection failed (replies then holds those read before).
-  bool run(const std::vector<redis_command>& commands, std::vector<redis_reply>& replies);
+  // into (empty, or one span per command): a bulk-string reply to command i is read
+  // straight from the socket into into[i] when its length is into[i].size(); its reply
+  // is then a string with str == nullptr (of another length: skipped, str == nullptr, len
+  // its length). With `into`, replies must be simple (no arrays).
+  bool run(const std::vector<redis_command>& commands, std::vector<redis_reply>& replies,
+           std::span<const std::span<std::byte>> into = {});
   // Connected now, or connectable (backoff expired and the connect worked).
   bool ready();
   bool connected() const noexcept { return ctx_ != nullptr; }
@@ -72,6 +78,9 @@ class redis_link {
 
  private:
   void fail(const std::string& what);
+  // The replies of a pipeline with `into` buffers, parsed here (see run()).
+  bool read_simple_replies(std::size_t count, std::vector<redis_reply>& replies,
+                           std::span<const std::span<std::byte>> into);
 
   redis_endpoint endpoint_;
   const redis_store_options& options_;

@@ -89,7 +89,7 @@ class redis_kv_store final : public kv_store {
     try {
       std::vector<std::string> names = key_names(keys);
       std::vector<redis_reply> replies;
-      execute(op::get, names, {}, replies);
+      execute(op::get, names, {}, replies, dst);
       for (std::size_t i = 0; i < keys.size(); ++i) {
         const redis_reply& r = replies[i];
         ++counters_.gets;
@@ -100,7 +100,8 @@ class redis_kv_store final : public kv_store {
           st = kv_get_status::miss;
         } else if (r->type == REDIS_REPLY_STRING) {
           if (r->len == dst[i].size()) {
-            std::memcpy(dst[i].data(), r->str, r->len);
+            // Read straight into dst by the link (str == nullptr), or copied here.
+            if (r->str != nullptr) std::memcpy(dst[i].data(), r->str, r->len);
             st = kv_record::verify(dst[i], keys[i]) ? kv_get_status::hit : kv_get_status::corrupt;
           } else {
             st = kv_get_status::corrupt;  // truncated, or not a block of this layout
@@ -223,7 +224,8 @@ class redis_kv_store final : public kv_store {
   // Runs one command per key (values for SET) on the node owning each key, following
   // redirects; out[i] is the final reply, or null when the key's node could not answer.
   void execute(op kind, const std::vector<std::string>& keys,
-               std::span<const std::span<const std::byte>> values, std::vector<redis_reply>& out) {
+               std::span<const std::span<const std::byte>> values, std::vector<redis_reply>& out,
+               std::span<const std::span<std::byte>> dst = {}) {
     out.clear();
     out.resize(keys.size());
     if (cluster_) refresh_slots();
@@ -247,11 +249,13 @@ class redis_kv_store final : public kv_store {
           std::size_t last = first, bytes = 0;
           std::vector<redis_command> cmds;
           std::vector<long> which;  // per command: index into ops, -1 for ASKING
+          std::vector<std::span<std::byte>> into;  // GET: where each value goes
           while (last < ops.size() && (last == first || bytes < options_.pipeline_bytes)) {
             const pending& p = ops[last];
             if (p.asking) {
               cmds.push_back({"ASKING"});
               which.push_back(-1);
+              if (!dst.empty()) into.emplace_back();
             }
             const std::string& key = keys[p.index];
             if (kind == op::set) {
@@ -264,12 +268,16 @@ class redis_kv_store final : public kv_store {
               bytes += v.size();
             } else {
               cmds.push_back({kind == op::get ? "GET" : "EXISTS", key});
+              if (!dst.empty()) {
+                into.push_back(dst[p.index]);
+                bytes += dst[p.index].size();
+              }
             }
             which.push_back(static_cast<long>(last));
             ++last;
           }
           std::vector<redis_reply> replies;
-          links_[link]->run(cmds, replies);  // on failure: the replies read so far
+          links_[link]->run(cmds, replies, into);  // on failure: the replies read so far
           for (std::size_t c = 0; c < cmds.size(); ++c) {
             if (which[c] < 0) continue;
             const pending& p = ops[static_cast<std::size_t>(which[c])];

@@ -44,6 +44,9 @@ struct kv_tiers_options {
   std::size_t max_pending_bytes = std::size_t{256} << 20;
   bool write_through = false;
   std::uint64_t space = 0;  // mixed into every key's space (e.g. a model id)
+  // Pinned staging memory allocated (and kept cached) at construction, so the first
+  // write-backs do not pay cudaMallocHost (about 0.7 ms per 2 MiB on an H200 host).
+  std::size_t reserve_staging_bytes = 0;
 };
 
 struct kv_tier_stats {
