@@ -62,9 +62,11 @@ std::vector<kv_get_status> get_range(kv_store& s, std::uint64_t first, std::size
   std::vector<std::span<std::byte>> dst(bufs.begin(), bufs.end());
   std::vector<kv_get_status> st(n, kv_get_status::miss);
   s.get(keys, dst, st);
-  for (std::size_t i = 0; i < n; ++i)
-    if (st[i] == kv_get_status::hit)
+  for (std::size_t i = 0; i < n; ++i) {
+    if (st[i] == kv_get_status::hit) {
       EXPECT_EQ(bufs[i], make_record(keys[i], payload, 0, 16, static_cast<unsigned>(first + i)));
+    }
+  }
   return st;
 }
 
