@@ -308,6 +308,10 @@ kv_cache::admission kv_cache::add_sequence(std::span<const token_id> prompt, std
     counters_.prefix_queries += max_hits;
     counters_.prefix_hits += hits.size();
   }
+  // Blocks from the tiers need fresh blocks too: capacity first, so a prompt that cannot
+  // be admitted now costs no lookup.
+  const std::size_t need = ceil_div(prompt.size(), bt) - hits.size();
+  ensure_available(need, protected_cached, "add_sequence");
   // The GPU missed: the next blocks from the tiers, in one batch. The staging buffers go
   // back on every path out, after the copies out of them (stream order).
   kv_tiers::fetched found;
@@ -323,8 +327,6 @@ kv_cache::admission kv_cache::add_sequence(std::span<const token_id> prompt, std
   if (config_.tiers != nullptr && hits.size() < max_hits)
     from_tiers = lookup_tiers(prompt, salt, hits.size(), max_hits,
                               hashes.empty() ? 0 : hashes.back(), found);
-  const std::size_t need = ceil_div(prompt.size(), bt) - hits.size();
-  ensure_available(need, protected_cached, "add_sequence");
 
   const sequence_id id = next_id_;
   sequence& s = sequences_[id];

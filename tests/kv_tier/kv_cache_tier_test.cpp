@@ -209,6 +209,29 @@ TEST_F(KvCacheTiers, AFailedCopyOfATierHitIsComputedNotThrown) {
   kv.free(c.id);
 }
 
+TEST_F(KvCacheTiers, APromptRefusedForCapacityAsksNoTier) {
+  // An engine retries a prompt that does not fit every step: each retry must not move
+  // blocks out of the tiers only to refuse them.
+  auto tiers = host_tiers();
+  vmm_page_pool pages(sim, 0);
+  kv_cache kv(pages, config(tiers.get(), /*max_blocks*/ 8));
+  const auto p = prompt(16 * 4 + 1);
+  auto a = kv.add_sequence(p);
+  kv.free(a.id);
+  kv.evict(100);
+  tiers->flush();
+  auto hold = kv.add_sequence(prompt(16 * 6, 500));  // 6 of 8 blocks held
+  const auto before = kv.stats().tier_lookups;
+  EXPECT_THROW(kv.add_sequence(p), out_of_memory);  // needs 5
+  EXPECT_EQ(kv.stats().tier_lookups, before);
+  EXPECT_EQ(tiers->stats().lookups, before);
+  EXPECT_EQ(kv.validate(), "");
+  kv.free(hold.id);
+  auto b = kv.add_sequence(p);
+  EXPECT_EQ(b.cached_tokens, 64u);
+  kv.free(b.id);
+}
+
 TEST_F(KvCacheTiers, TiersNeedPrefixCaching) {
   auto tiers = host_tiers();
   vmm_page_pool pages(sim, 0);
