@@ -224,6 +224,11 @@ class paged_strategy final : public kv_strategy {
     return true;
   }
   void after_step() override {
+    // Simulated steps run far faster than real ones: wait for the write-backs of each step,
+    // as a real engine's worker keeps up with evictions (a few MB/s here), so tier hits do
+    // not depend on the host's speed.
+    for (auto& n : nodes_)
+      if (n->tiers) n->tiers->flush();
     if (!elastic_) return;
     // Keep a little headroom mapped; give the rest back to the page pool.
     for (auto& n : nodes_) {

@@ -20,7 +20,9 @@
 // one connection per instance). With instances > 1, each instance is a cache of its own
 // (the same budget each, as one GPU each) and requests go round robin; instances share
 // the store, so a prefix one evicted is found by the others. Each run uses a key space
-// of its own, so strategies (and earlier runs) never hit each other's blocks.
+// of its own, so strategies (and earlier runs) never hit each other's blocks. Each step
+// waits for its write-backs (a real engine's steps are slow enough for them), so tier hits
+// do not depend on the speed of the host running the simulation.
 //
 // Determinism: the workload depends on the seed alone; each strategy serves the same
 // requests in the same order; metrics other than host speed are reproducible.
