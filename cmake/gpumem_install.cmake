@@ -5,8 +5,8 @@
 #   target_link_libraries(app PRIVATE gpumem::gpumem)          # the shared library
 #   target_link_libraries(app PRIVATE gpumem::gpumem_static)   # where its deps are found
 #
-# The static library links CUDA's static runtime (when built with the CUDA toolkit) and zlib
-# privately: the export lists them as $<LINK_ONLY:...>, so gpumemConfig.cmake looks for
+# The static library links CUDA's static runtime (when built with the CUDA toolkit), zlib
+# and hiredis (when found) privately: the export lists them as $<LINK_ONLY:...>, so gpumemConfig.cmake looks for
 # them and defines gpumem::gpumem_static only when they are found (else it says why). The
 # shared library needs nothing beyond Threads.
 include(GNUInstallDirs)
@@ -46,6 +46,7 @@ install(EXPORT gpumemStaticTargets NAMESPACE gpumem:: DESTINATION ${GPUMEM_CMAKE
 # What the static library's link needs, for gpumemConfig.cmake and gpumem.pc.
 set(GPUMEM_PACKAGE_NEEDS_CUDA ${GPUMEM_HAVE_CUDA})
 set(GPUMEM_PACKAGE_NEEDS_ZLIB ${ZLIB_FOUND})
+set(GPUMEM_PACKAGE_NEEDS_HIREDIS ${GPUMEM_HAVE_HIREDIS})
 configure_package_config_file(${CMAKE_CURRENT_LIST_DIR}/gpumemConfig.cmake.in
   ${CMAKE_CURRENT_BINARY_DIR}/gpumemConfig.cmake INSTALL_DESTINATION ${GPUMEM_CMAKE_DIR})
 # 0.x: a minor version may break the API, so only the same minor is compatible.
@@ -67,6 +68,9 @@ if(GPUMEM_HAVE_CUDA)
 endif()
 if(ZLIB_FOUND)
   string(APPEND GPUMEM_PC_LIBS_PRIVATE " -lz")
+endif()
+if(GPUMEM_HAVE_HIREDIS)
+  string(APPEND GPUMEM_PC_LIBS_PRIVATE " -lhiredis")
 endif()
 configure_file(${CMAKE_CURRENT_LIST_DIR}/gpumem.pc.in ${CMAKE_CURRENT_BINARY_DIR}/gpumem.pc @ONLY)
 install(FILES ${CMAKE_CURRENT_BINARY_DIR}/gpumem.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages gpumem's build needs, only those missing.
 set -euo pipefail
-packages=(cmake ninja-build g++ make libgtest-dev libgmock-dev zlib1g-dev pkg-config python3)
+packages=(cmake ninja-build g++ make libgtest-dev libgmock-dev zlib1g-dev pkg-config python3
+          redis-server libhiredis-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -25,6 +25,9 @@ int run_replay(int argc, char** argv);
 // gpumem serve-sim: KV cache strategies compared on a simulated serving workload.
 int run_serve_sim(int argc, char** argv);
 
+// gpumem kv-tier-bench: put/get throughput of the KV tiers, and the device-to-store path.
+int run_kv_tier_bench(int argc, char** argv);
+
 // gpumem options: every pool option with its default, what it trades and an example.
 int run_options(int argc, char** argv);
 

@@ -35,6 +35,8 @@ constexpr subcommand subcommands[] = {
      gpumem::cli::run_replay},
     {"serve-sim", "simulate LLM serving and compare KV cache memory strategies on one budget",
      gpumem::cli::run_serve_sim},
+    {"kv-tier-bench", "throughput of the KV tiers below the GPU (host memory, Redis)",
+     gpumem::cli::run_kv_tier_bench},
     {"options", "list every pool option (GPUMEM_CONF, --config) with its default",
      gpumem::cli::run_options},
 };

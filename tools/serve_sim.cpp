@@ -10,7 +10,12 @@
 #include <random>
 
 #include "gpumem/errors.hpp"
+#include <unistd.h>
+
 #include "gpumem/kv/kv_cache.hpp"
+#include "gpumem/kv/tier/host_store.hpp"
+#include "gpumem/kv/tier/kv_tiers.hpp"
+#include "gpumem/kv/tier/redis_store.hpp"
 #include "gpumem/pool/pinned_host_pool.hpp"
 #include "gpumem/pool/vmm/vmm_page_pool.hpp"
 
@@ -90,7 +95,8 @@ class kv_strategy {
 class contiguous_strategy final : public kv_strategy {
  public:
   explicit contiguous_strategy(const serve_sim_config& c)
-      : c_(c), slots_(c.budget_bytes / (c.max_model_len * c.layout.bytes_per_token())) {
+      : c_(c), per_instance_(c.budget_bytes / (c.max_model_len * c.layout.bytes_per_token())),
+        slots_(per_instance_ * c.instances) {
     if (slots_ == 0)
       throw invalid_argument("serve-sim: the budget holds no max-length sequence");
   }
@@ -100,7 +106,7 @@ class contiguous_strategy final : public kv_strategy {
     tokens_[r] = {req.prompt.size(), req.samples};
     return true;
   }
-  bool fits(const request& req) const override { return req.samples <= slots_; }
+  bool fits(const request& req) const override { return req.samples <= per_instance_; }
   bool decode(std::size_t r, token_id, std::size_t) override {
     tokens_[r].first += 1;
     return true;
@@ -118,19 +124,17 @@ class contiguous_strategy final : public kv_strategy {
 
  private:
   const serve_sim_config& c_;
-  std::size_t slots_;
+  std::size_t per_instance_;
+  std::size_t slots_;  // over every instance (requests are spread evenly)
   std::size_t used_ = 0;
   std::map<std::size_t, std::pair<std::size_t, std::size_t>> tokens_;  // tokens, samples
 };
 
 class paged_strategy final : public kv_strategy {
  public:
-  paged_strategy(const serve_sim_config& c, platform& p, bool prefix, bool elastic)
+  paged_strategy(const serve_sim_config& c, platform& p, bool prefix, bool elastic,
+                 std::uint64_t space)
       : c_(c), elastic_(elastic) {
-    pool_options o;
-    o.limit_bytes = c.budget_bytes;
-    pages_ = std::make_unique<vmm_page_pool>(p, 0, o);
-    if (c.preempt_swap) host_ = std::make_unique<pinned_host_pool>(p, 0);
     kv_cache_config k;
     k.layout = c.layout;
     k.max_blocks = c.budget_bytes / c.layout.block_stride();
@@ -140,25 +144,44 @@ class paged_strategy final : public kv_strategy {
     k.prefix_caching = prefix;
     watermark_ = std::max<std::size_t>(1, k.max_blocks / 100);
     max_blocks_ = k.max_blocks;
-    kv_ = std::make_unique<kv_cache>(*pages_, k, host_.get());
-  }
-  ~paged_strategy() override {
-    kv_.reset();
-    host_.reset();
+    const bool tiers = prefix && (c.host_tier_bytes != 0 || !c.kv_store_url.empty());
+    for (std::size_t i = 0; i < c.instances; ++i) {
+      auto n = std::make_unique<node>();
+      pool_options o;
+      o.limit_bytes = c.budget_bytes;
+      n->pages = std::make_unique<vmm_page_pool>(p, 0, o);
+      if (c.preempt_swap) n->host = std::make_unique<pinned_host_pool>(p, 0);
+      if (tiers) {
+        std::vector<std::unique_ptr<kv_store>> stores;
+        if (c.host_tier_bytes != 0)
+          stores.push_back(std::make_unique<host_store>(p, 0, c.host_tier_bytes));
+        if (!c.kv_store_url.empty()) stores.push_back(make_redis_store(c.kv_store_url));
+        kv_tiers_options to;
+        to.space = space;
+        to.write_through = c.tier_write_through;
+        n->tiers = std::make_unique<kv_tiers>(p, 0, std::move(stores), to);
+        k.tiers = n->tiers.get();
+      }
+      n->kv = std::make_unique<kv_cache>(*n->pages, k, n->host.get());
+      nodes_.push_back(std::move(n));
+    }
   }
   bool admit(std::size_t r, const request& req) override {
     // Keep a watermark free for running sequences' next tokens; add_sequence itself
     // refuses a prompt that does not fit (after its prefix hits).
-    if (kv_->available_blocks() < watermark_) return false;
+    kv_cache& kv = cache(r);
+    if (kv.available_blocks() < watermark_) return false;
     kv_cache::admission a;
     try {
-      a = kv_->add_sequence(req.prompt);
+      a = kv.add_sequence(req.prompt);
     } catch (const out_of_memory&) {
       return false;
     }
+    prompt_tokens_ += req.prompt.size();
+    cached_prompt_tokens_ += a.cached_tokens;
     auto& seqs = seqs_[r];
     seqs.push_back(a.id);
-    for (std::size_t i = 1; i < req.samples; ++i) seqs.push_back(kv_->fork(a.id));
+    for (std::size_t i = 1; i < req.samples; ++i) seqs.push_back(kv.fork(a.id));
     return true;
   }
   bool fits(const request& req) const override {
@@ -171,10 +194,10 @@ class paged_strategy final : public kv_strategy {
   bool decode(std::size_t r, token_id t, std::size_t step) override {
     const token_id one[1] = {t};
     for (auto id : seqs_[r]) {
-      std::size_t& last = last_step_[id];
+      std::size_t& last = last_step_[{r % nodes_.size(), id}];
       if (last == step) continue;
       try {
-        kv_->append(id, one);  // all or nothing
+        cache(r).append(id, one);  // all or nothing
       } catch (const out_of_memory&) {
         return false;
       }
@@ -184,54 +207,93 @@ class paged_strategy final : public kv_strategy {
   }
   void release(std::size_t r) override {
     for (auto id : seqs_[r]) {
-      kv_->free(id);
-      last_step_.erase(id);
+      cache(r).free(id);
+      last_step_.erase({r % nodes_.size(), id});
     }
     seqs_.erase(r);
   }
-  bool can_swap() const override { return host_ != nullptr; }
+  bool can_swap() const override { return c_.preempt_swap; }
   void swap_out(std::size_t r) override {
-    for (auto id : seqs_[r]) kv_->swap_out(id);
+    for (auto id : seqs_[r]) cache(r).swap_out(id);
   }
   bool try_swap_in(std::size_t r) override {
     std::size_t need = 0;
-    for (auto id : seqs_[r]) need += kv_->blocks_needed(id, 0);
-    if (kv_->available_blocks() < need + watermark_) return false;
-    for (auto id : seqs_[r]) kv_->swap_in(id);
+    for (auto id : seqs_[r]) need += cache(r).blocks_needed(id, 0);
+    if (cache(r).available_blocks() < need + watermark_) return false;
+    for (auto id : seqs_[r]) cache(r).swap_in(id);
     return true;
   }
   void after_step() override {
+    // Simulated steps run far faster than real ones: wait for the write-backs of each step,
+    // as a real engine's worker keeps up with evictions (a few MB/s here), so tier hits do
+    // not depend on the host's speed.
+    for (auto& n : nodes_)
+      if (n->tiers) n->tiers->flush();
     if (!elastic_) return;
     // Keep a little headroom mapped; give the rest back to the page pool.
-    const auto st = kv_->stats();
-    const std::size_t keep = std::max<std::size_t>(watermark_, st.used_blocks / 20);
-    if (st.free_blocks > 2 * keep) kv_->shrink(keep);
+    for (auto& n : nodes_) {
+      const auto st = n->kv->stats();
+      const std::size_t keep = std::max<std::size_t>(watermark_, st.used_blocks / 20);
+      if (st.free_blocks > 2 * keep) n->kv->shrink(keep);
+    }
   }
   void sample(std::size_t& allocated, std::size_t& filled, std::size_t& held) override {
-    const auto st = kv_->stats();
-    allocated = st.used_blocks * c_.layout.block_tokens;
-    filled = st.filled_slots;
-    held = st.mapped_bytes;
+    allocated = filled = held = 0;
+    for (auto& n : nodes_) {
+      const auto st = n->kv->stats();
+      allocated += st.used_blocks * c_.layout.block_tokens;
+      filled += st.filled_slots;
+      held += st.mapped_bytes;
+    }
   }
   void finish(serve_sim_result& r) override {
-    const auto st = kv_->stats();
-    r.prefix_hit_rate = st.prefix_queries == 0 ? 0.0
-                                               : static_cast<double>(st.prefix_hits) /
-                                                     static_cast<double>(st.prefix_queries);
-    r.block_ops = st.block_allocations + st.block_releases;
-    if (auto why = kv_->validate(); !why.empty())
-      throw std::logic_error("serve-sim: KV cache invariant broken: " + why);
+    std::uint64_t queries = 0, hits = 0;
+    for (auto& n : nodes_) {
+      if (n->tiers) n->tiers->flush();
+      const auto st = n->kv->stats();
+      queries += st.prefix_queries;
+      hits += st.prefix_hits;
+      r.block_ops += st.block_allocations + st.block_releases;
+      r.tier_lookups += st.tier_lookups;
+      r.recomputed_tokens_saved += st.tier_hits * c_.layout.block_tokens;
+      if (auto why = n->kv->validate(); !why.empty())
+        throw std::logic_error("serve-sim: KV cache invariant broken: " + why);
+      if (!n->tiers) continue;
+      const auto ts = n->tiers->stats();
+      r.tiers.resize(ts.tiers.size());
+      r.writebacks_dropped += ts.writebacks_dropped;
+      for (std::size_t t = 0; t < ts.tiers.size(); ++t) {
+        r.tiers[t].name = ts.tiers[t].name;
+        r.tiers[t].hits += ts.tiers[t].hits;
+        r.tiers[t].puts += ts.tiers[t].store.puts;
+        r.tiers[t].errors += ts.tiers[t].store.errors;
+        r.tiers[t].corrupt += ts.tiers[t].store.corrupt;
+        r.tier_puts += ts.tiers[t].store.puts;
+        r.tier_errors += ts.tiers[t].store.errors;
+      }
+    }
+    r.prefix_hit_rate = queries == 0 ? 0.0 : static_cast<double>(hits) / static_cast<double>(queries);
+    r.prompt_tokens = prompt_tokens_;
+    r.cached_prompt_tokens = cached_prompt_tokens_;
   }
 
  private:
+  struct node {  // one serving instance (one GPU's cache); members die in reverse order
+    std::unique_ptr<vmm_page_pool> pages;
+    std::unique_ptr<pinned_host_pool> host;
+    std::unique_ptr<kv_tiers> tiers;
+    std::unique_ptr<kv_cache> kv;
+  };
+  kv_cache& cache(std::size_t r) const { return *nodes_[r % nodes_.size()]->kv; }
+
   const serve_sim_config& c_;
   bool elastic_;
   std::size_t watermark_ = 1, max_blocks_ = 0;
-  std::unique_ptr<vmm_page_pool> pages_;
-  std::unique_ptr<pinned_host_pool> host_;
-  std::unique_ptr<kv_cache> kv_;
+  std::vector<std::unique_ptr<node>> nodes_;
   std::map<std::size_t, std::vector<kv_cache::sequence_id>> seqs_;
-  std::map<kv_cache::sequence_id, std::size_t> last_step_;  // step of the last decode token
+  // Step of each sequence's last decode token, by (instance, sequence).
+  std::map<std::pair<std::size_t, kv_cache::sequence_id>, std::size_t> last_step_;
+  std::uint64_t prompt_tokens_ = 0, cached_prompt_tokens_ = 0;
 };
 
 }  // namespace
@@ -240,17 +302,28 @@ std::vector<std::string> serve_sim_strategies() {
   return {"contiguous", "paged", "paged_prefix", "elastic"};
 }
 
+bool serve_sim_uses_tiers(const std::string& strategy) {
+  return strategy == "paged_prefix" || strategy == "elastic";
+}
+
 serve_sim_result run_serve_sim(const serve_sim_config& c, const std::string& strategy,
                                platform& p) {
   if (auto why = c.layout.validate(); !why.empty()) throw invalid_argument("serve-sim: " + why);
   if (c.requests == 0 || c.arrival_rate <= 0 || c.step_seconds <= 0 || c.max_model_len < 16 ||
       c.prompt_median < 1 || c.output_median < 1)
     throw invalid_argument("serve-sim: requests, rate, step time and lengths must be positive");
+  if (c.instances == 0 || c.instances > 1024)
+    throw invalid_argument("serve-sim: instances must be 1..1024");
+  // A key space of this run's own: no earlier run or other strategy hits its blocks.
+  const std::uint64_t space =
+      std::hash<std::string>{}(strategy) ^
+      static_cast<std::uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()) ^
+      (static_cast<std::uint64_t>(::getpid()) << 40);
   std::unique_ptr<kv_strategy> s;
   if (strategy == "contiguous") s = std::make_unique<contiguous_strategy>(c);
-  else if (strategy == "paged") s = std::make_unique<paged_strategy>(c, p, false, false);
-  else if (strategy == "paged_prefix") s = std::make_unique<paged_strategy>(c, p, true, false);
-  else if (strategy == "elastic") s = std::make_unique<paged_strategy>(c, p, true, true);
+  else if (strategy == "paged") s = std::make_unique<paged_strategy>(c, p, false, false, space);
+  else if (strategy == "paged_prefix") s = std::make_unique<paged_strategy>(c, p, true, false, space);
+  else if (strategy == "elastic") s = std::make_unique<paged_strategy>(c, p, true, true, space);
   else throw invalid_argument("serve-sim: unknown strategy '" + strategy + "'");
 
   const std::vector<request> work = make_workload(c);

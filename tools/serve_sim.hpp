@@ -15,6 +15,15 @@
 // preempted — recomputed later (freed and re-queued first) or, with preempt_swap, swapped
 // to pinned host memory and swapped back in before new admissions.
 //
+// Tiers below the GPU (paged_prefix and elastic only; they need prefix caching):
+// host_tier_bytes of pinned host memory per instance and/or a Redis store (kv_store_url,
+// one connection per instance). With instances > 1, each instance is a cache of its own
+// (the same budget each, as one GPU each) and requests go round robin; instances share
+// the store, so a prefix one evicted is found by the others. Each run uses a key space
+// of its own, so strategies (and earlier runs) never hit each other's blocks. Each step
+// waits for its write-backs (a real engine's steps are slow enough for them), so tier hits
+// do not depend on the speed of the host running the simulation.
+//
 // Determinism: the workload depends on the seed alone; each strategy serves the same
 // requests in the same order; metrics other than host speed are reproducible.
 #pragma once
@@ -48,6 +57,16 @@ struct serve_sim_config {
   std::size_t max_samples = 4;
   bool preempt_swap = false;
   std::uint64_t seed = 1;
+  std::size_t instances = 1;
+  std::size_t host_tier_bytes = 0;  // 0: no host tier
+  std::string kv_store_url;         // "": no Redis tier
+  bool tier_write_through = false;  // every evicted block to every tier
+};
+
+struct serve_sim_tier_result {
+  std::string name;       // "host", or the store URL
+  std::uint64_t hits = 0; // blocks brought back from this tier
+  std::uint64_t puts = 0, errors = 0, corrupt = 0;
 };
 
 struct serve_sim_result {
@@ -65,9 +84,19 @@ struct serve_sim_result {
   std::uint64_t block_ops = 0;         // block allocations + releases
   double block_ops_per_second = 0;     // per second of host time spent in the simulation
   double host_seconds = 0;
+  // Tiers (empty without): per tier, then totals over the instances.
+  std::vector<serve_sim_tier_result> tiers;
+  std::uint64_t tier_lookups = 0;             // prompt blocks the GPU missed, asked below
+  std::uint64_t tier_puts = 0, tier_errors = 0;
+  std::uint64_t writebacks_dropped = 0;
+  std::uint64_t recomputed_tokens_saved = 0;  // prompt tokens brought back, not recomputed
+  std::uint64_t prompt_tokens = 0;            // prompt tokens admitted (recomputes included)
+  std::uint64_t cached_prompt_tokens = 0;     // of them, not computed (GPU or tier hits)
 };
 
 std::vector<std::string> serve_sim_strategies();
+// true when the strategy can use tiers (it caches prefixes).
+bool serve_sim_uses_tiers(const std::string& strategy);
 // Runs one strategy on device 0 of `p`. Throws gpumem::invalid_argument for a bad config
 // or strategy name.
 serve_sim_result run_serve_sim(const serve_sim_config& config, const std::string& strategy,

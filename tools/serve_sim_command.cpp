@@ -13,6 +13,7 @@
 #include "gpumem/errors.hpp"
 #include "gpumem/backend/memory_resource.hpp"
 #include "gpumem/platform.hpp"
+#include "gpumem/kv/tier/redis_store.hpp"
 #include "gpumem/pool/pool_options.hpp"
 #include "json_writer.hpp"
 #include "serve_sim.hpp"
@@ -45,9 +46,17 @@ int run_serve_sim(int argc, char** argv) {
       .option("head-dim", "N", "head dimension", "128")
       .option("dtype", "T", "KV dtype: fp8, f16, bf16, f32", "bf16")
       .option("block-tokens", "N", "tokens per KV block", "16")
+      .option("kv-store", "URL",
+              "a Redis tier below the GPU: redis://HOST:PORT or redis-cluster://HOST:PORT,...", "")
+      .option("host-tier", "BYTES", "a pinned host memory tier below the GPU, per instance (0: none)", "0")
+      .option("instances", "N", "serving instances (one cache each, the same budget each) "
+                                "sharing the tiers; requests round robin", "1")
+      .flag("tier-write-through", "every evicted block to every tier (not only the first with room)")
       .flag("json", "machine-readable output")
       .epilog("Default model: Llama-3-8B's KV shape (32 layers, 8 KV heads, 128 dims, bf16).\n"
-              "Example:\n  gpumem serve-sim --requests 2000 --rate 40 --json\n");
+              "Example:\n  gpumem serve-sim --requests 2000 --rate 40 --json\n"
+              "  gpumem serve-sim --budget 2G --instances 4 --kv-store redis://127.0.0.1:6379\n"
+              "Tiers (docs/KV_TIERS.md) apply to paged_prefix and elastic.\n");
   const parsed_args args = parser.parse(argc, argv);
   if (args.help_requested()) {
     std::cout << parser.help();
@@ -73,6 +82,12 @@ int run_serve_sim(int argc, char** argv) {
   c.shared_prefix_fraction = *args.number("shared-prefix", 0, 1);
   c.multi_sample_fraction = *args.number("multi-sample", 0, 1);
   c.preempt_swap = args.value_or("preempt", "recompute") == "swap";
+  c.kv_store_url = args.value_or("kv-store", "");
+  c.host_tier_bytes = *args.bytes("host-tier", 0);
+  c.instances = static_cast<std::size_t>(*args.integer("instances", 1, 1024));
+  c.tier_write_through = args.has("tier-write-through");
+  // A bad URL, or a build without the Redis tier, says so before anything runs.
+  if (!c.kv_store_url.empty()) (void)make_redis_store(c.kv_store_url);
 
   const std::string device_kind = args.value_or("device", "sim");
   std::unique_ptr<platform> cuda;
@@ -91,7 +106,7 @@ int run_serve_sim(int argc, char** argv) {
     std::unique_ptr<sim_platform> sim;
     if (cuda == nullptr) {
       sim_options so;
-      so.capacity = c.budget_bytes + (std::size_t{1} << 30);
+      so.capacity = c.instances * (c.budget_bytes + c.host_tier_bytes) + (std::size_t{1} << 30);
       sim = std::make_unique<sim_platform>(so);
     }
     platform& p = cuda ? *cuda : *sim;
@@ -116,6 +131,16 @@ int run_serve_sim(int argc, char** argv) {
           .member("kv_bytes_peak", r.kv_bytes_peak)
           .member("block_ops", r.block_ops)
           .member("block_ops_per_second", r.block_ops_per_second)
+          .member("prompt_tokens", r.prompt_tokens)
+          .member("cached_prompt_tokens", r.cached_prompt_tokens);
+      w.key("tier_hits").begin_object();
+      for (const auto& t : r.tiers) w.member(t.name, t.hits);
+      w.end_object();
+      w.member("tier_lookups", r.tier_lookups)
+          .member("tier_puts", r.tier_puts)
+          .member("tier_errors", r.tier_errors)
+          .member("writebacks_dropped", r.writebacks_dropped)
+          .member("recomputed_tokens_saved", r.recomputed_tokens_saved)
           .end_object();
     }
     w.end_array();
@@ -136,6 +161,35 @@ int run_serve_sim(int argc, char** argv) {
                 100 * r.prefix_hit_rate, static_cast<unsigned long long>(r.preemptions),
                 r.sim_seconds, format_bytes(static_cast<std::size_t>(r.kv_bytes_mean)).c_str(),
                 r.block_ops_per_second, r.rejected);
+  bool any_tiers = false;
+  for (const auto& r : results) any_tiers = any_tiers || !r.tiers.empty();
+  if (!any_tiers) return 0;
+  std::printf("\ntiers below the GPU (%zu instance(s)%s):\n", c.instances,
+              c.tier_write_through ? ", write-through" : "");
+  for (const auto& r : results) {
+    if (r.tiers.empty()) continue;
+    std::printf("%-13s prompt tokens %llu, not recomputed %llu (%.1f%%), from tiers %llu; "
+                "lookups %llu, puts %llu, errors %llu, write-backs dropped %llu\n",
+                r.strategy.c_str(), static_cast<unsigned long long>(r.prompt_tokens),
+                static_cast<unsigned long long>(r.cached_prompt_tokens),
+                r.prompt_tokens ? 100.0 * static_cast<double>(r.cached_prompt_tokens) /
+                                      static_cast<double>(r.prompt_tokens)
+                                : 0.0,
+                static_cast<unsigned long long>(r.recomputed_tokens_saved),
+                static_cast<unsigned long long>(r.tier_lookups),
+                static_cast<unsigned long long>(r.tier_puts),
+                static_cast<unsigned long long>(r.tier_errors),
+                static_cast<unsigned long long>(r.writebacks_dropped));
+    for (const auto& t : r.tiers)
+      std::printf("  %-28s hits %llu (%.1f%% of lookups), puts %llu, errors %llu, corrupt %llu\n",
+                  t.name.c_str(), static_cast<unsigned long long>(t.hits),
+                  r.tier_lookups ? 100.0 * static_cast<double>(t.hits) /
+                                       static_cast<double>(r.tier_lookups)
+                                 : 0.0,
+                  static_cast<unsigned long long>(t.puts),
+                  static_cast<unsigned long long>(t.errors),
+                  static_cast<unsigned long long>(t.corrupt));
+  }
   return 0;
 }
 

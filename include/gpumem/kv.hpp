@@ -5,3 +5,8 @@
 #include "gpumem/kv/kv_layout.hpp"
 #include "gpumem/kv/kv_virtual_sequences.hpp"
 #include "gpumem/kv/prefix_hash.hpp"
+#include "gpumem/kv/tier/host_store.hpp"
+#include "gpumem/kv/tier/kv_record.hpp"
+#include "gpumem/kv/tier/kv_store.hpp"
+#include "gpumem/kv/tier/kv_tiers.hpp"
+#include "gpumem/kv/tier/redis_store.hpp"

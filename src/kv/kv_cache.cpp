@@ -37,9 +37,14 @@ kv_cache::kv_cache(vmm_page_pool& pages, kv_cache_config config, pinned_host_poo
                         pages.memory_report(config.initial_blocks * storage_.block_bytes()));
   meta_.resize(storage_.capacity_blocks());
   tokens_.resize(meta_.size() * config_.layout.block_tokens);
+  if (config_.tiers != nullptr && !config_.prefix_caching)
+    throw invalid_argument("kv_cache: tiers need prefix_caching (blocks are found by prefix hash)");
+  if (config_.tiers != nullptr) space_ = layout_space(config_.layout, config_.tiers->options().space);
 }
 
 kv_cache::~kv_cache() {
+  // Write-back copies may still read blocks on the stream: done before the pages go.
+  if (config_.tiers != nullptr) (void)pages_.device_platform().stream_synchronize(config_.stream);
   for (auto& [id, s] : sequences_) {
     if (s.host == nullptr) continue;
     try {
@@ -89,6 +94,7 @@ void kv_cache::evict_one() {
   const block_id b = lru_head_;
   lru_remove(b);
   block_meta& m = meta_[b];
+  write_back(b);
   prefix_.erase(m.hash);
   m.hashed = false;
   m.filled = 0;
@@ -278,12 +284,12 @@ kv_cache::admission kv_cache::add_sequence(std::span<const token_id> prompt, std
                            " tokens exceeds max_sequence_tokens " +
                            std::to_string(config_.max_sequence_tokens));
   const std::size_t bt = config_.layout.block_tokens;
+  const std::size_t max_hits = prompt.empty() ? 0 : (prompt.size() - 1) / bt;
   // Leading full blocks already cached, confirmed token by token.
   std::vector<block_id> hits;
   std::vector<std::uint64_t> hashes;
   std::size_t protected_cached = 0;
-  if (config_.prefix_caching && !prompt.empty()) {
-    const std::size_t max_hits = (prompt.size() - 1) / bt;
+  if (config_.prefix_caching) {
     std::uint64_t parent = 0;
     for (std::size_t i = 0; i < max_hits; ++i) {
       auto block = prompt.subspan(i * bt, bt);
@@ -302,8 +308,25 @@ kv_cache::admission kv_cache::add_sequence(std::span<const token_id> prompt, std
     counters_.prefix_queries += max_hits;
     counters_.prefix_hits += hits.size();
   }
+  // Blocks from the tiers need fresh blocks too: capacity first, so a prompt that cannot
+  // be admitted now costs no lookup.
   const std::size_t need = ceil_div(prompt.size(), bt) - hits.size();
   ensure_available(need, protected_cached, "add_sequence");
+  // The GPU missed: the next blocks from the tiers, in one batch. The staging buffers go
+  // back on every path out, after the copies out of them (stream order).
+  kv_tiers::fetched found;
+  struct release_found {
+    kv_tiers* tiers;
+    kv_tiers::fetched& f;
+    stream_handle stream;
+    ~release_found() {
+      if (tiers != nullptr) tiers->release(f, stream);
+    }
+  } releaser{config_.tiers, found, config_.stream};
+  std::size_t from_tiers = 0;
+  if (config_.tiers != nullptr && hits.size() < max_hits)
+    from_tiers = lookup_tiers(prompt, salt, hits.size(), max_hits,
+                              hashes.empty() ? 0 : hashes.back(), found);
 
   const sequence_id id = next_id_;
   sequence& s = sequences_[id];
@@ -320,8 +343,9 @@ kv_cache::admission kv_cache::add_sequence(std::span<const token_id> prompt, std
   s.blocks = hits;
   s.full_hashes = std::move(hashes);
   s.tokens = hits.size() * bt;
+  if (from_tiers > 0) from_tiers = adopt_tier_blocks(s, found, from_tiers);
   append_locked(s, prompt.subspan(s.tokens));
-  return {id, hits.size() * bt};
+  return {id, (hits.size() + from_tiers) * bt};
 }
 
 void kv_cache::append(sequence_id id, std::span<const token_id> tokens) {

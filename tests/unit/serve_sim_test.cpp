@@ -76,6 +76,34 @@ TEST(ServeSim, SwapPreemptionKeepsServing) {
   EXPECT_GT(r.preemptions, 0u);
 }
 
+// Two instances, each with a host tier: prefixes evicted under a tight budget come back
+// from the tier instead of being recomputed, and the counts agree with each other.
+TEST(ServeSim, HostTierBringsEvictedPrefixesBack) {
+  auto c = small();
+  c.budget_bytes = std::size_t{256} << 20;
+  c.requests = 40;
+  c.instances = 2;
+  c.host_tier_bytes = std::size_t{256} << 20;
+  sim_options o;
+  o.capacity = 2 * (c.budget_bytes + c.host_tier_bytes) + (std::size_t{1} << 30);
+  sim_platform sim(o);
+  const auto r = run_serve_sim(c, "paged_prefix", sim);
+  EXPECT_EQ(r.completed + r.rejected, c.requests);
+  ASSERT_EQ(r.tiers.size(), 1u);
+  EXPECT_EQ(r.tiers[0].name, "host");
+  EXPECT_GT(r.tiers[0].hits, 0u);
+  EXPECT_GT(r.tier_puts, 0u);
+  EXPECT_EQ(r.tier_errors, 0u);
+  EXPECT_EQ(r.recomputed_tokens_saved, r.tiers[0].hits * c.layout.block_tokens);
+  EXPECT_GE(r.cached_prompt_tokens, r.recomputed_tokens_saved);
+  EXPECT_LE(r.cached_prompt_tokens, r.prompt_tokens);
+  EXPECT_TRUE(sim.live_objects().none()) << sim.live_objects().describe();
+  // Strategies without prefix caching take no tiers.
+  const auto paged = run_serve_sim(c, "paged", sim);
+  EXPECT_TRUE(paged.tiers.empty());
+  EXPECT_EQ(paged.recomputed_tokens_saved, 0u);
+}
+
 // The command line takes any finite positive --rate (tools/serve_sim_command.cpp): the
 // largest double is a burst in which every request arrives at once, and is served.
 TEST(ServeSim, TheLargestRateIsABurstServedWhole) {
@@ -101,6 +129,12 @@ TEST(ServeSim, RefusesBadConfigs) {
   c = small();
   c.budget_bytes = std::size_t{64} << 20;  // under one max-length sequence
   EXPECT_THROW(run_serve_sim(c, "contiguous", sim), gpumem::invalid_argument);
+  c = small();
+  c.instances = 0;
+  EXPECT_THROW(run_serve_sim(c, "paged", sim), gpumem::invalid_argument);
+  c = small();
+  c.kv_store_url = "memcached://127.0.0.1:1";
+  EXPECT_THROW(run_serve_sim(c, "paged_prefix", sim), gpumem::invalid_argument);
 }
 
 }  // namespace

@@ -14,6 +14,12 @@
 //  - swap_out() copies the blocks a sequence alone holds to pinned host memory (async, on
 //    the cache's stream) and releases them — blocks shared with others stay resident, as
 //    freeing them would free nothing; swap_in() brings them back, bytes intact;
+//  - tiers below the GPU (config.tiers, kv/tier/kv_tiers.hpp): an evicted full block is
+//    written back, asynchronously (its device-to-host copy queued on the stream); when
+//    add_sequence's GPU prefix lookup misses, the following prompt blocks are looked up in
+//    the tiers in one batch, and the leading run found is confirmed like a GPU hit (parent
+//    hash, salt, tokens) and copied into fresh blocks on the stream. A tier that fails
+//    is a miss: nothing of it throws out of the cache;
 //  - capacity grows by VMM pages borrowed from a vmm_page_pool as blocks are needed, and
 //    shrink() gives pages back to that pool (one memory budget with the rest of the
 //    program).
@@ -48,6 +54,7 @@
 #include "gpumem/kv/kv_block_storage.hpp"
 #include "gpumem/kv/kv_layout.hpp"
 #include "gpumem/kv/prefix_hash.hpp"
+#include "gpumem/kv/tier/kv_tiers.hpp"
 #include "gpumem/pool/pinned_host_pool.hpp"
 #include "gpumem/pool/vmm/vmm_page_pool.hpp"
 
@@ -64,6 +71,9 @@ struct kv_cache_config {
   // no sequence or tenant ever reads another's keys and values.
   bool scrub = false;
   stream_handle stream{};               // copies and scrubbing run here
+  // Stores below the GPU (nullptr: none). Not owned; it outlives the cache. Requires
+  // prefix_caching.
+  kv_tiers* tiers = nullptr;
 };
 
 struct kv_cache_stats {
@@ -84,6 +94,9 @@ struct kv_cache_stats {
   std::uint64_t blocks_scrubbed = 0;
   std::uint64_t swaps_out = 0, swaps_in = 0;
   std::uint64_t bytes_swapped_out = 0, bytes_swapped_in = 0;
+  std::uint64_t tier_lookups = 0;    // prompt blocks looked up in the tiers (GPU misses)
+  std::uint64_t tier_hits = 0;       // of them, brought back from a tier
+  std::uint64_t writebacks = 0;      // evicted blocks handed to the tiers
   // Slots allocated to sequences but holding no token, as a fraction of allocated slots.
   double waste_fraction(std::size_t block_tokens) const noexcept {
     const double slots = static_cast<double>(used_blocks) * static_cast<double>(block_tokens);
@@ -144,6 +157,8 @@ class kv_cache {
   void* block_address(block_id b) const noexcept { return storage_.address(b); }
   kv_cache_stats stats() const;
   std::string validate() const;
+  // The `space` of this cache's tier keys: its layout's fingerprint (0 without tiers).
+  std::uint64_t tier_space() const noexcept { return space_; }
 
  private:
   static constexpr block_id no_block = 0xfffffffeu;  // LRU list end
@@ -189,6 +204,17 @@ class kv_cache {
   // Makes `need` blocks obtainable (free or evictable, not counting `protected_cached`
   // cached blocks the caller will reuse) or throws out_of_memory, changing nothing else.
   void ensure_available(std::size_t need, std::size_t protected_cached, const char* what);
+  // Tiers (kv_cache_tiers.cpp): hands an evicted block to the tiers; never throws.
+  void write_back(block_id b) noexcept;
+  // Looks prompt blocks [first, last) up in the tiers (parent: the chain hash before
+  // `first`); returns how many leading ones were found and confirmed.
+  std::size_t lookup_tiers(std::span<const token_id> prompt, std::uint64_t salt,
+                           std::size_t first, std::size_t last, std::uint64_t parent,
+                           kv_tiers::fetched& found);
+  // Copies the first `count` found blocks into fresh blocks of `s` (REQUIRES they are
+  // available); returns how many were adopted (a failed copy ends the run).
+  std::size_t adopt_tier_blocks(sequence& s, kv_tiers::fetched& found, std::size_t count);
+  static std::uint64_t layout_space(const kv_layout& layout, std::uint64_t extra) noexcept;
   [[noreturn]] void throw_out_of_blocks(std::size_t wanted, const char* what) const;
 
   kv_cache_config config_;
@@ -206,6 +232,7 @@ class kv_cache {
   std::unordered_map<sequence_id, sequence> sequences_;
   sequence_id next_id_ = 1;
   kv_cache_stats counters_{};
+  std::uint64_t space_ = 0;  // the tiers' key space: this layout's fingerprint
 };
 
 }  // namespace gpumem

@@ -1,0 +1,391 @@
+// The Redis tier: one server, or a Redis Cluster routed by hash slot (redis_store.hpp).
+#include "gpumem/kv/tier/redis_store.hpp"
+
+#include <array>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "gpumem/errors.hpp"
+#include "gpumem/kv/tier/kv_record.hpp"
+#include "redis_link.hpp"
+
+namespace gpumem {
+
+bool redis_tier_available() noexcept { return true; }
+
+namespace {
+
+using detail::redis_command;
+using detail::redis_link;
+using detail::redis_reply;
+
+constexpr std::size_t slot_count = 16384;
+constexpr int max_rounds = 4;  // a key followed through at most 3 redirects
+
+std::string hex(std::uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+bool is_error(const redis_reply& r) { return r && r->type == REDIS_REPLY_ERROR; }
+
+// "MOVED 3999 127.0.0.1:6381" / "ASK 3999 127.0.0.1:6381" -> endpoint; false otherwise.
+bool parse_redirect(std::string_view msg, bool& ask, std::size_t& slot, redis_endpoint& to) {
+  ask = msg.starts_with("ASK ");
+  if (!ask && !msg.starts_with("MOVED ")) return false;
+  msg.remove_prefix(ask ? 4 : 6);
+  const auto space = msg.find(' ');
+  if (space == std::string_view::npos) return false;
+  slot = static_cast<std::size_t>(std::strtoul(std::string(msg.substr(0, space)).c_str(), nullptr, 10));
+  const std::string_view addr = msg.substr(space + 1);
+  const auto colon = addr.rfind(':');
+  if (colon == std::string_view::npos || slot >= slot_count) return false;
+  to.host = std::string(addr.substr(0, colon));
+  to.port = std::atoi(std::string(addr.substr(colon + 1)).c_str());
+  return to.port > 0;
+}
+
+class redis_kv_store final : public kv_store {
+ public:
+  redis_kv_store(std::string url, std::vector<redis_endpoint> seeds, bool cluster,
+                 redis_store_options options)
+      : url_(std::move(url)), cluster_(cluster), options_(std::move(options)),
+        health_(url_, options_.report), slots_(slot_count, -1) {
+    for (auto& e : seeds) link_for(e);
+  }
+
+  std::string name() const override { return url_; }
+  bool is_local() const noexcept override { return false; }
+
+  void put(std::span<const kv_block_key> keys, std::span<const std::span<const std::byte>> values,
+           std::span<bool> stored, const spill_fn*) noexcept override {
+    std::lock_guard lock(mutex_);
+    try {
+      std::vector<std::string> names = key_names(keys);
+      std::vector<redis_reply> replies;
+      execute(op::set, names, values, replies);
+      for (std::size_t i = 0; i < keys.size(); ++i) {
+        const redis_reply& r = replies[i];
+        stored[i] = r && r->type == REDIS_REPLY_STATUS;
+        if (is_error(r)) health_.error_reply({r->str, r->len});
+        if (stored[i]) {
+          ++counters_.puts;
+          counters_.put_bytes += values[i].size();
+        } else {
+          ++counters_.put_failures;
+        }
+      }
+    } catch (...) {
+      fail_all(stored);
+    }
+  }
+
+  void get(std::span<const kv_block_key> keys, std::span<const std::span<std::byte>> dst,
+           std::span<kv_get_status> out) noexcept override {
+    std::lock_guard lock(mutex_);
+    try {
+      std::vector<std::string> names = key_names(keys);
+      std::vector<redis_reply> replies;
+      execute(op::get, names, {}, replies, dst);
+      for (std::size_t i = 0; i < keys.size(); ++i) {
+        const redis_reply& r = replies[i];
+        ++counters_.gets;
+        kv_get_status st = kv_get_status::error;
+        if (!r) {
+          st = kv_get_status::error;
+        } else if (r->type == REDIS_REPLY_NIL) {
+          st = kv_get_status::miss;
+        } else if (r->type == REDIS_REPLY_STRING) {
+          if (r->len == dst[i].size()) {
+            // Read straight into dst by the link (str == nullptr), or copied here.
+            if (r->str != nullptr) std::memcpy(dst[i].data(), r->str, r->len);
+            st = kv_record::verify(dst[i], keys[i]) ? kv_get_status::hit : kv_get_status::corrupt;
+          } else {
+            st = kv_get_status::corrupt;  // truncated, or not a block of this layout
+          }
+        } else if (is_error(r)) {
+          health_.error_reply({r->str, r->len});
+        }
+        out[i] = st;
+        if (st == kv_get_status::hit) ++counters_.hits;
+        else if (st == kv_get_status::corrupt) ++counters_.corrupt;
+        else ++counters_.misses;
+      }
+    } catch (...) {
+      for (auto& o : out) o = kv_get_status::error;
+      ++health_.errors;
+    }
+  }
+
+  void contains(std::span<const kv_block_key> keys, std::span<bool> out) noexcept override {
+    std::lock_guard lock(mutex_);
+    try {
+      std::vector<std::string> names = key_names(keys);
+      std::vector<redis_reply> replies;
+      execute(op::exists, names, {}, replies);
+      for (std::size_t i = 0; i < keys.size(); ++i) {
+        const redis_reply& r = replies[i];
+        out[i] = r && r->type == REDIS_REPLY_INTEGER && r->integer == 1;
+        if (is_error(r)) health_.error_reply({r->str, r->len});
+      }
+    } catch (...) {
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = false;
+      ++health_.errors;
+    }
+  }
+
+  kv_store_stats stats() const override {
+    std::lock_guard lock(mutex_);
+    kv_store_stats s = counters_;
+    s.errors = health_.errors;
+    s.reconnects = health_.reconnects;
+    s.redirects = health_.redirects;
+    s.last_error = health_.last_error;
+    return s;
+  }
+
+ private:
+  enum class op { set, get, exists };
+  struct pending {
+    std::size_t index;
+    std::size_t link;
+    bool asking = false;
+  };
+
+  void fail_all(std::span<bool> stored) noexcept {
+    for (std::size_t i = 0; i < stored.size(); ++i) stored[i] = false;
+    counters_.put_failures += stored.size();
+    ++health_.errors;
+  }
+
+  std::vector<std::string> key_names(std::span<const kv_block_key> keys) const {
+    std::vector<std::string> names;
+    names.reserve(keys.size());
+    for (const auto& k : keys)
+      names.push_back(options_.key_prefix + hex(k.space) + ":" + hex(k.salt) + ":" + hex(k.hash));
+    return names;
+  }
+
+  std::size_t link_for(const redis_endpoint& e) {
+    for (std::size_t i = 0; i < links_.size(); ++i)
+      if (links_[i]->endpoint().host == e.host && links_[i]->endpoint().port == e.port) return i;
+    links_.push_back(std::make_unique<redis_link>(e, options_, health_));
+    return links_.size() - 1;
+  }
+
+  // The link serving `key`, or -1 when no node is known for its slot.
+  long route(const std::string& key) {
+    if (!cluster_) return 0;
+    return slots_[redis_key_slot(key)];
+  }
+
+  // Asks any reachable node for the slot map (CLUSTER SLOTS); at most once per
+  // backoff_min while the map is stale, so a cluster that is down costs nothing per call.
+  void refresh_slots() {
+    const auto now = std::chrono::steady_clock::now();
+    if (!slots_stale_ || now < next_refresh_) return;
+    next_refresh_ = now + options_.backoff_min;
+    std::vector<redis_reply> replies;
+    const std::vector<redis_command> cmd{{"CLUSTER", "SLOTS"}};
+    for (std::size_t l = 0; l < links_.size(); ++l) {
+      if (!links_[l]->run(cmd, replies) || replies.empty()) continue;
+      const redisReply* r = replies[0].get();
+      if (r->type != REDIS_REPLY_ARRAY) {
+        if (r->type == REDIS_REPLY_ERROR) health_.error_reply({r->str, r->len});
+        continue;
+      }
+      std::vector<long> fresh(slot_count, -1);
+      const std::string asked_host = links_[l]->endpoint().host;
+      for (std::size_t i = 0; i < r->elements; ++i) {
+        const redisReply* range = r->element[i];
+        if (range->type != REDIS_REPLY_ARRAY || range->elements < 3) continue;
+        const redisReply* master = range->element[2];
+        if (master->type != REDIS_REPLY_ARRAY || master->elements < 2) continue;
+        redis_endpoint e;
+        e.host = master->element[0]->type == REDIS_REPLY_STRING && master->element[0]->len > 0 &&
+                         std::string_view(master->element[0]->str, master->element[0]->len) != "?"
+                     ? std::string(master->element[0]->str, master->element[0]->len)
+                     : asked_host;
+        e.port = static_cast<int>(master->element[1]->integer);
+        const long link = static_cast<long>(link_for(e));
+        const auto first = static_cast<std::size_t>(range->element[0]->integer);
+        const auto last = static_cast<std::size_t>(range->element[1]->integer);
+        for (std::size_t s = first; s <= last && s < slot_count; ++s) fresh[s] = link;
+      }
+      slots_ = std::move(fresh);
+      slots_stale_ = false;
+      return;
+    }
+  }
+
+  // Runs one command per key (values for SET) on the node owning each key, following
+  // redirects; out[i] is the final reply, or null when the key's node could not answer.
+  void execute(op kind, const std::vector<std::string>& keys,
+               std::span<const std::span<const std::byte>> values, std::vector<redis_reply>& out,
+               std::span<const std::span<std::byte>> dst = {}) {
+    out.clear();
+    out.resize(keys.size());
+    if (cluster_) refresh_slots();
+    std::vector<pending> todo;
+    todo.reserve(keys.size());
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      const long link = route(keys[i]);
+      if (link >= 0) todo.push_back({i, static_cast<std::size_t>(link)});
+      else ++health_.errors;  // no node known for its slot: a miss
+    }
+    const std::string ttl = std::to_string(options_.ttl_seconds);
+    for (int round = 0; round < max_rounds && !todo.empty(); ++round) {
+      std::map<std::size_t, std::vector<pending>> by_link;
+      for (const pending& p : todo) by_link[p.link].push_back(p);
+      todo.clear();
+      bool moved = false;
+      std::vector<pending> failed;  // their node did not answer
+      for (auto& [link, ops] : by_link) {
+        for (std::size_t first = 0; first < ops.size();) {
+          // One pipeline of at most pipeline_bytes of values (one value at least).
+          std::size_t last = first, bytes = 0;
+          std::vector<redis_command> cmds;
+          std::vector<long> which;  // per command: index into ops, -1 for ASKING
+          std::vector<std::span<std::byte>> into;  // GET: where each value goes
+          while (last < ops.size() && (last == first || bytes < options_.pipeline_bytes)) {
+            const pending& p = ops[last];
+            if (p.asking) {
+              cmds.push_back({"ASKING"});
+              which.push_back(-1);
+              if (!dst.empty()) into.emplace_back();
+            }
+            const std::string& key = keys[p.index];
+            if (kind == op::set) {
+              const auto& v = values[p.index];
+              cmds.push_back({"SET", key, {reinterpret_cast<const char*>(v.data()), v.size()}});
+              if (options_.ttl_seconds != 0) {
+                cmds.back().push_back("EX");
+                cmds.back().push_back(ttl);
+              }
+              bytes += v.size();
+            } else {
+              cmds.push_back({kind == op::get ? "GET" : "EXISTS", key});
+              if (!dst.empty()) {
+                into.push_back(dst[p.index]);
+                bytes += dst[p.index].size();
+              }
+            }
+            which.push_back(static_cast<long>(last));
+            ++last;
+          }
+          std::vector<redis_reply> replies;
+          links_[link]->run(cmds, replies, into);  // on failure: the replies read so far
+          for (std::size_t c = 0; c < cmds.size(); ++c) {
+            if (which[c] < 0) continue;
+            const pending& p = ops[static_cast<std::size_t>(which[c])];
+            if (c >= replies.size()) {
+              failed.push_back(p);  // out[p.index] stays null (an error) unless rerouted
+              continue;
+            }
+            redis_reply& r = replies[c];
+            bool ask = false;
+            std::size_t slot = 0;
+            redis_endpoint to;
+            if (cluster_ && is_error(r) && parse_redirect({r->str, r->len}, ask, slot, to)) {
+              ++health_.redirects;
+              const std::size_t target = link_for(to);
+              if (!ask) {
+                slots_[slot] = static_cast<long>(target);
+                moved = true;
+              }
+              todo.push_back({p.index, target, ask});
+              continue;
+            }
+            out[p.index] = std::move(r);
+          }
+          first = last;
+        }
+      }
+      if (moved) slots_stale_ = true;  // one MOVED: more slots probably moved too
+      if (cluster_ && !failed.empty()) {
+        // A node failed: ask the others for the map now; a key whose slot has another
+        // owner (the node was removed, or failed over) is retried there.
+        slots_stale_ = true;
+        next_refresh_ = {};
+        refresh_slots();
+        for (const pending& p : failed) {
+          const long link = route(keys[p.index]);
+          if (link >= 0 && static_cast<std::size_t>(link) != p.link)
+            todo.push_back({p.index, static_cast<std::size_t>(link)});
+        }
+      }
+    }
+    health_.errors += todo.size();  // redirected too often: misses
+  }
+
+  std::string url_;
+  bool cluster_;
+  redis_store_options options_;
+  mutable std::mutex mutex_;
+  detail::redis_health health_;
+  std::vector<std::unique_ptr<redis_link>> links_;
+  std::vector<long> slots_;
+  bool slots_stale_ = true;
+  std::chrono::steady_clock::time_point next_refresh_{};
+  kv_store_stats counters_{};
+};
+
+// "h:p,h:p" -> endpoints; throws invalid_argument.
+std::vector<redis_endpoint> parse_endpoints(std::string_view list, std::string_view url) {
+  std::vector<redis_endpoint> out;
+  while (!list.empty()) {
+    const auto comma = list.find(',');
+    std::string_view item = list.substr(0, comma);
+    list = comma == std::string_view::npos ? std::string_view{} : list.substr(comma + 1);
+    const auto colon = item.rfind(':');
+    redis_endpoint e;
+    e.host = std::string(item.substr(0, colon));
+    if (colon != std::string_view::npos) {
+      const std::string port(item.substr(colon + 1));
+      char* end = nullptr;
+      const long v = std::strtol(port.c_str(), &end, 10);
+      if (port.empty() || *end != '\0' || v <= 0 || v > 65535)
+        throw invalid_argument("kv store URL '" + std::string(url) + "': bad port '" + port + "'");
+      e.port = static_cast<int>(v);
+    }
+    if (e.host.empty())
+      throw invalid_argument("kv store URL '" + std::string(url) + "': a host is missing");
+    out.push_back(std::move(e));
+  }
+  if (out.empty())
+    throw invalid_argument("kv store URL '" + std::string(url) + "': no host:port given");
+  return out;
+}
+
+}  // namespace
+
+std::unique_ptr<kv_store> make_redis_store(std::string_view url, redis_store_options options) {
+  constexpr std::string_view single = "redis://", cluster = "redis-cluster://";
+  bool is_cluster = false;
+  std::string_view rest;
+  if (url.starts_with(cluster)) {
+    is_cluster = true;
+    rest = url.substr(cluster.size());
+  } else if (url.starts_with(single)) {
+    rest = url.substr(single.size());
+  } else {
+    throw invalid_argument("kv store URL '" + std::string(url) +
+                           "': expected redis://HOST:PORT or redis-cluster://HOST:PORT,...");
+  }
+  if (auto slash = rest.find('/'); slash != std::string_view::npos) rest = rest.substr(0, slash);
+  std::vector<redis_endpoint> seeds = parse_endpoints(rest, url);
+  if (!is_cluster && seeds.size() != 1)
+    throw invalid_argument("kv store URL '" + std::string(url) +
+                           "': redis:// takes one HOST:PORT (redis-cluster:// takes several)");
+  if (options.pipeline_bytes == 0 || options.command_timeout.count() <= 0 ||
+      options.connect_timeout.count() <= 0 || options.backoff_min.count() <= 0 ||
+      options.backoff_max < options.backoff_min)
+    throw invalid_argument("redis store: pipeline_bytes, timeouts and backoff must be positive");
+  return std::make_unique<redis_kv_store>(std::string(url), std::move(seeds), is_cluster,
+                                          std::move(options));
+}
+
+}  // namespace gpumem
