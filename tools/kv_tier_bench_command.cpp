@@ -30,7 +30,7 @@
 #include "gpumem/kv/tier/redis_store.hpp"
 #include "gpumem/platform.hpp"
 #include "gpumem/pool/pinned_host_pool.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
 #include "json_writer.hpp"
 
 namespace gpumem::cli {

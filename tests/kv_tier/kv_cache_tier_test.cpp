@@ -13,7 +13,7 @@
 #include "gpumem/kv/tier/host_store.hpp"
 #include "gpumem/kv/tier/kv_record.hpp"
 #include "gpumem/kv/tier/kv_tiers.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
 #include "unit/pool_test_support.hpp"
 
 namespace {

@@ -16,7 +16,7 @@
 #include "gpumem/kv/tier/kv_tiers.hpp"
 #include "gpumem/kv/tier/redis_store.hpp"
 #include "gpumem/platform/sim_platform.hpp"
-#include "gpumem/pool/vmm_page_pool.hpp"
+#include "gpumem/pool/vmm/vmm_page_pool.hpp"
 #include "kv_tier/redis_server.hpp"
 
 namespace {
