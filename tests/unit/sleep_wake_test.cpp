@@ -367,6 +367,28 @@ TEST_F(SleepWake, SharedMemoryExportImportAndBadInput) {
   EXPECT_EQ(shared.validate(), "");
 }
 
+// Freeing a shared allocation unmaps it at once: the freeing stream's work must be done
+// first (on the H200 a 4 GiB temporary freed right after its kernel was launched faulted),
+// and a wait that fails frees nothing.
+TEST_F(SleepWake, SharedMemoryReleaseWaitsForTheFreeingStream) {
+  shared_memory shared(sim, 0);
+  auto stream = sim.stream_create(0);
+  ASSERT_TRUE(stream);
+  void* p = shared.allocate(3 * MiB);
+  write_pattern(p, 3 * MiB, 5);
+  const std::uint64_t waits = sim.calls().count(platform_op::stream_synchronize);
+  sim.inject_fault(platform_op::stream_synchronize, sim_fault{1, false, 0.0, failure_kind::driver_error});
+  EXPECT_THROW(shared.release(p, 3 * MiB, stream.value()), cuda_error);
+  sim.clear_faults();
+  EXPECT_TRUE(shared.owns(p));
+  EXPECT_TRUE(has_pattern(p, 3 * MiB, 5));  // still mapped
+  shared.release(p, 3 * MiB, stream.value());
+  EXPECT_EQ(sim.calls().count(platform_op::stream_synchronize), waits + 2);
+  EXPECT_FALSE(shared.owns(p));
+  EXPECT_EQ(shared.validate(), "");
+  ASSERT_TRUE(sim.stream_destroy(stream.value()));
+}
+
 TEST(SleepWakeDevices, ImportIntoAPoolOfAnotherDeviceIsRefused) {
   sim_options o;
   o.capacity = 256 * MiB;

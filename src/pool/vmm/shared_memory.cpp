@@ -110,7 +110,7 @@ void* shared_memory::import(int fd, std::size_t bytes) {
   return p;
 }
 
-void shared_memory::release(void* ptr, std::size_t bytes) {
+void shared_memory::release(void* ptr, std::size_t bytes, stream_handle stream) {
   std::lock_guard lock(mutex_);
   auto it = entries_.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (it == entries_.end())
@@ -121,6 +121,8 @@ void shared_memory::release(void* ptr, std::size_t bytes) {
                            " bytes allocated");
   const std::uintptr_t va = it->first;
   entry& e = it->second;
+  if (auto s = platform_.stream_synchronize(stream); !s)
+    throw_cuda_error(s, "shared_memory::release: wait for the freeing stream");
   if (auto s = platform_.unmap(va, e.mapped); !s) throw_cuda_error(s, "shared_memory::release: unmap");
   // Unmapped: from here on the entry goes whatever the driver says (a handle it refuses to
   // release, or a range it refuses to free, cannot be used again anyway).

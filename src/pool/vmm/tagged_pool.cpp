@@ -93,7 +93,7 @@ std::uint32_t tagged_pool::tag_of(const void* ptr) const {
 
 void tagged_pool::do_deallocate(void* ptr, std::size_t bytes, stream_handle stream) {
   const std::uint32_t tag = tag_of(ptr);
-  if (tag == shared_tag) return shared_.release(ptr, bytes);
+  if (tag == shared_tag) return shared_.release(ptr, bytes, stream);
   // Frees are allowed while the tag sleeps: no driver call touches the block's pages.
   find(tag)->pool->deallocate(ptr, bytes, stream);
 }

@@ -42,9 +42,11 @@ class shared_memory {
   // gpumem::invalid_argument for a closed or foreign fd, a size that does not match the
   // exported memory, memory of another device; gpumem::cuda_error otherwise.
   void* import(int fd, std::size_t bytes);
-  // Frees an own allocation or unmaps an import (`bytes` as given at allocate / import).
-  // Throws gpumem::invalid_argument, changing nothing, for an unknown pointer or size.
-  void release(void* ptr, std::size_t bytes);
+  // Frees an own allocation or unmaps an import (`bytes` as given at allocate / import),
+  // once the work queued on `stream` is done: the mapping goes at once, so kernels still
+  // reading it would fault. Throws gpumem::invalid_argument, changing nothing, for an unknown
+  // pointer or size; gpumem::cuda_error, changing nothing, when the stream cannot be waited.
+  void release(void* ptr, std::size_t bytes, stream_handle stream = {});
   bool owns(const void* ptr) const;
   bool is_import(const void* ptr) const;
 
