@@ -121,6 +121,18 @@ std::span<const gpumem::token_id> token_span(const std::int32_t* tokens, std::si
   return {reinterpret_cast<const gpumem::token_id*>(tokens), count};
 }
 
+// The handle's pool as the page pool the KV layer builds on; invalid_argument naming `what`
+// for any other allocator.
+gpumem::vmm_page_pool& page_pool_of(const gpumem::detail::c_api_pool_parts& parts,
+                                    const char* what) {
+  auto* pages = dynamic_cast<gpumem::vmm_page_pool*>(parts.pool);
+  if (pages == nullptr)
+    throw gpumem::invalid_argument(std::string(what) +
+                                   " a vmm_page_pool (allocator:vmm_page_pool), not a '" +
+                                   std::string(parts.pool->name()) + "'");
+  return *pages;
+}
+
 }  // namespace
 
 extern "C" {
@@ -143,11 +155,7 @@ gpumem_status gpumem_kv_create(gpumem_pool* pool, const gpumem_kv_config* config
   const gpumem::detail::c_api_pool_parts parts = gpumem::detail::c_api_pool(pool, where);
   if (parts.pool == nullptr) return gpumem_last_status();
   return guarded(where, [&] {
-    auto* pages = dynamic_cast<gpumem::vmm_page_pool*>(parts.pool);
-    if (pages == nullptr)
-      throw gpumem::invalid_argument(
-          std::string("the KV cache needs a vmm_page_pool (allocator:vmm_page_pool), not a '") +
-          std::string(parts.pool->name()) + "'");
+    gpumem::vmm_page_pool* pages = &page_pool_of(parts, "the KV cache needs");
     const gpumem_kv_layout& cl = config->layout;
     gpumem::kv_cache_config c;
     c.layout.layers = cl.layers;
@@ -453,11 +461,7 @@ gpumem_status gpumem_kv_vseqs_create(gpumem_pool* pool, const gpumem_kv_layout* 
   const gpumem::detail::c_api_pool_parts parts = gpumem::detail::c_api_pool(pool, where);
   if (parts.pool == nullptr) return gpumem_last_status();
   return guarded(where, [&] {
-    auto* pages = dynamic_cast<gpumem::vmm_page_pool*>(parts.pool);
-    if (pages == nullptr)
-      throw gpumem::invalid_argument(
-          std::string("virtually contiguous sequences need a vmm_page_pool, not a '") +
-          std::string(parts.pool->name()) + "'");
+    gpumem::vmm_page_pool* pages = &page_pool_of(parts, "virtually contiguous sequences need");
     gpumem::kv_layout l;
     l.layers = layout->layers;
     l.kv_heads = layout->kv_heads;
