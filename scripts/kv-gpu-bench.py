@@ -199,8 +199,41 @@ def bench_attention(a):
                 times.append(s.elapsed_time(e) * 1000.0)
             return statistics.median(times)
 
-        paged_us = timed(lambda: paged_decode(q, k, v, (table, lengths), lengths_max=length))
-        dense_us = timed(lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True))
+        def graphed(fn, calls=20):
+            """Device time per call with the launch cost taken out, as a server that
+            replays its decode step as a CUDA graph sees it: `calls` calls captured in
+            one graph, the replay timed."""
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(3):
+                    fn()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(calls):
+                    fn()
+            g.replay()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(a.iters):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                g.replay()
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e) * 1000.0 / calls)
+            del g
+            return statistics.median(times)
+
+        paged_fn = lambda: paged_decode(q, k, v, (table, lengths), lengths_max=length)  # noqa: E731
+        dense_fn = lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True)  # noqa: E731
+        # Sides alternate: paged, dense, dense, paged; each side's figure is the mean of
+        # its two medians.
+        p1, d1, d2, p2 = timed(paged_fn), timed(dense_fn), timed(dense_fn), timed(paged_fn)
+        paged_us, dense_us = (p1 + p2) / 2, (d1 + d2) / 2
+        gp1, gd1, gd2, gp2 = graphed(paged_fn), graphed(dense_fn), graphed(dense_fn), graphed(paged_fn)
+        paged_graph_us, dense_graph_us = (gp1 + gp2) / 2, (gd1 + gd2) / 2
         out = paged_decode(q, k, v, (table, lengths), lengths_max=length)
         ref = F.scaled_dot_product_attention(qd.float(), kd.float(), vd.float(),
                                              enable_gqa=True)[:, :, 0]
@@ -208,6 +241,12 @@ def bench_attention(a):
               "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": "bf16",
               "paged_us": round(paged_us, 2), "dense_sdpa_us": round(dense_us, 2),
               "paged_over_dense": round(paged_us / dense_us, 3),
+              "paged_spread_us": [round(p1, 2), round(p2, 2)],
+              "dense_spread_us": [round(d1, 2), round(d2, 2)],
+              "paged_graph_us": round(paged_graph_us, 2),
+              "dense_graph_us": round(dense_graph_us, 2),
+              "graph_paged_over_dense": round(paged_graph_us / dense_graph_us, 3),
+              "graph_spread_us": [round(gp1, 2), round(gp2, 2), round(gd1, 2), round(gd2, 2)],
               "max_abs_err": round((out.float() - ref).abs().max().item(), 5)})
         cache.close()
         del k, v, kd, vd

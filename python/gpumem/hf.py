@@ -100,8 +100,14 @@ class _Layer(_LayerBase):
     def get_seq_length(self, *args, **kwargs):
         return self._owner.get_seq_length(self.index)
 
+    def get_max_length(self, *args, **kwargs):
+        return -1
+
     def get_max_cache_shape(self, *args, **kwargs):
         return -1
+
+    def crop(self, *args, **kwargs):
+        raise RuntimeError("gpumem.hf: crop goes through GpumemCache, not a layer")
 
     def reset(self):
         self.keys = None
@@ -196,8 +202,13 @@ class GpumemCache(_Base):
     def get_max_cache_shape(self, layer_idx=0, *args, **kwargs):
         return -1
 
-    def get_max_length(self):
-        return None
+    def get_max_length(self, layer_idx=None, *args, **kwargs):
+        """-1: no maximum (the cache grows by blocks)."""
+        return -1
+
+    @property
+    def is_croppable(self):
+        return False
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None, *args, **kwargs):
         if key_states.dim() != 4:
@@ -252,10 +263,12 @@ class GpumemCache(_Base):
     def batch_repeat_interleave(self, repeats):
         self._remap_rows([i for i in range(len(self._seqs)) for _ in range(int(repeats))])
 
-    def crop(self, max_length):
-        if max_length < 0:
-            max_length = self._length + max_length
-        if max_length >= self._length:
+    def crop(self, tokens):
+        """transformers' crop: a negative count removes that many tokens, a positive one is
+        the length to keep, 0 keeps everything. Only a crop that removes nothing is done:
+        the cache keeps whole sequences (is_croppable is False)."""
+        keep = self._length + tokens if tokens < 0 else (tokens if tokens > 0 else self._length)
+        if keep >= self._length:
             return
         raise NotImplementedError("gpumem.hf: crop() (assisted decoding) is not supported: "
                                   "the cache keeps whole sequences")

@@ -148,6 +148,19 @@ def _kernels():
     return _KERNELS
 
 
+_SM_COUNT = {}
+
+
+def _sm_count(torch, device):
+    """Multiprocessors of `device`, read once per device (the query costs microseconds
+    on every decode step otherwise)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SM_COUNT.get(index)
+    if n is None:
+        n = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
+
+
 def _next_pow2(n):
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -217,7 +230,7 @@ def paged_decode(q, k_cache, v_cache, tables, *, cache=None, sm_scale=None, spli
         return out
     tile = max(16, min(_next_pow2(tile), _next_pow2(max(lengths_max, 16))))
     if splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        sms = _sm_count(torch, q.device)
         programs = batch * kv_heads
         splits = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(lengths_max, 2 * tile),
                             64))
