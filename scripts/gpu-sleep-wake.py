@@ -138,15 +138,21 @@ def sleep_wake(torch, gt, args):
         free_before = torch.cuda.mem_get_info()[0]
         t = time.perf_counter()
         gt.sleep("weights", "offload")
+        torch.cuda.synchronize()
+        t_w = time.perf_counter()
         gt.sleep("kv", "discard")
         torch.cuda.synchronize()
-        sleep_s = time.perf_counter() - t
+        t_k = time.perf_counter()
+        sleep_s, weights_sleep_s, kv_sleep_s = t_k - t, t_w - t, t_k - t_w
         free_asleep = torch.cuda.mem_get_info()[0]
         t = time.perf_counter()
         gt.wake("weights")
+        torch.cuda.synchronize()
+        t_w = time.perf_counter()
         gt.wake("kv")
         torch.cuda.synchronize()
-        wake_s = time.perf_counter() - t
+        t_k = time.perf_counter()
+        wake_s, weights_wake_s, kv_wake_s = t_k - t, t_w - t, t_k - t_w
         logits.zero_()
         graph.replay()
         torch.cuda.synchronize()
@@ -154,7 +160,11 @@ def sleep_wake(torch, gt, args):
         emit(test="sleep_wake", cycle=cycle, weight_bytes=weight_bytes, kv_bytes=kv.numel() * 2,
              tagged_reserved=tagged, free_before=free_before, free_asleep=free_asleep,
              returned_share=(free_asleep - free_before) / tagged, sleep_s=sleep_s, wake_s=wake_s,
+             weights_sleep_s=weights_sleep_s, weights_wake_s=weights_wake_s,
+             kv_sleep_s=kv_sleep_s, kv_wake_s=kv_wake_s,
              pinned_d2h_Bps=bw["d2h"], pinned_h2d_Bps=bw["h2d"],
+             weights_sleep_vs_pinned=(weight_bytes / bw["d2h"]) / weights_sleep_s,
+             weights_wake_vs_pinned=(weight_bytes / bw["h2d"]) / weights_wake_s,
              sleep_vs_pinned=(weight_bytes / bw["d2h"]) / sleep_s,
              wake_vs_pinned=(weight_bytes / bw["h2d"]) / wake_s,
              logits_finite=finite, replay_reproduces_without_sleep=replay_reproduces,

@@ -579,6 +579,16 @@ def sleep(tag_name, mode="offload", device=None):
     import torch  # pylint: disable=import-outside-toplevel
     index = _device_index(device)
     torch.cuda.synchronize(index)
+    # PyTorch keeps a cuBLAS workspace per (handle, stream), made from the allocator at
+    # the first matrix product on that stream: under whatever tag was current then. Such
+    # a workspace outlives the scope, and every later product on the stream writes it, so
+    # it must never sleep. Released here, it is made again at the next product, under the
+    # tag current then. (PyTorch's CUDA graph trees release them the same way; a captured
+    # graph keeps its own workspace in its private pool.)
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # pylint: disable=protected-access
+    if clear is not None:
+        clear()
+        torch.cuda.synchronize(index)
     pool(index).sleep(tag_name, mode, _current_stream(index))
 
 

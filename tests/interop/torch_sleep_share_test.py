@@ -2,7 +2,8 @@
 device): tensors made under gpumem.torch.tag sleep (the driver's free memory rises by the
 tag's bytes) and wake with the same bytes at the same addresses; a CUDA graph captured
 before the sleep replays with identical results after the wake; allocating in a sleeping
-tag raises; gpumem.ipc shares a tensor with a spawned process that checks and writes it."""
+tag raises; a cuBLAS workspace first made inside a tag that then sleeps does not take
+the next matrix product down with it; gpumem.ipc shares a tensor with a spawned process that checks and writes it."""
 import os
 import socket
 import subprocess
@@ -35,6 +36,25 @@ def main():
     import gpumem.torch as gt
     import gpumem.ipc as ipc
     gt.enable()
+
+    # The process's first matrix product runs inside a tag: PyTorch makes the stream's
+    # cuBLAS workspace there. The tag sleeps; the next product (outside it) must still
+    # find a mapped workspace and compute the right numbers.
+    with gt.tag("scratch"):
+        a = torch.randn(512, 512, device="cuda")
+        first = a @ a
+    torch.cuda.synchronize()
+    a_host, first_host = a.cpu(), first.cpu()
+    del first
+    gt.sleep("scratch", "offload")
+    m = torch.randn(512, 512, device="cuda")
+    product = (m @ m).cpu()
+    assert torch.allclose(product, m.cpu() @ m.cpu(), rtol=1e-3, atol=1e-3), \
+        "a product after the sleep of the tag that made the cuBLAS workspace is wrong"
+    gt.wake("scratch")
+    assert torch.allclose((a @ a).cpu(), first_host, rtol=1e-3, atol=1e-3)
+    assert torch.equal(a.cpu(), a_host)
+    del a, m
 
     with gt.tag("weights"):
         w = torch.randn(4096, 4096, device="cuda")

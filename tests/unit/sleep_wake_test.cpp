@@ -267,6 +267,38 @@ TEST_F(SleepWake, WakeOutOfMemoryKeepsTheBytesAndARetrySucceeds) {
   pool.deallocate(slept, 600 * MiB);
 }
 
+// An offload larger than one copy slice retires the slices one by one while the next
+// copies; a failure waiting for the second slice's copies leaves the first slice released
+// (the tag partly asleep, refusing allocations), and the retry completes; every byte
+// survives the round trip.
+TEST_F(SleepWake, OffloadInSlicesSurvivesAFailureBetweenSlices) {
+  vmm_page_pool untagged(sim);
+  tagged_pool pool(untagged, {});
+  std::vector<allocation> big;
+  for (unsigned i = 0; i < 5; ++i) {
+    const std::size_t bytes = 150 * MiB + i * 4096;
+    big.push_back({pool.allocate(bytes, 256, {}, 1), bytes, 40 + i});
+    write_pattern(big.back().p, bytes, 40 + i);
+  }
+  const std::size_t reserved = pool.tag_stats(1).reserved_bytes;
+  sim.inject_fault(platform_op::event_synchronize,
+                   sim_fault{2, false, 0.0, failure_kind::driver_error});
+  EXPECT_THROW(pool.sleep(1, sleep_mode::offload), cuda_error);
+  sim.clear_faults();
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  EXPECT_TRUE(pool.asleep(1));
+  const std::size_t partly = pool.tag_stats(1).reserved_bytes;
+  EXPECT_LT(partly, reserved) << "the first slice was not released before the failure";
+  EXPECT_GT(partly, 0u);
+  EXPECT_THROW(pool.allocate(MiB, 256, {}, 1), invalid_argument);
+  pool.sleep(1, sleep_mode::offload);
+  EXPECT_EQ(pool.tag_stats(1).reserved_bytes, 0u);
+  pool.wake(1);
+  expect_patterns(big);
+  free_all(pool, big);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
 // A failure injected into the n-th call of each operation sleep or wake makes: afterwards
 // the pool and the device are valid, the tag refuses allocations while any page sleeps,
 // and the same call again completes; the bytes survive.
@@ -327,7 +359,8 @@ TEST_P(SleepWakeFaults, EveryPositionLeavesAValidPoolAndARetryCompletes) {
 INSTANTIATE_TEST_SUITE_P(
     Calls, SleepWakeFaults,
     ::testing::Values(fault_case{platform_op::memcpy_async, false},
-                      fault_case{platform_op::stream_synchronize, false},
+                      fault_case{platform_op::event_record, false},
+                      fault_case{platform_op::event_synchronize, false},
                       fault_case{platform_op::unmap, false},
                       fault_case{platform_op::release_physical, false},
                       fault_case{platform_op::create_physical, true},

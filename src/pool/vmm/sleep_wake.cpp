@@ -6,7 +6,9 @@
 //   mapped   -> its bytes are copied to the host (offload), then it is unmapped
 //   unmapped -> its handle is released (its bytes are now only on the host)
 //   released -> asleep; wake() creates a handle, maps it, grants access and copies back.
-// A chunk that is mapped is awake whatever its record says; wake() puts an unmapped chunk
+// Offloaded chunks copy in slices; a slice is unmapped and released once its copies are
+// done, while the next slice copies. A chunk that is mapped is awake whatever its record
+// says; wake() puts an unmapped chunk
 // (handle still held, bytes intact) back with no copy.
 //
 // Invariants (checked by validate_holdings through sleeping_pages_locked()):
@@ -17,16 +19,66 @@
 #include <algorithm>
 #include <map>
 #include <memory>
+#include <span>
 #include <unordered_map>
 #include <vector>
 
 #include "gpumem/errors.hpp"
+#include "gpumem/platform/status_error.hpp"
 #include "gpumem/pool/pinned_host_pool.hpp"
 #include "gpumem/pool/vmm/vmm_page_pool.hpp"
 #include "pool/vmm/sleep_state.hpp"
 
 namespace gpumem {
 
+namespace {
+
+// Offload copies go in slices of this many bytes (see sleep()): large enough that a
+// slice's copy outlasts the driver calls that retire the slice before it.
+constexpr std::size_t sleep_slice_bytes = std::size_t{256} << 20;
+
+// Two events a sleep alternates between, destroyed with it. Without events (creation
+// failed) a wait synchronizes the whole stream: the same order, less overlap.
+class stream_events {
+ public:
+  stream_events(platform& p, int device) : p_(p) {
+    for (auto& e : events_) {
+      auto r = p_.event_create(device);
+      if (!r) {
+        release();
+        return;
+      }
+      e = r.value();
+      ++made_;
+    }
+  }
+  stream_events(const stream_events&) = delete;
+  stream_events& operator=(const stream_events&) = delete;
+  ~stream_events() { release(); }
+
+  void record(std::size_t i, stream_handle stream) {
+    if (made_ == 2) {
+      if (auto s = p_.event_record(events_[i], stream); !s)
+        gpumem::throw_cuda_error(s, "vmm_page_pool::sleep: record an event");
+    }
+  }
+  // Returns once the work recorded by record(i) is done.
+  void wait(std::size_t i, stream_handle stream) {
+    status s = made_ == 2 ? p_.event_synchronize(events_[i]) : p_.stream_synchronize(stream);
+    if (!s) gpumem::throw_cuda_error(s, "vmm_page_pool::sleep: wait for the copies");
+  }
+
+ private:
+  void release() noexcept {
+    for (std::size_t i = 0; i < made_; ++i) (void)p_.event_destroy(events_[i]);
+    made_ = 0;
+  }
+  platform& p_;
+  event_handle events_[2]{};
+  std::size_t made_ = 0;
+};
+
+}  // namespace
 
 bool vmm_page_pool::sleeping_locked() const noexcept {
   return sleep_ != nullptr && !sleep_->chunks.empty();
@@ -108,54 +160,90 @@ void vmm_page_pool::sleep(sleep_mode mode, stream_handle stream) {
       st.host = st.staging->allocate(total, stream);  // throws out_of_memory: nothing changed
       st.host_bytes = total;
     }
-    // Copies of adjacent chunks (adjacent in the host block too) go as one.
-    for (std::size_t i = 0; i < ids.size();) {
-      std::size_t j = i + 1;
-      const chunk& first = chunks_[ids[i]];
-      std::size_t pages = first.pages;
-      while (j < ids.size() && chunks_[ids[j]].mapped_at == first.mapped_at + pages &&
-             st.host_offset.at(ids[j]) == st.host_offset.at(ids[i]) + pages * page_) {
-        pages += chunks_[ids[j]].pages;
-        ++j;
-      }
-      auto* host = static_cast<char*>(st.host) + st.host_offset.at(ids[i]);
-      if (auto s = p.memcpy_async(host, reinterpret_cast<void*>(page_address(first.mapped_at)),
-                                  pages * page_, stream);
-          !s)
-        throw_cuda_error(s, "vmm_page_pool::sleep: copy the pages to the host");
-      i = j;
-    }
   }
-  // The copies, and the work queued before them, are done before the pages go.
-  if (auto s = p.stream_synchronize(stream); !s)
-    throw_cuda_error(s, "vmm_page_pool::sleep: wait for the stream");
-  for (std::uint32_t id : ids) st.chunks.try_emplace(id, phase::mapped);
 
-  // Unmap runs of adjacent chunks (one call each where the driver accepts it).
-  for (std::size_t i = 0; i < ids.size();) {
-    std::size_t j = i + 1;
-    while (j < ids.size() &&
-           chunks_[ids[j]].mapped_at == chunks_[ids[j - 1]].mapped_at + chunks_[ids[j - 1]].pages)
-      ++j;
-    const std::span<const std::uint32_t> run(ids.data() + i, j - i);
-    auto [done, failed] = unmap_run(run);
-    // unmap_run reports the chunks unmapped from the top of the run.
-    for (std::size_t k = 0; k < done; ++k) st.chunks[run[run.size() - 1 - k]] = phase::unmapped;
-    if (!failed.ok()) throw_cuda_error(failed, "vmm_page_pool::sleep: unmap the pages");
-    i = j;
-  }
-  // Release the physical memory of every unmapped sleeping chunk.
-  for (auto& [id, ph] : st.chunks) {
-    if (ph != phase::unmapped) continue;
+  // Gives the physical memory of an unmapped sleeping chunk back to the driver.
+  auto release_sleeping_chunk = [&](std::uint32_t id) {
+    auto ph = st.chunks.find(id);
+    if (ph == st.chunks.end() || ph->second != phase::unmapped) return;
     chunk& c = chunks_[id];
     if (auto s = p.release_physical(c.handle); !s)
       throw_cuda_error(s, "vmm_page_pool::sleep: release the physical memory");
     c.handle = physical_handle{};
-    ph = phase::released;
+    ph->second = phase::released;
     st.released_pages += c.pages;
     sub_reserved(c.pages * page_);
     counts_.pages_released += c.pages;
+  };
+
+  // Unmaps and releases the chunks ids[begin, end) (their copies, if any, are done):
+  // runs of adjacent chunks unmap in one call each where the driver accepts it.
+  auto retire = [&](std::size_t begin, std::size_t end) {
+    for (std::size_t i = begin; i < end; ++i) st.chunks.try_emplace(ids[i], phase::mapped);
+    for (std::size_t i = begin; i < end;) {
+      std::size_t j = i + 1;
+      while (j < end &&
+             chunks_[ids[j]].mapped_at == chunks_[ids[j - 1]].mapped_at + chunks_[ids[j - 1]].pages)
+        ++j;
+      const std::span<const std::uint32_t> run(ids.data() + i, j - i);
+      auto [done, failed] = unmap_run(run);
+      // unmap_run reports the chunks unmapped from the top of the run.
+      for (std::size_t k = 0; k < done; ++k) st.chunks[run[run.size() - 1 - k]] = phase::unmapped;
+      if (!failed.ok()) throw_cuda_error(failed, "vmm_page_pool::sleep: unmap the pages");
+      i = j;
+    }
+    for (std::size_t i = begin; i < end; ++i) release_sleeping_chunk(ids[i]);
+  };
+
+  if (st.mode == sleep_mode::offload && !ids.empty()) {
+    // The copies go in slices of about sleep_slice_bytes; while one slice copies, the one
+    // before it (its copies done, and with them the work queued before) is unmapped and
+    // released, so the driver calls run under the transfer instead of after it.
+    stream_events events(p, device());
+    std::size_t prev_begin = 0, prev_end = 0, slice = 0;
+    for (std::size_t begin = 0; begin < ids.size(); ++slice) {
+      std::size_t end = begin, bytes = 0;
+      while (end < ids.size() && (end == begin || bytes < sleep_slice_bytes))
+        bytes += chunks_[ids[end++]].pages * page_;
+      // Copies of adjacent chunks (adjacent in the host block too) go as one.
+      for (std::size_t i = begin; i < end;) {
+        std::size_t j = i + 1;
+        const chunk& first = chunks_[ids[i]];
+        std::size_t pages = first.pages;
+        while (j < end && chunks_[ids[j]].mapped_at == first.mapped_at + pages &&
+               st.host_offset.at(ids[j]) == st.host_offset.at(ids[i]) + pages * page_) {
+          pages += chunks_[ids[j]].pages;
+          ++j;
+        }
+        auto* host = static_cast<char*>(st.host) + st.host_offset.at(ids[i]);
+        if (auto s = p.memcpy_async(host, reinterpret_cast<void*>(page_address(first.mapped_at)),
+                                    pages * page_, stream);
+            !s)
+          throw_cuda_error(s, "vmm_page_pool::sleep: copy the pages to the host");
+        i = j;
+      }
+      events.record(slice % 2, stream);
+      if (slice > 0) {
+        events.wait((slice - 1) % 2, stream);
+        retire(prev_begin, prev_end);
+      }
+      prev_begin = begin;
+      prev_end = end;
+      begin = end;
+    }
+    events.wait((slice - 1) % 2, stream);
+    retire(prev_begin, prev_end);
+  } else {
+    // Nothing to copy: the work queued on the stream is done before the pages go.
+    if (auto s = p.stream_synchronize(stream); !s)
+      throw_cuda_error(s, "vmm_page_pool::sleep: wait for the stream");
+    retire(0, ids.size());
   }
+  // Chunks an earlier, failed call left unmapped are released now.
+  std::vector<std::uint32_t> left;
+  for (auto& [id, ph] : st.chunks)
+    if (ph == phase::unmapped) left.push_back(id);
+  for (std::uint32_t id : left) release_sleeping_chunk(id);
   st.complete = true;
 }
 
