@@ -89,6 +89,8 @@ def bench_hf(a):
 
     grid = [(b, p) for b in (1, 8, 32) for p in (128, 1024, 4096)] if a.full else \
         [(1, 128), (1, 4096), (8, 1024), (32, 128), (32, 4096)]
+    if a.hf_points:
+        grid = [tuple(int(x) for x in point.split("x")) for point in a.hf_points.split(",")]
     kinds = ["dynamic", "static", "gpumem", "gpumem_paged"]
 
     def run(kind, batch, prompt, new):
@@ -353,6 +355,7 @@ def main():
     p.add_argument("--full", action="store_true", help="the whole batch x prompt grid")
     p.add_argument("--out", help="also append the JSON lines to this file")
     p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--hf-points", help="batch x prompt points of the HF bench, e.g. 8x1024,32x128")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--heads", type=int, default=32)
