@@ -174,10 +174,11 @@ def sleep_wake(torch, gt, args):
 
 
 def colocated(torch, gt, args):
+    layers = max(2, args.layers // 4)
     with gt.tag("weights"):
-        w = build_model(torch, max(2, args.layers // 4))
-    with gt.tag("kv"):
-        kv = torch.zeros(2, 2, GiB, dtype=torch.bfloat16, device="cuda")
+        w = build_model(torch, layers)
+    with gt.tag("kv"):  # 4 GiB: [layers, K/V, GiB / layers] bf16
+        kv = torch.zeros(layers, 2, GiB // layers, dtype=torch.bfloat16, device="cuda")
     with gt.tag("trainer"):
         model = torch.nn.Sequential(torch.nn.Linear(8192, 8192), torch.nn.GELU(),
                                     torch.nn.Linear(8192, 8192)).cuda()
@@ -200,7 +201,7 @@ def colocated(torch, gt, args):
         gt.wake("kv")
         with torch.no_grad():
             for _ in range(8):
-                decode_step(torch, w, max(2, args.layers // 4), x, kv)
+                decode_step(torch, w, layers, x, kv)
         torch.cuda.synchronize()
         total = sum(tagged_bytes(gt, t) for t in ("weights", "kv", "trainer")) + \
             gt.stats()["reserved_bytes"]
