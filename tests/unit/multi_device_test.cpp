@@ -9,8 +9,10 @@
 #include <string>
 #include <vector>
 
+#include "gpumem/backend.hpp"
 #include "gpumem/errors.hpp"
 #include "gpumem/platform.hpp"
+#include "gpumem/pool.hpp"
 
 namespace {
 
@@ -269,6 +271,130 @@ TEST(multi_device_sim, memory_exported_on_one_device_is_imported_and_used_by_a_p
   ASSERT_TRUE(exporter.release_physical(h).ok());
   ASSERT_TRUE(exporter.free_range(va, 2 * MiB).ok());
   EXPECT_TRUE(importer.live_objects().none()) << importer.live_objects().describe();
+}
+
+// --- per-device pools and peer access to their pages --------------------------------------
+
+TEST(multi_device_pool, peer_access_grants_every_mapped_page_to_the_peers_growths_included) {
+  sim_platform sim(two_devices());
+  {
+    vmm_page_pool plain(sim, 0);
+    void* p = plain.allocate(1 * MiB);
+    EXPECT_TRUE(sim.check_access(0, p, 1 * MiB).ok());
+    EXPECT_EQ(sim.check_access(1, p, 1 * MiB).kind, failure_kind::invalid_value)
+        << "without peer_access a peer has no access";
+    plain.deallocate(p, 1 * MiB);
+  }
+  {
+    vmm_page_pool pool(sim, 0, pool_options::parse("peer_access:1"));
+    ASSERT_EQ(pool.access_devices().size(), 2u);
+    EXPECT_EQ(pool.access_devices()[1], 1);
+    const auto calls = sim.calls_made(platform_op::set_access);
+    void* a = pool.allocate(3 * MiB);
+    EXPECT_EQ(sim.calls_made(platform_op::set_access), calls + 1) << "one call for both devices";
+    EXPECT_TRUE(sim.check_access(1, a, 3 * MiB).ok());
+    void* b = pool.allocate(20 * MiB);  // a later growth inherits it
+    EXPECT_TRUE(sim.check_access(1, b, 20 * MiB).ok());
+    // A peer's stream copies between the pool's pages.
+    auto stream1 = sim.stream_create(1).value();
+    std::memset(a, 9, 3 * MiB);
+    EXPECT_TRUE(sim.memcpy_async(b, a, 3 * MiB, stream1).ok());
+    EXPECT_EQ(static_cast<unsigned char*>(b)[3 * MiB - 1], 9);
+    ASSERT_TRUE(sim.stream_destroy(stream1).ok());
+    pool.deallocate(b, 20 * MiB);
+    (void)pool.trim();
+    void* c = pool.allocate(8 * MiB);  // new pages after a trim
+    EXPECT_TRUE(sim.check_access(1, c, 8 * MiB).ok());
+    // Sleep releases the pages; wake maps new ones with the same grants.
+    pool.sleep(sleep_mode::offload);
+    pool.wake();
+    EXPECT_TRUE(sim.check_access(1, c, 8 * MiB).ok());
+    pool.deallocate(c, 8 * MiB);
+    pool.deallocate(a, 3 * MiB);
+    EXPECT_EQ(pool.validate(), "");
+  }
+  EXPECT_TRUE(sim.is_valid()) << sim.validate();
+  EXPECT_TRUE(sim.live_objects().none()) << sim.live_objects().describe();
+}
+
+TEST(multi_device_pool, guarded_pages_are_granted_to_the_peers_too) {
+  sim_platform sim(two_devices());
+  vmm_page_pool pool(sim, 1, pool_options::parse("guard:on,peer_access:0"));
+  void* p = pool.allocate(100 * KiB);
+  EXPECT_TRUE(sim.check_access(0, p, 100 * KiB).ok());
+  pool.deallocate(p, 100 * KiB);
+}
+
+TEST(multi_device_pool, peer_access_all_takes_the_devices_that_reach_the_pool) {
+  sim_options o = two_devices();
+  o.device_count = 3;
+  o.no_peer = {{0, 2}};
+  sim_platform sim(o);
+  vmm_page_pool pool(sim, 0, pool_options::parse("peer_access:all"));
+  ASSERT_EQ(pool.access_devices().size(), 2u);
+  EXPECT_EQ(pool.access_devices()[0], 0);
+  EXPECT_EQ(pool.access_devices()[1], 1);
+  void* p = pool.allocate(1 * MiB);
+  EXPECT_TRUE(sim.check_access(1, p, 1 * MiB).ok());
+  EXPECT_EQ(sim.check_access(2, p, 1 * MiB).kind, failure_kind::invalid_value);
+  pool.deallocate(p, 1 * MiB);
+  EXPECT_EQ(pool_options::parse("peer_access:all").to_string().find("peer_access:all") !=
+                std::string::npos,
+            true);
+  EXPECT_NE(pool_options::parse("peer_access:1+3").to_string().find("peer_access:1+3"),
+            std::string::npos);
+}
+
+TEST(multi_device_pool, peer_access_to_a_device_that_cannot_reach_the_pool_is_refused) {
+  sim_options o = two_devices();
+  o.no_peer = {{0, 1}};
+  sim_platform sim(o);
+  try {
+    vmm_page_pool pool(sim, 0, pool_options::parse("peer_access:1"));
+    ADD_FAILURE() << "peer_access to a device without a peer path was accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("device 1 cannot reach device 0"), std::string::npos)
+        << e.what();
+  }
+  try {
+    vmm_page_pool pool(sim, 0, pool_options::parse("peer_access:5"));
+    ADD_FAILURE() << "peer_access to a device that does not exist was accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("device 5"), std::string::npos) << e.what();
+  }
+  runtime_resource upstream(sim, 0);
+  EXPECT_THROW(caching_pool(upstream, pool_options::parse("peer_access:1")), invalid_argument);
+  for (const char* bad : {"peer_access:x", "peer_access:64", "peer_access:1+", "peer_access:"})
+    EXPECT_THROW((void)pool_options::parse(bad), invalid_argument) << bad;
+  EXPECT_TRUE(sim.live_objects().none()) << sim.live_objects().describe();
+}
+
+TEST(multi_device_pool, a_pointer_or_stream_of_another_device_is_refused_and_changes_nothing) {
+  sim_platform sim(two_devices());
+  auto stream1 = sim.stream_create(1).value();
+  {
+    vmm_page_pool on0(sim, 0), on1(sim, 1);
+    void* p = on0.allocate(1 * MiB);
+    EXPECT_THROW(on1.deallocate(p, 1 * MiB), invalid_argument);
+    EXPECT_EQ(on0.stats().live_bytes, 1 * MiB);
+    EXPECT_EQ(on1.stats().live_bytes, 0u);
+    try {
+      (void)on0.allocate(1 * MiB, 256, stream1);
+      ADD_FAILURE() << "device 0's pool allocated on a stream of device 1";
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("belongs to device 1"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(on0.deallocate(p, 1 * MiB, stream1), invalid_argument);
+    EXPECT_EQ(on0.stats().live_bytes, 1 * MiB);
+    on0.deallocate(p, 1 * MiB);  // the owner, on a stream of its device: fine
+    void* q = on1.allocate(1 * MiB, 256, stream1);
+    on1.deallocate(q, 1 * MiB, stream1);
+    on1.release_stream(stream1);
+    EXPECT_EQ(on0.validate(), "");
+    EXPECT_EQ(on1.validate(), "");
+  }
+  ASSERT_TRUE(sim.stream_destroy(stream1).ok());
+  EXPECT_TRUE(sim.live_objects().none()) << sim.live_objects().describe();
 }
 
 }  // namespace

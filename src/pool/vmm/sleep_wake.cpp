@@ -211,7 +211,7 @@ void vmm_page_pool::wake(stream_handle stream) {
         if (ph == phase::released) (void)p.release_physical(fresh);
         throw_cuda_error(s, "vmm_page_pool::wake: map the pages");
       }
-      if (auto s = p.set_access(device(), va, bytes); !s) {
+      if (auto s = grant_access(va, bytes); !s) {
         (void)p.unmap(va, bytes);
         if (ph == phase::released) (void)p.release_physical(fresh);
         throw_cuda_error(s, "vmm_page_pool::wake: grant access to the pages");
