@@ -4,6 +4,7 @@
 // or stream of another device is refused with a typed error.
 #include <gtest/gtest.h>
 #include <sys/types.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -170,6 +171,31 @@ TEST(MultiDeviceCApi, PoolsPerDeviceAndPeerAccessFromTheConfiguration) {
   for (const char* bad : {"sim_devices:0", "sim_devices:65", "sim_no_peer:0-1",
                           "sim_granularity:3000", "sim_no_peer:01", "platform:cuda,sim_devices:2"})
     EXPECT_EQ(gpumem_pool_create(bad, &none), GPUMEM_ERROR_INVALID_ARGUMENT) << bad;
+}
+
+// Memory exported by device 0's pool and imported by device 1's: mapped on device 1 as a
+// peer's memory (the same bytes), freed on each side independently.
+TEST(MultiDeviceCApi, SharedMemoryExportedOnOneDeviceIsImportedByAPeersPool) {
+  gpumem_pool* on0 = nullptr;
+  gpumem_pool* on1 = nullptr;
+  ASSERT_EQ(gpumem_pool_create("platform:sim,device:0", &on0), GPUMEM_SUCCESS);
+  ASSERT_EQ(gpumem_pool_create("platform:sim,device:1", &on1), GPUMEM_SUCCESS);
+  void* p = nullptr;
+  ASSERT_EQ(gpumem_allocate_tagged(on0, 2 * MiB, 256, nullptr, GPUMEM_TAG_SHARED, &p),
+            GPUMEM_SUCCESS)
+      << gpumem_last_error();
+  static_cast<unsigned char*>(p)[4096] = 0x77;
+  int fd = -1;
+  ASSERT_EQ(gpumem_export(on0, p, &fd), GPUMEM_SUCCESS) << gpumem_last_error();
+  void* q = nullptr;
+  ASSERT_EQ(gpumem_import(on1, fd, 2 * MiB, &q), GPUMEM_SUCCESS) << gpumem_last_error();
+  EXPECT_EQ(static_cast<unsigned char*>(q)[4096], 0x77);
+  EXPECT_EQ(gpumem_free(on0, p, 2 * MiB, nullptr), GPUMEM_SUCCESS) << gpumem_last_error();
+  EXPECT_EQ(static_cast<unsigned char*>(q)[4096], 0x77) << "the importer's mapping keeps it";
+  EXPECT_EQ(gpumem_free(on1, q, 2 * MiB, nullptr), GPUMEM_SUCCESS) << gpumem_last_error();
+  ::close(fd);
+  gpumem_pool_destroy(on0);
+  gpumem_pool_destroy(on1);
 }
 
 }  // namespace
