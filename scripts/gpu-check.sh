@@ -6,7 +6,8 @@
 # $OUT/all-logs.tar.gz; a short table last.
 #   .deps/googletest   GoogleTest sources, when the machine has no libgtest-dev
 #   .gpurun/*.csv.gz   extra traces to replay (e.g. infer_llama.csv.gz)
-# Then the KV bench, serve-sim on the GPU and a snapshot checked by torch.cuda._memory_viz.
+# Then the KV bench, serve-sim on the GPU, a snapshot checked by torch.cuda._memory_viz and,
+# with 2 GPUs or more, scripts/gpu-multi.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -80,6 +81,10 @@ if [ -x $BUILD/bench/torch_replay_bench ]; then
     [ -f "$t" ] && $BUILD/bench/torch_replay_bench "$t" --passes 2 2>&1 | tee -a "$OUT/torch_replay.txt"
   done
 fi
+# Several GPUs: DDP, FSDP, tensor-parallel decode and peer copies, gpumem against PyTorch's
+# allocator in the same run (exits 77, saying why, with fewer than 2 GPUs).
+python3 scripts/gpu-multi.py 2>"$OUT/multi_gpu.err" | tee "$OUT/multi_gpu.jsonl"
+echo "multi-GPU exit ${PIPESTATUS[0]}: $(tail -1 "$OUT/multi_gpu.err")"
 # The device tool brings back a limited number of files: every log also travels in one
 # archive, named to sort first (the plain files stay for a local run).
 (cd "$OUT" && tar -czf all-logs.tar.gz --exclude=all-logs.tar.gz -- *)

@@ -1,5 +1,6 @@
-// gpumem info: what the device is and what gpumem can use of it — properties, free
-// memory, VMM granularity — and, with --bandwidth, a measured device-to-device copy
+// gpumem info: what each device is and what gpumem can use of it — properties, free
+// memory, VMM granularity, which devices reach each other's memory (the peer-access
+// matrix, with several) — and, with --bandwidth, a measured device-to-device copy
 // bandwidth. On the sim platform it says plainly that no GPU was found, why, and that
 // every figure describes the simulated device.
 #include <algorithm>
@@ -158,6 +159,9 @@ struct platform_report {
   std::optional<std::string> reason_no_gpu;
   int device_count = 0;                   // on the platform; devices may show only one
   std::vector<device_report> devices;
+  // peers[a][b]: device a can reach memory on device b (cuDeviceCanAccessPeer); every
+  // device of the platform, empty with one device.
+  std::vector<std::vector<bool>> peers;
 };
 
 device_report describe_device(platform& p, int device) {
@@ -230,6 +234,14 @@ void write_json(const platform_report& report, std::ostream& out) {
       if (d.bandwidth->host_copy) w.member("measured_d2d_bandwidth_note", sim_bandwidth_note);
     }
     w.end_object();
+  }
+  w.end_array();
+  // Row a, column b: device a can reach device b's memory (true on the diagonal).
+  w.key("peer_access").begin_array();
+  for (const auto& row : report.peers) {
+    w.begin_array();
+    for (bool can : row) w.value(can);
+    w.end_array();
   }
   w.end_array();
   w.end_object();
@@ -307,6 +319,22 @@ void write_text(const platform_report& report, std::ostream& out) {
     for (const auto& [label, value] : tables[i])
       out << "  " << label << std::string(width - label.size() + 2, ' ') << value << "\n";
   }
+  if (!report.peers.empty()) {
+    out << "\npeer access (row device reaches column device's memory; cuDeviceCanAccessPeer):\n"
+        << "      ";
+    for (std::size_t b = 0; b < report.peers.size(); ++b) {
+      const std::string head = std::to_string(b);
+      out << std::string(5 - std::min<std::size_t>(head.size(), 4), ' ') << head;
+    }
+    out << "\n";
+    for (std::size_t a = 0; a < report.peers.size(); ++a) {
+      const std::string head = std::to_string(a);
+      out << "  " << head << std::string(4 - std::min<std::size_t>(head.size(), 3), ' ');
+      for (std::size_t b = 0; b < report.peers.size(); ++b)
+        out << (a == b ? "    -" : report.peers[a][b] ? "  yes" : "   no");
+      out << "\n";
+    }
+  }
 }
 
 }  // namespace
@@ -328,6 +356,7 @@ int run_info(int argc, char** argv) {
       .epilog(
           "environment:\n"
           "  GPUMEM_DEVICE   platform when --device is not given: auto, cuda or sim\n"
+          "  GPUMEM_SIM_DEVICES  number of simulated GPUs (default 1)\n"
           "\n"
           "examples:\n"
           "  gpumem info\n"
@@ -383,6 +412,17 @@ int run_info(int argc, char** argv) {
   for (int i = 0; i < count; ++i) {
     if (only_index && i != *only_index) continue;
     report.devices.push_back(describe_device(p, i));
+  }
+  if (count > 1) {
+    report.peers.assign(static_cast<std::size_t>(count),
+                        std::vector<bool>(static_cast<std::size_t>(count), true));
+    for (int a = 0; a < count; ++a)
+      for (int b = 0; b < count; ++b)
+        if (a != b)
+          report.peers[static_cast<std::size_t>(a)][static_cast<std::size_t>(b)] =
+              checked(p.can_access_peer(a, b), "gpumem info: peer access of device " +
+                                                   std::to_string(a) + " to device " +
+                                                   std::to_string(b));
   }
   // Measure after every property query so that free memory is reported untouched.
   if (bandwidth)

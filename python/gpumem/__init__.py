@@ -187,6 +187,7 @@ def _declare(lib):
         "gpumem_stream_create": (c.c_int, [pool_p, c.POINTER(c.c_void_p)]),
         "gpumem_stream_destroy": (c.c_int, [pool_p, c.c_void_p]),
         "gpumem_stream_synchronize": (c.c_int, [pool_p, c.c_void_p]),
+        "gpumem_stream_device": (c.c_int, [pool_p, c.c_void_p, c.POINTER(c.c_int)]),
         "gpumem_snapshot": (c.c_int, [pool_p, c.c_char_p]),
         "gpumem_set_current_tag": (c.c_uint32, [c.c_uint32]),
         "gpumem_current_tag": (c.c_uint32, []),
@@ -259,27 +260,34 @@ def c_library_path():
     return path if os.path.exists(path) else None
 
 
-# The C API's own configuration keys (gpumem.h), beside the pool options.
-C_API_KEYS = ("allocator", "backend", "device", "platform", "sim_capacity", "step_plan")
+# The C API's own configuration keys (gpumem.h, the option table's gpumem_pool_create
+# rows), beside the pool options.
+C_API_KEYS = ("allocator", "backend", "platform", "device", "step_plan", "sim_capacity",
+              "sim_devices", "sim_granularity", "sim_no_peer")
+
+
+def _names_key(config, key):
+    return any(item.split(":", 1)[0].strip() == key for item in config.split(",") if item.strip())
 
 
 def check_config(config):
     """Raises InvalidArgumentError naming the bad key or value (and the valid keys) when the
-    GPUMEM_CONF string `config` would be refused; parses it on a small private sim device,
-    so no GPU is touched. Failures that are not about the text (memory) are not raised."""
+    GPUMEM_CONF string `config` would be refused; parses it on a small private sim device
+    (with 64 GPUs unless it names sim_devices, so peer_access and a device of a multi-GPU
+    machine are checked as text), so no GPU is touched. Failures that are not about the
+    text (memory, a device the probe lacks) are not raised."""
     if not config:
         return
     items = [item for item in config.split(",")
              if item.strip() and item.split(":", 1)[0].strip() != "device"]
-    probe = ",".join(items + ["platform:sim", "sim_capacity:64M"])
+    probe = ",".join(items + ["platform:sim", "sim_capacity:64M"] +
+                     ([] if _names_key(config, "sim_devices") else ["sim_devices:64"]))
     try:
         Pool(probe).close()
     except InvalidArgumentError as e:
         text = str(e)
         if "config:" not in text and "unknown" not in text:
             return
-        if "unknown key" in text:
-            text += "; and the keys of the C API: " + ", ".join(C_API_KEYS)
         raise InvalidArgumentError(e.status, "gpumem: bad configuration %r: %s" % (config, text))
     except GpumemError:
         pass  # e.g. reserve: larger than the probe's device: not a fault of the text
@@ -401,7 +409,10 @@ def _sleep_mode(mode):
 
 class Pool:
     """A gpumem pool (gpumem_pool_create). `config` is a GPUMEM_CONF string; allocator,
-    device and platform, when given, are added to it as the C API's keys."""
+    device and platform, when given, are added to it as the C API's keys. A pool serves one
+    device: make one per GPU (device=N); its pointers and streams are that device's, and
+    another device's are refused. Peers reach a vmm_page_pool's memory with the
+    peer_access option ("peer_access:1" or "peer_access:all")."""
 
     def __init__(self, config="", allocator=None, device=None, platform=None, lib=None):
         if config is None:
@@ -579,6 +590,14 @@ class Pool:
     def stream_synchronize(self, stream=None):
         stream = _stream_value(stream)
         _check(self._lib, self._lib.gpumem_stream_synchronize(self.handle, stream))
+
+    def stream_device(self, stream=None):
+        """The device `stream` belongs to (None: the current device's default stream). A pool
+        serves its own device's streams only (InvalidArgumentError for another's)."""
+        out = ctypes.c_int(-1)
+        _check(self._lib, self._lib.gpumem_stream_device(self.handle, _stream_value(stream),
+                                                         ctypes.byref(out)))
+        return out.value
 
     @property
     def allocator(self):

@@ -231,11 +231,13 @@ def empty_cache_mode():
     return _state["empty_cache"]
 
 
-def stats(device=0):
-    """gpumem's statistics of the device's pool, as a dict (gpumem_stats fields)."""
+def stats(device=None):
+    """gpumem's statistics of the device's pool (None: the current device, as torch.cuda's
+    functions), as a dict (gpumem_stats fields)."""
     lib = gpumem.load()
     s = gpumem.Stats()
-    gpumem._check(lib, lib.gpumem_torch_stats(gpumem._device(device), ctypes.byref(s)))
+    gpumem._check(lib, lib.gpumem_torch_stats(gpumem._device(_device_index(device)),
+                                              ctypes.byref(s)))
     return s.as_dict()
 
 
@@ -250,10 +252,12 @@ class _BorrowedPool(gpumem.Pool):
         self._handle = None  # the plug-in owns the pool
 
 
-def pool(device=0):
-    """The plug-in's pool of `device` (created now if PyTorch has not allocated there yet),
-    as a gpumem.Pool: counters(), report(), trim(), snapshot(), ..."""
+def pool(device=None):
+    """The plug-in's pool of `device` (None: the current device; created now if PyTorch has
+    not allocated there yet), as a gpumem.Pool: counters(), report(), trim(), snapshot(),
+    ..."""
     lib = gpumem.load()
+    device = _device_index(device)
     handle = lib.gpumem_torch_pool(gpumem._device(device))
     if not handle:
         raise gpumem.GpumemError(gpumem.ERROR_INVALID_ARGUMENT,
@@ -261,12 +265,12 @@ def pool(device=0):
     return _BorrowedPool(lib, handle)
 
 
-def counters(device=0, names=None):
+def counters(device=None, names=None):
     """Driver calls and page counts of the device's pool (gpumem.Pool.counters)."""
     return pool(device).counters(names)
 
 
-def explain(device=0):
+def explain(device=None):
     """Where the device's pool's reserved bytes go now (gpumem.Pool.explain): call it at
     the peak of a step, or after an out-of-memory, to see what the overhead is made of."""
     return pool(device).explain()

@@ -13,8 +13,9 @@
 // recorded (tensor.record_stream): PyTorch forwards that to a pluggable allocator only
 // through CUDAPluggableAllocator::set_record_stream_fn, so gpumem_torch_record_stream has
 // that signature; python/gpumem sets it (PyTorch 2.11 exposes the setter on the allocator
-// object) or, where it cannot, routes Tensor.record_stream to gpumem_torch_record_stream_on. At free, the
-// freeing stream then waits for the recorded streams' work (gpumem_record_stream).
+// object) or, where it cannot, routes Tensor.record_stream to gpumem_torch_record_stream_on.
+// A record goes to the pool of the stream's device only. At free, the freeing stream then
+// waits for the recorded streams' work (gpumem_record_stream).
 //
 // Failures: PyTorch does not check the pointer a pluggable allocator returns (a null one
 // becomes a tensor on address 0), so gpumem_torch_malloc throws with gpumem's full text
@@ -29,7 +30,8 @@
 // Device: the plug-in's pools use the GPU (platform:cuda) and never fall back to the sim
 // device: where CUDA cannot start, creating the pool fails and every allocation throws
 // saying why. The sim device serves only when asked for by name (GPUMEM_DEVICE=sim, or
-// platform:sim / sim_capacity in GPUMEM_CONF), as the tests do.
+// platform:sim / a sim_* key in GPUMEM_CONF), as the tests do. GPUMEM_SIM_DEVICES=N gives
+// the shared sim device N GPUs, one pool each.
 //
 // PyTorch's statistics (gpumem_torch_memory_counts): the plug-in counts what it hands
 // PyTorch, per device: requested bytes and allocations (current, peak, allocated, freed),
@@ -157,7 +159,7 @@ bool names_key(std::string_view config, std::string_view key) {
 }
 
 // The configuration of device `device`'s pool: the platform GPUMEM_DEVICE names, else
-// the one GPUMEM_CONF names (platform, or sim_capacity, which implies sim), else cuda;
+// the one GPUMEM_CONF names (platform, or a sim_* key, which implies sim), else cuda;
 // then the allocator from GPUMEM_ALLOCATOR, GPUMEM_CONF (a later key wins), the device.
 std::string pool_config(int device) {
   std::string config;
@@ -166,8 +168,10 @@ std::string pool_config(int device) {
   const char* platform = std::getenv("GPUMEM_DEVICE");
   if (platform != nullptr && *platform != '\0')
     config = std::string("platform:") + platform + ",";
-  else if (!names_key(conf_text, "platform") && !names_key(conf_text, "sim_capacity"))
-    config = "platform:cuda,";  // GPUMEM_CONF's sim_capacity implies sim: not contradicted
+  else if (!names_key(conf_text, "platform") && !names_key(conf_text, "sim_capacity") &&
+           !names_key(conf_text, "sim_devices") && !names_key(conf_text, "sim_granularity") &&
+           !names_key(conf_text, "sim_no_peer"))
+    config = "platform:cuda,";  // GPUMEM_CONF's sim_* keys imply sim: not contradicted
   const char* allocator = std::getenv("GPUMEM_ALLOCATOR");
   config += "allocator:";
   config += allocator != nullptr && *allocator != '\0' ? allocator : "vmm_page_pool";
@@ -367,23 +371,36 @@ GPUMEM_API void gpumem_torch_free(void* ptr, ssize_t size, int device, void* str
 }
 
 // The signature of CUDAPluggableAllocator::set_record_stream_fn. The device is not given:
-// each existing pool is asked, and the one whose live allocation `ptr` is records it (the
-// others refuse a pointer they did not hand out). A failure is reported when no pool
-// recorded it: the owner's refusal if one had it, else the last pool's.
+// the stream's device (asked of the platform the pools share) names the one pool that
+// records it, as a tensor is recorded on streams of its own device. A failure (an unknown
+// stream, no pool for that device, a pointer that pool did not hand out) is reported.
 GPUMEM_API void gpumem_torch_record_stream(void* ptr, void* stream) {
-  bool tried = false;
+  int device = -1;
+  bool any_pool = false;
   for (auto& slot : pools_)
     if (gpumem_pool* pool = slot.load(std::memory_order_acquire)) {
-      tried = true;
-      if (gpumem_record_stream(pool, ptr, stream) == GPUMEM_SUCCESS) return;
-      // A refusal other than "not ours" is the owner's: say it.
-      if (std::string_view(gpumem_last_error()).find("not a live allocation") ==
-          std::string_view::npos) {
-        report(gpumem_last_error());
-        return;
-      }
+      any_pool = true;
+      if (gpumem_stream_device(pool, stream, &device) == GPUMEM_SUCCESS) break;
     }
-  if (tried) report(gpumem_last_error());
+  if (!any_pool) {
+    report("gpumem_torch_record_stream: no pool yet (pointer not from gpumem)");
+    return;
+  }
+  if (device < 0) {
+    report(gpumem_last_error());
+    return;
+  }
+  gpumem_pool* pool =
+      device < max_devices ? pools_[device].load(std::memory_order_acquire) : nullptr;
+  if (pool == nullptr) {
+    char text[160];
+    std::snprintf(text, sizeof text,
+                  "gpumem_torch_record_stream: the stream is on device %d, which has no gpumem "
+                  "pool (pointer not from gpumem)", device);
+    report(text);
+    return;
+  }
+  if (gpumem_record_stream(pool, ptr, stream) != GPUMEM_SUCCESS) report(gpumem_last_error());
 }
 
 // As above, for a caller that knows the device (python/gpumem's Tensor.record_stream).

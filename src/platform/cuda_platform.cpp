@@ -22,7 +22,7 @@
 //    too (push the primary context, call, pop);
 //  - each device's primary context is retained at most once and released in the
 //    destructor, which ignores a driver already shut down;
-//  - set_access is one cuMemSetAccess over the whole range.
+//  - set_access and set_access_for are one cuMemSetAccess over the whole range.
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
@@ -33,6 +33,7 @@
 #include <mutex>
 #include <unordered_set>
 #include <new>
+#include <span>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -550,15 +551,26 @@ class cuda_platform final : public platform {
     if (r != CUDA_SUCCESS) return driver_failure(op, r);
     CUmemAllocationProp prop{};
     const CUresult q = api.mem_get_properties(&prop, handle);
-    if (q != CUDA_SUCCESS || prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
-        prop.location.id != device) {
+    // Memory of another device serves `device` when `device` can reach it (the caller
+    // grants `device` access after mapping it, as for any peer's memory).
+    int reachable = 0;
+    if (q == CUDA_SUCCESS && prop.location.type == CU_MEM_LOCATION_TYPE_DEVICE) {
+      if (prop.location.id == device) {
+        reachable = 1;
+      } else if (cudaDeviceCanAccessPeer(&reachable, device, prop.location.id) != cudaSuccess) {
+        (void)cudaGetLastError();
+        reachable = 0;
+      }
+    }
+    if (q != CUDA_SUCCESS || reachable == 0) {
       (void)api_.mem_release(handle);
       if (q != CUDA_SUCCESS) return driver_failure(op, q);
       return status::failure(op, failure_kind::invalid_value, CUDA_ERROR_INVALID_VALUE,
                              "CUDA_ERROR_INVALID_VALUE",
                              "the exported memory is on device " +
-                                 std::to_string(prop.location.id) + ", not on device " +
-                                 std::to_string(device));
+                                 std::to_string(prop.location.id) + ", which device " +
+                                 std::to_string(device) +
+                                 " cannot reach (cuDeviceCanAccessPeer is 0)");
     }
     return physical_handle{static_cast<std::uint64_t>(handle)};
   }
@@ -603,6 +615,61 @@ class cuda_platform final : public platform {
     // One call over the whole range: the driver's cost is per call, not per page.
     const CUresult r = api_.mem_set_access(static_cast<CUdeviceptr>(va), size, &access, 1);
     if (r != CUDA_SUCCESS) return driver_failure(op, r);
+    return status::success();
+  }
+
+  status set_access_for(std::span<const int> devices, std::uintptr_t va,
+                        std::size_t size) override {
+    constexpr platform_op op = platform_op::set_access;
+    calls_.add(op);
+    relaxed_capture relaxed;
+    constexpr std::size_t max_descriptors = 64;
+    if (devices.empty() || devices.size() > max_descriptors)
+      return status::failure(op, failure_kind::invalid_value, CUDA_ERROR_INVALID_VALUE,
+                             "CUDA_ERROR_INVALID_VALUE",
+                             "cuMemSetAccess takes 1 to 64 devices, not " +
+                                 std::to_string(devices.size()));
+    CUmemAccessDesc access[max_descriptors]{};
+    for (std::size_t i = 0; i < devices.size(); ++i) {
+      access[i].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      access[i].location.id = devices[i];
+      access[i].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    }
+    const CUresult r =
+        api_.mem_set_access(static_cast<CUdeviceptr>(va), size, access, devices.size());
+    if (r != CUDA_SUCCESS) return driver_failure(op, r);
+    return status::success();
+  }
+
+  // --- several devices -------------------------------------------------------------------
+  result<bool> can_access_peer(int device, int peer) override {
+    constexpr platform_op op = platform_op::can_access_peer;
+    calls_.add(op);
+    if (device == peer) return true;
+    int can = 0;
+    const cudaError_t e = cudaDeviceCanAccessPeer(&can, device, peer);
+    if (e != cudaSuccess) return runtime_failure(op, e);
+    return can != 0;
+  }
+
+  status enable_peer_access(int device, int peer) override {
+    constexpr platform_op op = platform_op::enable_peer_access;
+    calls_.add(op);
+    relaxed_capture relaxed;
+    device_guard guard(api_);
+    cudaError_t e = guard.enter(device);
+    if (e != cudaSuccess) return runtime_failure(op, e);
+    e = cudaDeviceEnablePeerAccess(peer, 0);
+    if (e == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();
+      return status::success();
+    }
+    if (e == cudaErrorPeerAccessUnsupported) {
+      (void)cudaGetLastError();
+      return status::failure(op, failure_kind::not_supported, static_cast<int>(e),
+                             cudaGetErrorName(e), cudaGetErrorString(e));
+    }
+    if (e != cudaSuccess) return runtime_failure(op, e);
     return status::success();
   }
 

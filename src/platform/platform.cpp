@@ -45,9 +45,33 @@ std::string_view platform_op_name(platform_op op) noexcept {
     case platform_op::async_free: return "cudaFreeAsync";
     case platform_op::export_handle: return "cuMemExportToShareableHandle";
     case platform_op::import_handle: return "cuMemImportFromShareableHandle";
+    case platform_op::can_access_peer: return "cuDeviceCanAccessPeer";
+    case platform_op::enable_peer_access: return "cudaDeviceEnablePeerAccess";
     case platform_op::count_: break;
   }
   return "unknown";
+}
+
+// One set_access per device, for platforms without a call that takes several.
+status platform::set_access_for(std::span<const int> devices, std::uintptr_t va,
+                                std::size_t size) {
+  for (int device : devices)
+    if (auto s = set_access(device, va, size); !s) return s;
+  return status::success();
+}
+
+// Platforms that know no peers: a device reaches its own memory only.
+result<bool> platform::can_access_peer(int device, int peer) {
+  calls_.add(platform_op::can_access_peer);
+  return device == peer;
+}
+
+status platform::enable_peer_access(int device, int peer) {
+  calls_.add(platform_op::enable_peer_access);
+  return status::failure(platform_op::enable_peer_access, failure_kind::not_supported, 801,
+                         "CUDA_ERROR_NOT_SUPPORTED",
+                         "this platform has no peer access (device " + std::to_string(device) +
+                             " to device " + std::to_string(peer) + ")");
 }
 
 // Platforms without sharing between processes.
@@ -99,7 +123,7 @@ struct default_platforms {
     return cuda;
   }
   platform* get_sim() {
-    if (sim == nullptr) sim = new sim_platform();
+    if (sim == nullptr) sim = new sim_platform(sim_options_from_environment());
     return sim;
   }
 };

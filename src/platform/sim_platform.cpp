@@ -2,6 +2,10 @@
 // are in sim/sim_state.hpp, the calls by concept in sim_*.cpp.
 #include "platform/sim/sim_state.hpp"
 
+#include <cstdlib>
+
+#include "gpumem/errors.hpp"
+
 namespace gpumem {
 
 std::string sim_live_objects::describe() const {
@@ -12,23 +16,66 @@ std::string sim_live_objects::describe() const {
   return out.str();
 }
 
+std::size_t sim_options::capacity_of(int device) const noexcept {
+  const auto d = static_cast<std::size_t>(device);
+  return device >= 0 && d < capacities.size() && capacities[d] != 0 ? capacities[d] : capacity;
+}
+
+std::size_t sim_options::granularity_of(int device) const noexcept {
+  const auto d = static_cast<std::size_t>(device);
+  return device >= 0 && d < granularities.size() && granularities[d] != 0 ? granularities[d]
+                                                                          : granularity;
+}
+
+sim_options sim_options_from_environment() {
+  sim_options o;
+  const char* env = std::getenv("GPUMEM_SIM_DEVICES");
+  if (env == nullptr || *env == '\0') return o;
+  char* end = nullptr;
+  const long n = std::strtol(env, &end, 10);
+  if (*end != '\0' || n < 1 || n > sim_max_devices)
+    throw invalid_argument("GPUMEM_SIM_DEVICES must be a number of devices from 1 to " +
+                           std::to_string(sim_max_devices) + ", not '" + env + "'");
+  o.device_count = static_cast<int>(n);
+  return o;
+}
+
 sim_platform::sim_platform(sim_options options) : state_(std::make_unique<state>()) {
   auto& s = *state_;
-  if (options.device_count < 1) options.device_count = 1;
-  if (!is_pow2(options.granularity) || options.granularity % host_page != 0)
-    options.granularity = std::size_t{2} << 20;
+  options.device_count = std::clamp(options.device_count, 1, sim_max_devices);
+  const auto usable = [](std::size_t g) { return is_pow2(g) && g % host_page == 0; };
+  if (!usable(options.granularity)) options.granularity = std::size_t{2} << 20;
+  for (auto& g : options.granularities)
+    if (g != 0 && !usable(g)) g = options.granularity;
+  const auto n = static_cast<std::size_t>(options.device_count);
+  for (int d = 0; d < options.device_count; ++d) {
+    const std::size_t g = options.granularity_of(d);
+    s.granularities.push_back(g);
+    s.bases.push_back(s.total_capacity);
+    s.total_capacity += round_up(options.capacity_of(d), g);
+    s.min_granularity = d == 0 ? g : std::min(s.min_granularity, g);
+    s.max_granularity = std::max(s.max_granularity, g);
+  }
+  s.peer_path.assign(n * n, 1);
+  s.peer_enabled.assign(n * n, 0);
+  for (auto [a, b] : options.no_peer)
+    if (a >= 0 && b >= 0 && a < options.device_count && b < options.device_count && a != b) {
+      s.peer_path[static_cast<std::size_t>(a) * n + static_cast<std::size_t>(b)] = 0;
+      s.peer_path[static_cast<std::size_t>(b) * n + static_cast<std::size_t>(a)] = 0;
+    }
   options.capacity = round_up(options.capacity, options.granularity);
   s.options = options;
   s.rng.seed(options.seed);
   s.memfd = ::memfd_create("gpumem-sim-device", MFD_CLOEXEC);
   if (s.memfd >= 0) {
     // Sparse: no host memory is used until a frame is written.
-    if (::ftruncate(s.memfd, static_cast<off_t>(options.capacity * options.device_count)) != 0) {
+    if (::ftruncate(s.memfd, static_cast<off_t>(s.total_capacity)) != 0) {
       ::close(s.memfd);
       s.memfd = -1;
     }
   }
-  for (int d = 0; d < options.device_count; ++d) s.frames.emplace_back(options.capacity);
+  for (int d = 0; d < options.device_count; ++d)
+    s.frames.emplace_back(round_up(options.capacity_of(d), s.granularity(d)));
   s.make_spare_mapping();
 }
 
@@ -146,7 +193,6 @@ std::uint64_t sim_platform::modelled_ns(platform_op op) const noexcept {
 std::string sim_platform::validate() const {
   std::lock_guard lock(state_->mutex);
   const auto& s = *state_;
-  const std::size_t g = s.options.granularity;
   std::vector<std::size_t> owned(s.frames.size(), 0);
   auto check = [&](int device, const std::vector<extent>& extents, std::size_t size,
                    std::size_t unit) -> const char* {
@@ -155,7 +201,7 @@ std::string sim_platform::validate() const {
       if (e.size == 0 || e.size % unit != 0 || e.offset % host_page != 0)
         return "an extent is not a whole number of units";
       if (e.offset < s.device_base(device) ||
-          e.offset + e.size > s.device_base(device) + s.options.capacity)
+          e.offset + e.size > s.device_base(device) + s.frames[static_cast<std::size_t>(device)].size())
         return "an extent lies outside its device's frames";
     }
     owned[static_cast<std::size_t>(device)] += size;
@@ -163,7 +209,7 @@ std::string sim_platform::validate() const {
   };
   for (auto& [id, h] : s.handles)
     if (const char* why = h.imported ? (h.own_fd < 0 ? "imported without its memfd" : nullptr)
-                                     : check(h.device, h.extents, h.size, g))
+                                     : check(h.device, h.extents, h.size, s.granularity(h.device)))
       return "physical handle " + std::to_string(id) + ": " + why;
   for (auto& [p, a] : s.device_allocations)
     if (const char* why = check(a.device, a.extents, a.size, host_page))
@@ -202,6 +248,10 @@ std::string sim_platform::validate() const {
     auto h = s.handles.find(m.handle);
     if (h == s.handles.end()) return "mapping of a dead handle";
     if (m.size > h->second.size) return "mapping larger than its handle";
+    for (int d = 0; d < s.options.device_count; ++d)
+      if ((m.access >> d & 1) != 0 && !s.reaches(d, h->second.device))
+        return "device " + std::to_string(d) + " has access to a mapping of device " +
+               std::to_string(h->second.device) + "'s memory without a peer path";
     ++mapped_count[m.handle];
   }
   for (auto& [id, h] : s.handles) {
@@ -232,7 +282,7 @@ result<device_properties> sim_platform::properties(int device) {
   p.compute_capability_major = 9;
   p.compute_capability_minor = 0;
   p.multiprocessor_count = 132;
-  p.total_memory = state_->options.capacity;
+  p.total_memory = state_->frames[static_cast<std::size_t>(device)].size();
   p.memory_bus_width_bits = 5120;
   p.memory_clock_khz = 3201000;
   p.l2_cache_bytes = 60 << 20;
@@ -251,7 +301,8 @@ result<allocation_granularity> sim_platform::granularity(int device) {
   if (!state_->valid_device(device))
     return fail(platform_op::granularity, failure_kind::invalid_value,
                 "no sim device " + std::to_string(device));
-  return allocation_granularity{state_->options.granularity, state_->options.granularity};
+  const std::size_t g = state_->granularity(device);
+  return allocation_granularity{g, g};
 }
 
 result<memory_info> sim_platform::mem_info(int device) {
@@ -263,6 +314,36 @@ result<memory_info> sim_platform::mem_info(int device) {
                 "no sim device " + std::to_string(device));
   const auto& f = state_->frames[static_cast<std::size_t>(device)];
   return memory_info{f.size() - f.used(), f.size()};
+}
+
+// --- several devices -------------------------------------------------------------------
+
+result<bool> sim_platform::can_access_peer(int device, int peer) {
+  GPUMEM_SIM_ENTER(platform_op::can_access_peer);
+  GPUMEM_SIM_CHARGE(platform_op::can_access_peer, 0);
+  if (!state_->valid_device(device) || !state_->valid_device(peer))
+    return fail(platform_op::can_access_peer, failure_kind::invalid_value,
+                "no sim device " + std::to_string(state_->valid_device(device) ? peer : device));
+  return state_->reaches(device, peer);
+}
+
+status sim_platform::enable_peer_access(int device, int peer) {
+  GPUMEM_SIM_ENTER(platform_op::enable_peer_access);
+  GPUMEM_SIM_CHARGE(platform_op::enable_peer_access, 0);
+  auto& s = *state_;
+  if (!s.valid_device(device) || !s.valid_device(peer))
+    return fail(platform_op::enable_peer_access, failure_kind::invalid_value,
+                "no sim device " + std::to_string(s.valid_device(device) ? peer : device));
+  if (device == peer)
+    return fail(platform_op::enable_peer_access, failure_kind::invalid_value,
+                "a device is not its own peer (device " + std::to_string(device) + ")");
+  if (!s.reaches(device, peer))
+    return fail(platform_op::enable_peer_access, failure_kind::not_supported,
+                "sim device " + std::to_string(device) + " has no peer path to device " +
+                    std::to_string(peer) + " (sim_options::no_peer)");
+  std::lock_guard lock(s.mutex);
+  s.peer_enabled[s.pair(device, peer)] = 1;
+  return status::success();
 }
 
 }  // namespace gpumem

@@ -8,7 +8,9 @@
 // keeps the memory while any process holds the fd or a mapping of it: an importer that is
 // killed drops its share and nothing of the exporter's, and the exporter's release gives
 // its frames back at once (the importer's mapping keeps the bytes, which a GPU would
-// still count on the device; sim counts them nowhere).
+// still count on the device; sim counts them nowhere). An importer of another device uses
+// the memory as a peer's: its handle is of the exporter's device, and set_access for the
+// importer's device needs a peer path.
 #include <sys/stat.h>
 
 #include <cstdio>
@@ -51,7 +53,7 @@ result<physical_handle> sim_platform::create_shareable_physical(int device, std:
   if (!s.valid_device(device))
     return fail(platform_op::create_physical, failure_kind::invalid_value,
                 "no sim device " + std::to_string(device));
-  if (size == 0 || size % s.options.granularity != 0)
+  if (size == 0 || size % s.granularity(device) != 0)
     return fail(platform_op::create_physical, failure_kind::invalid_value,
                 "size " + std::to_string(size) + " is not a non-zero multiple of the granularity");
   const std::string name = std::string(shared_name_prefix) + std::to_string(device);
@@ -66,7 +68,7 @@ result<physical_handle> sim_platform::create_shareable_physical(int device, std:
                 std::string("ftruncate of the shared memfd failed (") + std::strerror(err) + ")");
   }
   std::lock_guard lock(s.mutex);
-  auto extents = s.take_frames(device, size, s.options.granularity);
+  auto extents = s.take_frames(device, size, s.granularity(device));
   if (extents.empty()) {
     ::close(fd);
     return fail(platform_op::create_physical, failure_kind::out_of_memory,
@@ -112,7 +114,6 @@ result<physical_handle> sim_platform::import_handle(int device, int fd, std::siz
   GPUMEM_SIM_ENTER(platform_op::import_handle);
   GPUMEM_SIM_CHARGE(platform_op::import_handle, size);
   auto& s = *state_;
-  const std::size_t g = s.options.granularity;
   if (!s.valid_device(device))
     return fail(platform_op::import_handle, failure_kind::invalid_value,
                 "no sim device " + std::to_string(device));
@@ -124,10 +125,16 @@ result<physical_handle> sim_platform::import_handle(int device, int fd, std::siz
     return fail(platform_op::import_handle, failure_kind::invalid_value,
                 "file descriptor " + std::to_string(fd) +
                     " is not an exported gpumem memory handle");
-  if (owner != device)
+  // The memory stays on its device; `device` uses it as a peer's, when it can reach it.
+  if (!s.valid_device(owner))
     return fail(platform_op::import_handle, failure_kind::invalid_value,
                 "the exported memory is on device " + std::to_string(owner) +
-                    ", not on device " + std::to_string(device));
+                    ", which this sim platform does not have");
+  if (!s.reaches(device, owner))
+    return fail(platform_op::import_handle, failure_kind::invalid_value,
+                "the exported memory is on device " + std::to_string(owner) + ", which device " +
+                    std::to_string(device) + " cannot reach (no peer path)");
+  const std::size_t g = s.granularity(owner);
   struct stat st {};
   if (::fstat(fd, &st) != 0)
     return fail(platform_op::import_handle, failure_kind::invalid_value,
@@ -144,7 +151,7 @@ result<physical_handle> sim_platform::import_handle(int device, int fd, std::siz
   std::lock_guard lock(s.mutex);
   const std::uint64_t id = s.next_handle;
   try {
-    handle_record record{device, {}, exported};
+    handle_record record{owner, {}, exported};
     record.own_fd = own;
     record.imported = true;
     s.handles.emplace(id, std::move(record));

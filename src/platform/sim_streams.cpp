@@ -81,6 +81,13 @@ status sim_platform::event_record(event_handle event, stream_handle stream) {
     return fail(platform_op::event_record, failure_kind::invalid_value, "unknown event");
   if (!known_stream(*state_, stream))
     return fail(platform_op::event_record, failure_kind::invalid_value, "unknown stream");
+  // As CUDA: an event is recorded on a stream of its own device (the default stream is
+  // the current device's: any).
+  if (stream.value != 0 && state_->streams.at(stream.value) != it->second.device)
+    return fail(platform_op::event_record, failure_kind::invalid_value,
+                "event of device " + std::to_string(it->second.device) +
+                    " recorded on a stream of device " +
+                    std::to_string(state_->streams.at(stream.value)));
   it->second.complete = !state_->holding_events;
   return status::success();
 }
@@ -120,17 +127,55 @@ status sim_platform::stream_wait_event(stream_handle stream, event_handle event)
   return status::success();
 }
 
+namespace {
+
+// The device a copy or memset on `stream` runs on: the stream's; for the default stream,
+// the current device, taken to be the one whose memory the call touches (the
+// destination's, else the source's). REQUIRES: mutex held, stream known.
+int copying_device(const sim_platform::state& s, stream_handle stream, const void* dst,
+                   const void* src) {
+  if (stream.value != 0) return s.streams.at(stream.value);
+  const int to = s.owner_of(reinterpret_cast<std::uintptr_t>(dst));
+  if (to >= 0) return to;
+  const int from = src != nullptr ? s.owner_of(reinterpret_cast<std::uintptr_t>(src)) : -1;
+  return from >= 0 ? from : 0;
+}
+
+}  // namespace
+
+status sim_platform::check_access(int device, const void* ptr, std::size_t bytes) const {
+  const auto& s = *state_;
+  if (!s.valid_device(device))
+    return fail(platform_op::count_, failure_kind::invalid_value,
+                "no sim device " + std::to_string(device));
+  std::lock_guard lock(s.mutex);
+  bool host = false;
+  std::string why = s.access_denied(device, reinterpret_cast<std::uintptr_t>(ptr), bytes,
+                                    false, &host);
+  if (host) why = "illegal address " + state::hex(reinterpret_cast<std::uintptr_t>(ptr)) +
+                  ": not sim device memory";
+  if (!why.empty()) return fail(platform_op::count_, failure_kind::invalid_value, why);
+  return status::success();
+}
+
 status sim_platform::memcpy_async(void* dst, const void* src, std::size_t bytes,
                                   stream_handle stream) {
   GPUMEM_SIM_ENTER(platform_op::memcpy_async);
   GPUMEM_SIM_CHARGE(platform_op::memcpy_async, bytes);
+  if (bytes != 0 && (dst == nullptr || src == nullptr))
+    return fail(platform_op::memcpy_async, failure_kind::invalid_value, "null pointer");
   {
     std::lock_guard lock(state_->mutex);
     if (!known_stream(*state_, stream))
       return fail(platform_op::memcpy_async, failure_kind::invalid_value, "unknown stream");
+    const int device = copying_device(*state_, stream, dst, src);
+    for (const void* p : {static_cast<const void*>(dst), src})
+      if (std::string why = state_->access_denied(device, reinterpret_cast<std::uintptr_t>(p),
+                                                  bytes, true);
+          !why.empty())
+        return fail(platform_op::memcpy_async, failure_kind::invalid_value,
+                    "copy on a stream of device " + std::to_string(device) + ": " + why);
   }
-  if (bytes != 0 && (dst == nullptr || src == nullptr))
-    return fail(platform_op::memcpy_async, failure_kind::invalid_value, "null pointer");
   std::memmove(dst, src, bytes);  // unmapped memory faults here, like an illegal address
   return status::success();
 }
@@ -138,13 +183,19 @@ status sim_platform::memcpy_async(void* dst, const void* src, std::size_t bytes,
 status sim_platform::memset_async(void* dst, int value, std::size_t bytes, stream_handle stream) {
   GPUMEM_SIM_ENTER(platform_op::memset_async);
   GPUMEM_SIM_CHARGE(platform_op::memset_async, bytes);
+  if (bytes != 0 && dst == nullptr)
+    return fail(platform_op::memset_async, failure_kind::invalid_value, "null pointer");
   {
     std::lock_guard lock(state_->mutex);
     if (!known_stream(*state_, stream))
       return fail(platform_op::memset_async, failure_kind::invalid_value, "unknown stream");
+    const int device = copying_device(*state_, stream, dst, nullptr);
+    if (std::string why = state_->access_denied(device, reinterpret_cast<std::uintptr_t>(dst),
+                                                bytes, false);
+        !why.empty())
+      return fail(platform_op::memset_async, failure_kind::invalid_value,
+                  "memset on a stream of device " + std::to_string(device) + ": " + why);
   }
-  if (bytes != 0 && dst == nullptr)
-    return fail(platform_op::memset_async, failure_kind::invalid_value, "null pointer");
   std::memset(dst, value, bytes);
   return status::success();
 }

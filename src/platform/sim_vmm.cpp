@@ -9,8 +9,10 @@ result<std::uintptr_t> sim_platform::reserve_range(std::size_t size, std::size_t
   GPUMEM_SIM_ENTER(platform_op::reserve_range);
   GPUMEM_SIM_CHARGE(platform_op::reserve_range, size);
   auto& s = *state_;
-  const std::size_t g = s.options.granularity;
-  if (alignment == 0) alignment = g;
+  // A range serves every device: sizes in the finest granularity, aligned (by default) to
+  // the coarsest, so any device's pages can be mapped at its start.
+  const std::size_t g = s.min_granularity;
+  if (alignment == 0) alignment = s.max_granularity;
   if (size == 0 || size % g != 0)
     return fail(platform_op::reserve_range, failure_kind::invalid_value,
                 "size " + std::to_string(size) + " is not a non-zero multiple of the granularity " +
@@ -74,7 +76,7 @@ result<physical_handle> sim_platform::create_physical(int device, std::size_t si
   if (!s.valid_device(device))
     return fail(platform_op::create_physical, failure_kind::invalid_value,
                 "no sim device " + std::to_string(device));
-  if (size == 0 || size % s.options.granularity != 0)
+  if (size == 0 || size % s.granularity(device) != 0)
     return fail(platform_op::create_physical, failure_kind::invalid_value,
                 "size " + std::to_string(size) + " is not a non-zero multiple of the granularity");
   if (s.memfd < 0)
@@ -83,7 +85,7 @@ result<physical_handle> sim_platform::create_physical(int device, std::size_t si
   std::lock_guard lock(s.mutex);
   // Like the GPU's pages, a handle's frames need not be contiguous: whole granules from
   // wherever they are free.
-  auto extents = s.take_frames(device, size, s.options.granularity);
+  auto extents = s.take_frames(device, size, s.granularity(device));
   if (extents.empty())
     return fail(platform_op::create_physical, failure_kind::out_of_memory,
                 "sim device " + std::to_string(device) + " has fewer than " +
@@ -125,11 +127,11 @@ status sim_platform::map(std::uintptr_t va, std::size_t size, physical_handle ha
   GPUMEM_SIM_ENTER(platform_op::map);
   GPUMEM_SIM_CHARGE(platform_op::map, size);
   auto& s = *state_;
-  const std::size_t g = s.options.granularity;
   std::lock_guard lock(s.mutex);
   auto h = s.handles.find(handle.value);
   if (h == s.handles.end() || h->second.released)
     return fail(platform_op::map, failure_kind::invalid_value, "unknown physical handle");
+  const std::size_t g = s.granularity(h->second.device);
   // As the real driver (CUDA 13): a mapping starts at offset 0 of its handle.
   if (offset != 0)
     return fail(platform_op::map, failure_kind::not_supported,
@@ -213,14 +215,26 @@ status sim_platform::unmap(std::uintptr_t va, std::size_t size) {
 }
 
 status sim_platform::set_access(int device, std::uintptr_t va, std::size_t size) {
+  const int devices[] = {device};
+  return set_access_for(devices, va, size);
+}
+
+status sim_platform::set_access_for(std::span<const int> devices, std::uintptr_t va,
+                                    std::size_t size) {
   GPUMEM_SIM_ENTER(platform_op::set_access);
   charge_mappings(*state_, platform_op::set_access, va, size);
   auto& s = *state_;
-  if (!s.valid_device(device))
-    return fail(platform_op::set_access, failure_kind::invalid_value,
-                "no sim device " + std::to_string(device));
+  std::uint64_t granted = 0;
+  if (devices.empty())
+    return fail(platform_op::set_access, failure_kind::invalid_value, "no device to grant access to");
+  for (int device : devices) {
+    if (!s.valid_device(device))
+      return fail(platform_op::set_access, failure_kind::invalid_value,
+                  "no sim device " + std::to_string(device));
+    granted |= std::uint64_t{1} << device;
+  }
   std::lock_guard lock(s.mutex);
-  // Every byte of the range must be mapped.
+  // Every byte of the range must be mapped, with memory every device named can reach.
   auto it = s.mappings.upper_bound(va);
   if (it == s.mappings.begin())
     return fail(platform_op::set_access, failure_kind::invalid_value, "range is not mapped");
@@ -231,6 +245,13 @@ status sim_platform::set_access(int device, std::uintptr_t va, std::size_t size)
     if (it == s.mappings.end() || it->first > cursor || it->first + it->second.size <= cursor)
       return fail(platform_op::set_access, failure_kind::invalid_value,
                   "range is not fully mapped");
+    const int owner = s.handles.at(it->second.handle).device;
+    for (int device : devices)
+      if (!s.reaches(device, owner))
+        return fail(platform_op::set_access, failure_kind::invalid_value,
+                    "sim device " + std::to_string(device) + " cannot reach device " +
+                        std::to_string(owner) +
+                        "'s memory (no peer path: cuDeviceCanAccessPeer is 0)");
     cursor = it->first + it->second.size;
     ++it;
   }
@@ -239,14 +260,14 @@ status sim_platform::set_access(int device, std::uintptr_t va, std::size_t size)
     // mprotect may have changed part of the range before failing: take access back from
     // the mappings that had none (best effort: this too may need a split).
     for (auto m = first; m != it; ++m) {
-      if (m->second.accessible) continue;
+      if (m->second.access != 0) continue;
       const std::uintptr_t lo = std::max(va, m->first);
       const std::uintptr_t hi = std::min(va + size, m->first + m->second.size);
       (void)::mprotect(at(lo), hi - lo, PROT_NONE);
     }
     return host_vm_failure(platform_op::set_access, "mprotect", err);
   }
-  for (auto m = first; m != it; ++m) m->second.accessible = true;
+  for (auto m = first; m != it; ++m) m->second.access |= granted;
   return status::success();
 }
 }  // namespace gpumem

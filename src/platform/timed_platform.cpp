@@ -196,4 +196,23 @@ result<physical_handle> timed_platform::import_handle(int device, int fd, std::s
                [&] { return inner_.import_handle(device, fd, size); });
 }
 
+status timed_platform::set_access_for(std::span<const int> devices, std::uintptr_t va,
+                                      std::size_t size) {
+  calls_.add(platform_op::set_access);
+  return timed(ns_[static_cast<std::size_t>(platform_op::set_access)],
+               [&] { return inner_.set_access_for(devices, va, size); });
+}
+
+result<bool> timed_platform::can_access_peer(int device, int peer) {
+  calls_.add(platform_op::can_access_peer);
+  return timed(ns_[static_cast<std::size_t>(platform_op::can_access_peer)],
+               [&] { return inner_.can_access_peer(device, peer); });
+}
+
+status timed_platform::enable_peer_access(int device, int peer) {
+  calls_.add(platform_op::enable_peer_access);
+  return timed(ns_[static_cast<std::size_t>(platform_op::enable_peer_access)],
+               [&] { return inner_.enable_peer_access(device, peer); });
+}
+
 }  // namespace gpumem

@@ -19,6 +19,10 @@ caching_pool::caching_pool(memory_resource& upstream, pool_options options)
       upstream_(upstream) {
   if (options.guard)
     throw invalid_argument("caching_pool: guard mode is an option of the vmm_page_pool only");
+  if (options.peer_access != 0 || options.peer_access_all)
+    throw invalid_argument("caching_pool: peer_access is an option of the vmm_page_pool only "
+                           "(a caching_pool's segments are its backend's allocations: peers "
+                           "reach them through cudaDeviceEnablePeerAccess)");
   std::size_t reserve = options.reserve_bytes;
   if (options.reserve_fraction > 0)
     reserve = static_cast<std::size_t>(options.reserve_fraction *

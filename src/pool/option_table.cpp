@@ -7,7 +7,7 @@ namespace gpumem {
 namespace {
 
 // Descriptions hold no '|' (they are Markdown table cells) and no line breaks.
-constexpr std::array<pool_option_info, 20> table{{
+constexpr std::array<pool_option_info, 30> table{{
     {"reserve", "0 (none)",
      "Physical memory taken up front (suffixes K, M, G, T). vmm_page_pool also maps it up "
      "front, so requests within it make no driver call. Trades memory held from the start "
@@ -103,6 +103,50 @@ constexpr std::array<pool_option_info, 20> table{{
      "for good where those runs trade pages with the others every step. No effect with "
      "reserve or guard.",
      "lifetime_hints:off"},
+    {"peer_access", "none",
+     "vmm_page_pool: devices besides its own granted read/write access to every page it "
+     "maps (cuMemSetAccess, in the same call as its own), so NCCL, kernels and copies on "
+     "those GPUs can use its buffers; growths, wakes and guarded pages get it too. Device "
+     "numbers joined by +, or all (every device that can reach it). A named device that "
+     "cannot reach the pool's (cuDeviceCanAccessPeer 0) is refused when the pool is made. "
+     "Costs nothing per allocation; set_access calls cover more devices.",
+     "peer_access:1"},
+    {"allocator", "vmm_page_pool",
+     "gpumem_pool_create: the pool to make, vmm_page_pool or caching_pool (over the backend "
+     "below).",
+     "allocator:caching_pool", option_scope::pool_create},
+    {"backend", "runtime",
+     "gpumem_pool_create: caching_pool's upstream: runtime (cudaMalloc), driver (cuMemAlloc) "
+     "or vmm (cuMemCreate and cuMemMap per segment).",
+     "backend:driver", option_scope::pool_create},
+    {"platform", "auto",
+     "gpumem_pool_create: cuda, sim (gpumem's simulated device) or auto (cuda when a GPU is "
+     "present). Without it, GPUMEM_DEVICE decides, as auto when unset.",
+     "platform:sim", option_scope::pool_create},
+    {"device", "0",
+     "gpumem_pool_create: the device the pool serves; one pool per device (the PyTorch "
+     "plug-in makes one for each device PyTorch names). Streams of another device are refused.",
+     "device:0", option_scope::pool_create},
+    {"step_plan", "on",
+     "gpumem_pool_create: serve a loop whose steps repeat (gpumem_pool_mark_step) from a "
+     "layout planned after two equal steps.",
+     "step_plan:off", option_scope::pool_create},
+    {"sim_capacity", "80G",
+     "gpumem_pool_create: a sim device of its own for this pool with this memory per device; "
+     "sizes joined by + give each device its own (1G+2G).",
+     "sim_capacity:1G", option_scope::pool_create},
+    {"sim_devices", "1",
+     "gpumem_pool_create: a sim device of its own for this pool with this many GPUs (1 to "
+     "64; the shared sim device takes GPUMEM_SIM_DEVICES).",
+     "sim_devices:2", option_scope::pool_create},
+    {"sim_granularity", "2M",
+     "gpumem_pool_create: a sim device of its own for this pool with this VMM granularity "
+     "(a power of two, at least 4K); sizes joined by + give each device its own (2M+64K).",
+     "sim_granularity:64K", option_scope::pool_create},
+    {"sim_no_peer", "none",
+     "gpumem_pool_create: a sim device of its own for this pool where these pairs of devices "
+     "cannot reach each other (cuDeviceCanAccessPeer 0), as A-B joined by + (0-1+2-3).",
+     "sim_no_peer:0-1", option_scope::pool_create},
 }};
 
 void append_escaped(std::string& out, std::string_view s) {
@@ -122,9 +166,10 @@ const pool_option_info* find_pool_option(std::string_view name) noexcept {
   return nullptr;
 }
 
-std::string pool_option_names() {
+std::string pool_option_names(option_scope scope) {
   std::string out;
   for (const auto& row : table) {
+    if (row.scope != scope) continue;
     if (!out.empty()) out += ", ";
     out += row.name;
   }
@@ -146,7 +191,23 @@ std::string pool_options_markdown() {
       "\n"
       "| Option | Default | What it does and trades | Example |\n"
       "|---|---|---|---|\n";
+  bool pool_create_header = false;
   for (const auto& row : table) {
+    if (row.scope == option_scope::pool_create && !pool_create_header) {
+      pool_create_header = true;
+      out +=
+          "\n"
+          "## Keys of gpumem_pool_create\n"
+          "\n"
+          "The C API's `gpumem_pool_create` (and so Python's `gpumem.Pool` and the PyTorch "
+          "plug-in, which read `GPUMEM_CONF`) takes these keys as well, in the same string: "
+          "which pool it makes, on which device and platform. A pool option given to "
+          "`gpumem_pool_create` goes to the pool; one of these given to a pool alone "
+          "(`gpumem replay --config`) is refused naming it.\n"
+          "\n"
+          "| Key | Default | What it does | Example |\n"
+          "|---|---|---|---|\n";
+    }
     out += "| `";
     out += row.name;
     out += "` | ";
@@ -162,7 +223,12 @@ std::string pool_options_markdown() {
 
 std::string pool_options_text() {
   std::string out;
+  bool pool_create_header = false;
   for (const auto& row : table) {
+    if (row.scope == option_scope::pool_create && !pool_create_header) {
+      pool_create_header = true;
+      out += "\nkeys of gpumem_pool_create (C API, Python, PyTorch plug-in):\n";
+    }
     out += row.name;
     out += " (default ";
     out += row.default_text;

@@ -155,6 +155,32 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
        : key == "thread_cache" ? o.thread_cache
        : key == "release_idle" ? o.release_idle
                                : o.lifetime_hints) = on;
+    } else if (key == "peer_access") {
+      o.peer_access = 0;
+      o.peer_access_all = value == "all";
+      if (o.peer_access_all || value == "none") return;
+      // Devices joined by '+' (a comma would end the item).
+      std::string_view rest = value;
+      while (true) {
+        const auto plus = rest.find('+');
+        const std::string_view one = trim(rest.substr(0, plus));
+        unsigned device = 0;
+        bool digits = !one.empty() && one.size() <= 2;
+        for (char c : one) digits = digits && c >= '0' && c <= '9';
+        if (digits) for (char c : one) device = device * 10 + static_cast<unsigned>(c - '0');
+        if (!digits || device >= 64)
+          throw invalid_argument("config: peer_access must be none, all or device numbers "
+                                 "(0 to 63) joined by '+', like 1+2, not '" +
+                                 std::string(value) + "'");
+        o.peer_access |= std::uint64_t{1} << device;
+        if (plus == std::string_view::npos) break;
+        rest = rest.substr(plus + 1);
+      }
+    } else if (const pool_option_info* row = find_pool_option(key);
+               row != nullptr && row->scope == option_scope::pool_create) {
+      throw invalid_argument("config: '" + std::string(key) +
+                             "' is a key of gpumem_pool_create (the C API, Python and the "
+                             "PyTorch plug-in), not a pool option");
     } else {
       throw invalid_argument("config: unknown key '" + std::string(key) + "' (known: " +
                              pool_option_names() + ")");
@@ -188,7 +214,19 @@ std::string pool_options::to_string() const {
                                                : "auto")
       << ",growth_slack:" << growth_slack << ",remap_budget:" << remap_budget
       << ",release_idle:" << (release_idle ? "on" : "off")
-      << ",lifetime_hints:" << (lifetime_hints ? "on" : "off");
+      << ",lifetime_hints:" << (lifetime_hints ? "on" : "off") << ",peer_access:";
+  if (peer_access_all) {
+    out << "all";
+  } else if (peer_access == 0) {
+    out << "none";
+  } else {
+    const char* join = "";
+    for (int d = 0; d < 64; ++d)
+      if ((peer_access >> d & 1) != 0) {
+        out << join << d;
+        join = "+";
+      }
+  }
   return out.str();
 }
 

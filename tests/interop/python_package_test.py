@@ -16,6 +16,7 @@ import unittest
 os.environ["GPUMEM_ALLOCATOR"] = "caching_pool"
 os.environ["GPUMEM_CONF"] = "limit:512M"
 os.environ.setdefault("GPUMEM_DEVICE", "sim")
+os.environ.setdefault("GPUMEM_SIM_DEVICES", "2")  # the shared sim device: two GPUs
 
 import gpumem  # noqa: E402
 import gpumem.torch  # noqa: E402  (must import without torch)
@@ -263,6 +264,50 @@ class PoolTest(unittest.TestCase):
         self.assertIn("GPUMEM_LIB", str(e.exception))
 
 
+class MultiDeviceTest(unittest.TestCase):
+    """One pool per device of the shared two-GPU sim device (GPUMEM_SIM_DEVICES=2)."""
+
+    def setUp(self):
+        self.on0 = gpumem.Pool("limit:64M", platform="sim", device=0)
+        self.on1 = gpumem.Pool("limit:64M", platform="sim", device=1)
+
+    def tearDown(self):
+        self.on0.close()
+        self.on1.close()
+
+    def test_a_pool_per_device_refuses_another_devices_pointer_and_stream(self):
+        self.assertEqual((self.on0.device, self.on1.device), (0, 1))
+        with self.assertRaises(gpumem.InvalidArgumentError):
+            gpumem.Pool(platform="sim", device=2)
+        stream1 = self.on1.stream_create()
+        self.assertEqual(self.on0.stream_device(stream1), 1)
+        with self.assertRaisesRegex(gpumem.InvalidArgumentError, "belongs to device 1"):
+            self.on0.malloc(MiB, stream=stream1)
+        p = self.on0.malloc(MiB)
+        with self.assertRaises(gpumem.InvalidArgumentError):
+            self.on1.free(p, MiB)  # device 0's pointer on device 1's pool
+        self.assertEqual(self.on0.stats()["live_bytes"], MiB)
+        with self.assertRaisesRegex(gpumem.InvalidArgumentError, "belongs to device 1"):
+            self.on0.record_stream(p, stream1)
+        self.on0.free(p, MiB)
+        q = self.on1.malloc(MiB, stream=stream1)
+        self.on1.free(q, MiB, stream=stream1)
+        self.on1.stream_destroy(stream1)
+
+    def test_peer_access_and_a_pair_without_a_peer_path(self):
+        with gpumem.Pool("sim_devices:2,sim_capacity:128M,peer_access:1") as pool:
+            self.assertIn("peer_access:1", pool.config)
+            p = pool.malloc(2 * MiB)
+            pool.free(p, 2 * MiB)
+        with self.assertRaisesRegex(gpumem.InvalidArgumentError, "cannot reach"):
+            gpumem.Pool("sim_devices:2,sim_no_peer:0-1,peer_access:1")
+        gpumem.check_config("peer_access:1+2,device:1")  # text fit for a multi-GPU machine
+        with self.assertRaisesRegex(gpumem.InvalidArgumentError, "peer_access"):
+            gpumem.check_config("peer_access:x")
+        with self.assertRaisesRegex(gpumem.InvalidArgumentError, "sim_devices"):
+            gpumem.check_config("bogus:1")  # the message lists the C API's keys too
+
+
 def _plugin_entry_points():
     """The library, with the signatures of the entry points PyTorch calls declared."""
     lib = gpumem.load()
@@ -304,7 +349,7 @@ class TorchPluginTest(unittest.TestCase):
         # C++ (tests/interop/torch_plugin_test.cpp).
         lib.gpumem_torch_free(p, 5 * MiB, 0, None)  # double free
         self.assertEqual(gpumem.torch.failures(), failures + 1)
-        # No pool for a device PyTorch never used: creation fails (sim has one device).
+        # No pool for a device the sim device lacks: creation fails (it has two).
         with self.assertRaises(gpumem.GpumemError):
             gpumem.torch.stats(3)
 

@@ -120,6 +120,24 @@ run env GPUMEM_DEVICE=cuda "$gpumem" replay "$good" --device sim --allocator run
 expect_rc 0 "--device sim over GPUMEM_DEVICE=cuda"
 grep -q "^device: sim" "$tmp/out" || fail "--device sim did not win over GPUMEM_DEVICE"
 
+# Several simulated GPUs (GPUMEM_SIM_DEVICES): gpumem info lists each and the peer-access
+# matrix; a bad count is refused naming the variable.
+run env GPUMEM_SIM_DEVICES=3 "$gpumem" info --device sim --json
+expect_rc 0 "info with three sim devices"
+python3 - "$tmp/out" <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+assert doc["device_count"] == 3 and len(doc["devices"]) == 3, doc["device_count"]
+assert doc["peer_access"] == [[True] * 3] * 3, doc["peer_access"]
+PY
+run env GPUMEM_SIM_DEVICES=2 "$gpumem" info --device sim
+expect_rc 0 "info with two sim devices"
+grep -q "^peer access" "$tmp/out" || fail "no peer-access matrix in the text"
+grep -q "^device 1:" "$tmp/out" || fail "device 1 not listed"
+run env GPUMEM_SIM_DEVICES=0 "$gpumem" info --device sim
+expect_rc 1 "GPUMEM_SIM_DEVICES=0"
+expect_err "GPUMEM_SIM_DEVICES"
+
 # A UTF-8 byte-order mark before the header.
 printf '\xef\xbb\xbf' | cat - "$good" > "$tmp/bom.csv"
 run "$gpumem" replay "$tmp/bom.csv" --device sim --allocator runtime --passes 1

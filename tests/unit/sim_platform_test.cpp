@@ -896,6 +896,8 @@ class op_harness {
         if (r.ok()) (void)sim_.release_physical(r.value());
         return as_status(r);
       }
+      case platform_op::can_access_peer: return as_status(sim_.can_access_peer(1, 0));
+      case platform_op::enable_peer_access: return sim_.enable_peer_access(1, 0);
       case platform_op::count_: break;
     }
     ADD_FAILURE() << "no way to drive platform_op " << static_cast<int>(op);
@@ -975,7 +977,8 @@ const char* cuda_name(failure_kind kind) {
 
 TEST_P(sim_fault_injection, nth_call_fails_as_configured_then_the_next_succeeds) {
   const auto [op, kind] = GetParam();
-  sim_platform sim(sim_options{.capacity = 64 * MiB, .granularity = 2 * MiB});
+  // Two devices, so the peer calls have a peer.
+  sim_platform sim(sim_options{.capacity = 64 * MiB, .granularity = 2 * MiB, .device_count = 2});
   {
     op_harness harness(sim, 2 * MiB);
     harness.prepare(op);

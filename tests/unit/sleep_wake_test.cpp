@@ -447,7 +447,10 @@ TEST_F(SleepWake, SharedMemoryReleaseWaitsForTheFreeingStream) {
   ASSERT_TRUE(sim.stream_destroy(stream.value()));
 }
 
-TEST(SleepWakeDevices, ImportIntoAPoolOfAnotherDeviceIsRefused) {
+// Memory exported on device 0 and imported for device 1: the importer maps it on its own
+// device as a peer's memory and grants its device access; a device without a peer path to
+// device 0 is refused at the import, naming device 0.
+TEST(SleepWakeDevices, ImportForAPeerDeviceMapsAndGrantsAccess) {
   sim_options o;
   o.capacity = 256 * MiB;
   o.device_count = 2;
@@ -455,17 +458,35 @@ TEST(SleepWakeDevices, ImportIntoAPoolOfAnotherDeviceIsRefused) {
   {
     shared_memory on0(sim, 0), on1(sim, 1);
     void* p = on0.allocate(2 * MiB);
+    std::memset(p, 0x6d, 2 * MiB);
+    const int fd = on0.export_fd(p);
+    void* q = on1.import(fd, 2 * MiB);
+    ::close(fd);
+    EXPECT_TRUE(sim.check_access(1, q, 2 * MiB).ok());
+    EXPECT_EQ(static_cast<unsigned char*>(q)[777], 0x6d);
+    static_cast<unsigned char*>(q)[778] = 0x11;  // device 1 writes, device 0 reads
+    EXPECT_EQ(static_cast<unsigned char*>(p)[778], 0x11);
+    on1.release(q, 2 * MiB);
+    on0.release(p, 2 * MiB);
+  }
+  EXPECT_TRUE(sim.live_objects().none()) << sim.live_objects().describe();
+
+  o.no_peer = {{0, 1}};
+  sim_platform isolated(o);
+  {
+    shared_memory on0(isolated, 0), on1(isolated, 1);
+    void* p = on0.allocate(2 * MiB);
     const int fd = on0.export_fd(p);
     try {
       (void)on1.import(fd, 2 * MiB);
-      ADD_FAILURE() << "import into device 1 of device 0's memory succeeded";
+      ADD_FAILURE() << "import for device 1 of memory it cannot reach succeeded";
     } catch (const invalid_argument& e) {
       EXPECT_NE(std::string(e.what()).find("device 0"), std::string::npos) << e.what();
     }
     ::close(fd);
     on0.release(p, 2 * MiB);
   }
-  EXPECT_TRUE(sim.live_objects().none()) << sim.live_objects().describe();
+  EXPECT_TRUE(isolated.live_objects().none()) << isolated.live_objects().describe();
 }
 
 TEST_F(SleepWake, PlatformWithoutSharingSaysNotSupported) {

@@ -10,18 +10,26 @@
  *
  * The configuration string has the GPUMEM_CONF syntax ("key:value,key:value") with every
  * pool option (reserve, limit, release_threshold, small_threshold, cross_stream,
- * va_reserve, big_chunk, huge_growth, ...) plus these keys of the C API:
+ * va_reserve, big_chunk, huge_growth, peer_access, ...) plus these keys of the C API:
  *   allocator:vmm_page_pool|caching_pool  which pool (default vmm_page_pool)
  *   backend:runtime|driver|vmm            caching_pool's upstream (default runtime)
- *   device:N                              device ordinal (default 0)
+ *   device:N                              device ordinal (default 0): one pool per device
  *   platform:auto|cuda|sim                auto: the GPU when present, else sim (default)
- *   sim_capacity:BYTES                    a private sim device of this capacity, 2 MiB
- *                                         pages (implies platform:sim; for tests)
  *   step_plan:on|off                      a step planner in front of the pool (default
  *                                         on; it does nothing until gpumem_pool_mark_step
  *                                         is called: see that function)
+ *   sim_capacity, sim_devices,            a private sim device for this pool: capacity
+ *   sim_granularity, sim_no_peer          and granularity (per device with A+B), number
+ *                                         of GPUs, pairs without a peer path (implies
+ *                                         platform:sim; for tests)
+ * Every key, its default and an example: docs/OPTIONS.md (the one option table).
  * NULL or "" means all defaults. Unknown keys and bad values give
  * GPUMEM_ERROR_INVALID_ARGUMENT naming them.
+ *
+ * Several GPUs: a pool serves one device. A stream of another device is refused
+ * (GPUMEM_ERROR_INVALID_ARGUMENT) by gpumem_malloc, gpumem_free and gpumem_record_stream,
+ * and so is a pointer another pool handed out. Peers read a vmm_page_pool's memory once
+ * the pool grants them access: the peer_access option.
  *
  * Streams are cudaStream_t values passed as void*; NULL is the default stream. Reuse is
  * stream-ordered: a block freed on stream S is reused at once by work on S, and by another
@@ -132,8 +140,8 @@ GPUMEM_API gpumem_status gpumem_free(gpumem_pool* pool, void* ptr, size_t size, 
  * recorded once however often it is passed.
  * Refused with GPUMEM_ERROR_INVALID_ARGUMENT, nothing recorded: a `ptr` that is not a live
  * allocation of this pool as gpumem_malloc returned it (unknown, already freed, interior;
- * guard mode does not check), and a `stream` the platform refuses (not a stream of the
- * pool's device).
+ * guard mode does not check), and a `stream` of another device than the pool's or one
+ * the platform does not know.
  * A recorded stream that is destroyed before the free:
  *  - through gpumem_stream_destroy: the destroy waits for the stream's work, then drops
  *    its records; the free does not wait for it (its work is complete);
@@ -205,6 +213,10 @@ GPUMEM_API gpumem_status gpumem_stream_create(gpumem_pool* pool, void** out);
 GPUMEM_API gpumem_status gpumem_stream_destroy(gpumem_pool* pool, void* stream);
 /* Waits for the stream's work. */
 GPUMEM_API gpumem_status gpumem_stream_synchronize(gpumem_pool* pool, void* stream);
+/* The device `stream` belongs to, as the pool's platform knows it (cudaStreamGetDevice;
+ * NULL: the current device's default stream). GPUMEM_ERROR_INVALID_ARGUMENT for a stream
+ * the platform does not know; *device is then -1. */
+GPUMEM_API gpumem_status gpumem_stream_device(gpumem_pool* pool, void* stream, int* device);
 
 /* Writes a PyTorch memory snapshot (the pickle torch.cuda.memory._dump_snapshot writes)
  * of the pool to `path`. GPUMEM_ERROR_NOT_SUPPORTED when this build has no snapshot
@@ -270,7 +282,9 @@ GPUMEM_API gpumem_status gpumem_device_memory(gpumem_pool* pool, size_t* free_by
  * exporter's. Bad input gives GPUMEM_ERROR_INVALID_ARGUMENT: export of a pointer that is
  * not a live shared allocation; import of a closed or foreign descriptor, of a size that
  * does not match the exported memory (sim checks it exactly; CUDA refuses a larger size at
- * the mapping), of memory of another device than the pool's. */
+ * the mapping), of memory on a device the pool's cannot reach. Memory exported on one
+ * device and imported by a pool of another device that can reach it (a peer) is mapped
+ * there and that device is granted access. */
 GPUMEM_API gpumem_status gpumem_export(gpumem_pool* pool, void* ptr, int* fd_out);
 GPUMEM_API gpumem_status gpumem_import(gpumem_pool* pool, int fd, size_t size, void** ptr_out);
 /* Sends `fd` with `size` over a connected Unix domain socket; receives them. */

@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -58,6 +59,8 @@ enum class platform_op : std::uint8_t {
   async_free,
   export_handle,
   import_handle,
+  can_access_peer,
+  enable_peer_access,
   count_
 };
 inline constexpr std::size_t platform_op_count = static_cast<std::size_t>(platform_op::count_);
@@ -209,8 +212,17 @@ class platform {
                      std::size_t offset) = 0;
   // REQUIRES: [va, va+size) covers whole mappings.
   virtual status unmap(std::uintptr_t va, std::size_t size) = 0;
-  // Grants read/write access from `device` over a mapped range, in one call.
+  // Grants read/write access from `device` over a mapped range, in one call. A device other
+  // than the one the memory lives on is a peer: it must be able to reach that device
+  // (can_access_peer), else invalid_value and nothing changes.
   virtual status set_access(int device, std::uintptr_t va, std::size_t size) = 0;
+  // As set_access, for every device of `devices` at once (cuMemSetAccess with one access
+  // descriptor per device: one call, counted as one set_access). All or nothing: a device
+  // that cannot reach the memory fails the call and no access is granted (the default,
+  // one set_access per device in order, keeps the grants made before a failure).
+  // REQUIRES: devices is not empty and names each device once.
+  virtual status set_access_for(std::span<const int> devices, std::uintptr_t va,
+                                std::size_t size);
 
   // --- classic allocation --------------------------------------------------------------
   virtual result<void*> runtime_malloc(int device, std::size_t size) = 0;   // cudaMalloc
@@ -245,6 +257,17 @@ class platform {
   virtual result<void*> async_malloc(int device, std::size_t size, stream_handle stream) = 0;
   virtual status async_free(void* ptr, stream_handle stream) = 0;
 
+  // --- several devices ------------------------------------------------------------------
+  // Whether `device` can reach memory that lives on `peer` (cuDeviceCanAccessPeer); true for
+  // device == peer. The default (a platform that knows no peers) answers device == peer.
+  virtual result<bool> can_access_peer(int device, int peer);
+  // Lets `device` reach `peer`'s classic allocations (cudaMalloc, cuMemAlloc):
+  // cudaDeviceEnablePeerAccess with `device` current. Enabling a pair twice succeeds.
+  // not_supported when the pair has no peer path; invalid_value for device == peer or a
+  // device that does not exist. VMM memory needs no such call, only set_access for the
+  // peer. The default answers not_supported.
+  virtual status enable_peer_access(int device, int peer);
+
   // --- sharing physical memory between processes -----------------------------------------
   // The physical memory behind a handle lives while any process holds a handle to it or
   // maps it: a process that exits (or is killed) drops its share, and nothing of another
@@ -258,11 +281,14 @@ class platform {
   // caller's to close or to pass to another process (SCM_RIGHTS over a Unix socket).
   // invalid_value for a handle not made by create_shareable_physical.
   virtual result<int> export_handle(physical_handle handle);
-  // A handle on `device` for memory exported as `fd` (cuMemImportFromShareableHandle); the
-  // fd stays the caller's. `size` (a multiple of the granularity) is what the caller will
-  // map: invalid_value when the exported memory is smaller (sim, and cuda where the driver
-  // says), when `fd` is closed or not an exported handle, or when the memory is another
-  // device's. Released with release_physical, mapped with map like any handle.
+  // A handle, for use by `device`, of memory exported as `fd`
+  // (cuMemImportFromShareableHandle); the fd stays the caller's. The memory stays where it
+  // lives: on `device`, or on a peer that `device` can reach (the caller then maps it and
+  // grants `device` access as to any peer's memory). `size` (a multiple of the granularity)
+  // is what the caller will map: invalid_value when the exported memory is smaller (sim,
+  // and cuda where the driver says), when `fd` is closed or not an exported handle, or when
+  // the memory is on a device that `device` cannot reach. Released with release_physical,
+  // mapped with map like any handle.
   virtual result<physical_handle> import_handle(int device, int fd, std::size_t size);
 
   // --- accounting ----------------------------------------------------------------------
@@ -274,7 +300,8 @@ class platform {
 };
 
 // The process-wide default platform: the real GPU when a driver and device are present,
-// otherwise a sim device. `why` (if given) receives why cuda was not chosen.
+// otherwise a sim device (GPUMEM_SIM_DEVICES=N devices, default 1). `why` (if given)
+// receives why cuda was not chosen.
 // Never destroyed, so memory resources may outlive main().
 platform& default_platform();
 // Chooses explicitly: "cuda", "sim" or "auto". Throws gpumem::cuda_error when "cuda" is

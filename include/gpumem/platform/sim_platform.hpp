@@ -12,9 +12,20 @@
 // munmap and mprotect is checked: at the host's vm.max_map_count a call fails with
 // out_of_memory and changes nothing.
 //
+// Several devices: each has its own slice of the memfd (its capacity), granularity, frames
+// and streams. A device other than the one memory lives on reaches it only when granted:
+// VMM pages through set_access / set_access_for for that device (each mapping records the
+// devices that may touch it), classic allocations through enable_peer_access; a pair listed
+// in sim_options::no_peer can be granted neither. check_access models a kernel of one
+// device touching memory; memcpy_async and memset_async check the stream's device the same
+// way on sim device memory (VMM pages; classic allocations of another device are copied
+// without peer access, as the CUDA driver stages such copies), so a missing grant fails
+// with invalid_value instead of faulting.
+//
 // Invariants (checked by is_valid()):
 //  - used_bytes(d) == sum of the extents owned by device d's handles and allocations
-//    <= capacity; no frame has two owners;
+//    <= capacity_of(d); no frame has two owners;
+//  - a mapping's access devices are its memory's device or peers that can reach it;
 //  - every mapping lies inside one reserved range and names a live or released-but-mapped
 //    handle; a handle's frames return to the free list when it is released and unmapped;
 //  - frames on the free list hold no host memory (holes are punched on free).
@@ -24,6 +35,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "gpumem/platform/platform.hpp"
 
@@ -38,10 +51,26 @@ enum class sim_latency : std::uint8_t {
 struct sim_options {
   std::size_t capacity = std::size_t{80} << 30;        // per device
   std::size_t granularity = std::size_t{2} << 20;      // minimum = recommended
-  int device_count = 1;
+  int device_count = 1;                                // 1 to sim_max_devices
   sim_latency latency = sim_latency::off;
   std::uint64_t seed = 0x5eed;                         // for probabilistic faults
+  // Per device: entry d, where present (and non-zero), replaces capacity / granularity for
+  // device d.
+  std::vector<std::size_t> capacities;
+  std::vector<std::size_t> granularities;
+  // Pairs of devices with no peer path between them (cuDeviceCanAccessPeer 0 both ways).
+  // Every other pair of distinct devices can reach each other, as GPUs on NVLink do.
+  std::vector<std::pair<int, int>> no_peer;
+
+  std::size_t capacity_of(int device) const noexcept;
+  std::size_t granularity_of(int device) const noexcept;
 };
+
+inline constexpr int sim_max_devices = 64;
+
+// The process-wide sim device's options: defaults, with GPUMEM_SIM_DEVICES=N (1 to 64)
+// devices. Throws gpumem::invalid_argument for another value.
+sim_options sim_options_from_environment();
 
 // Fails chosen calls of one operation. nth counts that op's calls from when the rule is
 // set, starting at 1; probability applies to every call. The failure is `kind`.
@@ -87,6 +116,10 @@ class sim_platform final : public platform {
   // Modelled H200 time of all calls so far (sim_latency::model or spin), nanoseconds.
   std::uint64_t modelled_ns() const noexcept;
   std::uint64_t modelled_ns(platform_op op) const noexcept;
+  // A kernel of `device` touching [ptr, ptr+bytes): success when every byte is memory the
+  // device may use (its own or granted VMM pages, its own or peer-enabled classic
+  // allocations); invalid_value (an illegal address) otherwise, host memory included.
+  status check_access(int device, const void* ptr, std::size_t bytes) const;
   // Structural self-check; returns "" when valid, otherwise what is wrong.
   std::string validate() const;
   bool is_valid() const { return validate().empty(); }
@@ -104,6 +137,10 @@ class sim_platform final : public platform {
              std::size_t offset) override;
   status unmap(std::uintptr_t va, std::size_t size) override;
   status set_access(int device, std::uintptr_t va, std::size_t size) override;
+  status set_access_for(std::span<const int> devices, std::uintptr_t va,
+                        std::size_t size) override;
+  result<bool> can_access_peer(int device, int peer) override;
+  status enable_peer_access(int device, int peer) override;
   result<void*> runtime_malloc(int device, std::size_t size) override;
   status runtime_free(int device, void* ptr) override;
   result<void*> driver_alloc(int device, std::size_t size) override;

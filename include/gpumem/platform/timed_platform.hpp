@@ -36,6 +36,8 @@ class timed_platform final : public platform {
   status map(std::uintptr_t va, std::size_t size, physical_handle handle, std::size_t offset) override;
   status unmap(std::uintptr_t va, std::size_t size) override;
   status set_access(int device, std::uintptr_t va, std::size_t size) override;
+  status set_access_for(std::span<const int> devices, std::uintptr_t va,
+                        std::size_t size) override;
   result<void*> runtime_malloc(int device, std::size_t size) override;
   status runtime_free(int device, void* ptr) override;
   result<void*> driver_alloc(int device, std::size_t size) override;
@@ -59,6 +61,8 @@ class timed_platform final : public platform {
   result<physical_handle> create_shareable_physical(int device, std::size_t size) override;
   result<int> export_handle(physical_handle handle) override;
   result<physical_handle> import_handle(int device, int fd, std::size_t size) override;
+  result<bool> can_access_peer(int device, int peer) override;
+  status enable_peer_access(int device, int peer) override;
 
  private:
   platform& inner_;

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <limits>
 #include <string>
@@ -39,6 +40,10 @@ struct pool_options {
   double remap_budget = 0.0;
   bool release_idle = false;
   bool lifetime_hints = true;
+  // vmm_page_pool: devices granted access to the pool's pages besides its own (bit d:
+  // device d), or every device that can reach them (peer_access_all).
+  std::uint64_t peer_access = 0;
+  bool peer_access_all = false;
 
   static pool_options parse(std::string_view config);
   // Whether n is a valid small_classes (0 or a power of two up to 64), for parse() and the

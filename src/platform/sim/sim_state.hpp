@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <iterator>
 #include <map>
@@ -195,7 +196,7 @@ struct handle_record {
 struct mapping_record {
   std::size_t size;
   std::uint64_t handle;
-  bool accessible = false;
+  std::uint64_t access = 0;  // bit d: device d may touch it (set_access)
 };
 
 struct allocation_record {
@@ -238,6 +239,15 @@ using namespace sim_detail;
 
 struct sim_platform::state {
   sim_options options;
+  // Per device: where its slice of the memfd starts, and the granularity; the memfd's size.
+  std::vector<std::size_t> bases;
+  std::vector<std::size_t> granularities;
+  std::size_t total_capacity = 0;
+  std::size_t min_granularity = 0, max_granularity = 0;
+  // Row-major device_count x device_count: peer_path[a*n+b] when a can reach b's memory;
+  // peer_enabled when enable_peer_access(a, b) succeeded.
+  std::vector<std::uint8_t> peer_path;
+  std::vector<std::uint8_t> peer_enabled;
   int memfd = -1;
   mutable std::mutex mutex;
   std::vector<frame_allocator> frames;  // one per device
@@ -264,7 +274,7 @@ struct sim_platform::state {
 
   void make_spare_mapping() {
     if (spare_mapping != nullptr || memfd < 0) return;
-    const auto past_end = static_cast<off_t>(options.capacity * options.device_count + host_page);
+    const auto past_end = static_cast<off_t>(total_capacity + host_page);
     void* p = ::mmap(nullptr, host_page, PROT_NONE, MAP_SHARED, memfd, past_end);
     if (p != MAP_FAILED) spare_mapping = p;
   }
@@ -329,10 +339,17 @@ struct sim_platform::state {
     return err;
   }
 
-  std::size_t device_base(int device) const {
-    return static_cast<std::size_t>(device) * options.capacity;
+  std::size_t device_base(int device) const { return bases[static_cast<std::size_t>(device)]; }
+  std::size_t granularity(int device) const {
+    return granularities[static_cast<std::size_t>(device)];
   }
   bool valid_device(int device) const { return device >= 0 && device < options.device_count; }
+  std::size_t pair(int a, int b) const {
+    return static_cast<std::size_t>(a) * static_cast<std::size_t>(options.device_count) +
+           static_cast<std::size_t>(b);
+  }
+  // Whether `device` can reach memory living on `owner` (both valid).
+  bool reaches(int device, int owner) const { return device == owner || peer_path[pair(device, owner)] != 0; }
 
   // A range that contains [va, va+size), if any.
   std::map<std::uintptr_t, std::size_t>::const_iterator range_containing(std::uintptr_t va,
@@ -350,6 +367,67 @@ struct sim_platform::state {
     auto runs = frames[static_cast<std::size_t>(device)].allocate(bytes, unit);
     for (auto& r : runs) r.offset += device_base(device);
     return runs;
+  }
+
+  // Whether `device` may touch [p, p+bytes) (REQUIRES: mutex held). "" when it may or when
+  // the bytes are not sim device memory (host memory: `host` is then set); otherwise why
+  // not. A copy (`copy`) reaches another device's classic allocation without peer access,
+  // as the driver stages such copies; a kernel does not.
+  std::string access_denied(int device, std::uintptr_t p, std::size_t bytes, bool copy,
+                            bool* host = nullptr) const {
+    if (host != nullptr) *host = false;
+    if (bytes == 0) return {};
+    auto a = device_allocations.upper_bound(at(p));
+    if (a != device_allocations.begin()) {
+      --a;
+      const auto start = reinterpret_cast<std::uintptr_t>(a->first);
+      if (p >= start && p < start + a->second.size) {
+        const int owner = a->second.device;
+        if (device == owner || copy || peer_enabled[pair(device, owner)] != 0) return {};
+        return "device " + std::to_string(device) + " has no peer access to device " +
+               std::to_string(owner) + "'s allocation at " + hex(p) +
+               " (enable_peer_access, cudaDeviceEnablePeerAccess)";
+      }
+    }
+    if (range_containing(p, 1) == ranges.end()) {
+      if (host != nullptr) *host = true;
+      return {};
+    }
+    std::uintptr_t cursor = p;
+    auto m = mappings.upper_bound(p);
+    if (m != mappings.begin()) --m;
+    while (cursor < p + bytes) {
+      if (m == mappings.end() || m->first > cursor || m->first + m->second.size <= cursor)
+        return "illegal address " + hex(cursor) + ": not mapped";
+      if ((m->second.access >> device & 1) == 0) {
+        const int owner = handles.at(m->second.handle).device;
+        return "illegal address " + hex(cursor) + ": device " + std::to_string(device) +
+               " has no access to these pages of device " + std::to_string(owner) +
+               "'s memory (grant it with set_access for the device; vmm_page_pool: peer_access)";
+      }
+      cursor = m->first + m->second.size;
+      ++m;
+    }
+    return {};
+  }
+  // The device whose memory holds `p`, or -1 for host memory (REQUIRES: mutex held).
+  int owner_of(std::uintptr_t p) const {
+    auto a = device_allocations.upper_bound(at(p));
+    if (a != device_allocations.begin()) {
+      --a;
+      const auto start = reinterpret_cast<std::uintptr_t>(a->first);
+      if (p >= start && p < start + a->second.size) return a->second.device;
+    }
+    auto m = mappings.upper_bound(p);
+    if (m == mappings.begin()) return -1;
+    --m;
+    if (p >= m->first + m->second.size) return -1;
+    return handles.at(m->second.handle).device;
+  }
+  static std::string hex(std::uintptr_t p) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%#zx", static_cast<std::size_t>(p));
+    return buf;
   }
 
   void punch(std::size_t file_offset, std::size_t size) {

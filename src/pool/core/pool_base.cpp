@@ -62,12 +62,41 @@ pool_base::pool_base(platform& platform, int device, pool_options options,
   // held back unmerged, in quick lists or thread caches (thread_cache.hpp says why): an
   // unmerged large block splits the free run it belongs to, and the pool then maps pages
   // for requests that run would hold.
+  resolve_access_devices();
   const std::size_t quick_blocks = fast_path_allowed_ ? 0 : 4096;
   arenas_[small_arena] = std::make_unique<detail::block_arena>(small_arena, 512, quick_blocks);
   arenas_[large_arena] = std::make_unique<detail::block_arena>(large_arena, 512, 0);
   arenas_[long_arena] = std::make_unique<detail::block_arena>(long_arena, 512, 0);
   streams_.states.try_emplace(0);  // the default stream: fresh and reserved memory is tagged with it
   fast_path_.store(fast_path_allowed_, std::memory_order_relaxed);
+}
+
+// The pool's own device, then each peer of pool_options::peer_access: a peer named that
+// cannot reach the pool's device is refused; `all` takes every device that can.
+void pool_base::resolve_access_devices() {
+  access_devices_.push_back(device());
+  if (options_.peer_access == 0 && !options_.peer_access_all) return;
+  platform& p = device_platform();
+  auto count = p.device_count();
+  if (!count) throw_cuda_error(count.error(), "pool: peer_access: count the devices");
+  for (int d = count.value(); d < 64; ++d)
+    if ((options_.peer_access >> d & 1) != 0)
+      throw invalid_argument("pool: peer_access names device " + std::to_string(d) + "; the " +
+                             std::string(p.kind()) + " platform has " +
+                             std::to_string(count.value()) + " device(s)");
+  for (int d = 0; d < count.value(); ++d) {
+    if (d == device() || !(options_.peer_access_all || (options_.peer_access >> d & 1) != 0))
+      continue;
+    auto can = p.can_access_peer(d, device());
+    if (!can) throw_cuda_error(can.error(), "pool: peer_access: cuDeviceCanAccessPeer");
+    if (!can.value()) {
+      if (options_.peer_access_all) continue;
+      throw invalid_argument("pool: peer_access: device " + std::to_string(d) +
+                             " cannot reach device " + std::to_string(device()) +
+                             "'s memory (cuDeviceCanAccessPeer is 0); nothing was made");
+    }
+    access_devices_.push_back(d);
+  }
 }
 
 void pool_base::use_lifetime_hints() { hints_ = std::make_unique<detail::lifetime_hints>(); }

@@ -330,7 +330,7 @@ void vmm_page_pool::wake(stream_handle stream) {
         ++mapped;
       }
       const std::uintptr_t run_va = page_address(chunks_[ids[begin]].mapped_at);
-      if (auto s = p.set_access(device(), run_va, bytes); !s) {
+      if (auto s = grant_access(run_va, bytes); !s) {
         undo();
         throw_cuda_error(s, "vmm_page_pool::wake: grant access to the pages");
       }

@@ -275,7 +275,7 @@ status vmm_page_pool::map_chosen(std::span<const std::uint32_t> chosen, std::siz
     }
     at += k.pages;
   }
-  if (failed.ok()) failed = device_platform().set_access(device(), page_address(first), covered * page_);
+  if (failed.ok()) failed = grant_access(page_address(first), covered * page_);
   if (!failed.ok()) {
     // Undo. A chunk whose unmap fails too stays mapped where it is, its address space not
     // reused: stranded until the pool's end (which unmaps it), never handed out.

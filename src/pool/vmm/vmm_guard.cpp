@@ -49,7 +49,7 @@ void* vmm_page_pool::allocate_guarded(std::size_t bytes, std::size_t alignment,
       failed = st;
       break;
     }
-  if (failed.ok()) failed = p.set_access(device(), page_address(first), pages * page_);
+  if (failed.ok()) failed = grant_access(page_address(first), pages * page_);
   if (!failed.ok()) {
     // As in grow(): a page whose unmap fails too stays mapped and stranded.
     for (std::size_t i = 0; i < chosen.size(); ++i) {
@@ -98,7 +98,7 @@ bool vmm_page_pool::free_guarded(std::uintptr_t addr, std::size_t bytes, stream_
     for (std::size_t i = g.pages - done; i < g.pages; ++i) {
       (void)p.map(page_address(g.first_page + i), page_, chunks_[ids[i]].handle, 0);
     }
-    (void)p.set_access(device(), page_address(g.first_page), g.pages * page_);
+    (void)grant_access(page_address(g.first_page), g.pages * page_);
     throw_cuda_error(failed, "vmm_page_pool: unmap a guarded allocation");
   }
   for (std::size_t i = 0; i < g.pages; ++i) {

@@ -59,6 +59,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -137,6 +138,9 @@ class pool_base : public memory_resource {
   std::string validate() const override;
   std::size_t max_alignment() const noexcept override { return alignment_limit_; }
   const pool_options& options() const noexcept { return options_; }
+  // The devices granted access to the pool's mapped pages: its own first, then the peers
+  // pool_options::peer_access names (each checked to reach it when the pool was made).
+  std::span<const int> access_devices() const noexcept { return access_devices_; }
 
   // Gives cached memory back to the driver (everything not handed out, where the
   // subclass can). Returns bytes released.
@@ -339,7 +343,16 @@ class pool_base : public memory_resource {
   mutable pool_mutex mutex_;
   pool_options options_;
 
+  // Grants access_devices() read/write access over mapped pages [va, va+size), in one
+  // platform call: the one place a pool builds its access list.
+  status grant_access(std::uintptr_t va, std::size_t size) {
+    return device_platform().set_access_for(access_devices_, va, size);
+  }
+
  private:
+  // Fills access_devices_ from options_ (constructor): throws for a bad peer_access.
+  void resolve_access_devices();
+  std::vector<int> access_devices_;
   static const steady_pool_clock steady_clock_;
   const pool_clock* clock_ = &steady_clock_;  // guarded by mutex_
 

@@ -40,7 +40,8 @@ class shared_memory {
   int export_fd(void* ptr);
   // Maps memory another process exported as `fd` (the fd stays the caller's). Throws
   // gpumem::invalid_argument for a closed or foreign fd, a size that does not match the
-  // exported memory, memory of another device; gpumem::cuda_error otherwise.
+  // exported memory, memory on a device this one cannot reach; gpumem::cuda_error
+  // otherwise. A peer's memory is mapped and this device granted access.
   void* import(int fd, std::size_t bytes);
   // Frees an own allocation or unmaps an import (`bytes` as given at allocate / import),
   // once the work queued on `stream` is done: the mapping goes at once, so kernels still
