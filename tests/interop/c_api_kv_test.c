@@ -10,19 +10,7 @@
 
 #include "gpumem/interop/gpumem_kv.h"
 
-static int failures = 0;
-
-#define MIB ((uint64_t)1 << 20)
-
-#define CHECK(cond)                                                                  \
-  do {                                                                               \
-    if (!(cond)) {                                                                   \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed; last error: [%s] %s\n", __FILE__,    \
-              __LINE__, #cond, gpumem_status_name(gpumem_last_status()),             \
-              gpumem_last_error());                                                  \
-      ++failures;                                                                    \
-    }                                                                                \
-  } while (0)
+#include "c_check.h"
 
 /* 2 layers, 2 KV heads, head_dim 64, f16, 16 tokens a block: 16 KiB blocks. */
 static gpumem_kv_config small_config(void) {

@@ -16,19 +16,7 @@
 
 #include "gpumem/interop/gpumem.h"
 
-static int failures = 0;
-
-#define CHECK(cond)                                                                  \
-  do {                                                                               \
-    if (!(cond)) {                                                                   \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed; last error: [%s] %s\n", __FILE__,    \
-              __LINE__, #cond, gpumem_status_name(gpumem_last_status()),             \
-              gpumem_last_error());                                                  \
-      ++failures;                                                                    \
-    }                                                                                \
-  } while (0)
-
-#define MIB ((size_t)1 << 20)
+#include "c_check.h"
 
 static unsigned char pattern_byte(size_t i, unsigned seed) {
   return (unsigned char)((i * 131u + seed * 17u + (i >> 12)) & 0xffu);

@@ -8,19 +8,7 @@
 
 #include "gpumem/interop/gpumem.h"
 
-static int failures = 0;
-
-#define CHECK(cond)                                                                  \
-  do {                                                                               \
-    if (!(cond)) {                                                                   \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed; last error: [%s] %s\n", __FILE__,    \
-              __LINE__, #cond, gpumem_status_name(gpumem_last_status()),             \
-              gpumem_last_error());                                                  \
-      ++failures;                                                                    \
-    }                                                                                \
-  } while (0)
-
-#define MIB ((size_t)1 << 20)
+#include "c_check.h"
 
 static void bad_config(void) {
   gpumem_pool* pool = (gpumem_pool*)&failures; /* must be reset to NULL on failure */

@@ -14,28 +14,13 @@
 #include "gpumem/kv/tier/kv_record.hpp"
 #include "gpumem/kv/tier/kv_tiers.hpp"
 #include "gpumem/pool/vmm/vmm_page_pool.hpp"
+#include "unit/kv_test_support.hpp"
 #include "unit/pool_test_support.hpp"
 
 namespace {
 
 using namespace gpumem;
 using namespace gpumem_test;
-
-kv_layout small_layout() {
-  kv_layout l;
-  l.layers = 2;
-  l.kv_heads = 2;
-  l.head_dim = 64;
-  l.dtype = kv_dtype::bf16;
-  l.block_tokens = 16;
-  return l;
-}
-
-std::vector<token_id> prompt(std::size_t n, token_id first = 1) {
-  std::vector<token_id> t(n);
-  std::iota(t.begin(), t.end(), first);
-  return t;
-}
 
 // Fills every byte of a sequence's blocks with a pattern of its block index and `seed`.
 void fill(kv_cache& kv, kv_cache::sequence_id id, unsigned seed) {
@@ -75,7 +60,7 @@ TEST_F(KvCacheTiers, AnEvictedPrefixComesBackFromTheHostTierBytesIntact) {
   auto tiers = host_tiers();
   vmm_page_pool pages(sim, 0);
   kv_cache kv(pages, config(tiers.get()));
-  const auto p = prompt(16 * 5 + 3);  // 5 full blocks, then 3 tokens
+  const auto p = token_run(16 * 5 + 3);  // 5 full blocks, then 3 tokens
   auto a = kv.add_sequence(p, 7);
   fill(kv, a.id, 1);
   kv.free(a.id);
@@ -105,7 +90,7 @@ TEST_F(KvCacheTiers, APartialGpuHitContinuesFromTheTier) {
   auto tiers = host_tiers();
   vmm_page_pool pages(sim, 0);
   kv_cache kv(pages, config(tiers.get()));
-  const auto p = prompt(16 * 4 + 1);
+  const auto p = token_run(16 * 4 + 1);
   auto a = kv.add_sequence(p);
   fill(kv, a.id, 3);
   kv.free(a.id);
@@ -124,7 +109,7 @@ TEST_F(KvCacheTiers, TenantsStayApartAcrossTheTier) {
   auto tiers = host_tiers();
   vmm_page_pool pages(sim, 0);
   kv_cache kv(pages, config(tiers.get()));
-  const auto p = prompt(16 * 3 + 1);
+  const auto p = token_run(16 * 3 + 1);
   auto a = kv.add_sequence(p, /*salt*/ 1);
   kv.free(a.id);
   kv.evict(100);
@@ -141,11 +126,11 @@ TEST_F(KvCacheTiers, ARecordWhoseTokensDifferIsNotUsed) {
   auto tiers = host_tiers();
   vmm_page_pool pages(sim, 0);
   kv_cache kv(pages, config(tiers.get()));
-  const auto p = prompt(16 * 2 + 1);
+  const auto p = token_run(16 * 2 + 1);
   const std::size_t bs = kv.layout().block_stride();
   const kv_block_key k{kv.tier_space(), 0, prefix_block_hash(0, 0, std::span(p).first(16))};
   std::vector<std::byte> rec(kv_record::size(16, bs));
-  const auto other = prompt(16, 1000);
+  const auto other = token_run(16, 1000);
   kv_record::write_head(rec, k, 0, other);
   kv_record::seal(rec);
   const kv_block_key keys[] = {k};
@@ -168,7 +153,7 @@ TEST_F(KvCacheTiers, AFullWriteBackQueueDropsBlocksWithoutWaiting) {
   auto tiers = host_tiers(8 * MiB, o);
   vmm_page_pool pages(sim, 0);
   kv_cache kv(pages, config(tiers.get()));
-  const auto p = prompt(16 * 6 + 1);
+  const auto p = token_run(16 * 6 + 1);
   auto a = kv.add_sequence(p);
   kv.free(a.id);
   sim.hold_events(true);  // the write-back copies stay in flight: the queue fills
@@ -188,7 +173,7 @@ TEST_F(KvCacheTiers, AFailedCopyOfATierHitIsComputedNotThrown) {
   auto tiers = host_tiers();
   vmm_page_pool pages(sim, 0);
   kv_cache kv(pages, config(tiers.get()));
-  const auto p = prompt(16 * 6 + 1);
+  const auto p = token_run(16 * 6 + 1);
   auto a = kv.add_sequence(p);
   fill(kv, a.id, 5);
   kv.free(a.id);
@@ -215,12 +200,12 @@ TEST_F(KvCacheTiers, APromptRefusedForCapacityAsksNoTier) {
   auto tiers = host_tiers();
   vmm_page_pool pages(sim, 0);
   kv_cache kv(pages, config(tiers.get(), /*max_blocks*/ 8));
-  const auto p = prompt(16 * 4 + 1);
+  const auto p = token_run(16 * 4 + 1);
   auto a = kv.add_sequence(p);
   kv.free(a.id);
   kv.evict(100);
   tiers->flush();
-  auto hold = kv.add_sequence(prompt(16 * 6, 500));  // 6 of 8 blocks held
+  auto hold = kv.add_sequence(token_run(16 * 6, 500));  // 6 of 8 blocks held
   const auto before = kv.stats().tier_lookups;
   EXPECT_THROW(kv.add_sequence(p), out_of_memory);  // needs 5
   EXPECT_EQ(kv.stats().tier_lookups, before);

@@ -18,6 +18,7 @@
 #include "gpumem/platform/sim_platform.hpp"
 #include "gpumem/pool/vmm/vmm_page_pool.hpp"
 #include "kv_tier/redis_server.hpp"
+#include "kv_tier/redis_test_support.hpp"
 
 namespace {
 
@@ -45,16 +46,6 @@ unsigned char pattern(std::size_t block, std::size_t byte) {
   return static_cast<unsigned char>((block * 131 + byte * 7 + 3) & 0xff);
 }
 
-redis_store_options options() {
-  redis_store_options o;
-  o.connect_timeout = 200ms;
-  o.command_timeout = 300ms;
-  o.backoff_min = 50ms;
-  o.backoff_max = 200ms;
-  o.report = [](const std::string&) {};
-  return o;
-}
-
 // One serving instance: its own sim device, page pool, tiers and cache.
 struct instance {
   sim_platform sim;
@@ -63,7 +54,7 @@ struct instance {
   std::unique_ptr<kv_cache> kv;
   explicit instance(const std::string& url, std::size_t max_blocks = 64) {
     std::vector<std::unique_ptr<kv_store>> stores;
-    stores.push_back(make_redis_store(url, options()));
+    stores.push_back(make_redis_store(url, fast_redis_options(300ms, drop_report)));
     tiers = std::make_unique<kv_tiers>(sim, 0, std::move(stores));
     kv_cache_config c;
     c.layout = layout();

@@ -12,6 +12,7 @@
 #include "gpumem/kv/tier/kv_record.hpp"
 #include "gpumem/kv/tier/redis_store.hpp"
 #include "kv_tier/redis_server.hpp"
+#include "kv_tier/redis_test_support.hpp"
 #include "kv_tier/tier_test_support.hpp"
 
 namespace {
@@ -20,85 +21,15 @@ using namespace gpumem;
 using namespace gpumem_test;
 using namespace std::chrono_literals;
 
-struct reports {
-  std::mutex m;
-  std::vector<std::string> lines;
-  std::size_t count(const std::string& part) {
-    std::lock_guard l(m);
-    std::size_t n = 0;
-    for (auto& s : lines) n += s.find(part) != std::string::npos;
-    return n;
-  }
-};
-
-redis_store_options fast_options(reports* r = nullptr) {
-  redis_store_options o;
-  o.connect_timeout = 200ms;
-  o.command_timeout = 300ms;
-  o.backoff_min = 50ms;
-  o.backoff_max = 200ms;
-  if (r != nullptr)
-    o.report = [r](const std::string& line) {
-      std::lock_guard l(r->m);
-      r->lines.push_back(line);
-    };
-  return o;
-}
-
 constexpr std::size_t payload = 64 * 1024;
 const std::size_t record_bytes = kv_record::size(16, payload);
-
-// Puts records for hashes [first, first + n); returns how many were stored.
-std::size_t put_range(kv_store& s, std::uint64_t first, std::size_t n, std::uint64_t salt = 0) {
-  std::vector<kv_block_key> keys;
-  std::vector<std::vector<std::byte>> recs;
-  for (std::size_t i = 0; i < n; ++i) {
-    keys.push_back(key(first + i, salt));
-    recs.push_back(make_record(keys.back(), payload, 0, 16, static_cast<unsigned>(first + i)));
-  }
-  std::vector<std::span<const std::byte>> vals(recs.begin(), recs.end());
-  std::unique_ptr<bool[]> ok(new bool[n]);
-  s.put(keys, vals, {ok.get(), n});
-  std::size_t stored = 0;
-  for (std::size_t i = 0; i < n; ++i) stored += ok[i];
-  return stored;
-}
-
-// Gets hashes [first, first + n): statuses, and checks hit bytes are the put ones.
-std::vector<kv_get_status> get_range(kv_store& s, std::uint64_t first, std::size_t n,
-                                     std::uint64_t salt = 0) {
-  std::vector<kv_block_key> keys;
-  std::vector<std::vector<std::byte>> bufs(n, std::vector<std::byte>(record_bytes));
-  for (std::size_t i = 0; i < n; ++i) keys.push_back(key(first + i, salt));
-  std::vector<std::span<std::byte>> dst(bufs.begin(), bufs.end());
-  std::vector<kv_get_status> st(n, kv_get_status::miss);
-  s.get(keys, dst, st);
-  for (std::size_t i = 0; i < n; ++i) {
-    if (st[i] == kv_get_status::hit) {
-      EXPECT_EQ(bufs[i], make_record(keys[i], payload, 0, 16, static_cast<unsigned>(first + i)));
-    }
-  }
-  return st;
-}
-
-std::size_t hits(const std::vector<kv_get_status>& st) {
-  return static_cast<std::size_t>(std::count(st.begin(), st.end(), kv_get_status::hit));
-}
-
-std::string key_name(const kv_block_key& k) {
-  char buf[80];
-  std::snprintf(buf, sizeof buf, "gpumem:kv:%016llx:%016llx:%016llx",
-                static_cast<unsigned long long>(k.space), static_cast<unsigned long long>(k.salt),
-                static_cast<unsigned long long>(k.hash));
-  return buf;
-}
 
 TEST(RedisStore, PutGetContainsInOnePipelinedBatch) {
   GPUMEM_REQUIRE_REDIS();
   redis_server server;
-  auto s = make_redis_store(server.url(), fast_options());
-  EXPECT_EQ(put_range(*s, 1, 20), 20u);
-  auto st = get_range(*s, 1, 25);
+  auto s = make_redis_store(server.url(), fast_redis_options(300ms));
+  EXPECT_EQ(put_records(*s, payload, 1, 20), 20u);
+  auto st = get_records(*s, payload, 1, 25);
   EXPECT_EQ(hits(st), 20u);
   for (std::size_t i = 20; i < 25; ++i) EXPECT_EQ(st[i], kv_get_status::miss);
   const kv_block_key ask[] = {key(1), key(99)};
@@ -117,15 +48,15 @@ TEST(RedisStore, PutGetContainsInOnePipelinedBatch) {
 TEST(RedisStore, ACorruptOrTruncatedValueIsAMissCounted) {
   GPUMEM_REQUIRE_REDIS();
   redis_server server;
-  auto s = make_redis_store(server.url(), fast_options());
-  ASSERT_EQ(put_range(*s, 1, 3), 3u);
+  auto s = make_redis_store(server.url(), fast_redis_options(300ms));
+  ASSERT_EQ(put_records(*s, payload, 1, 3), 3u);
   // Flip one payload byte of key 1 in place; cut key 2 short.
-  server.cli({"SETRANGE", key_name(key(1)), std::to_string(record_bytes - 100), "Z"});
+  server.cli({"SETRANGE", redis_key_name(key(1)), std::to_string(record_bytes - 100), "Z"});
   server.cli({"EVAL",
               R"(redis.call("SET", KEYS[1], string.sub(redis.call("GET", KEYS[1]), 1, 1000)))", "1",
-              key_name(key(2))});
-  ASSERT_EQ(server.cli({"STRLEN", key_name(key(2))}), "1000\n");
-  const auto st = get_range(*s, 1, 3);
+              redis_key_name(key(2))});
+  ASSERT_EQ(server.cli({"STRLEN", redis_key_name(key(2))}), "1000\n");
+  const auto st = get_records(*s, payload, 1, 3);
   EXPECT_EQ(st[0], kv_get_status::corrupt);
   EXPECT_EQ(st[1], kv_get_status::corrupt);
   EXPECT_EQ(st[2], kv_get_status::hit);
@@ -135,88 +66,88 @@ TEST(RedisStore, ACorruptOrTruncatedValueIsAMissCounted) {
 TEST(RedisStore, TenantsAreApartBecauseTheSaltIsInTheKey) {
   GPUMEM_REQUIRE_REDIS();
   redis_server server;
-  auto s = make_redis_store(server.url(), fast_options());
-  ASSERT_EQ(put_range(*s, 1, 4, /*salt*/ 1), 4u);
-  EXPECT_EQ(hits(get_range(*s, 1, 4, /*salt*/ 2)), 0u);
-  EXPECT_EQ(hits(get_range(*s, 1, 4, /*salt*/ 1)), 4u);
+  auto s = make_redis_store(server.url(), fast_redis_options(300ms));
+  ASSERT_EQ(put_records(*s, payload, 1, 4, /*salt*/ 1), 4u);
+  EXPECT_EQ(hits(get_records(*s, payload, 1, 4, /*salt*/ 2)), 0u);
+  EXPECT_EQ(hits(get_records(*s, payload, 1, 4, /*salt*/ 1)), 4u);
 }
 
 TEST(RedisStore, ServerDownAtStartIsMissesThenItConnectsWhenItComes) {
   GPUMEM_REQUIRE_REDIS();
-  reports r;
+  report_lines r;
   const int port = free_loopback_port();
-  auto s = make_redis_store("redis://127.0.0.1:" + std::to_string(port), fast_options(&r));
+  auto s = make_redis_store("redis://127.0.0.1:" + std::to_string(port), fast_redis_options(300ms, r.sink()));
   const auto t0 = std::chrono::steady_clock::now();
-  EXPECT_EQ(put_range(*s, 1, 4), 0u);
-  EXPECT_EQ(hits(get_range(*s, 1, 4)), 0u);
-  for (int i = 0; i < 20; ++i) (void)get_range(*s, 1, 4);  // within the backoff: at once
+  EXPECT_EQ(put_records(*s, payload, 1, 4), 0u);
+  EXPECT_EQ(hits(get_records(*s, payload, 1, 4)), 0u);
+  for (int i = 0; i < 20; ++i) (void)get_records(*s, payload, 1, 4);  // within the backoff: at once
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);
   EXPECT_GE(s->stats().errors, 1u);
   EXPECT_EQ(r.count("retrying with backoff"), 1u) << "an outage is reported once";
   redis_server server({}, port);
   std::this_thread::sleep_for(250ms);  // past the longest backoff
-  EXPECT_EQ(put_range(*s, 1, 4), 4u);
-  EXPECT_EQ(hits(get_range(*s, 1, 4)), 4u);
+  EXPECT_EQ(put_records(*s, payload, 1, 4), 4u);
+  EXPECT_EQ(hits(get_records(*s, payload, 1, 4)), 4u);
   EXPECT_EQ(r.count("back after"), 1u);
 }
 
 TEST(RedisStore, KilledMidRunThenRestartedReconnects) {
   GPUMEM_REQUIRE_REDIS();
-  reports r;
+  report_lines r;
   redis_server server;
-  auto s = make_redis_store(server.url(), fast_options(&r));
-  ASSERT_EQ(put_range(*s, 1, 8), 8u);
+  auto s = make_redis_store(server.url(), fast_redis_options(300ms, r.sink()));
+  ASSERT_EQ(put_records(*s, payload, 1, 8), 8u);
   server.stop(/*kill_hard*/ true);
   std::vector<kv_get_status> st;
-  EXPECT_NO_THROW(st = get_range(*s, 1, 8));
+  EXPECT_NO_THROW(st = get_records(*s, payload, 1, 8));
   EXPECT_EQ(hits(st), 0u);
-  EXPECT_EQ(put_range(*s, 100, 2), 0u);
+  EXPECT_EQ(put_records(*s, payload, 100, 2), 0u);
   EXPECT_EQ(r.count("retrying with backoff"), 1u);
   server.start();  // an empty server on the same port
   std::this_thread::sleep_for(250ms);
-  EXPECT_EQ(put_range(*s, 1, 8), 8u);
-  EXPECT_EQ(hits(get_range(*s, 1, 8)), 8u);
+  EXPECT_EQ(put_records(*s, payload, 1, 8), 8u);
+  EXPECT_EQ(hits(get_records(*s, payload, 1, 8)), 8u);
   EXPECT_GE(s->stats().reconnects, 1u);
   EXPECT_EQ(r.count("back after"), 1u);
 }
 
 TEST(RedisStore, ASlowServerTimesOutIntoMissesNotAStall) {
   GPUMEM_REQUIRE_REDIS();
-  reports r;
+  report_lines r;
   redis_server server;
-  auto s = make_redis_store(server.url(), fast_options(&r));
-  ASSERT_EQ(put_range(*s, 1, 4), 4u);
+  auto s = make_redis_store(server.url(), fast_redis_options(300ms, r.sink()));
+  ASSERT_EQ(put_records(*s, payload, 1, 4), 4u);
   server.cli_async({"DEBUG", "SLEEP", "1.5"});
   std::this_thread::sleep_for(100ms);
   const auto t0 = std::chrono::steady_clock::now();
-  const auto st = get_range(*s, 1, 4);
+  const auto st = get_records(*s, payload, 1, 4);
   const auto took = std::chrono::steady_clock::now() - t0;
   EXPECT_EQ(hits(st), 0u);
   EXPECT_LT(took, 1s) << "bounded by the command timeout (300 ms), not the server's sleep";
   EXPECT_NE(s->stats().last_error.find("timed out"), std::string::npos) << s->stats().last_error;
   server.wait_background();
   std::this_thread::sleep_for(250ms);
-  EXPECT_EQ(hits(get_range(*s, 1, 4)), 4u) << "reconnected once the server answers again";
+  EXPECT_EQ(hits(get_records(*s, payload, 1, 4)), 4u) << "reconnected once the server answers again";
 }
 
 TEST(RedisStore, AFullServerRefusesPutsReportedOnceAndEvictsUnderLru) {
   GPUMEM_REQUIRE_REDIS();
   {
-    reports r;
+    report_lines r;
     redis_server server({"--maxmemory", "2mb", "--maxmemory-policy", "noeviction"});
-    auto s = make_redis_store(server.url(), fast_options(&r));
-    const std::size_t stored = put_range(*s, 1, 64);  // 4 MiB into 2 MiB
+    auto s = make_redis_store(server.url(), fast_redis_options(300ms, r.sink()));
+    const std::size_t stored = put_records(*s, payload, 1, 64);  // 4 MiB into 2 MiB
     EXPECT_GT(stored, 0u);
     EXPECT_LT(stored, 64u);
     EXPECT_EQ(s->stats().put_failures, 64u - stored);
     EXPECT_EQ(r.count("OOM"), 1u) << "each kind of error reply is reported once";
-    EXPECT_EQ(hits(get_range(*s, 1, 64)), stored) << "what was stored is still served";
+    EXPECT_EQ(hits(get_records(*s, payload, 1, 64)), stored) << "what was stored is still served";
   }
   {
     redis_server server({"--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru"});
-    auto s = make_redis_store(server.url(), fast_options());
-    EXPECT_EQ(put_range(*s, 1, 64), 64u);
-    const std::size_t found = hits(get_range(*s, 1, 64));
+    auto s = make_redis_store(server.url(), fast_redis_options(300ms));
+    EXPECT_EQ(put_records(*s, payload, 1, 64), 64u);
+    const std::size_t found = hits(get_records(*s, payload, 1, 64));
     EXPECT_LT(found, 64u) << "older blocks were evicted: misses, not errors";
     EXPECT_EQ(s->stats().corrupt, 0u);
   }

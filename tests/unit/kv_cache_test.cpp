@@ -14,29 +14,13 @@
 #include "gpumem/kv.hpp"
 #include "gpumem/pool/pinned_host_pool.hpp"
 #include "gpumem/pool/vmm/vmm_page_pool.hpp"
+#include "unit/kv_test_support.hpp"
 #include "unit/pool_test_support.hpp"
 
 namespace {
 
 using namespace gpumem;
 using namespace gpumem_test;
-
-// 2 layers x 2 heads x 64 dims, bf16, 16 tokens: 16 KiB blocks, 128 to a 2 MiB page.
-kv_layout small_layout() {
-  kv_layout l;
-  l.layers = 2;
-  l.kv_heads = 2;
-  l.head_dim = 64;
-  l.dtype = kv_dtype::bf16;
-  l.block_tokens = 16;
-  return l;
-}
-
-std::vector<token_id> tokens(std::size_t n, token_id first = 1) {
-  std::vector<token_id> t(n);
-  std::iota(t.begin(), t.end(), first);
-  return t;
-}
 
 // The 4 bytes of layer 0's key slot for token `pos` of a sequence: where the tests write
 // each token's id so that copies and swaps can be checked.
@@ -81,7 +65,7 @@ TEST(KvLayout, StridesFollowTheDocumentedFormula) {
 }
 
 TEST(PrefixHash, ChainsParentSaltAndEveryToken) {
-  auto t = tokens(16);
+  auto t = token_run(16);
   const auto h = prefix_block_hash(0, 0, t);
   EXPECT_EQ(h, prefix_block_hash(0, 0, t));
   EXPECT_NE(h, prefix_block_hash(1, 0, t));
@@ -166,15 +150,15 @@ TEST_F(KvCache, ReturnPagesRefusesHandlesNotLent) {
 TEST_F(KvCache, AppendAllocatesBlocksAsTheyFill) {
   vmm_page_pool pool(sim);
   kv_cache kv(pool, config());
-  auto a = kv.add_sequence(tokens(20));
+  auto a = kv.add_sequence(token_run(20));
   EXPECT_EQ(a.cached_tokens, 0u);
   EXPECT_EQ(kv.block_table(a.id).size(), 2u);
   EXPECT_EQ(kv.sequence_tokens(a.id), 20u);
   EXPECT_EQ(kv.blocks_needed(a.id, 12), 0u);
   EXPECT_EQ(kv.blocks_needed(a.id, 13), 1u);
-  kv.append(a.id, tokens(12, 100));
+  kv.append(a.id, token_run(12, 100));
   EXPECT_EQ(kv.block_table(a.id).size(), 2u);
-  kv.append(a.id, tokens(1, 200));
+  kv.append(a.id, token_run(1, 200));
   EXPECT_EQ(kv.block_table(a.id).size(), 3u);
   const auto st = kv.stats();
   EXPECT_EQ(st.used_blocks, 3u);
@@ -189,14 +173,14 @@ TEST_F(KvCache, AppendAllocatesBlocksAsTheyFill) {
 TEST_F(KvCache, ForkSharesBlocksAndCopiesOnWriteWithTheBytes) {
   vmm_page_pool pool(sim);
   kv_cache kv(pool, config());
-  auto a = kv.add_sequence(tokens(20));
+  auto a = kv.add_sequence(token_run(20));
   auto table = kv.block_table(a.id);
   for (std::size_t i = 0; i < 20; ++i) *slot(kv, table, i) = static_cast<token_id>(1000 + i);
   const auto b = kv.fork(a.id);
   EXPECT_EQ(kv.block_table(b), table);
   EXPECT_EQ(kv.stats().used_blocks, 2u);
   // The shared full block is not copied; the shared partial one is, bytes and all.
-  kv.append(b, tokens(1, 77));
+  kv.append(b, token_run(1, 77));
   auto tb = kv.block_table(b);
   EXPECT_EQ(tb[0], table[0]);
   EXPECT_NE(tb[1], table[1]);
@@ -204,7 +188,7 @@ TEST_F(KvCache, ForkSharesBlocksAndCopiesOnWriteWithTheBytes) {
   for (std::size_t i = 0; i < 20; ++i) EXPECT_EQ(*slot(kv, tb, i), static_cast<token_id>(1000 + i));
   *slot(kv, tb, 20) = 77;
   // The original can now write in place: its last block is its own again.
-  kv.append(a.id, tokens(1, 88));
+  kv.append(a.id, token_run(1, 88));
   EXPECT_EQ(kv.block_table(a.id), table);
   EXPECT_EQ(kv.stats().cow_copies, 1u);
   *slot(kv, table, 20) = 88;
@@ -219,7 +203,7 @@ TEST_F(KvCache, ForkSharesBlocksAndCopiesOnWriteWithTheBytes) {
 TEST_F(KvCache, PrefixCachingReusesFullBlocksOfAMatchingPrompt) {
   vmm_page_pool pool(sim);
   kv_cache kv(pool, config());
-  auto system = tokens(32, 5000);  // two full blocks of shared system prompt
+  auto system = token_run(32, 5000);  // two full blocks of shared system prompt
   auto p1 = system;
   p1.push_back(1);
   auto a = kv.add_sequence(p1);
@@ -253,15 +237,15 @@ TEST_F(KvCache, PrefixCachingReusesFullBlocksOfAMatchingPrompt) {
 TEST_F(KvCache, EvictsLeastRecentlyUsedCachedBlocksWhenFull) {
   vmm_page_pool pool(sim);
   kv_cache kv(pool, config(/*max_blocks=*/4));
-  auto old_prompt = tokens(33, 100);  // 2 full blocks + 1 token
-  auto recent_prompt = tokens(17, 900);
+  auto old_prompt = token_run(33, 100);  // 2 full blocks + 1 token
+  auto recent_prompt = token_run(17, 900);
   auto a = kv.add_sequence(old_prompt);
   kv.free(a.id);
   auto b = kv.add_sequence(recent_prompt);
   kv.free(b.id);
   EXPECT_EQ(kv.stats().cached_blocks, 3u);  // the partial blocks were freed outright
   // Three new blocks: one free, two evicted — the oldest, first freed last-block-first.
-  auto c = kv.add_sequence(tokens(48, 5));
+  auto c = kv.add_sequence(token_run(48, 5));
   EXPECT_EQ(kv.stats().evictions, 2u);
   kv.free(c.id);
   // The recent prompt's block survived; the old prompt's did not.
@@ -279,17 +263,17 @@ TEST_F(KvCache, SwapOutAndInKeepsTheBytes) {
   auto c = config();
   c.stream = s;
   kv_cache kv(pool, c, &host);
-  auto a = kv.add_sequence(tokens(40));
+  auto a = kv.add_sequence(token_run(40));
   auto table = kv.block_table(a.id);
   for (std::size_t i = 0; i < 40; ++i) *slot(kv, table, i) = static_cast<token_id>(i * 7 + 3);
   kv.swap_out(a.id);
   EXPECT_TRUE(kv.is_swapped(a.id));
   EXPECT_EQ(kv.block_table(a.id),
             std::vector<kv_cache::block_id>(3, kv_cache::not_resident));
-  EXPECT_THROW(kv.append(a.id, tokens(1)), gpumem::invalid_argument);
+  EXPECT_THROW(kv.append(a.id, token_run(1)), gpumem::invalid_argument);
   EXPECT_THROW(kv.fork(a.id), gpumem::invalid_argument);
   // Someone else takes and overwrites the blocks meanwhile.
-  auto b = kv.add_sequence(tokens(48, 1));
+  auto b = kv.add_sequence(token_run(48, 1));
   auto tb = kv.block_table(b.id);
   for (std::size_t i = 0; i < 48; ++i) *slot(kv, tb, i) = -1;
   kv.swap_in(a.id);
@@ -298,7 +282,7 @@ TEST_F(KvCache, SwapOutAndInKeepsTheBytes) {
   EXPECT_EQ(back.size(), 3u);
   for (std::size_t i = 0; i < 40; ++i)
     ASSERT_EQ(*slot(kv, back, i), static_cast<token_id>(i * 7 + 3)) << "token " << i;
-  kv.append(a.id, tokens(1));
+  kv.append(a.id, token_run(1));
   const auto st = kv.stats();
   EXPECT_EQ(st.swaps_out, 1u);
   EXPECT_EQ(st.swaps_in, 1u);
@@ -314,7 +298,7 @@ TEST_F(KvCache, SwapLeavesSharedBlocksResident) {
   vmm_page_pool pool(sim);
   pinned_host_pool host(sim);
   kv_cache kv(pool, config(), &host);
-  auto system = tokens(32, 500);
+  auto system = token_run(32, 500);
   auto p1 = system, p2 = system;
   p1.insert(p1.end(), {1, 2, 3});
   p2.insert(p2.end(), {4, 5});
@@ -349,13 +333,13 @@ TEST_F(KvCache, ScrubZeroesBlocksBeforeTheNextOwner) {
   c.scrub = true;
   c.prefix_caching = false;
   kv_cache kv(pool, c);
-  auto a = kv.add_sequence(tokens(32));
+  auto a = kv.add_sequence(token_run(32));
   const auto ta = kv.block_table(a.id);
   fill(kv.block_address(ta[0]), 16 * KiB, 0xa5);
   fill(kv.block_address(ta[1]), 16 * KiB, 0x5a);
   kv.free(a.id);
   EXPECT_EQ(kv.stats().blocks_scrubbed, 2u);
-  auto b = kv.add_sequence(tokens(32, 900));
+  auto b = kv.add_sequence(token_run(32, 900));
   for (auto blk : kv.block_table(b.id)) EXPECT_TRUE(holds(kv.block_address(blk), 16 * KiB, 0));
   // The memset fails once: the block waits, and is zeroed before the next operation.
   fill(kv.block_address(kv.block_table(b.id)[1]), 16 * KiB, 0x77);
@@ -367,7 +351,7 @@ TEST_F(KvCache, ScrubZeroesBlocksBeforeTheNextOwner) {
   sim.clear_faults();
   EXPECT_EQ(kv.stats().free_blocks, 1u);  // one zeroed, one waiting
   EXPECT_EQ(kv.validate(), "");
-  auto d = kv.add_sequence(tokens(32, 5));
+  auto d = kv.add_sequence(token_run(32, 5));
   for (auto blk : kv.block_table(d.id)) EXPECT_TRUE(holds(kv.block_address(blk), 16 * KiB, 0));
   EXPECT_EQ(kv.validate(), "");
   kv.free(d.id);
@@ -378,7 +362,7 @@ TEST_F(KvCache, RefusalsAreTypedAndLeaveTheCacheIntact) {
   auto c = config(/*max_blocks=*/3);
   c.max_sequence_tokens = 40;
   kv_cache kv(pool, c);
-  auto a = kv.add_sequence(tokens(20));
+  auto a = kv.add_sequence(token_run(20));
   auto before = kv.stats();
   auto table = kv.block_table(a.id);
   auto same = [&] {
@@ -389,21 +373,21 @@ TEST_F(KvCache, RefusalsAreTypedAndLeaveTheCacheIntact) {
     EXPECT_EQ(kv.block_table(a.id), table);
     EXPECT_EQ(kv.validate(), "");
   };
-  EXPECT_THROW(kv.append(999, tokens(1)), gpumem::invalid_argument);
+  EXPECT_THROW(kv.append(999, token_run(1)), gpumem::invalid_argument);
   try {
-    kv.append(a.id, tokens(21));
+    kv.append(a.id, token_run(21));
     ADD_FAILURE() << "append past max_sequence_tokens accepted";
   } catch (const gpumem::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("max_sequence_tokens"), std::string::npos);
   }
   same();
-  EXPECT_THROW(kv.add_sequence(tokens(41)), gpumem::invalid_argument);
+  EXPECT_THROW(kv.add_sequence(token_run(41)), gpumem::invalid_argument);
   EXPECT_THROW(kv.swap_out(a.id), gpumem::invalid_argument);  // no host pool
   // Two more blocks needed, one left: refused with a report, nothing taken.
-  auto b = kv.add_sequence(tokens(10, 50));
+  auto b = kv.add_sequence(token_run(10, 50));
   before = kv.stats();
   try {
-    kv.append(b.id, tokens(20));
+    kv.append(b.id, token_run(20));
     ADD_FAILURE() << "append beyond the blocks accepted";
   } catch (const gpumem::out_of_memory& e) {
     EXPECT_NE(std::string(e.what()).find("KV cache out of blocks"), std::string::npos) << e.what();
@@ -427,7 +411,7 @@ TEST_F(KvCache, ElasticCapacityGivesPagesBackAndTakesThemAgain) {
   vmm_page_pool pool(sim);
   kv_cache kv(pool, config());
   std::vector<kv_cache::sequence_id> seqs;
-  for (int i = 0; i < 40; ++i) seqs.push_back(kv.add_sequence(tokens(100, i * 1000)).id);
+  for (int i = 0; i < 40; ++i) seqs.push_back(kv.add_sequence(token_run(100, i * 1000)).id);
   const auto peak = kv.stats().mapped_bytes;
   EXPECT_GE(peak, 4 * MiB);  // 280 blocks of 16 KiB: three pages
   for (auto id : seqs) kv.free(id);
@@ -435,7 +419,7 @@ TEST_F(KvCache, ElasticCapacityGivesPagesBackAndTakesThemAgain) {
   EXPECT_EQ(kv.stats().mapped_bytes, 0u);
   EXPECT_EQ(pool.page_counts().lent_pages, 0u);
   const auto created = pool.page_counts().pages_created;
-  for (int i = 0; i < 40; ++i) kv.free(kv.add_sequence(tokens(100, i)).id);
+  for (int i = 0; i < 40; ++i) kv.free(kv.add_sequence(token_run(100, i)).id);
   EXPECT_EQ(pool.page_counts().pages_created, created);  // the same pages came back
   EXPECT_EQ(kv.validate(), "");
   EXPECT_EQ(pool.validate(), "");
@@ -453,7 +437,7 @@ TEST_F(KvCache, ReferenceModelFuzz) {
   kv_cache kv(pool, c, &host);
   std::mt19937_64 rng(2026);
   std::map<kv_cache::sequence_id, std::vector<token_id>> model;
-  std::vector<std::vector<token_id>> prefixes{tokens(48, 10000), tokens(32, 20000), tokens(16, 30000)};
+  std::vector<std::vector<token_id>> prefixes{token_run(48, 10000), token_run(32, 20000), token_run(16, 30000)};
   auto write_tail = [&](kv_cache::sequence_id id, std::size_t from) {
     auto table = kv.block_table(id);
     auto& t = model[id];
