@@ -296,34 +296,6 @@ block* block_arena::allocate(std::size_t size, std::size_t alignment, std::uintp
   return take(b, size, alignment, stream, requested);
 }
 
-block* block_arena::allocate_at(std::uintptr_t at, std::size_t size, std::uintptr_t stream,
-                                std::size_t requested) {
-  size = round(size);
-  const size_bins* bins = bins_for(stream, false);
-  if (bins == nullptr || at % unit_ != 0) return nullptr;
-  block* b = nullptr;
-  bins->for_each([&](block* c) {
-    if (c->addr <= at && at + size <= c->addr + c->size && serves(*c, size)) b = c;
-  });
-  if (b == nullptr) return nullptr;
-  erase_free(b);
-  if (at > b->addr) {
-    // The front stays free, as its own block.
-    block* front = cut_before(b, at - b->addr);
-    front->stream = b->stream;
-    front->free_epoch = b->free_epoch;
-    insert_free(front);
-  }
-  if (b->size - size >= unit_) insert_free(cut_after(b, b->addr + size));
-  b->st = block::state::allocated;
-  b->stream = stream;
-  b->requested = requested;
-  ++allocated_blocks_;
-  allocated_bytes_ += b->size;
-  requested_bytes_ += requested;
-  return b;
-}
-
 block* block_arena::allocate_from_other_streams(std::size_t size, std::size_t alignment,
                                                 std::uintptr_t stream, std::size_t requested,
                                                 const std::function<bool(const block&)>& usable) {

@@ -257,10 +257,8 @@ void* pool_base::allocate_locked(std::size_t bytes, std::size_t alignment, strea
     }
   }
   detail::block_arena& a = *arenas_[id];
-  detail::block* b = id != small_arena ? allocate_placed(id, size, alignment, stream, bytes) : nullptr;
-  if (b == nullptr) b = a.allocate(size, alignment, stream.value, bytes, split_limit(size));
+  detail::block* b = a.allocate(size, alignment, stream.value, bytes, split_limit(size));
   if (b == nullptr) b = allocate_slow(id, size, alignment, stream, bytes);
-  if (id != small_arena) note_placed(*b, size, stream);
   if (hints_ != nullptr && b->arena_id != small_arena) hints_->on_placed(hint, b);
   // Its owner holding the pool mutex: no other thread can touch `mine` (thread_cache.hpp).
   mine.live.insert_new(b->addr, {b, bytes});

@@ -214,17 +214,6 @@ class pool_base : public memory_resource {
   // undoing partial work.
   virtual bool grow(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
                     std::size_t alignment, stream_handle stream, growth kind) = 0;
-  // A large request's block where the subclass places it before the arena's best fit
-  // (vmm_page_pool: where the request made in the same context went before), or nullptr;
-  // and every large request's block once placed, to learn from. REQUIRES: mutex_ held.
-  virtual detail::block* allocate_placed(std::uint32_t arena_id, std::size_t size, std::size_t alignment,
-                                         stream_handle stream, std::size_t requested) {
-    (void)arena_id, (void)size, (void)alignment, (void)stream, (void)requested;
-    return nullptr;
-  }
-  virtual void note_placed(const detail::block& b, std::size_t size, stream_handle stream) {
-    (void)b, (void)size, (void)stream;
-  }
   // Gives back what can be given; returns bytes released. REQUIRES: mutex_ held.
   virtual std::size_t release_cached() = 0;
   // Subclass-specific lines for the report (segments, pages...). REQUIRES: mutex_ held.
