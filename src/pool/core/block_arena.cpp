@@ -296,16 +296,6 @@ block* block_arena::allocate(std::size_t size, std::size_t alignment, std::uintp
   return take(b, size, alignment, stream, requested);
 }
 
-block* block_arena::free_block_holding(std::uintptr_t at, std::size_t size, std::uintptr_t stream) {
-  const size_bins* bins = bins_for(stream, false);
-  block* b = nullptr;
-  if (bins != nullptr)
-    bins->for_each([&](block* c) {
-      if (c->addr <= at && at + size <= c->addr + c->size) b = c;
-    });
-  return b;
-}
-
 block* block_arena::allocate_from_other_streams(std::size_t size, std::size_t alignment,
                                                 std::uintptr_t stream, std::size_t requested,
                                                 const std::function<bool(const block&)>& usable) {

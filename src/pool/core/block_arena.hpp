@@ -195,9 +195,6 @@ class block_arena {
   bool serves(const block& b, std::size_t need) const noexcept {
     return b.segment != restricted_segment_ || need >= restricted_min_;
   }
-  // The free (merged) block of `stream` that holds [at, at + size), or nullptr. Quick-list
-  // blocks are not looked at: flush() first.
-  block* free_block_holding(std::uintptr_t at, std::size_t size, std::uintptr_t stream);
   // Best fit among free blocks of another stream that `usable` accepts (each other stream's
   // best fit is asked; work per stream with free blocks, not per block); the block is
   // re-tagged to `stream`. nullptr when none.

@@ -183,10 +183,7 @@ std::size_t pool_base::block_bytes_locked() const {
 
 void pool_base::release_to_arena_locked(detail::block* b, std::uintptr_t stream) {
   auto& s = stream_state_of(stream);
-  const std::uint32_t arena_id = b->arena_id;
-  const std::uintptr_t addr = b->addr;
-  arenas_[arena_id]->release(b, stream, ++s.frees);
-  if (arena_id != small_arena) note_large_free(arena_id, addr, stream, s.frees);
+  arenas_[b->arena_id]->release(b, stream, ++s.frees);
 }
 
 void pool_base::drain_thread_caches(bool keep_small) {

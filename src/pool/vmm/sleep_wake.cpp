@@ -74,7 +74,6 @@ void vmm_page_pool::sleep(sleep_mode mode, stream_handle stream) {
   std::lock_guard lock(mutex_);
   platform& p = device_platform();
   retire_completed(true);  // no old mapping of a remapped page is left
-  drop_kept_runs(true);    // nor a kept one: a sleeping handle is released
   if (sleep_ == nullptr) sleep_ = std::make_unique<detail::vmm_sleep_state>();
   auto& st = *sleep_;
   if (!resuming) {

@@ -71,7 +71,6 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
   auto va_fits = [&] {
     return std::any_of(va_free_.begin(), va_free_.end(), [&](const auto& r) { return r.second >= pages; });
   };
-  if (!va_fits() && !kept_runs_.empty()) drop_kept_runs(true);  // address space before mappings kept
   if (!va_fits() && worker_ != nullptr && worker_->busy()) {
     worker_->drain();  // old mappings on their way out hold address space
     collect_worker();
@@ -83,9 +82,6 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
   const growth_request g{arena, arena_id, size, pad, pages, stream,
                          split_limit(size) == static_cast<std::size_t>(-1),
                          options_.huge_growth_bytes != 0 && size >= options_.huge_growth_bytes};
-  growth_homes_.clear();
-  // Pages that a kept mapping can take back with no driver call, before anything else.
-  if (take_back_kept_run(g)) return true;
   bool retiring_after_run = false;  // a half run's next page still retiring (map worker)
   extension ext = find_extension(g, retiring_after_run);
   if (ext.first_page == no_page && retiring_after_run && worker_ != nullptr) {
@@ -119,11 +115,7 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
   std::size_t covered = 0;
   if (!choose_chunks(wanted, stream.value, first_new, chosen, covered)) return false;
   bool run_extends = false;
-  std::size_t first = place_run(g, ext, covered, run_extends);
-  if (first == no_page && !kept_runs_.empty()) {
-    drop_kept_runs(false);  // their address space back
-    first = place_run(g, ext, covered, run_extends);
-  }
+  const std::size_t first = place_run(g, ext, covered, run_extends);
   if (first == no_page) {
     spare_.insert(spare_.end(), chosen.begin(), chosen.end());
     release_new_chunks(first_new);
@@ -146,9 +138,6 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
     segment = detail::whole_chunk_segment;
   arena.add_region(page_address(first), covered * page_, segment, stream.value);
   notify(pool_event_kind::segment_map, page_address(first), covered * page_);
-  if (!run_extends) note_gathered(first, covered, std::move(growth_homes_));
-  growth_homes_.clear();
-  trim_kept_runs();
   return true;
 }
 
@@ -195,11 +184,7 @@ bool vmm_page_pool::choose_chunks(std::size_t wanted, std::uintptr_t stream, std
       worker_->drain();
       collect_worker();
     }
-    if (!big.lent && big.retiring == 0 && big.waiting == 0 && big.kept != 0) {
-      const std::uint32_t id = *over;
-      drop_kept_runs(false, {&id, 1});
-    }
-    if (!big.lent && big.retiring == 0 && big.waiting == 0 && big.kept == 0 &&
+    if (!big.lent && big.retiring == 0 && big.waiting == 0 &&
         device_platform().release_physical(big.handle)) {
       big.live = false;
       sub_reserved(big.pages * page_);

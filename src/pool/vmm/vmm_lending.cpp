@@ -1,8 +1,6 @@
 // vmm_page_pool: one-page physical handles lent to another mapper (the KV cache) and taken back.
 #include "gpumem/pool/vmm/vmm_page_pool.hpp"
 
-#include <vector>
-
 #include "gpumem/errors.hpp"
 #include "pool/vmm/vmm_worker.hpp"
 
@@ -35,16 +33,9 @@ std::vector<physical_handle> vmm_page_pool::lend_pages(std::size_t pages) {
       throw out_of_memory(memory_report(pages * page_));
     }
   }
-  // A lent page is the borrower's alone: its kept mappings here go first.
-  if (!kept_runs_.empty()) {
-    std::vector<std::uint32_t> ids;
-    for (std::uint32_t id : spare_)
-      if (ids.size() < pages && chunks_[id].pages == 1 && chunks_[id].retiring == 0) ids.push_back(id);
-    drop_kept_runs(true, ids);
-  }
   for (auto it = spare_.begin(); it != spare_.end() && out.size() < pages;) {
     chunk& c = chunks_[*it];
-    if (c.pages != 1 || c.retiring != 0 || c.kept != 0) {
+    if (c.pages != 1 || c.retiring != 0) {
       ++it;
       continue;
     }

@@ -128,14 +128,6 @@ vmm_page_pool::~vmm_page_pool() {
       at += pages;
     }
   }
-  for (auto& [first, r] : kept_runs_) {
-    (void)p.stream_synchronize(stream_handle{r.stream});
-    std::size_t at = first;
-    for (std::uint32_t id : r.chunks) {
-      (void)p.unmap(page_address(at), chunks_[id].pages * page_);
-      at += chunks_[id].pages;
-    }
-  }
   for (auto& c : chunks_) {
     if (!c.live) continue;
     if (c.mapped_at != no_page) (void)p.unmap(page_address(c.mapped_at), c.pages * page_);
@@ -153,8 +145,6 @@ vmm_page_counts vmm_page_pool::page_counts() const {
   c.lifetime_hints_active = lifetime_hints_active_locked();
   c.long_lived_bytes_handed_over = long_lived_bytes_handed_over_locked();
   c.spare_pages = spare_pages();
-  c.kept_runs = kept_runs_.size();
-  c.kept_run_pages = kept_run_pages_;
   c.mapped_pages = 0;
   c.handles = 0;
   for (auto& ch : chunks_) {
@@ -259,7 +249,6 @@ void vmm_page_pool::va_insert(std::size_t first, std::size_t count) {
 
 std::size_t vmm_page_pool::release_cached() {
   if (sleeping_locked()) return 0;  // sleeping pages hold nothing; wake() trims afterwards
-  drop_kept_runs(true);  // a handle is given back with its last mapping
   reclaim(va_pages_, true);
   retire_completed(true);
   std::size_t released = 0;
@@ -324,31 +313,11 @@ std::string vmm_page_pool::validate_holdings() const {
   }
   if (live_pages * page_ != reserved_locked() + sleeping_pages_locked() * page_)
     return "chunks (but sleeping ones) do not add up to reserved";
-  std::size_t table_mapped = 0, table_retiring = 0, table_kept = 0;
+  std::size_t table_mapped = 0, table_retiring = 0;
   for (std::uint32_t id : page_table_) {
-    table_mapped += id != no_chunk && id != retiring_page && id != kept_page ? 1 : 0;
+    table_mapped += id != no_chunk && id != retiring_page ? 1 : 0;
     table_retiring += id == retiring_page ? 1 : 0;
-    table_kept += id == kept_page ? 1 : 0;
   }
-  std::size_t kept_pages = 0;
-  std::vector<std::uint32_t> kept_refs(chunks_.size(), 0);
-  for (const auto& [first, r] : kept_runs_) {
-    std::size_t sum = 0;
-    for (std::uint32_t id : r.chunks) {
-      if (!chunks_[id].live || chunks_[id].lent) return "a kept run names a chunk not live or lent out";
-      kept_refs[id] += 1;
-      sum += chunks_[id].pages;
-    }
-    if (sum != r.pages) return "a kept run's pages disagree with its chunks";
-    for (std::size_t q = first; q < first + r.pages; ++q)
-      if (page_table_[q] != kept_page) return "a kept run's pages are not marked kept";
-    kept_pages += r.pages;
-  }
-  if (kept_pages != table_kept || kept_pages != kept_run_pages_)
-    return "kept pages in the table disagree with the kept runs";
-  for (std::uint32_t id = 0; id < chunks_.size(); ++id)
-    if (chunks_[id].live && chunks_[id].kept != kept_refs[id])
-      return "a chunk's kept count disagrees with the kept runs";
   if (table_mapped != mapped) return "page table maps pages of no live chunk";
   std::size_t retiring_pages = 0;
   std::vector<std::uint32_t> retiring_refs(chunks_.size(), 0), waiting_refs(chunks_.size(), 0);

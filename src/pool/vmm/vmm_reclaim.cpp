@@ -73,14 +73,6 @@ std::size_t vmm_page_pool::reclaim(std::size_t wanted, bool wait, const stream_h
     const std::size_t n = c.chunks.size();
     std::size_t take = 0, pages = 0;
     while (take < n && got + pages < wanted) pages += chunks_[c.chunks[n - 1 - take++]].pages;
-    if (!c.deferred && for_arena != arena_count) {
-      // A growth's gather: the old mapping is kept (vmm_kept_runs.cpp), no unmap.
-      carve_kept(c, take, pages);
-      got += pages;
-      note_reclaimed(c.arena_id, for_arena, pages);
-      if (got >= wanted) break;
-      continue;
-    }
     if (c.deferred || worker_ != nullptr) {
       carve_retiring(c, take, pages);
       got += pages;

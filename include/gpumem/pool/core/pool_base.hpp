@@ -214,13 +214,6 @@ class pool_base : public memory_resource {
   // undoing partial work.
   virtual bool grow(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
                     std::size_t alignment, stream_handle stream, growth kind) = 0;
-  // A block of the large arenas at `addr` was freed on `stream` at free epoch `epoch` (it
-  // may be merged already); vmm_page_pool gives a gathered run's pages back to where they
-  // came from. REQUIRES: mutex_ held.
-  virtual void note_large_free(std::uint32_t arena_id, std::uintptr_t addr, std::uintptr_t stream,
-                               std::uint64_t epoch) {
-    (void)arena_id, (void)addr, (void)stream, (void)epoch;
-  }
   // Gives back what can be given; returns bytes released. REQUIRES: mutex_ held.
   virtual std::size_t release_cached() = 0;
   // Subclass-specific lines for the report (segments, pages...). REQUIRES: mutex_ held.

@@ -14,9 +14,7 @@
 //  - a mapped chunk's pages all name it in the page table, and are covered by arena blocks;
 //  - each live chunk is mapped once, in the spare list, or lent out — exactly one of these;
 //  - a retiring run's pages are marked retiring in the page table, and each chunk's
-//    retiring and waiting counts equal the runs that name it;
-//  - a kept run's pages are marked kept in the page table, its chunks are live and not
-//    lent, and each chunk's kept count equals the kept runs that name it.
+//    retiring and waiting counts equal the runs that name it.
 // REQUIRES: a borrower of lent pages unmaps them before returning them or destroying the pool.
 #pragma once
 
@@ -72,14 +70,6 @@ struct vmm_page_counts {
   // off, or stopped by that budget).
   std::uint64_t long_lived_pages_moved = 0;
   bool lifetime_hints_active = false;
-  // Kept mappings (docs/PAGE_POOL.md): runs whose pages a gather took elsewhere stay
-  // mapped, out of use; a growth that finds such a run whose pages are all free again takes
-  // them back there with no driver call. Pages so taken back, the runs kept now and their
-  // pages, and the kept runs unmapped (for address space, their cap, or memory given back).
-  std::uint64_t pages_taken_back = 0;
-  std::size_t kept_runs = 0;
-  std::size_t kept_run_pages = 0;
-  std::uint64_t kept_runs_dropped = 0;
   // Once the hints stopped: bytes of the long-lived runs' free blocks handed to the large
   // arena (no driver call: the pages stay mapped where they are).
   std::uint64_t long_lived_bytes_handed_over = 0;
@@ -164,10 +154,6 @@ class vmm_page_pool final : public pool_base {
   // to now.
   void note_gather_time(std::uint64_t started_ns, std::size_t request) noexcept;
   double slack_now() const noexcept { return std::max(options_.growth_slack, raised_slack_); }
-  // A gathered run's block freed: where the run is wholly free, its pages go back to the
-  // places they were gathered from (kept there), and the run is kept (vmm_kept_runs.cpp).
-  void note_large_free(std::uint32_t arena_id, std::uintptr_t addr, std::uintptr_t stream,
-                       std::uint64_t epoch) override;
   std::string validate_holdings() const override;
   std::size_t asleep_bytes_locked() const override { return sleeping_pages_locked() * page_; }
   void* allocate_guarded(std::size_t bytes, std::size_t alignment, stream_handle stream) override;
@@ -198,30 +184,6 @@ class vmm_page_pool final : public pool_base {
     std::uint32_t retiring = 0;       // old mappings not yet unmapped (retiring_ runs)
     std::uint32_t waiting = 0;        // of those, ones whose last use may still be running
     std::uintptr_t only_stream = 0;   // while waiting != 0: the one stream that may map it
-    std::uint32_t kept = 0;           // kept mappings (kept_runs_) naming it
-  };
-  // A kept mapping: a run of chunks still mapped where a gather took them from (or where a
-  // kept run taking them back found them), out of use: no block lies there. Taking its
-  // chunks back (take_back_kept_run) makes it a free run again with no driver call.
-  struct kept_run {
-    std::vector<std::uint32_t> chunks;  // by ascending address
-    std::size_t pages = 0;
-    std::uint64_t made = 0;      // order of making: the oldest is unmapped first
-    std::uintptr_t stream = 0;   // work on `stream` up to free `epoch` may still use the
-    std::uint64_t epoch = 0;     // old mapping (0: none): unmapping it waits for it
-  };
-  static constexpr std::uint32_t kept_page = 0xfffffffdu;  // page_table_: a kept run's page
-  // A gathered run: mapped by a growth from pages taken from free blocks, each of which
-  // keeps its old mapping (its home) as a kept page.
-  struct home_page {
-    std::uint32_t chunk = 0;
-    std::size_t page = 0;        // the chunk's kept page where it came from
-    std::uint32_t arena_id = 0;  // the arena and segment of the block it came from
-    std::uint32_t segment = 0;
-  };
-  struct gathered_run {
-    std::size_t pages = 0;
-    std::vector<home_page> homes;  // by ascending address in the run
   };
   // An old mapping of remapped chunks, unmapped once work on `stream` up to free `epoch`
   // is complete (work_pending false), by the map worker where there is one (queued).
@@ -348,40 +310,6 @@ class vmm_page_pool final : public pool_base {
   // Releases the chunks from `first_new` on that are spare (a failed growth's new ones).
   void release_new_chunks(std::size_t first_new);
 
-  // Kept mappings (vmm_kept_runs.cpp). c's top `take` chunks (`pages` pages), whose last
-  // use is complete, are carved out of their block into spare_, their mapping kept.
-  void carve_kept(reclaim_candidate& c, std::size_t take, std::size_t pages);
-  // The growth's zero-call path: a kept run of the request's pages (up to a quarter more)
-  // whose chunks are all spare or in free blocks this stream may reuse at once becomes a
-  // free run of g's arena; the blocks they leave keep their mappings as kept runs. Whether
-  // it did.
-  bool take_back_kept_run(const growth_request& g);
-  // Unmaps kept run `it` (after its old work, if any, is done) and gives its address space
-  // back; the failure, if any (the run is kept then).
-  status drop_kept_run(std::map<std::size_t, kept_run>::iterator it);
-  // Unmaps every kept run (throw_on_failure: throws gpumem::cuda_error on a failed unmap),
-  // those naming a chunk of `ids` only where given.
-  void drop_kept_runs(bool throw_on_failure, std::span<const std::uint32_t> ids = {});
-  // Unmaps the oldest kept runs while their pages exceed the pool's reserved pages.
-  void trim_kept_runs();
-  // Where each chunk is free now, for a growth or placement on `stream`: -1 spare, else the
-  // index of its free block in `found` (reclaim_candidates).
-  using free_chunks = std::unordered_map<std::uint32_t, std::ptrdiff_t>;
-  free_chunks find_free_chunks(const stream_handle& stream, std::vector<reclaim_candidate>& found);
-  // Moves each chunk of `moves` (chunk, its page in a kept run) from where it is free
-  // (free_at) to that page, with no driver call: the places it leaves become kept runs.
-  // The caller takes the target pages out of their kept runs and hands them to an arena.
-  // Returns where each chunk came from (none for a spare one).
-  std::vector<home_page> move_to_kept_pages(std::span<const std::pair<std::uint32_t, std::size_t>> moves,
-                                            std::vector<reclaim_candidate>& found,
-                                            const free_chunks& free_at, std::uint32_t for_arena);
-  // Takes the chunks whose first pages are `pages` (each kept there) out of their kept runs,
-  // the rest of each run staying kept; false, changing nothing, where a page is not a kept
-  // page of its chunk.
-  bool unkeep(std::span<const std::pair<std::size_t, std::uint32_t>> pages);
-  // Records the run at `first` as gathered from `homes` (all its chunks) when it is.
-  void note_gathered(std::size_t first, std::size_t pages, std::vector<home_page> homes);
-
   std::size_t page_ = 0;
   std::uintptr_t va_base_ = 0;
   std::size_t va_pages_ = 0;
@@ -395,11 +323,6 @@ class vmm_page_pool final : public pool_base {
   };
   std::unordered_map<std::uintptr_t, guarded_allocation> guarded_;
   std::map<std::size_t, std::size_t> va_free_;  // unmapped VA: first page -> page count
-  std::map<std::size_t, kept_run> kept_runs_;   // first page -> kept mapping
-  std::map<std::size_t, gathered_run> gathered_;  // first page -> gathered run in use
-  std::vector<home_page> growth_homes_;  // pages this growth's gather took, with their homes
-  std::size_t kept_run_pages_ = 0;
-  std::uint64_t kept_runs_made_ = 0;
   // The last growth failed for want of a free virtual run (the range, va_reserve, is
   // exhausted or too cut up): the out-of-memory report says so.
   bool va_exhausted_ = false;
