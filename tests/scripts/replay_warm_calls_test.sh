@@ -3,16 +3,17 @@
 # vmm_page_pool with the default options. Checks that `gpumem replay --json` reports the
 # last pass's memory-moving driver calls (last_pass_memory_calls, the sum of the create, map,
 # unmap, set-access and release calls in last_pass_driver_calls) and its allocations, and
-# holds the pool to the figures in docs/RESULTS.md ("Speed: the warm pass"): fragmentation
-# never above its worst there, and the last passes' calls in all never above their total
-# there. The goal is at most 1% of a pass's allocations on every trace; the ceiling here is
+# holds the pool to the figures in docs/RESULTS.md ("Driver calls in the warm and the first
+# pass"): fragmentation never above its worst there, and the last passes' calls in all never
+# above their total there (the sim replay is deterministic: the ceilings are today's figures, so any rise
+# fails). The goal is at most 1% of a pass's allocations on every trace; the ceilings are
 # lowered as the pool gets there.
 set -euo pipefail
 src=$1 gpumem=$2
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-max_frag_worst=1.0400
-max_frag_geomean=1.0080
-max_last_pass_calls=48000
+max_frag_worst=1.0397
+max_frag_geomean=1.0077
+max_last_pass_calls=47865
 
 "$gpumem" replay "$src"/data/*.csv.gz "$src"/data/workloads/*.csv.gz --device sim \
   --allocator vmm_page_pool --passes 2 --json > "$tmp/all.json"
