@@ -227,14 +227,20 @@ def tp_worker(args):
     batch, steps, prompt = args.decode_batch, args.decode_steps, 16
     max_t = prompt + steps
 
-    def run(weights, nh, reduce):
+    def run(weights, nh, reduce, forced=None):
+        """Greedy decode; with `forced`, feeds those tokens instead of its own (so the
+        one-GPU reference sees the same inputs as the tensor-parallel run)."""
         kc = [torch.zeros(batch, nh, max_t, d, device="cuda", dtype=torch.bfloat16) for _ in weights]
         vc = [torch.zeros_like(k) for k in kc]
         ids = torch.arange(batch * prompt, device="cuda").view(batch, prompt) % vocab
-        out, times = [], []
+        out, times, tokens = [], [], []
         t0 = 0
+        nxt = None
         for step in range(steps + 1):
-            cur = ids if step == 0 else nxt[:, None]  # noqa: F821
+            if step == 0:
+                cur = ids
+            else:
+                cur = (forced[step - 1] if forced is not None else nxt)[:, None]
             t = cur.shape[1]
             torch.cuda.synchronize()
             start = time.perf_counter()
@@ -257,14 +263,15 @@ def tp_worker(args):
             if step > 0:
                 times.append(time.perf_counter() - start)
             out.append(logits.float())
+            tokens.append(nxt)
             t0 += t
-        return torch.stack(out), times
+        return torch.stack(out), times, tokens
 
-    logits, times = run(mine, hs, lambda y: dist.all_reduce(y))
+    logits, times, tokens = run(mine, hs, lambda y: dist.all_reduce(y))
     result = {"rank": rank, "token_ms_median": 1e3 * statistics.median(times),
               **peaks(torch, rank, args.allocator)}
     if rank == 0:
-        ref, _ = run(whole, heads, lambda y: None)
+        ref, _, _ = run(whole, heads, lambda y: None, forced=tokens)
         err = (logits - ref).abs().max().item()
         scale = ref.abs().max().item()
         result["max_abs_diff_vs_one_gpu"] = err
@@ -304,8 +311,10 @@ def peer_copy_worker(args):
     result = {"allocator": args.allocator, "bytes": n,
               "can_access_peer": torch.cuda.can_device_access_peer(0, 1)}
     result["tensor_copy_0_to_1_gb_s"] = bandwidth(lambda: b.copy_(a, non_blocking=True), sync)
-    result["tensor_copy_1_to_0_gb_s"] = bandwidth(lambda: a.copy_(b, non_blocking=True), sync)
     result["bytes_equal"] = bool(torch.equal(a.cpu(), b.cpu()))
+    b.fill_(7)
+    result["tensor_copy_1_to_0_gb_s"] = bandwidth(lambda: a.copy_(b, non_blocking=True), sync)
+    result["bytes_equal"] = result["bytes_equal"] and bool((a == 7).all().item())
     if args.allocator == "torch":
         result.update(cuda_memcpy_peer(torch, n, bandwidth))
     print("RESULT " + json.dumps(result), flush=True)

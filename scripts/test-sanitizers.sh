@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 common=(-G Ninja -DCMAKE_BUILD_TYPE=Debug -DGPUMEM_BUILD_BENCH=OFF -DGPUMEM_WITH_CUDA=OFF)
 cmake -S . -B build-asan "${common[@]}" -DGPUMEM_SANITIZE=address,undefined >/dev/null
-cmake --build build-asan --target gpumem_tests torch_plugin_tests gpumem_kv_tier_tests
+cmake --build build-asan --target gpumem_tests torch_plugin_tests multi_device_interop_tests gpumem_kv_tier_tests
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:handle_segv=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 ./build-asan/tests/gpumem_tests --gtest_brief=1 \
   --gtest_filter='-sim_platform.host_mapping_limit_fails_cleanly'
@@ -17,6 +17,8 @@ export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:handle_segv=0 UBSAN_OPTIONS=
 ./build-asan/tests/gpumem_kv_tier_tests --gtest_brief=1
 # The PyTorch plug-in's entry points (an exception thrown out of the shared library).
 ./build-asan/tests/interop/torch_plugin_tests --gtest_brief=1
+# The plug-in and the C API on a two-GPU sim device.
+./build-asan/tests/interop/multi_device_interop_tests --gtest_brief=1
 unset ASAN_OPTIONS UBSAN_OPTIONS
 cmake -S . -B build-tsan "${common[@]}" -DGPUMEM_SANITIZE=thread >/dev/null
 cmake --build build-tsan --target gpumem_tests gpumem_kv_tier_tests

@@ -176,7 +176,7 @@ status sim_platform::memcpy_async(void* dst, const void* src, std::size_t bytes,
         return fail(platform_op::memcpy_async, failure_kind::invalid_value,
                     "copy on a stream of device " + std::to_string(device) + ": " + why);
   }
-  std::memmove(dst, src, bytes);  // unmapped memory faults here, like an illegal address
+  std::memmove(dst, src, bytes);  // host memory that is not mapped faults here
   return status::success();
 }
 
