@@ -249,17 +249,9 @@ class GpumemCache(_Base):
         if self._attention == "paged" and tokens == 1:
             _ACTIVE[0] = (self, layer_idx)
             return _PagedMarker.wrap(k, key_states), _PagedMarker.wrap(v, value_states)
-        return self._gathered(k), self._gathered(v)
-
-    def _gathered(self, view):
-        """One layer's keys or values of every row as [batch, kv_heads, length, head_dim]:
-        the rows' blocks copied out whole ([rows * blocks, block_tokens, heads, D], one
-        contiguous tensor), seen as tokens and cut at the length. A strided view (head_dim
-        contiguous), as SDPA and the other attention functions of transformers accept."""
-        st = self._step
-        out = view.index_select(0, st["read_blocks"])
-        out = out.view(st["batch"], -1, out.shape[2], out.shape[3])[:, :self._length]
-        return out.transpose(1, 2)
+        keys = k[st["r_blocks"], st["r_slots"], st["r_heads"]]
+        values = v[st["r_blocks"], st["r_slots"], st["r_heads"]]
+        return keys, values
 
     def reorder_cache(self, beam_idx):
         """Row i becomes a fork of old row beam_idx[i] (copy on write); old rows freed."""
@@ -360,13 +352,14 @@ class GpumemCache(_Base):
         dev = key_states.device
         wpos = torch.arange(old, old + tokens, device=dev).unsqueeze(0).expand(batch, tokens)
         w_blocks = torch.gather(table.long(), 1, wpos // bt)
-        # Every row has self._length tokens: its first ceil(length / bt) blocks, read
-        # whole in one index_select (cheaper to launch than a gather over three index grids).
-        read_blocks = -(-self._length // bt)
+        rpos = torch.arange(self._length, device=dev)
+        r_blocks = torch.gather(table.long(), 1, (rpos // bt).unsqueeze(0).expand(batch, -1))
+        heads = key_states.shape[1]
         self._step = {
             "batch": batch, "tokens": tokens, "check_groups": check_groups,
             "w_blocks": w_blocks, "w_slots": wpos % bt,
-            "read_blocks": table[:, :read_blocks].long().flatten(),
+            "r_blocks": r_blocks[:, None, :], "r_slots": (rpos % bt)[None, None, :],
+            "r_heads": torch.arange(heads, device=dev)[None, :, None],
             "table": table, "lengths": lengths, "tables": tables,
         }
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self._kv.stats()["mapped_bytes"])
@@ -448,8 +441,10 @@ def _paged_attention(module, query, key, value, attention_mask, scaling=None, dr
             # A padded decode batch: gather instead (the Triton kernel has no mask).
             cache, layer = active
             cache.decode_layers_gathered += 1
+            st = cache._step
             k, v = cache._kv.layer_views(layer)
-            key, value = cache._gathered(k), cache._gathered(v)
+            key = k[st["r_blocks"], st["r_slots"], st["r_heads"]]
+            value = v[st["r_blocks"], st["r_slots"], st["r_heads"]]
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
     cache, layer = active
