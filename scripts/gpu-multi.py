@@ -65,9 +65,10 @@ def llama_module(torch, layers, hidden, heads, vocab, inter):
             return (x.float() * torch.rsqrt(v + 1e-6)).type_as(x) * self.weight
 
     def rotary(x, pos):
+        """x: [batch, tokens, heads, head_dim]; pos: [tokens]."""
         d = x.shape[-1]
         inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=x.device).float() / d))
-        ang = pos.float()[:, None] * inv[None, :]
+        ang = (pos.float()[:, None] * inv[None, :])[:, None, :]  # [tokens, 1, head_dim / 2]
         cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
         x1, x2 = x[..., ::2], x[..., 1::2]
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2)

@@ -299,31 +299,6 @@ TEST_F(SleepWake, OffloadInSlicesSurvivesAFailureBetweenSlices) {
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
 }
 
-// Wake grants access once per run of adjacent chunks, not once per chunk: a tag of 200
-// one-page allocations (grown page by page, so adjacent one-page chunks) wakes with a
-// handful of grants, and every byte comes back.
-TEST_F(SleepWake, WakeGrantsAccessPerRunOfAdjacentChunks) {
-  vmm_page_pool untagged(sim);
-  tagged_pool pool(untagged, {});
-  std::vector<allocation> pages;
-  for (unsigned i = 0; i < 200; ++i) {
-    pages.push_back({pool.allocate(2 * MiB, 256, {}, 1), 2 * MiB, 100 + i});
-    write_pattern(pages.back().p, 2 * MiB, 100 + i);
-  }
-  pool.sleep(1, sleep_mode::offload);
-  const auto grants = calls(platform_op::set_access);
-  const auto maps = calls(platform_op::map);
-  pool.wake(1);
-  const auto woke_grants = calls(platform_op::set_access) - grants;
-  // More chunks than grants allowed: one grant per chunk would fail below.
-  EXPECT_GT(calls(platform_op::map) - maps, 8u);
-  EXPECT_GE(woke_grants, 1u);
-  EXPECT_LE(woke_grants, 8u) << "one grant per chunk instead of per run";
-  expect_patterns(pages);
-  free_all(pool, pages);
-  EXPECT_TRUE(pool.is_valid()) << pool.validate();
-}
-
 // A failure injected into the n-th call of each operation sleep or wake makes: afterwards
 // the pool and the device are valid, the tag refuses allocations while any page sleeps,
 // and the same call again completes; the bytes survive.

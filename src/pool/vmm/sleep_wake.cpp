@@ -7,9 +7,10 @@
 //   unmapped -> its handle is released (its bytes are now only on the host)
 //   released -> asleep; wake() creates a handle, maps it, grants access and copies back.
 // Offloaded chunks copy in slices; a slice is unmapped and released once its copies are
-// done, while the next slice copies. A chunk that is mapped is awake whatever its record
-// says; wake() puts an unmapped chunk
-// (handle still held, bytes intact) back with no copy.
+// done, while the next slice copies. Wake queues each chunk's copy as soon as the chunk is
+// mapped, so the copies run under the next chunks' driver calls. A chunk that is mapped is
+// awake whatever its record says; wake() puts an unmapped chunk (handle still held, bytes
+// intact) back with no copy.
 //
 // Invariants (checked by validate_holdings through sleeping_pages_locked()):
 //  - released_pages == sum of the pages of chunks in phase released;
@@ -263,110 +264,62 @@ void vmm_page_pool::wake(stream_handle stream) {
     std::sort(ids.begin(), ids.end(),
               [&](std::uint32_t a, std::uint32_t b) { return chunks_[a].mapped_at < chunks_[b].mapped_at; });
     st.complete = false;  // from here the pool is partly awake until this loop ends
-    // Those that never left are awake already.
-    std::erase_if(ids, [&](std::uint32_t id) {
-      if (st.chunks.at(id) != phase::mapped) return false;
-      st.chunks.erase(id);
-      return true;
-    });
-    // Runs of adjacent chunks (up to sleep_slice_bytes) wake together: each chunk gets a
-    // handle and its mapping, the run one access grant, then the run's copies go on the
-    // stream, where they run while the next run's driver calls are made. A failure undoes
-    // the run's steps not yet committed (fresh handles given back, kept ones left
-    // unmapped), so every chunk keeps its phase and a retry completes the wake.
-    for (std::size_t begin = 0; begin < ids.size();) {
-      std::size_t end = begin + 1, bytes = chunks_[ids[begin]].pages * page_;
-      while (end < ids.size() && bytes < sleep_slice_bytes &&
-             chunks_[ids[end]].mapped_at == chunks_[ids[end - 1]].mapped_at + chunks_[ids[end - 1]].pages)
-        bytes += chunks_[ids[end++]].pages * page_;
-      std::vector<physical_handle> fresh(end - begin);
-      std::size_t mapped = 0, committed = 0;
-      auto undo = [&] {
-        for (std::size_t k = committed; k < mapped; ++k) {
-          const chunk& c = chunks_[ids[begin + k]];
-          (void)p.unmap(page_address(c.mapped_at), c.pages * page_);
-        }
-        for (std::size_t k = committed; k < fresh.size(); ++k)
-          if (st.chunks.at(ids[begin + k]) == phase::released && fresh[k] != physical_handle{})
-            (void)p.release_physical(fresh[k]);
-      };
-      for (std::size_t k = 0; k < fresh.size(); ++k) {
-        chunk& c = chunks_[ids[begin + k]];
-        const std::size_t chunk_bytes = c.pages * page_;
-        fresh[k] = c.handle;
-        if (st.chunks.at(ids[begin + k]) == phase::released) {
-          fresh[k] = physical_handle{};
-          std::size_t waking = 0;
-          for (std::size_t m = 0; m < k; ++m)
-            if (st.chunks.at(ids[begin + m]) == phase::released)
-              waking += chunks_[ids[begin + m]].pages * page_;
-          if (options_.limit_bytes != 0 &&
-              reserved_locked() + waking + chunk_bytes > options_.limit_bytes) {
-            undo();
-            throw out_of_memory("gpumem: vmm_page_pool::wake: the pool's limit (" +
-                                format_bytes(options_.limit_bytes) + ") leaves no room for " +
-                                format_bytes(sleeping_pages_locked() * page_) +
-                                " still asleep; the offloaded bytes stay on the host, wake "
-                                "again once memory is free");
-          }
-          auto h = p.create_physical(device(), chunk_bytes);
-          if (!h) {
-            undo();
-            if (h.error().kind == failure_kind::out_of_memory)
-              throw out_of_memory("gpumem: vmm_page_pool::wake: device " +
-                                  std::to_string(device()) + " has no room for " +
-                                  format_bytes(sleeping_pages_locked() * page_) +
-                                  " still asleep (" + h.error().describe() +
-                                  "); the offloaded bytes stay on the host, wake again once "
-                                  "memory is free");
-            throw_cuda_error(h.error(), "vmm_page_pool::wake: create physical memory");
-          }
-          fresh[k] = h.value();
-        }
-        if (auto s = p.map(page_address(c.mapped_at), chunk_bytes, fresh[k], 0); !s) {
-          undo();
-          throw_cuda_error(s, "vmm_page_pool::wake: map the pages");
-        }
-        ++mapped;
+    for (std::uint32_t id : ids) {
+      chunk& c = chunks_[id];
+      const phase ph = st.chunks.at(id);
+      const std::uintptr_t va = page_address(c.mapped_at);
+      const std::size_t bytes = c.pages * page_;
+      if (ph == phase::mapped) {  // never left
+        st.chunks.erase(id);
+        continue;
       }
-      const std::uintptr_t run_va = page_address(chunks_[ids[begin]].mapped_at);
-      if (auto s = grant_access(run_va, bytes); !s) {
-        undo();
+      physical_handle fresh = c.handle;
+      if (ph == phase::released) {
+        if (options_.limit_bytes != 0 && reserved_locked() + bytes > options_.limit_bytes)
+          throw out_of_memory("gpumem: vmm_page_pool::wake: the pool's limit (" +
+                              format_bytes(options_.limit_bytes) + ") leaves no room for " +
+                              format_bytes(sleeping_pages_locked() * page_) +
+                              " still asleep; the offloaded bytes stay on the host, wake again "
+                              "once memory is free");
+        auto h = p.create_physical(device(), bytes);
+        if (!h) {
+          if (h.error().kind == failure_kind::out_of_memory)
+            throw out_of_memory("gpumem: vmm_page_pool::wake: device " + std::to_string(device()) +
+                                " has no room for " +
+                                format_bytes(sleeping_pages_locked() * page_) +
+                                " still asleep (" + h.error().describe() +
+                                "); the offloaded bytes stay on the host, wake again once "
+                                "memory is free");
+          throw_cuda_error(h.error(), "vmm_page_pool::wake: create physical memory");
+        }
+        fresh = h.value();
+      }
+      // Map and grant access; undo this chunk's step on failure (a fresh handle is given
+      // back, a kept one stays unmapped), so the chunk keeps its phase.
+      if (auto s = p.map(va, bytes, fresh, 0); !s) {
+        if (ph == phase::released) (void)p.release_physical(fresh);
+        throw_cuda_error(s, "vmm_page_pool::wake: map the pages");
+      }
+      if (auto s = grant_access(va, bytes); !s) {
+        (void)p.unmap(va, bytes);
+        if (ph == phase::released) (void)p.release_physical(fresh);
         throw_cuda_error(s, "vmm_page_pool::wake: grant access to the pages");
       }
-      // The copies back (offload), adjacent ones in the host block too as one; a chunk
-      // is committed once its bytes are on the way.
-      for (std::size_t k = 0; k < fresh.size();) {
-        const std::uint32_t id = ids[begin + k];
-        const bool copy = st.chunks.at(id) == phase::released && st.mode == sleep_mode::offload;
-        std::size_t j = k + 1, copy_bytes = chunks_[id].pages * page_;
-        while (copy && j < fresh.size() && st.chunks.at(ids[begin + j]) == phase::released &&
-               st.host_offset.at(ids[begin + j]) == st.host_offset.at(id) + copy_bytes) {
-          copy_bytes += chunks_[ids[begin + j]].pages * page_;
-          ++j;
-        }
-        if (copy) {
-          auto* host = static_cast<char*>(st.host) + st.host_offset.at(id);
-          if (auto s = p.memcpy_async(reinterpret_cast<void*>(page_address(chunks_[id].mapped_at)),
-                                      host, copy_bytes, stream);
-              !s) {
-            undo();
-            throw_cuda_error(s, "vmm_page_pool::wake: copy the pages back");
-          }
-        }
-        for (; k < j; ++k, ++committed) {
-          const std::uint32_t cid = ids[begin + k];
-          chunk& c = chunks_[cid];
-          if (st.chunks.at(cid) == phase::released) {
-            c.handle = fresh[k];
-            st.released_pages -= c.pages;
-            add_reserved(c.pages * page_);
-            counts_.pages_created += c.pages;
-          }
-          st.chunks.erase(cid);
+      if (ph == phase::released && st.mode == sleep_mode::offload) {
+        auto* host = static_cast<char*>(st.host) + st.host_offset.at(id);
+        if (auto s = p.memcpy_async(reinterpret_cast<void*>(va), host, bytes, stream); !s) {
+          (void)p.unmap(va, bytes);
+          (void)p.release_physical(fresh);
+          throw_cuda_error(s, "vmm_page_pool::wake: copy the pages back");
         }
       }
-      begin = end;
+      if (ph == phase::released) {
+        c.handle = fresh;
+        st.released_pages -= c.pages;
+        add_reserved(bytes);
+        counts_.pages_created += c.pages;
+      }
+      st.chunks.erase(id);
     }
     freed_while_asleep = frees != st.frees_at_sleep;
     // Every chunk is awake: the host copy is free once the copies on `stream` are done.
