@@ -19,6 +19,7 @@
 //    always a live allocation: record_stream refuses any other pointer, and gpumem_free is
 //    the only way an allocation of a live pool dies.
 #include "gpumem/interop/gpumem.h"
+#include "interop/c_api_config.hpp"
 #include "interop/c_api_internal.hpp"
 
 #include <algorithm>
@@ -167,161 +168,9 @@ gpumem::stream_handle to_stream(void* stream) noexcept {
   return gpumem::stream_handle{reinterpret_cast<std::uintptr_t>(stream)};
 }
 
-// The C API's own keys (the option table's rows of scope pool_create), taken out of the
-// configuration; the rest is pool options.
-struct pool_spec {
-  std::string allocator = "vmm_page_pool";
-  std::string backend = "runtime";
-  std::string platform;  // "" = gpumem::default_platform() (honours GPUMEM_DEVICE)
-  int device = 0;
-  bool step_plan = true;
-  // A private sim device when any sim_* key is given.
-  bool own_sim = false;
-  std::string sim_key;  // the first sim_* key given, for messages
-  gpumem::sim_options sim;
-  bool sim_devices_given = false;
-  std::string pool_options;
-};
-
-int parse_ordinal(std::string_view value, std::string_view key, int limit) {
-  int n = 0;
-  bool digits = !value.empty() && value.size() <= 6;
-  for (char c : value) {
-    digits = digits && c >= '0' && c <= '9';
-    if (digits) n = n * 10 + (c - '0');
-  }
-  if (!digits || n >= limit)
-    throw gpumem::invalid_argument("config: '" + std::string(key) + "' must be a number below " +
-                                   std::to_string(limit) + ", got '" + std::string(value) + "'");
-  return n;
-}
-
-// "A+B+C" -> {A, B, C} (a comma would end the item).
-std::vector<std::string_view> plus_list(std::string_view value) {
-  std::vector<std::string_view> out;
-  while (true) {
-    const auto plus = value.find('+');
-    out.push_back(value.substr(0, plus));
-    if (plus == std::string_view::npos) return out;
-    value = value.substr(plus + 1);
-  }
-}
-
-// Sizes of a sim_capacity / sim_granularity value: one for every device, or one per device.
-void parse_sim_sizes(std::string_view key, std::string_view value, std::size_t& every,
-                     std::vector<std::size_t>& each) {
-  const auto parts = plus_list(value);
-  std::vector<std::size_t> sizes;
-  for (std::string_view part : parts) {
-    const std::size_t n = gpumem::parse_bytes(part);
-    if (n == 0)
-      throw gpumem::invalid_argument("config: '" + std::string(key) +
-                                     "' must be more than 0 bytes, got '" + std::string(value) +
-                                     "'");
-    if (key == "sim_granularity" && ((n & (n - 1)) != 0 || n < 4096))
-      throw gpumem::invalid_argument("config: 'sim_granularity' must be a power of two of at "
-                                     "least 4K, got '" + std::string(part) + "'");
-    sizes.push_back(n);
-  }
-  if (sizes.size() == 1)
-    every = sizes.front();
-  else
-    each = std::move(sizes);
-}
-
-// The configuration grammar is the pool options' (for_each_config_item); the C API's own
-// keys are the option table's rows of scope pool_create, parsed here; the rest goes to
-// pool_options::parse.
-pool_spec parse_spec(std::string_view config) {
-  pool_spec spec;
-  gpumem::for_each_config_item(config, [&](std::string_view key, std::string_view value,
-                                           std::string_view item) {
-    const gpumem::pool_option_info* row = gpumem::find_pool_option(key);
-    if (row == nullptr)
-      throw gpumem::invalid_argument(
-          "config: unknown key '" + std::string(key) + "' (known: " +
-          gpumem::pool_option_names() + "; and gpumem_pool_create's: " +
-          gpumem::pool_option_names(gpumem::option_scope::pool_create) + ")");
-    if (row->scope == gpumem::option_scope::pool) {
-      if (!spec.pool_options.empty()) spec.pool_options += ',';
-      spec.pool_options.append(item);
-      return;
-    }
-    if (key.starts_with("sim_") && spec.sim_key.empty()) spec.sim_key = key;
-    const auto one_of = [&](std::span<const std::string_view> names) {
-      return std::find(names.begin(), names.end(), value) != names.end();
-    };
-    if (key == "allocator") {
-      if (!one_of(gpumem::pool_names()))
-        throw gpumem::invalid_argument("config: unknown allocator '" + std::string(value) +
-                                       "': expected vmm_page_pool or caching_pool");
-      spec.allocator = value;
-    } else if (key == "backend") {
-      if (!one_of(gpumem::backend_names()))
-        throw gpumem::invalid_argument("config: unknown backend '" + std::string(value) +
-                                       "': expected runtime, driver or vmm");
-      spec.backend = value;
-    } else if (key == "platform") {
-      if (value != "auto" && value != "cuda" && value != "sim")
-        throw gpumem::invalid_argument("config: unknown platform '" + std::string(value) +
-                                       "': expected auto, cuda or sim");
-      spec.platform = value;
-    } else if (key == "device") {
-      spec.device = parse_ordinal(value, key, 1000000);
-    } else if (key == "step_plan") {
-      if (value != "on" && value != "off")
-        throw gpumem::invalid_argument("config: 'step_plan' must be on or off, got '" +
-                                       std::string(value) + "'");
-      spec.step_plan = value == "on";
-    } else if (key == "sim_capacity") {
-      parse_sim_sizes(key, value, spec.sim.capacity, spec.sim.capacities);
-      spec.own_sim = true;
-    } else if (key == "sim_granularity") {
-      parse_sim_sizes(key, value, spec.sim.granularity, spec.sim.granularities);
-      spec.own_sim = true;
-    } else if (key == "sim_devices") {
-      spec.sim.device_count = parse_ordinal(value, key, gpumem::sim_max_devices + 1);
-      if (spec.sim.device_count == 0)
-        throw gpumem::invalid_argument("config: 'sim_devices' must be at least 1");
-      spec.sim_devices_given = true;
-      spec.own_sim = true;
-    } else if (key == "sim_no_peer") {
-      spec.sim.no_peer.clear();
-      if (value != "none")
-        for (std::string_view pair : plus_list(value)) {
-          const auto dash = pair.find('-');
-          if (dash == std::string_view::npos)
-            throw gpumem::invalid_argument("config: 'sim_no_peer' takes pairs A-B joined by "
-                                           "'+', got '" + std::string(value) + "'");
-          spec.sim.no_peer.emplace_back(
-              parse_ordinal(pair.substr(0, dash), key, gpumem::sim_max_devices),
-              parse_ordinal(pair.substr(dash + 1), key, gpumem::sim_max_devices));
-        }
-      spec.own_sim = true;
-    } else {
-      // A row of the table that this parser does not know: the table and this function
-      // disagree (option_table_test checks that every row's example is taken here).
-      throw gpumem::invalid_argument("config: the C API does not handle key '" +
-                                     std::string(key) + "'");
-    }
-  });
-  if (spec.own_sim && spec.platform == "cuda")
-    throw gpumem::invalid_argument("config: '" + spec.sim_key +
-                                   "' (a private sim device) needs platform sim, not cuda");
-  if (spec.own_sim && !spec.sim_devices_given)
-    spec.sim.device_count = static_cast<int>(std::max<std::size_t>(
-        {std::size_t{1}, spec.sim.capacities.size(), spec.sim.granularities.size()}));
-  if (spec.own_sim)
-    for (auto [a, b] : spec.sim.no_peer)
-      if (a >= spec.sim.device_count || b >= spec.sim.device_count || a == b)
-        throw gpumem::invalid_argument("config: 'sim_no_peer' names a pair of devices that "
-                                       "are not two of the sim device's " +
-                                       std::to_string(spec.sim.device_count));
-  return spec;
-}
-
 std::unique_ptr<pool_body> make_pool(const char* config) {
-  const pool_spec spec = parse_spec(config != nullptr ? config : "");
+  const gpumem::detail::c_api_pool_spec spec =
+      gpumem::detail::parse_c_api_config(config != nullptr ? config : "");
   // Parse the pool options before touching a device, so a typo costs no driver call.
   const gpumem::pool_options options = gpumem::pool_options::parse(spec.pool_options);
   auto handle = std::make_unique<pool_body>();
