@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Lists C and C++ functions longer than a limit (default 80 lines), longest first, with a
 reason where one is stated: a comment line just above the function (or its first line)
-beginning "Long:". A rough brace count, not a parser: string and character literals and
+beginning "Long:", or one saying the function is "over N lines" and why. A rough brace count, not a parser: string and character literals and
 comments and preprocessor lines are blanked first; a body is a '{' whose text before it, back to the last ';',
 '{' or '}', reads as a function head (a parameter list, not a control statement, a
 class or a namespace). Lambdas and local classes count toward the function holding them.
@@ -95,10 +95,12 @@ def functions(path):
 
 
 def reason(lines, start):
-    for k in range(max(0, start - 4), min(len(lines), start + 1)):
+    for k in range(max(0, start - 3), min(len(lines), start + 1)):
         m = re.search(r"(//|/\*|#)\s*Long:\s*(.*)", lines[k])
         if m:
             return m.group(2).strip()
+        if re.search(r"(//|/\*).*over \d+ lines", lines[k]):
+            return lines[k].strip().lstrip("/* ")
     return ""
 
 
