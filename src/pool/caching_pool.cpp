@@ -23,6 +23,17 @@ caching_pool::caching_pool(memory_resource& upstream, pool_options options)
     throw invalid_argument("caching_pool: peer_access is an option of the vmm_page_pool only "
                            "(a caching_pool's segments are its backend's allocations: peers "
                            "reach them through cudaDeviceEnablePeerAccess)");
+  fixed_segments_policy policy;
+  // Segments are not movable: small requests use large free space (an up-front
+  // reservation lives in the large arena) rather than ask upstream for more, a small miss
+  // moving 2 MiB of a large free block into the small arena (a small segment's worth, as a
+  // new one would be), where the small requests after it are served.
+  policy.small_may_use_large_arena = true;
+  policy.small_piece_bytes = std::size_t{2} << 20;
+  policy.advice_when_free_is_split =
+      "a caching_pool cannot join free pieces that live blocks or segment ends keep apart; "
+      "the vmm_page_pool (config allocator:vmm_page_pool) maps free pages into one run instead";
+  set_fixed_segments_policy(policy);
   std::size_t reserve = options.reserve_bytes;
   if (options.reserve_fraction > 0)
     reserve = static_cast<std::size_t>(options.reserve_fraction *
@@ -162,12 +173,6 @@ std::size_t caching_pool::release_idle_segments(std::size_t bytes) {
     released += size;
   }
   return released;
-}
-
-std::string caching_pool::advice_when_free_is_split() const {
-  return "a caching_pool cannot join free pieces that live blocks or segment ends keep "
-         "apart; the vmm_page_pool (config allocator:vmm_page_pool) maps free pages into one "
-         "run instead";
 }
 
 std::string caching_pool::describe_holdings() const {

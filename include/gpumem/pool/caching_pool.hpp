@@ -29,14 +29,7 @@ class caching_pool final : public pool_base {
             std::size_t alignment, stream_handle stream, growth kind) override;
   std::size_t release_cached() override;
   std::string describe_holdings() const override;
-  std::string advice_when_free_is_split() const override;
   std::string validate_holdings() const override;
-  // Segments are not movable: let small requests use large free space (an up-front
-  // reservation lives in the large arena) rather than ask upstream for more.
-  bool small_may_use_large_arena() const noexcept override { return true; }
-  // A small miss moves 2 MiB of a large free block into the small arena (a small segment's
-  // worth, as a new one would be), where the small requests after it are served.
-  std::size_t small_piece_bytes() const noexcept override { return std::size_t{2} << 20; }
 
  private:
   struct segment {

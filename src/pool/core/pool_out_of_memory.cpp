@@ -105,7 +105,7 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
       detail::block_arena& long_lived = *arenas_[long_arena];
       if (auto* b = long_lived.allocate(size, alignment, stream.value, requested, max_split)) return b;
     }
-    if (id == small_arena && small_may_use_large_arena()) {
+    if (id == small_arena && fixed_segments_.small_may_use_large_arena) {
       detail::block_arena& large = *arenas_[large_arena];
       large.flush();
       // A piece of the large arena's free space becomes the small arena's: the small
@@ -113,8 +113,8 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
       // A small block taken from the large arena itself would go back there on every small
       // miss (drain_thread_caches), each a pass under the pool lock.
       const std::size_t fits = size + (alignment > a.unit() ? alignment - a.unit() : 0);
-      if (const std::size_t piece = a.round(std::max(small_piece_bytes(), fits));
-          small_piece_bytes() != 0 && move_free_piece(large_arena, small_arena, piece, stream))
+      if (const std::size_t piece = a.round(std::max(fixed_segments_.small_piece_bytes, fits));
+          fixed_segments_.small_piece_bytes != 0 && move_free_piece(large_arena, small_arena, piece, stream))
         if (auto* b = a.allocate(size, alignment, stream.value, requested, max_split)) return b;
       if (auto* b = large.allocate(size, alignment, stream.value, requested)) return b;
       if (auto* b = from_other_streams(large)) return b;
@@ -141,9 +141,9 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
     drain_thread_caches();
     if (auto* b = find_free()) return b;
   }
-  // The small arena's wholly free pieces (small_piece_bytes) go back before a large request
+  // The small arena's wholly free pieces (fixed_segments_policy) go back before a large request
   // grows the pool (the thread caches were drained above).
-  if (id == large_arena && small_piece_bytes() != 0 && return_free_small_regions())
+  if (id == large_arena && fixed_segments_.small_piece_bytes != 0 && return_free_small_regions())
     if (auto* b = find_free()) return b;
   if (grow(a, id, size, alignment, stream, growth::any)) {
     if (auto* b = a.allocate(size, alignment, stream.value, requested))

@@ -183,7 +183,7 @@ std::string pool_base::report_locked(std::size_t bytes) const {
   const overhead_breakdown o = overhead_locked();
   r << "  where the reserved bytes go now:\n" << o.to_string("    ");
   const std::size_t free_bytes = o.cached + o.free_pinned + o.free_releasable;
-  if (const std::string advice = advice_when_free_is_split();
+  if (const std::string_view advice = fixed_segments_.advice_when_free_is_split;
       free_bytes >= bytes && !advice.empty())
     r << "  " << format_bytes(free_bytes) << " of it is free, enough for the request, but in "
       << "pieces: " << advice << "\n";

@@ -229,10 +229,6 @@ class pool_base : public memory_resource {
     std::size_t kept_unmapped = 0;
   };
   virtual page_holdings page_holdings_locked() const { return {}; }
-  // For the out-of-memory report: what the user can do when the pool's free bytes would
-  // hold the request but no free run does ("" when nothing: vmm_page_pool remaps them
-  // already before it fails).
-  virtual std::string advice_when_free_is_split() const { return {}; }
   virtual std::string validate_holdings() const { return {}; }
   // Bytes of the arenas' memory whose pages sleep (vmm_page_pool::sleep): released to the
   // driver, so not reserved, while their blocks stay in the arenas. REQUIRES: mutex_ held.
@@ -266,14 +262,25 @@ class pool_base : public memory_resource {
   bool free_known_complete(std::uintptr_t stream, std::uint64_t epoch) {
     return free_is_complete(stream, epoch, nullptr);
   }
-  // Small requests may take free space of the large arena before the pool grows
-  // (caching_pool: so an up-front reservation serves every size).
-  virtual bool small_may_use_large_arena() const noexcept { return false; }
-  // Where small requests may use the large arena: the piece of a large free block a small
-  // miss moves into the small arena (move_free_piece), so the small requests after it are
-  // served there, through the thread caches' class lists; 0: none moved, each small miss
-  // takes its block from the large arena itself.
-  virtual std::size_t small_piece_bytes() const noexcept { return 0; }
+  // How the shared paths use the free space of a pool whose segments cannot be remapped
+  // (caching_pool). The default, all off, suits a pool that remaps pages instead
+  // (vmm_page_pool). Set by the subclass constructor, before any allocation.
+  struct fixed_segments_policy {
+    // Small requests may take free space of the large arena before the pool grows (so an
+    // up-front reservation serves every size).
+    bool small_may_use_large_arena = false;
+    // Where they may: the piece of a large free block a small miss moves into the small
+    // arena (move_free_piece), so the small requests after it are served there, through
+    // the thread caches' class lists; 0: none moved, each small miss takes its block from
+    // the large arena itself.
+    std::size_t small_piece_bytes = 0;
+    // For the out-of-memory report: what the user can do when the pool's free bytes would
+    // hold the request but no free run does ("" when nothing).
+    std::string_view advice_when_free_is_split;
+  };
+  void set_fixed_segments_policy(const fixed_segments_policy& policy) noexcept {
+    fixed_segments_ = policy;
+  }
   // Moves the first `bytes` of the smallest free block of arena `from` on `stream` that holds
   // them (and that a request of `bytes` may split: block_arena::restrict_segment) into
   // arena `to`, as a free region of the same segment, freed at the same epoch. false when
@@ -523,6 +530,7 @@ class pool_base : public memory_resource {
   resource_stats stats_{};
   pool_observer* observer_ = nullptr;
   detail::recent_frees recent_frees_;  // guarded by mutex_
+  fixed_segments_policy fixed_segments_;  // set before any allocation, then read only
 };
 
 }  // namespace gpumem
