@@ -16,8 +16,11 @@ write).
 
 The workload follows `gpumem serve-sim` (tools/serve_sim.hpp): log-normal prompt and
 output lengths (sigma 1), a fraction of requests opening with one of a few shared system
-prompts, a fraction sampling 2..4 outputs; `gpumem serve-sim` with the same flags gives
-the simulator's prefix hit rate for comparison (the command is printed with --json).
+prompts, a fraction sampling 2..4 outputs. --workload-out PATH writes the requests that
+arrived (a workload file: one request per line, ARRIVAL_SECONDS OUTPUT_TOKENS SAMPLES
+TOKEN...), and `gpumem serve-sim --workload PATH` serves the very same requests, so its
+prefix hit rate is the simulator's prediction for this run (the command is printed);
+--workload PATH serves a file's requests here (token ids modulo the vocabulary).
 
 Both modes run the same model code and the same Triton decode kernel
 (gpumem.kv_attention.paged_decode): the contiguous cache is one tensor in the same block
@@ -55,7 +58,40 @@ GiB = 1 << 30
 Request = collections.namedtuple("Request", "rid arrival prompt output samples")
 
 
+def read_workload(path, vocab):
+    """The requests of a workload file (see the module text)."""
+    reqs = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            fields = line.split()
+            if not fields or fields[0].startswith("#"):
+                continue
+            try:
+                arrival, out, samples = float(fields[0]), int(fields[1]), int(fields[2])
+                prompt = [3 + int(t) % (vocab - 3) for t in fields[3:]]
+            except (ValueError, IndexError):
+                raise SystemExit("serve_llama: %s line %d is not ARRIVAL OUTPUT SAMPLES TOKEN..."
+                                 % (path, number))
+            if out < 1 or samples < 1 or not prompt or not math.isfinite(arrival):
+                raise SystemExit("serve_llama: %s line %d: output, samples and the prompt must "
+                                 "be non-empty" % (path, number))
+            reqs.append(Request(len(reqs), arrival, prompt, out, samples))
+    if not reqs:
+        raise SystemExit("serve_llama: %s holds no request" % path)
+    return reqs
+
+
+def write_workload(path, reqs):
+    with open(path, "w") as f:
+        f.write("# arrival_seconds output_tokens samples prompt_tokens...\n")
+        for r in reqs:
+            f.write("%.6f %d %d %s\n" % (r.arrival, r.output, r.samples,
+                                         " ".join(str(t) for t in r.prompt)))
+
+
 def make_workload(a):
+    if a.workload:
+        return read_workload(a.workload, a.vocab)
     rng = random.Random(a.seed)
     systems = [[rng.randint(3, a.vocab - 1) for _ in range(a.system_prompt_tokens)]
                for _ in range(a.system_prompts)]
@@ -190,6 +226,7 @@ class Engine:
         self.waiting = collections.deque()
         self.preemptions = 0
         self.rejected = 0
+        self.arrived = []  # requests in arrival order, as they came
         self.ttft = []
         self.generated = 0
         self.peak_concurrent = 0
@@ -362,6 +399,7 @@ class Engine:
                 now = pending[0].arrival
             while pending and pending[0].arrival <= now:
                 r = pending.popleft()
+                self.arrived.append(r)
                 arrived_at[r.rid] = time.perf_counter()
                 self.waiting.append((r, False))
             if self.swapped:
@@ -413,7 +451,7 @@ class Engine:
         def pct(p):
             return ttft[min(len(ttft) - 1, int(p * len(ttft)))] if ttft else 0.0
 
-        r = {"mode": self.mode, "requests": self.a.requests, "seconds": round(wall, 3),
+        r = {"mode": self.mode, "requests": len(self.arrived), "seconds": round(wall, 3),
              "generated_tokens": self.generated,
              "tokens_per_s": round(self.generated / wall, 1) if wall else 0.0,
              "ttft_mean_s": round(sum(ttft) / len(ttft), 4) if ttft else 0.0,
@@ -469,6 +507,10 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--duration", type=float, default=0, help="stop after this many seconds")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--workload", help="serve this workload file's requests (see the module "
+                   "text) instead of generated ones")
+    p.add_argument("--workload-out", help="write the requests that arrived (paged mode, else "
+                   "the only mode run) as a workload file for gpumem serve-sim --workload")
     p.add_argument("--json", action="store_true", help="JSON lines only")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -486,6 +528,8 @@ def main(argv=None):
     for mode in modes:
         engine = Engine(a, model, mode)
         r = engine.run()
+        if a.workload_out and (mode == "paged" or len(modes) == 1):
+            write_workload(a.workload_out, engine.arrived)
         if engine.kv is not None:
             r["kv_valid"] = engine.kv.validate() == ""
             engine.kv.close()
@@ -500,13 +544,19 @@ def main(argv=None):
                   % (mode, r["tokens_per_s"], r["ttft_mean_s"], r["ttft_p99_s"],
                      r["peak_concurrent"], 100 * r["prefix_hit_rate"], r["kv_bytes_peak"] / GiB,
                      r["kv_bytes_mean"] / GiB, r["preemptions"]), flush=True)
-    sim = ("gpumem serve-sim --strategy paged_prefix --budget %d --requests %d --rate %s "
-           "--load-period 0 --seed %d --max-model-len %d --prompt-median %g --output-median %g "
-           "--shared-prefix %g --multi-sample %g --layers %d --kv-heads %d --head-dim %d "
-           "--dtype bf16 --block-tokens %d --json"
-           % (a.budget, a.requests, a.rate if math.isfinite(a.rate) else "1e12", a.seed,
-              a.max_model_len, a.prompt_median, a.output_median, a.shared_prefix,
-              a.multi_sample, a.layers, a.kv_heads, a.hidden // a.heads, a.block_tokens))
+    shape = ("--layers %d --kv-heads %d --head-dim %d --dtype bf16 --block-tokens %d "
+             "--max-model-len %d --preempt %s --json"
+             % (a.layers, a.kv_heads, a.hidden // a.heads, a.block_tokens, a.max_model_len,
+                a.preempt))
+    if a.workload_out or a.workload:
+        sim = "gpumem serve-sim --strategy paged_prefix --budget %d --workload %s %s" % (
+            a.budget, a.workload_out or a.workload, shape)
+    else:
+        sim = ("gpumem serve-sim --strategy paged_prefix --budget %d --requests %d --rate %s "
+               "--load-period 0 --seed %d --prompt-median %g --output-median %g "
+               "--shared-prefix %g --multi-sample %g %s"
+               % (a.budget, a.requests, a.rate if math.isfinite(a.rate) else "1e12", a.seed,
+                  a.prompt_median, a.output_median, a.shared_prefix, a.multi_sample, shape))
     if a.json:
         print(json.dumps({"simulator_command": sim}))
     else:

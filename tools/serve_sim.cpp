@@ -23,15 +23,11 @@ namespace gpumem::cli {
 
 namespace {
 
-struct request {
-  double arrival = 0;
-  std::vector<token_id> prompt;
-  std::size_t output = 0;
-  std::size_t samples = 1;
-};
+using request = serve_request;
 
-// The workload: a function of the config (and its seed) alone.
+// The workload: the one given, else a function of the config (and its seed) alone.
 std::vector<request> make_workload(const serve_sim_config& c) {
+  if (!c.workload.empty()) return c.workload;
   std::mt19937_64 rng(c.seed);
   std::exponential_distribution<double> gap(c.arrival_rate);
   std::lognormal_distribution<double> prompt_len(std::log(c.prompt_median), c.prompt_sigma);
@@ -309,7 +305,7 @@ bool serve_sim_uses_tiers(const std::string& strategy) {
 serve_sim_result run_serve_sim(const serve_sim_config& c, const std::string& strategy,
                                platform& p) {
   if (auto why = c.layout.validate(); !why.empty()) throw invalid_argument("serve-sim: " + why);
-  if (c.requests == 0 || c.arrival_rate <= 0 || c.step_seconds <= 0 || c.max_model_len < 16 ||
+  if ((c.workload.empty() && c.requests == 0) || c.arrival_rate <= 0 || c.step_seconds <= 0 || c.max_model_len < 16 ||
       c.prompt_median < 1 || c.output_median < 1)
     throw invalid_argument("serve-sim: requests, rate, step time and lengths must be positive");
   if (c.instances == 0 || c.instances > 1024)

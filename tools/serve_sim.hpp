@@ -24,7 +24,7 @@
 // waits for its write-backs (a real engine's steps are slow enough for them), so tier hits
 // do not depend on the speed of the host running the simulation.
 //
-// Determinism: the workload depends on the seed alone; each strategy serves the same
+// Determinism: the workload depends on the seed alone (or is the one given); each strategy serves the same
 // requests in the same order; metrics other than host speed are reproducible.
 #pragma once
 
@@ -35,6 +35,7 @@
 
 #include "gpumem/kv/kv_layout.hpp"
 #include "gpumem/platform/platform.hpp"
+#include "serve_workload.hpp"
 
 namespace gpumem::cli {
 
@@ -61,6 +62,9 @@ struct serve_sim_config {
   std::size_t host_tier_bytes = 0;  // 0: no host tier
   std::string kv_store_url;         // "": no Redis tier
   bool tier_write_through = false;  // every evicted block to every tier
+  // The requests to serve; empty: generated from the seed and the fields above (requests,
+  // rate, lengths, shared prompts, samples).
+  std::vector<serve_request> workload;
 };
 
 struct serve_sim_tier_result {

@@ -34,6 +34,9 @@ int run_serve_sim(int argc, char** argv) {
       .option("load-period", "SECONDS",
               "arrivals swing between 10% and 100% of --rate over this period (0: constant)", "60")
       .option("seed", "N", "workload seed", "1")
+      .option("workload", "PATH",
+              "serve the requests of this file instead of generated ones: one per line, "
+              "ARRIVAL_SECONDS OUTPUT_TOKENS SAMPLES TOKEN... (examples/serve_llama.py --workload-out writes one)")
       .option("max-model-len", "TOKENS", "longest sequence (what contiguous reserves)", "4096")
       .option("prompt-median", "TOKENS", "median user prompt (log-normal, sigma 1)", "256")
       .option("output-median", "TOKENS", "median output (log-normal, sigma 1)", "160")
@@ -86,6 +89,10 @@ int run_serve_sim(int argc, char** argv) {
   c.host_tier_bytes = *args.bytes("host-tier", 0);
   c.instances = static_cast<std::size_t>(*args.integer("instances", 1, 1024));
   c.tier_write_through = args.has("tier-write-through");
+  if (args.has("workload")) {
+    c.workload = read_serve_workload(args.value_or("workload", ""));
+    c.requests = c.workload.size();
+  }
   // A bad URL, or a build without the Redis tier, says so before anything runs.
   if (!c.kv_store_url.empty()) (void)make_redis_store(c.kv_store_url);
 

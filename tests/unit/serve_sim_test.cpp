@@ -2,9 +2,15 @@
 // runs are reproducible, and the strategies differ the way their memory use says.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+
 #include "gpumem/errors.hpp"
 #include "gpumem/platform/sim_platform.hpp"
 #include "../../tools/serve_sim.hpp"
+#include "../../tools/serve_workload.hpp"
 
 namespace {
 
@@ -135,6 +141,71 @@ TEST(ServeSim, RefusesBadConfigs) {
   c = small();
   c.kv_store_url = "memcached://127.0.0.1:1";
   EXPECT_THROW(run_serve_sim(c, "paged_prefix", sim), gpumem::invalid_argument);
+}
+
+// A workload file in a temporary directory, removed with the object.
+struct workload_file {
+  std::string path;
+  explicit workload_file(const std::string& text) {
+    path = (::testing::TempDir().empty() ? std::string("/tmp/") : ::testing::TempDir()) +
+           "gpumem_workload_" + std::to_string(::getpid()) + "_" +
+           std::to_string(reinterpret_cast<std::uintptr_t>(this)) + ".txt";
+    std::ofstream(path) << text;
+  }
+  ~workload_file() { std::remove(path.c_str()); }
+};
+
+std::string tokens(int first, int count) {
+  std::string out;
+  for (int i = 0; i < count; ++i) out += " " + std::to_string(first + i);
+  return out;
+}
+
+TEST(ServeSim, ServesTheRequestsOfAWorkloadFile) {
+  // Two requests with one 65-token prompt (4 full blocks looked up each; the second finds
+  // all 4 cached) and one of 33 other tokens (2 looked up, none found): 4 hits of 10.
+  const workload_file f("# arrival output samples tokens\n"
+                        "0 8 1" + tokens(100, 65) + "\n\n"
+                        "5.5 4 2" + tokens(1000, 33) + "\n"
+                        "60 8 1" + tokens(100, 65) + "\n");
+  auto c = small();
+  c.workload = gpumem::cli::read_serve_workload(f.path);
+  ASSERT_EQ(c.workload.size(), 3u);
+  EXPECT_EQ(c.workload[1].samples, 2u);
+  EXPECT_EQ(c.workload[1].output, 4u);
+  EXPECT_DOUBLE_EQ(c.workload[1].arrival, 5.5);
+  EXPECT_EQ(c.workload[2].prompt.front(), 100);
+  EXPECT_EQ(c.workload[2].prompt.size(), 65u);
+  c.requests = 0;  // ignored: the file's requests are served
+  const auto r = run(c, "paged_prefix");
+  EXPECT_EQ(r.completed, 3u);
+  EXPECT_DOUBLE_EQ(r.prefix_hit_rate, 0.4);
+  EXPECT_DOUBLE_EQ(run(c, "paged").prefix_hit_rate, 0.0);
+}
+
+TEST(ServeSim, RefusesBadWorkloadFilesNamingTheLine) {
+  const auto refused = [](const std::string& text, const std::string& says) {
+    const workload_file f(text);
+    try {
+      (void)gpumem::cli::read_serve_workload(f.path);
+      ADD_FAILURE() << "accepted: " << text;
+    } catch (const gpumem::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  refused("# nothing\n\n", "holds no request");
+  refused("0 8 1 5\nx 8 1 5\n", "line 2: arrival 'x'");
+  refused("0 8 1 5\n-1 8 1 5\n", "line 2: arrival '-1'");
+  refused("3 8 1 5\n2 8 1 5\n", "line 2: arrival 2 is before");
+  refused("0 0 1 5\n", "line 1: output tokens '0'");
+  refused("0 8 0 5\n", "line 1: samples '0'");
+  refused("0 8 1\n", "line 1: no prompt token");
+  refused("0 8 1 5 -3\n", "line 1: token '-3'");
+  refused("0 8 1 5 2147483648\n", "line 1: token '2147483648'");
+  refused("0 8\n", "line 1: no samples");
+  refused("inf 8 1 5\n", "line 1: arrival 'inf'");
+  EXPECT_THROW((void)gpumem::cli::read_serve_workload("/nonexistent/gpumem/workload.txt"),
+               gpumem::invalid_argument);
 }
 
 }  // namespace
