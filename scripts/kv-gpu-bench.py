@@ -91,7 +91,7 @@ def bench_hf(a):
         [(1, 128), (1, 4096), (8, 1024), (32, 128), (32, 4096)]
     if a.hf_points:
         grid = [tuple(int(x) for x in point.split("x")) for point in a.hf_points.split(",")]
-    kinds = ["dynamic", "static", "gpumem", "gpumem_paged"]
+    kinds = ["dynamic", "static", "gpumem", "gpumem_paged", "gpumem_contiguous"]
 
     def run(kind, batch, prompt, new):
         ids = torch.randint(3, a.vocab - 1, (batch, prompt), device="cuda",
@@ -105,8 +105,9 @@ def bench_hf(a):
         elif kind == "static":
             kw["cache_implementation"] = "static"
         else:
-            cache = ghf.GpumemCache(model.config,
-                                    attention="paged" if kind == "gpumem_paged" else "gather")
+            cache = ghf.GpumemCache(model.config, attention={
+                "gpumem": "gather", "gpumem_paged": "paged",
+                "gpumem_contiguous": "contiguous"}[kind])
             kw["past_key_values"] = cache
         set_attn(paged_name if kind == "gpumem_paged" else default_attn)
         gc.collect()
@@ -130,12 +131,15 @@ def bench_hf(a):
             row["gpumem_kv_peak"] = mem["peak_mapped_bytes"]
             row["kv_held_end"] = mem["mapped_bytes"]
             row["kv_over_live"] = round(mem["peak_mapped_bytes"] / row["live_kv_bytes"], 4)
-            row["cow_copies"] = cache.kv_cache.stats()["cow_copies"]
+            if cache.kv_cache is not None:
+                row["cow_copies"] = cache.kv_cache.stats()["cow_copies"]
             if kind == "gpumem_paged":
                 row["decode_layers_paged"] = cache.decode_layers_paged
                 row["decode_layers_gathered"] = cache.decode_layers_gathered
+            kv = cache.kv_cache
             cache.release()
-            cache.kv_cache.close()
+            if kv is not None:
+                kv.close()
         else:
             row["kv_held_end"] = held
             row["kv_over_live"] = round(held / row["live_kv_bytes"], 4)
@@ -151,15 +155,22 @@ def bench_hf(a):
     set_attn(default_attn)
     for batch, prompt in grid:
         # The first generate at a shape pays for what is built per shape (cuDNN attention
-        # plans for each new key length): an untimed run first, so no cache kind pays it.
+        # plans for each new key length and key strides): untimed runs first, one for each
+        # kind of key tensor (contiguous as DynamicCache's; the contiguous cache's strided
+        # views), so no cache kind pays it in a timed run.
         run("dynamic", batch, prompt, a.new_tokens)
-        for kind in kinds:
-            try:
-                emit(run(kind, batch, prompt, a.new_tokens))
-            except Exception as e:  # one failure must not hide the other rows
-                emit({"bench": "hf_generate", "cache": kind, "batch": batch, "prompt": prompt,
-                      "error": "%s: %s" % (type(e).__name__, str(e)[:400])})
-                torch.cuda.empty_cache()
+        run("gpumem_contiguous", batch, prompt, a.new_tokens)
+        for repeat in range(a.hf_repeats):
+            # Sides alternate: each repeat runs the caches in the reverse order of the last.
+            for kind in (kinds if repeat % 2 == 0 else kinds[::-1]):
+                try:
+                    row = run(kind, batch, prompt, a.new_tokens)
+                    row["repeat"] = repeat
+                    emit(row)
+                except Exception as e:  # one failure must not hide the other rows
+                    emit({"bench": "hf_generate", "cache": kind, "batch": batch,
+                          "prompt": prompt, "error": "%s: %s" % (type(e).__name__, str(e)[:400])})
+                    torch.cuda.empty_cache()
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -316,8 +327,11 @@ def bench_virtual(a):
 
 def bench_serve(a):
     import serve_llama
+    import tempfile
+    workload = os.path.join(tempfile.mkdtemp(prefix="gpumem_serve_"), "workload.txt")
     args = ["--mode", "both", "--json", "--requests", str(a.serve_requests), "--rate",
-            str(a.serve_rate), "--budget", a.serve_budget, "--duration", str(a.serve_duration)]
+            str(a.serve_rate), "--budget", a.serve_budget, "--duration", str(a.serve_duration),
+            "--workload-out", workload]
     rows = []
     import io
     import contextlib
@@ -345,8 +359,19 @@ def bench_serve(a):
         cmd = [cli] + sim_cmd.split()[1:]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            emit({"bench": "serve_sim", "command": " ".join(cmd), "rc": res.returncode,
-                  "output": res.stdout.strip()[-4000:]})
+            row = {"bench": "serve_sim", "command": " ".join(cmd), "rc": res.returncode}
+            if res.returncode == 0:
+                sim = json.loads(res.stdout)[0]
+                row["sim_prefix_hit_rate"] = round(sim["prefix_hit_rate"], 4)
+                row["sim_completed"] = sim["completed"]
+                if "paged" in by and sim["prefix_hit_rate"]:
+                    # The engine's hit rate over the simulator's, for the same requests.
+                    row["engine_prefix_hit_rate"] = by["paged"]["prefix_hit_rate"]
+                    row["engine_over_sim"] = round(by["paged"]["prefix_hit_rate"] /
+                                                   sim["prefix_hit_rate"], 4)
+            else:
+                row["output"] = (res.stdout + res.stderr).strip()[-2000:]
+            emit(row)
         except Exception as e:
             emit({"bench": "serve_sim", "error": str(e)})
 
@@ -358,6 +383,8 @@ def main():
     p.add_argument("--full", action="store_true", help="the whole batch x prompt grid")
     p.add_argument("--out", help="also append the JSON lines to this file")
     p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--hf-repeats", type=int, default=1,
+                   help="runs of every cache at each HF point, sides alternating")
     p.add_argument("--hf-points", help="batch x prompt points of the HF bench, e.g. 8x1024,32x128")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=2048)

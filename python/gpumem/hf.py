@@ -26,6 +26,13 @@ With attention="paged" (register_paged_attention() and model.set_attn_implementa
 kernel of gpumem.kv_attention instead of gathering them; prefill and padded batches take
 the gathered path through SDPA.
 
+With attention="contiguous", the batch's rows live side by side in one virtually contiguous
+range instead of blocks (gpumem/_hf_contiguous.py): update() copies only the new tokens in
+and returns strided views that any attention implementation reads as they are, with
+nothing gathered; the range grows by pages (at most one partly used page in all) and is
+reserved for max_sequence_tokens (default: the config's max_position_embeddings). Rows do
+not share prompt blocks there: beam search and batch changes copy rows; crop() works.
+
 Checked at the first update, with a clear error: the model's layers, KV heads, head_dim
 and dtype against the cache's layout (when one was given), and the interface of the
 installed transformers (a Cache with `layers`).
@@ -35,6 +42,7 @@ import weakref
 
 import gpumem
 import gpumem.kv as gkv
+from gpumem._hf_contiguous import ContiguousRows
 
 try:
     import torch
@@ -118,7 +126,8 @@ class _Layer(_LayerBase):
 
     @property
     def max_batch_size(self):
-        return len(self._owner._seqs)
+        rows = self._owner._rows
+        return rows.rows if rows is not None else len(self._owner._seqs)
 
     @property
     def max_cache_len(self):
@@ -133,8 +142,9 @@ class GpumemCache(_Base):
     dtype: the KV dtype (default: that of the first keys seen); block_tokens; max_blocks,
         pool, device, scrub, max_sequence_tokens: passed to KVCache.
     share_prompt_rows: equal prompt rows share blocks (see the module text).
-    attention: "gather" (any attention implementation) or "paged" (the Triton decode
-        through register_paged_attention())."""
+    attention: "gather" (any attention implementation), "paged" (the Triton decode
+        through register_paged_attention()) or "contiguous" (the rows in one virtually
+        contiguous range, read as strided views; see the module text)."""
 
     is_compileable = False
 
@@ -150,8 +160,12 @@ class GpumemCache(_Base):
                                                block_tokens=block_tokens)
         if kv_cache is not None:
             layout = kv_cache.layout
-        if attention not in ("gather", "paged"):
-            raise ValueError("gpumem.hf.GpumemCache: attention must be 'gather' or 'paged'")
+        if attention not in ("gather", "paged", "contiguous"):
+            raise ValueError("gpumem.hf.GpumemCache: attention must be 'gather', 'paged' or "
+                             "'contiguous'")
+        if attention == "contiguous" and kv_cache is not None:
+            raise ValueError("gpumem.hf.GpumemCache: attention='contiguous' keeps its rows in "
+                             "a range of its own, not in a given KVCache")
         self._layout = layout
         self._dtype_given = dtype is not None or kv_cache is not None
         self._kv = kv_cache
@@ -160,6 +174,11 @@ class GpumemCache(_Base):
         self._device = device
         self._share = share_prompt_rows
         self._attention = attention
+        self._pool = pool
+        self._rows = None  # attention="contiguous": the batch's ContiguousRows
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self._max_tokens = max_sequence_tokens or \
+            getattr(text, "max_position_embeddings", None) or 8192
         self._seqs = []
         self._length = 0
         self._step = None  # per-forward index tensors, made at layer 0
@@ -208,7 +227,7 @@ class GpumemCache(_Base):
 
     @property
     def is_croppable(self):
-        return False
+        return self._attention == "contiguous"
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None, *args, **kwargs):
         if key_states.dim() != 4:
@@ -228,6 +247,8 @@ class GpumemCache(_Base):
                 "(gpumem.hf.register_paged_attention(), then "
                 "model.set_attn_implementation('%s'))" % (layer, PAGED_ATTENTION,
                                                            PAGED_ATTENTION))
+        if self._attention == "contiguous":
+            return self._update_contiguous(key_states, value_states, layer_idx)
         if layer_idx == 0:
             self._begin_step(key_states)
         elif self._step is None:
@@ -261,20 +282,29 @@ class GpumemCache(_Base):
         self._remap_rows([int(i) for i in torch.as_tensor(indices).flatten().tolist()])
 
     def batch_repeat_interleave(self, repeats):
-        self._remap_rows([i for i in range(len(self._seqs)) for _ in range(int(repeats))])
+        rows = self._rows.rows if self._rows is not None else len(self._seqs)
+        self._remap_rows([i for i in range(rows) for _ in range(int(repeats))])
 
     def crop(self, tokens):
         """transformers' crop: a negative count removes that many tokens, a positive one is
-        the length to keep, 0 keeps everything. Only a crop that removes nothing is done:
-        the cache keeps whole sequences (is_croppable is False)."""
+        the length to keep, 0 keeps everything. With attention="contiguous" the tokens
+        past the kept length are dropped (their pages stay mapped for the next tokens);
+        otherwise only a crop that removes nothing is done: the cache keeps whole sequences
+        (is_croppable is False)."""
         keep = self._length + tokens if tokens < 0 else (tokens if tokens > 0 else self._length)
         if keep >= self._length:
+            return
+        if self._rows is not None:
+            self._length = self._rows.length = max(keep, 0)
             return
         raise NotImplementedError("gpumem.hf: crop() (assisted decoding) is not supported: "
                                   "the cache keeps whole sequences")
 
     def reset(self):
         _ACTIVE[0] = None
+        if self._rows is not None:
+            self._rows.release()
+            self._rows = None
         for s in self._seqs:
             self._kv.free(s)
         self._seqs = []
@@ -291,11 +321,15 @@ class GpumemCache(_Base):
 
     @property
     def kv_cache(self):
+        """The gpumem.kv.KVCache the blocks live in (None with attention="contiguous")."""
         return self._kv
 
     def memory(self):
         """Device bytes the cache holds now, and its peak over the steps so far."""
-        mapped = self._kv.stats()["mapped_bytes"] if self._kv is not None else 0
+        if self._rows is not None:
+            mapped = self._rows.mapped_bytes()
+        else:
+            mapped = self._kv.stats()["mapped_bytes"] if self._kv is not None else 0
         return {"mapped_bytes": mapped, "peak_mapped_bytes": max(self.peak_mapped_bytes, mapped)}
 
     def _make_cache(self, key_states):
@@ -389,7 +423,92 @@ class GpumemCache(_Base):
                              "GpumemCache(share_prompt_rows=False)"
                              % (leaders[row], row, layer_idx))
 
+    def _update_contiguous(self, key_states, value_states, layer_idx):
+        batch, heads, tokens, dim = key_states.shape
+        if layer_idx == 0:
+            self._begin_step_contiguous(key_states)
+        elif self._step is None:
+            raise RuntimeError("gpumem.hf: layer %d updated before layer 0 in a forward pass"
+                               % layer_idx)
+        st = self._step
+        if (batch, tokens) != (st["batch"], st["tokens"]):
+            raise ValueError("gpumem.hf: layer %d got %d rows x %d tokens, layer 0 got %d x %d"
+                             % (layer_idx, batch, tokens, st["batch"], st["tokens"]))
+        if not 0 <= layer_idx < self._layout.layers:
+            raise gpumem.InvalidArgumentError(
+                gpumem.ERROR_INVALID_ARGUMENT, "gpumem.hf: layer %d of a %d-layer cache"
+                % (layer_idx, self._layout.layers))
+        self.layers[layer_idx].is_initialized = True
+        return self._rows.write(layer_idx, key_states, value_states, st["start"])
+
+    def _begin_step_contiguous(self, key_states):
+        batch, heads, tokens, dim = key_states.shape
+        if self._rows is None:
+            dtype = _dtype_name(key_states.dtype)
+            if not self._dtype_given:
+                self._layout = gkv.Layout(self._layout.layers, self._layout.kv_heads,
+                                          self._layout.head_dim, dtype,
+                                          self._layout.block_tokens)
+            self._check_model_layout(heads, dim, dtype)
+            device = self._device if self._device is not None else key_states.device.index or 0
+            self._rows = ContiguousRows(
+                self._layout, batch, tokens, max_tokens=self._max_tokens, pool=self._pool,
+                device=device,
+                stream=torch.cuda.current_stream(key_states.device).cuda_stream)
+            self._length = 0
+        elif batch != self._rows.rows:
+            raise ValueError("gpumem.hf: %d rows in this step, %d in the cache (the batch "
+                             "changed without reorder_cache / batch_select_indices)"
+                             % (batch, self._rows.rows))
+        elif self._length + tokens > self._max_tokens:
+            raise gpumem.InvalidArgumentError(
+                gpumem.ERROR_INVALID_ARGUMENT,
+                "gpumem.hf: %d tokens would exceed max_sequence_tokens %d"
+                % (self._length + tokens, self._max_tokens))
+        self._rows.reserve(tokens)
+        start = self._length
+        self._length = self._rows.length = start + tokens
+        self._step = {"batch": batch, "tokens": tokens, "start": start}
+        self.peak_mapped_bytes = max(self.peak_mapped_bytes, self._rows.mapped_bytes())
+
+    def _check_model_layout(self, heads, dim, dtype):
+        lay = self._layout
+        wrong = []
+        if heads != lay.kv_heads:
+            wrong.append("kv_heads %d (the cache has %d)" % (heads, lay.kv_heads))
+        if dim != lay.head_dim:
+            wrong.append("head_dim %d (the cache has %d)" % (dim, lay.head_dim))
+        if dtype != lay.dtype:
+            wrong.append("dtype %s (the cache has %s)" % (dtype, lay.dtype))
+        if wrong:
+            raise gpumem.InvalidArgumentError(
+                gpumem.ERROR_INVALID_ARGUMENT,
+                "gpumem.hf: the model's keys do not match the cache's layout: " +
+                ", ".join(wrong))
+
+    def _remap_rows_contiguous(self, sources):
+        if self._rows.select_rows(sources):
+            self._step = None
+            return
+        old = self._rows
+        new = ContiguousRows(self._layout, len(sources), old.length,
+                             max_tokens=self._max_tokens, pool=self._pool,
+                             device=old._views[0][0].device.index,
+                             stream=torch.cuda.current_stream(old._views[0][0].device)
+                             .cuda_stream)
+        try:
+            new.copy_rows_from(old, sources)
+        except Exception:
+            new.release()
+            raise
+        old.release()
+        self._rows = new
+        self._step = None
+
     def _remap_rows(self, sources):
+        if self._rows is not None:
+            self._remap_rows_contiguous(sources)
+            return
         if any(not 0 <= i < len(self._seqs) for i in sources):
             raise IndexError("gpumem.hf: row index out of range for %d rows" % len(self._seqs))
         new = []

@@ -129,6 +129,97 @@ class GenerateTest(unittest.TestCase):
             generate(self.model, cache, ids, mask, max_new_tokens=20, do_sample=False)
 
 
+class ContiguousTest(unittest.TestCase):
+    """attention="contiguous": the rows in one virtually contiguous range, strided views."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.model = small_llama()
+
+    def same_as_dynamic(self, ids, mask, seed=None, **kw):
+        if seed is not None:
+            torch.manual_seed(seed)
+        ref = generate(self.model, DynamicCache(), ids, mask, **kw)
+        cache = GpumemCache(self.model.config, attention="contiguous")
+        if seed is not None:
+            torch.manual_seed(seed)
+        out = generate(self.model, cache, ids, mask, **kw)
+        self.assertEqual(out.shape, ref.shape)
+        diff = (out != ref).nonzero()
+        self.assertEqual(diff.numel(), 0, "first differing (row, position): %s"
+                         % (diff[0].tolist() if diff.numel() else None))
+        self.assertIsNone(cache.kv_cache)
+        return cache, out
+
+    def test_greedy_one_prompt_and_memory(self):
+        ids, mask = prompts(1, 37)
+        cache, _ = self.same_as_dynamic(ids, mask, max_new_tokens=40, do_sample=False)
+        self.assertEqual(cache.get_seq_length(), 37 + 40 - 1)
+        lay = gkv.Layout.from_hf_config(self.model.config)
+        live = (37 + 40 - 1) * lay.layers * 2 * lay.kv_heads * lay.head_dim * 2
+        mem = cache.memory()
+        page = cache._rows._vs.info()["page_size"]
+        self.assertGreaterEqual(mem["mapped_bytes"], live)
+        self.assertLess(mem["mapped_bytes"], live + page, "more than one partly used page")
+        self.assertEqual(cache._rows._vs.validate(), "")
+        cache.release()
+        self.assertEqual(cache.memory()["mapped_bytes"], 0)
+
+    def test_greedy_left_padded_batch(self):
+        ids, mask = prompts(4, 50, pad_left=[(1, 13), (3, 30)])
+        self.same_as_dynamic(ids, mask, max_new_tokens=33, do_sample=False)
+
+    def test_beam_search_and_returned_sequences(self):
+        ids, mask = prompts(2, 40)
+        self.same_as_dynamic(ids, mask, max_new_tokens=20, num_beams=4,
+                             num_return_sequences=2, do_sample=False)
+        self.same_as_dynamic(ids, mask, seed=7, max_new_tokens=16, do_sample=True,
+                             num_return_sequences=3)
+
+    def test_crop_in_assisted_decoding(self):
+        # Prompt lookup decoding proposes tokens and crops the rejected ones off the cache.
+        ids, mask = prompts(1, 64)
+        ids[0, 32:48] = ids[0, 8:24]  # repeats for the lookup to find
+        cache, _ = self.same_as_dynamic(ids, mask, max_new_tokens=30, do_sample=False,
+                                        prompt_lookup_num_tokens=4)
+        self.assertTrue(cache.is_croppable)
+
+    def test_rows_change_and_refusals(self):
+        lay = gkv.Layout(layers=2, kv_heads=2, head_dim=32, dtype="f32")
+        cache = GpumemCache(layout=lay, dtype="f32", attention="contiguous",
+                            max_sequence_tokens=12)
+        k = [torch.randn(2, 2, 5, 32, device="cuda") for _ in range(2)]
+        v = [torch.randn(2, 2, 5, 32, device="cuda") for _ in range(2)]
+        for layer in range(2):
+            kk, vv = cache.update(k[layer], v[layer], layer)
+            self.assertTrue(torch.equal(kk, k[layer]) and torch.equal(vv, v[layer]))
+        cache.batch_repeat_interleave(2)  # rows 0,0,1,1: a new range
+        cache.reorder_cache(torch.tensor([3, 2, 1, 0]))  # in place
+        one = torch.randn(4, 2, 1, 32, device="cuda")
+        for layer in range(2):
+            kk, vv = cache.update(one, one, layer)
+            want = k[layer][[1, 1, 0, 0]]
+            self.assertTrue(torch.equal(kk[:, :, :5], want), "layer %d rows" % layer)
+            self.assertTrue(torch.equal(kk[:, :, 5:], one))
+            self.assertEqual(tuple(kk.shape), (4, 2, 6, 32))
+        self.assertEqual(cache.get_seq_length(), 6)
+        with self.assertRaisesRegex(IndexError, "out of range"):
+            cache.reorder_cache(torch.tensor([0, 1, 2, 4]))
+        with self.assertRaisesRegex(ValueError, "3 rows in this step, 4 in the cache"):
+            cache.update(torch.randn(3, 2, 1, 32, device="cuda"), one[:3], 0)
+        with self.assertRaisesRegex(gpumem.InvalidArgumentError, "max_sequence_tokens 12"):
+            cache.update(torch.randn(4, 2, 7, 32, device="cuda"),
+                         torch.randn(4, 2, 7, 32, device="cuda"), 0)
+        self.assertEqual(cache.get_seq_length(), 6, "a refused step changes nothing")
+        cache.crop(-2)
+        self.assertEqual(cache.get_seq_length(), 4)
+        cache.release()
+        wrong = GpumemCache(layout=lay, dtype="f32", attention="contiguous")
+        with self.assertRaisesRegex(gpumem.InvalidArgumentError, r"head_dim 16 \(the cache has 32\)"):
+            wrong.update(torch.randn(1, 2, 3, 16, device="cuda"),
+                         torch.randn(1, 2, 3, 16, device="cuda"), 0)
+
+
 class PagedAttentionTest(unittest.TestCase):
     def test_paged_decode_matches_sdpa_in_float32(self):
         try:
