@@ -85,6 +85,31 @@ TEST(RedisStore, MalformedUrlsAreRefusedWithTheReason) {
   EXPECT_THROW((void)make_redis_store("redis://h:1,h:2"), invalid_argument);
   EXPECT_THROW((void)make_redis_store("redis-cluster://h:1,:2"), invalid_argument);
   EXPECT_NO_THROW((void)make_redis_store("redis-cluster://127.0.0.1:1,127.0.0.1:2"));
+  // Credentials and the database.
+  const auto refused = [](const std::string& url, const std::string& says) {
+    try {
+      (void)make_redis_store(url);
+      ADD_FAILURE() << "accepted " << url;
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find("sekret"), std::string::npos)
+          << "the password is shown: " << e.what();
+    }
+  };
+  refused("redis://sekret@h:1", "[USER]:PASSWORD@");
+  refused("redis://:sekret%4@h:1", "cut short");
+  refused("redis://:sekret%zz@h:1", "two hex digits");
+  refused("redis://:sekret@h:1/x", "database 'x'");
+  refused("redis://:sekret@h:1/-1", "database '-1'");
+  refused("redis://:sekret@h:1/", "database ''");
+  refused("redis-cluster://:sekret@h:1,h:2/3", "database 0 only");
+  refused("redis://:sekret@h:0", "bad port");
+  refused("redis://:sekret@", "no host:port");
+  EXPECT_EQ(make_redis_store("redis://alice:sekret@127.0.0.1:1/2")->name(),
+            "redis://alice:***@127.0.0.1:1/2");
+  EXPECT_EQ(make_redis_store("redis://:p%40ss@127.0.0.1:1")->name(), "redis://:***@127.0.0.1:1");
+  EXPECT_EQ(make_redis_store("redis-cluster://:x@127.0.0.1:1,127.0.0.1:2/0")->name(),
+            "redis-cluster://:***@127.0.0.1:1,127.0.0.1:2/0");
 }
 
 class HostStore : public ::testing::Test {

@@ -100,8 +100,11 @@ inline std::string run_output(const std::vector<std::string>& args) {
 class redis_server {
  public:
   // extra: more redis-server arguments ("--maxmemory", "2mb", ...).
+  // A "--requirepass", "PASSWORD" pair in extra: redis-cli here authenticates with it.
   explicit redis_server(std::vector<std::string> extra = {}, int port = 0)
       : extra_(std::move(extra)), port_(port != 0 ? port : free_loopback_port()) {
+    for (std::size_t i = 0; i + 1 < extra_.size(); ++i)
+      if (extra_[i] == "--requirepass") password_ = extra_[i + 1];
     char tmpl[] = "/tmp/gpumem-redis-XXXXXX";
     dir_ = ::mkdtemp(tmpl);
     start();
@@ -153,12 +156,14 @@ class redis_server {
   std::string cli(std::vector<std::string> args) const {
     std::vector<std::string> full{find_program("redis-cli"), "-h", "127.0.0.1", "-p",
                                   std::to_string(port_)};
+    if (!password_.empty()) full.insert(full.end(), {"--no-auth-warning", "-a", password_});
     full.insert(full.end(), args.begin(), args.end());
     return run_output(full);
   }
   // Runs a redis-cli command in the background (e.g. DEBUG SLEEP) and returns at once.
   void cli_async(std::vector<std::string> args) const {
     std::vector<std::string> full{"redis-cli", "-h", "127.0.0.1", "-p", std::to_string(port_)};
+    if (!password_.empty()) full.insert(full.end(), {"--no-auth-warning", "-a", password_});
     full.insert(full.end(), args.begin(), args.end());
     std::vector<char*> argv;
     for (auto& a : full) argv.push_back(a.data());
@@ -182,6 +187,7 @@ class redis_server {
 
  private:
   std::vector<std::string> extra_;
+  std::string password_;
   int port_;
   std::string dir_;
   pid_t pid_ = 0;

@@ -72,6 +72,46 @@ TEST(RedisStore, TenantsAreApartBecauseTheSaltIsInTheKey) {
   EXPECT_EQ(hits(get_records(*s, payload, 1, 4, /*salt*/ 1)), 4u);
 }
 
+TEST(RedisStore, CredentialsAndTheDatabaseFromTheUrlOrTheOptions) {
+  GPUMEM_REQUIRE_REDIS();
+  redis_server server({"--requirepass", "s3cr:t@x"});
+  const std::string at = "127.0.0.1:" + std::to_string(server.port());
+  // The password percent-encoded in the URL, database 3.
+  auto s = make_redis_store("redis://:s3cr%3At%40x@" + at + "/3", fast_redis_options(300ms));
+  EXPECT_EQ(s->name(), "redis://:***@" + at + "/3");
+  ASSERT_EQ(put_records(*s, payload, 1, 5), 5u);
+  EXPECT_EQ(hits(get_records(*s, payload, 1, 5)), 5u);
+  EXPECT_EQ(server.cli({"-n", "3", "DBSIZE"}), "5\n");
+  EXPECT_EQ(server.cli({"DBSIZE"}), "0\n");
+  // The same through the options; a named ACL user.
+  server.cli({"ACL", "SETUSER", "kv", "on", ">pw2", "~*", "+@all"});
+  auto o = fast_redis_options(300ms);
+  o.username = "kv";
+  o.password = "pw2";
+  o.database = 3;
+  auto named = make_redis_store("redis://" + at, o);
+  EXPECT_EQ(hits(get_records(*named, payload, 1, 5)), 5u);
+  EXPECT_EQ(named->stats().errors, 0u);
+}
+
+TEST(RedisStore, RefusedCredentialsAreMissesCountedAndReportedWithoutThePassword) {
+  GPUMEM_REQUIRE_REDIS();
+  redis_server server({"--requirepass", "right"});
+  const std::string at = "127.0.0.1:" + std::to_string(server.port());
+  for (const std::string& url : {"redis://:xyzzy42@" + at, "redis://" + at}) {
+    report_lines r;
+    auto s = make_redis_store(url, fast_redis_options(300ms, r.sink()));
+    EXPECT_EQ(put_records(*s, payload, 1, 3), 0u) << url;
+    EXPECT_EQ(hits(get_records(*s, payload, 1, 3)), 0u) << url;
+    EXPECT_GE(s->stats().errors, 1u) << url;
+    EXPECT_EQ(r.count("xyzzy42"), 0u) << "the password is shown";
+    // A wrong password fails the connection's AUTH; none at all, its first command (the
+    // server answers NOAUTH, or drops an unauthenticated client's large value).
+    EXPECT_GE(r.count(url.find('@') != std::string::npos ? "AUTH: WRONGPASS" : ""), 1u) << url;
+  }
+  EXPECT_EQ(server.cli({"DBSIZE"}), "0\n");
+}
+
 TEST(RedisStore, ServerDownAtStartIsMissesThenItConnectsWhenItComes) {
   GPUMEM_REQUIRE_REDIS();
   report_lines r;

@@ -76,6 +76,35 @@ void redis_link::fail(const std::string& what) {
   backoff_ = std::min(backoff_ * 2, options_.backoff_max);
 }
 
+// AUTH and SELECT on a fresh connection, as the options ask; "" when it is ready for
+// commands, else what went wrong (never the password).
+std::string redis_link::introduce(redisContext* c) const {
+  const auto ask = [c](std::vector<std::string_view> args, const char* what) -> std::string {
+    std::vector<const char*> argv;
+    std::vector<std::size_t> lens;
+    for (auto a : args) {
+      argv.push_back(a.data());
+      lens.push_back(a.size());
+    }
+    redis_reply r(static_cast<redisReply*>(
+        redisCommandArgv(c, static_cast<int>(argv.size()), argv.data(), lens.data())));
+    if (!r) return std::string(what) + ": " + (c->err != 0 ? c->errstr : "no reply");
+    if (r->type == REDIS_REPLY_ERROR) return std::string(what) + ": " + std::string(r->str, r->len);
+    return {};
+  };
+  if (!options_.password.empty()) {
+    auto why = options_.username.empty()
+                   ? ask({"AUTH", options_.password}, "AUTH")
+                   : ask({"AUTH", options_.username, options_.password}, "AUTH");
+    if (!why.empty()) return why;
+  }
+  if (options_.database != 0) {
+    const std::string db = std::to_string(options_.database);
+    if (auto why = ask({"SELECT", db}, "SELECT"); !why.empty()) return why;
+  }
+  return {};
+}
+
 bool redis_link::ready() {
   if (ctx_ != nullptr) return true;
   if (std::chrono::steady_clock::now() < next_attempt_) return false;
@@ -95,6 +124,11 @@ bool redis_link::ready() {
     const std::string why = c->errstr;
     redisFree(c);
     fail("set timeout: " + why);
+    return false;
+  }
+  if (auto why = introduce(c); !why.empty()) {
+    redisFree(c);
+    fail(why);
     return false;
   }
   ctx_ = c;

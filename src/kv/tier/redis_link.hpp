@@ -78,6 +78,7 @@ class redis_link {
 
  private:
   void fail(const std::string& what);
+  std::string introduce(redisContext* c) const;
   // The replies of a pipeline with `into` buffers, parsed here (see run()).
   bool read_simple_replies(std::size_t count, std::vector<redis_reply>& replies,
                            std::span<const std::span<std::byte>> into);

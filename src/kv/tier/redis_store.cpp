@@ -360,6 +360,31 @@ std::vector<redis_endpoint> parse_endpoints(std::string_view list, std::string_v
   return out;
 }
 
+// Percent-decodes a URL's user or password; throws invalid_argument on a bad escape.
+std::string percent_decoded(std::string_view text, std::string_view url) {
+  std::string out;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    if (text[i] != '%') {
+      out.push_back(text[i]);
+      continue;
+    }
+    const auto hex = [](char ch) {
+      return ch >= '0' && ch <= '9'   ? ch - '0'
+             : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10
+             : ch >= 'A' && ch <= 'F' ? ch - 'A' + 10
+                                      : -1;
+    };
+    if (i + 2 >= text.size())
+      throw invalid_argument("kv store URL '" + std::string(url) + "': a '%' escape is cut short");
+    const int hi = hex(text[i + 1]), lo = hex(text[i + 2]);
+    if (hi < 0 || lo < 0)
+      throw invalid_argument("kv store URL '" + std::string(url) + "': a '%' escape is not two hex digits");
+    out.push_back(static_cast<char>(hi * 16 + lo));
+    i += 2;
+  }
+  return out;
+}
+
 }  // namespace
 
 std::unique_ptr<kv_store> make_redis_store(std::string_view url, redis_store_options options) {
@@ -375,8 +400,37 @@ std::unique_ptr<kv_store> make_redis_store(std::string_view url, redis_store_opt
     throw invalid_argument("kv store URL '" + std::string(url) +
                            "': expected redis://HOST:PORT or redis-cluster://HOST:PORT,...");
   }
-  if (auto slash = rest.find('/'); slash != std::string_view::npos) rest = rest.substr(0, slash);
-  std::vector<redis_endpoint> seeds = parse_endpoints(rest, url);
+  // The name shown in reports and errors: the URL with the password hidden.
+  std::string name(url);
+  // [[USER]:PASSWORD@] before the hosts.
+  const auto path = rest.find('/');
+  if (const auto at = rest.substr(0, path).rfind('@'); at != std::string_view::npos) {
+    const std::string_view info = rest.substr(0, at);
+    const auto colon = info.find(':');
+    const std::size_t scheme = url.size() - rest.size();
+    if (colon == std::string_view::npos)
+      throw invalid_argument("kv store URL '" + std::string(url.substr(0, scheme)) +
+                             "***@" + std::string(url.substr(scheme + at + 1)) +
+                             "': user information must be [USER]:PASSWORD@");
+    name = std::string(url.substr(0, scheme + colon + 1)) + "***" +
+           std::string(url.substr(scheme + at));
+    options.username = percent_decoded(info.substr(0, colon), name);
+    options.password = percent_decoded(info.substr(colon + 1), name);
+    rest = rest.substr(at + 1);
+  }
+  if (auto slash = rest.find('/'); slash != std::string_view::npos) {
+    const std::string db(rest.substr(slash + 1));
+    char* end = nullptr;
+    const unsigned long v = std::strtoul(db.c_str(), &end, 10);
+    if (db.empty() || *end != '\0' || db[0] == '-' || v > 1000000)
+      throw invalid_argument("kv store URL '" + name + "': database '" + db +
+                             "' is not a whole number");
+    if (is_cluster && v != 0)
+      throw invalid_argument("kv store URL '" + name + "': a cluster has database 0 only");
+    options.database = static_cast<unsigned>(v);
+    rest = rest.substr(0, slash);
+  }
+  std::vector<redis_endpoint> seeds = parse_endpoints(rest, name);
   if (!is_cluster && seeds.size() != 1)
     throw invalid_argument("kv store URL '" + std::string(url) +
                            "': redis:// takes one HOST:PORT (redis-cluster:// takes several)");
@@ -384,7 +438,7 @@ std::unique_ptr<kv_store> make_redis_store(std::string_view url, redis_store_opt
       options.connect_timeout.count() <= 0 || options.backoff_min.count() <= 0 ||
       options.backoff_max < options.backoff_min)
     throw invalid_argument("redis store: pipeline_bytes, timeouts and backoff must be positive");
-  return std::make_unique<redis_kv_store>(std::string(url), std::move(seeds), is_cluster,
+  return std::make_unique<redis_kv_store>(std::move(name), std::move(seeds), is_cluster,
                                           std::move(options));
 }
 

@@ -46,6 +46,11 @@ struct redis_store_options {
   std::uint32_t ttl_seconds = 0;  // 0: keys live until Redis evicts them (maxmemory-policy)
   // Where an outage's first error and its recovery are reported (nullptr: stderr).
   std::function<void(const std::string&)> report;
+  // Sent on every connection before any command: AUTH [username] password when password
+  // is not empty (username empty: the server's default user), then SELECT database when
+  // it is not 0. A URL's user information and /DB take the place of these.
+  std::string username, password;
+  unsigned database = 0;
 };
 
 // "host:port" endpoints.
@@ -57,10 +62,13 @@ struct redis_endpoint {
 // true when this build has the Redis tier (hiredis was found at build time).
 bool redis_tier_available() noexcept;
 
-// A store for a URL: redis://HOST:PORT (one server) or redis-cluster://HOST:PORT,HOST:PORT,...
-// (seed nodes of a cluster). Connects lazily: a server that is down at start is a miss,
-// not an error here. Throws gpumem::invalid_argument for a malformed URL or when the build
-// has no Redis tier.
+// A store for a URL: redis://[[USER]:PASSWORD@]HOST:PORT[/DB] (one server) or
+// redis-cluster://[[USER]:PASSWORD@]HOST:PORT,HOST:PORT,... (seed nodes of a cluster, whose
+// only database is 0). USER and PASSWORD are percent-decoded (%40 for '@', %3A for ':');
+// the store's name() and its reports show the URL with the password as "***". Connects
+// lazily: a server that is down at start, or refuses the credentials, is a miss counted
+// and reported, not an error here. Throws gpumem::invalid_argument for a malformed URL or
+// when the build has no Redis tier.
 std::unique_ptr<kv_store> make_redis_store(std::string_view url, redis_store_options options = {});
 
 // The Redis Cluster hash slot of a key: CRC16 (XMODEM) of the key, or of the part between
