@@ -9,7 +9,8 @@ times the model's KV heads, so the range's layout is token-major:
 and each layer's keys (values) are one strided tensor [rows, kv_heads, tokens, head_dim]
 over it: update() copies only the new tokens in and returns views, so nothing is gathered
 or concatenated, and SDPA reads the views as they are (only the last dimension must be
-contiguous). The range holds at most one partly used page in all.
+contiguous). The range grows by at least 1/32 of what it holds, so it holds at most 1/32
+more than its tokens, plus one partly used page.
 
 Invariants: `held` tokens are mapped (the sequence's length); `length` <= `held` tokens
 are valid (crop lowers `length` only); the views over the whole reserved range are made
@@ -68,11 +69,14 @@ class ContiguousRows:
                 for layer in range(layout.layers)]
 
     def reserve(self, tokens):
-        """Room for `tokens` more valid tokens (maps pages only past what is held)."""
+        """Room for `tokens` more valid tokens. Past what is held, it maps at least 1/32 of
+        what it holds more (up to max_tokens): a decode step then rarely maps a page, and
+        the range holds at most 1/32 more than its tokens, plus a page."""
         need = self.length + tokens - self.held
         if need > 0:
-            self._vs.append(self._seq, need)
-            self.held += need
+            grow = min(max(need, self.held // 32), self.max_tokens - self.held)
+            self._vs.append(self._seq, max(grow, need))
+            self.held += max(grow, need)
 
     def write(self, layer, keys, values, start):
         """Copies keys/values [rows, kv_heads, n, head_dim] to tokens start..start+n of

@@ -29,8 +29,8 @@ the gathered path through SDPA.
 With attention="contiguous", the batch's rows live side by side in one virtually contiguous
 range instead of blocks (gpumem/_hf_contiguous.py): update() copies only the new tokens in
 and returns strided views that any attention implementation reads as they are, with
-nothing gathered; the range grows by pages (at most one partly used page in all) and is
-reserved for max_sequence_tokens (default: the config's max_position_embeddings). Rows do
+nothing gathered; the range grows by pages (by at least 1/32 of what it holds, so a
+decode step rarely maps one) and is reserved for max_sequence_tokens (default: the config's max_position_embeddings). Rows do
 not share prompt blocks there: beam search and batch changes copy rows; crop() works.
 
 Checked at the first update, with a clear error: the model's layers, KV heads, head_dim

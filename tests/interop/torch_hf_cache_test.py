@@ -160,7 +160,8 @@ class ContiguousTest(unittest.TestCase):
         mem = cache.memory()
         page = cache._rows._vs.info()["page_size"]
         self.assertGreaterEqual(mem["mapped_bytes"], live)
-        self.assertLess(mem["mapped_bytes"], live + page, "more than one partly used page")
+        self.assertLess(mem["mapped_bytes"], live + live // 32 + page,
+                        "more than 1/32 over the tokens and a partly used page")
         self.assertEqual(cache._rows._vs.validate(), "")
         cache.release()
         self.assertEqual(cache.memory()["mapped_bytes"], 0)
