@@ -4,7 +4,6 @@
 // in replay_peak.hpp, the tables and JSON in replay_report.hpp.
 #include <algorithm>
 #include <cerrno>
-#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -83,9 +82,9 @@ arg_parser replay_parser() {
       .flag("step-plan", "put a step planner in front of each pool and mark the steps of the "
                          "loop the trace ends with (its period; see find_steps), as a loop "
                          "calling gpumem.torch.mark_step() would")
-      .option("large-plan", "MIB", "put a large-request planner in front of each pool: requests "
-                                   "of at least MIB MiB are planned per step found without "
-                                   "marks (src/pool/plan/large_request_detector.hpp)")
+      .option("large-plan", "BYTES", "put a large-request planner in front of each pool: "
+                                     "requests of at least BYTES (e.g. 32M) are planned per "
+                                     "step found without marks (docs/PAGE_POOL.md)")
       .flag("json", "machine-readable output")
       .epilog("On sim, driver time is modelled from H200 measurements (the table in "
               "src/platform/sim_latency.cpp).\n"
@@ -210,14 +209,7 @@ replay_settings parse_settings(const parsed_args& args) {
   check_outputs(args);
   s.json = args.has("json");
   s.step_plan = args.has("step-plan");
-  if (auto mib = args.value("large-plan")) {
-    std::size_t n = 0;
-    const auto [end, ec] = std::from_chars(mib->data(), mib->data() + mib->size(), n);
-    if (ec != std::errc{} || end != mib->data() + mib->size() || n == 0 || n > (std::size_t{1} << 30))
-      throw invalid_argument("gpumem replay: --large-plan takes a size in MiB (1 or more), got '" +
-                             *mib + "'");
-    s.large_plan_bytes = n << 20;
-  }
+  s.large_plan_bytes = args.bytes("large-plan", 1).value_or(0);
   s.plot_path = args.value_or("plot", "");
   s.snapshot_path = args.value_or("snapshot", "");
   return s;
