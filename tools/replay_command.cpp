@@ -19,6 +19,7 @@
 #include "gpumem/backend.hpp"
 #include "gpumem/errors.hpp"
 #include "gpumem/platform.hpp"
+#include "gpumem/pool/plan/large_planner.hpp"
 #include "gpumem/pool/plan/step_planner.hpp"
 #include "gpumem/replay/plot.hpp"
 #include "gpumem/replay/trace.hpp"
@@ -81,6 +82,9 @@ arg_parser replay_parser() {
       .flag("step-plan", "put a step planner in front of each pool and mark the steps of the "
                          "loop the trace ends with (its period; see find_steps), as a loop "
                          "calling gpumem.torch.mark_step() would")
+      .option("large-plan", "BYTES", "put a large-request planner in front of each pool: "
+                                     "requests of at least BYTES (e.g. 32M) are planned per "
+                                     "step found without marks (docs/PAGE_POOL.md)")
       .flag("json", "machine-readable output")
       .epilog("On sim, driver time is modelled from H200 measurements (the table in "
               "src/platform/sim_latency.cpp).\n"
@@ -99,6 +103,7 @@ struct replay_settings {
   bool on_sim = true;
   bool json = false;
   bool step_plan = false;
+  std::size_t large_plan_bytes = 0;  // 0 unless --large-plan
   std::string plot_path;           // "" unless --plot
   std::string snapshot_path;       // "" unless --snapshot
   std::string snapshot_allocator;
@@ -204,6 +209,7 @@ replay_settings parse_settings(const parsed_args& args) {
   check_outputs(args);
   s.json = args.has("json");
   s.step_plan = args.has("step-plan");
+  s.large_plan_bytes = args.bytes("large-plan", 1).value_or(0);
   s.plot_path = args.value_or("plot", "");
   s.snapshot_path = args.value_or("snapshot", "");
   return s;
@@ -232,6 +238,14 @@ std::vector<replay_result> replay_allocators(const trace& t, const std::string& 
     }
     allocator_under_test a = make_allocator(name, p, 0, s.setup.options);
     if (s.step_plan) plan_steps(a);
+    if (s.large_plan_bytes != 0) {
+      if (auto* pool = dynamic_cast<pool_base*>(a.resource.get())) {
+        large_plan_options o;
+        o.threshold = s.large_plan_bytes;
+        a.pool = std::move(a.resource);
+        a.resource = std::make_unique<large_planner>(*pool, o);
+      }
+    }
     replay_options ro;
     ro.passes = s.setup.passes;
     ro.gpu_lag = s.setup.gpu_lag;

@@ -7,5 +7,6 @@
 #include "gpumem/pool/pool_factory.hpp"
 #include "gpumem/pool/core/pool_base.hpp"
 #include "gpumem/pool/pool_options.hpp"
+#include "gpumem/pool/plan/large_planner.hpp"
 #include "gpumem/pool/plan/step_planner.hpp"
 #include "gpumem/pool/vmm/vmm_page_pool.hpp"

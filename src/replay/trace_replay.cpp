@@ -12,6 +12,7 @@
 #include "gpumem/platform/sim_platform.hpp"
 #include "gpumem/platform/timed_platform.hpp"
 #include "gpumem/platform/status_error.hpp"
+#include "gpumem/pool/plan/large_planner.hpp"
 #include "gpumem/pool/plan/step_planner.hpp"
 
 namespace gpumem {
@@ -268,7 +269,9 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
   const lag_model lag{options.gpu_lag > 0 ? meter.sim() : nullptr};
   auto* planner = dynamic_cast<step_planner*>(&resource);
   // The pool runs on the trace's clock while it is replayed, and on its own again after.
-  trace_clock clock(p, t, planner != nullptr ? &planner->pool() : dynamic_cast<pool_base*>(&resource));
+  pool_base* clocked = planner != nullptr ? &planner->pool() : dynamic_cast<pool_base*>(&resource);
+  if (auto* lp = dynamic_cast<large_planner*>(&resource)) clocked = &lp->pool();
+  trace_clock clock(p, t, clocked);
   replay_run run{t, resource, options, streams.handles, clock, planner, lag.sim, r};
   op_counts calls_at_pass{};
   for (int pass = 0; pass < options.passes && !r.oom; ++pass) {

@@ -82,6 +82,11 @@ expect_err "for --capacity: must be at least 2.00 MiB (one page of the sim devic
 run "$gpumem" replay "$good" --device sim --capacity 3M --allocator runtime
 expect_rc 0 "--capacity 3M"
 expect_err "is not a whole number of 2.00 MiB pages: the sim device has 4.00 MiB"
+run "$gpumem" replay "$good" --device sim --large-plan 0
+expect_rc 2 "--large-plan 0"
+expect_err "for --large-plan"
+run "$gpumem" replay "$good" --device sim --large-plan 1M --allocator vmm_page_pool
+expect_rc 0 "--large-plan 1M"
 run "$gpumem" serve-sim --budget 8Q
 expect_rc 2 "--budget 8Q"
 expect_err "invalid value '8Q' for --budget"
