@@ -37,6 +37,7 @@ namespace {
 
 using gpumem::detail::c_api_fail;
 using gpumem::detail::c_api_vmm_state;
+using gpumem::detail::to_stream;
 
 gpumem_status fail_with(gpumem_status status, const char* where, const char* what) noexcept {
   try {
@@ -67,10 +68,6 @@ gpumem_status guarded(const char* where, F&& f) noexcept {
   } catch (...) {
     return c_api_fail(GPUMEM_ERROR_INTERNAL, "gpumem: unknown exception");
   }
-}
-
-gpumem::stream_handle to_stream(void* stream) noexcept {
-  return gpumem::stream_handle{reinterpret_cast<std::uintptr_t>(stream)};
 }
 
 // The pool's state, made now if need be. REQUIRES: parts.pool != nullptr.
