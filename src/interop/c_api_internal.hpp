@@ -43,6 +43,9 @@ gpumem_status guarded(const char* where, F&& f) noexcept {
   } catch (const gpumem::invalid_argument& e) {
     try { return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, with_where(e.what()).c_str()); }
     catch (...) { return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, e.what()); }
+  } catch (const gpumem::not_supported& e) {
+    try { return c_api_fail(GPUMEM_ERROR_NOT_SUPPORTED, with_where(e.what()).c_str()); }
+    catch (...) { return c_api_fail(GPUMEM_ERROR_NOT_SUPPORTED, e.what()); }
   } catch (const gpumem::cuda_error& e) {
     try { return c_api_fail(GPUMEM_ERROR_CUDA, with_where(e.what()).c_str()); }
     catch (...) { return c_api_fail(GPUMEM_ERROR_CUDA, e.what()); }
