@@ -36,7 +36,7 @@ namespace {
 // The pool has no lookup of one address, so this reads every segment's blocks: O(blocks),
 // paid once per allocation recorded (a pointer already in `recorded` is known live).
 // Guarded allocations (pool_options::guard) are in no segment: in guard mode every
-// pointer passes, as before this check.
+// pointer passes.
 // REQUIRES: pool.recorded_mutex held (no free of `addr` runs meanwhile).
 bool is_live_allocation(const pool_body& pool, std::uintptr_t addr) {
   if (pool.pool->options().guard) return true;
