@@ -104,108 +104,118 @@ double run_mixed(const allocator_fns& a, int steps, std::uint64_t seed) {
   return ns;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  std::string device = "auto", json_path;
-  int rounds = 5;
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--device") && i + 1 < argc) device = argv[++i];
-    else if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
-    else if (!std::strcmp(argv[i], "--rounds") && i + 1 < argc && std::atoi(argv[i + 1]) > 0)
-      rounds = std::atoi(argv[++i]);
-    else {
-      std::fprintf(stderr, "usage: pool_bench [--device auto|cuda|sim] [--rounds N] [--json FILE]\n");
-      return 2;
-    }
+// The allocators compared: the pools (each over a timed_platform of its own, so the time
+// its driver calls took inside the mixed loop is reported beside the pair's cost: growths,
+// remaps, releases) with their defaults, /units and /locked; the arena alone; the driver's
+// own allocators. Members are built in declaration order, each pool after its platform.
+struct bench_allocators {
+  explicit bench_allocators(platform& p) : p(p), raw_runtime(p, 0) {
+    bare_arena.add_region(std::uintptr_t{1} << 44, std::size_t{1} << 40, 1, 0);
   }
-  platform& p = platform_by_name(device);
-  const bool sim = p.kind() == "sim";
-  auto props = p.properties(0);
-  std::printf("pool_bench on %s (%s)%s\n", props ? props.value().name.c_str() : "?",
-              std::string(p.kind()).c_str(),
-              sim ? " -- sim: host-only figures, not GPU measurements" : "");
+  bench_allocators(const bench_allocators&) = delete;
+  bench_allocators& operator=(const bench_allocators&) = delete;
 
-  runtime_resource raw_runtime(p, 0);
-  // Every pool over a timed_platform of its own: the time its driver calls took inside
-  // the mixed loop (growths, remaps, releases) is reported beside the pair's cost.
+  static pool_options with_thread_cache_off() {
+    pool_options o;
+    o.thread_cache = false;
+    return o;
+  }
+  static pool_options with_units() {
+    pool_options o;
+    o.small_classes = 0;
+    return o;
+  }
+  timed_platform& timed_for_pool() { return *timed.emplace_back(std::make_unique<timed_platform>(p)); }
+
+  platform& p;
+  runtime_resource raw_runtime;
   std::vector<std::unique_ptr<timed_platform>> timed;
-  auto timed_for_pool = [&]() -> timed_platform& { return *timed.emplace_back(std::make_unique<timed_platform>(p)); };
   timed_platform& t_caching = timed_for_pool();
   timed_platform& t_vmm = timed_for_pool();
   timed_platform& t_caching_units = timed_for_pool();
   timed_platform& t_vmm_units = timed_for_pool();
   timed_platform& t_caching_locked = timed_for_pool();
   timed_platform& t_vmm_locked = timed_for_pool();
-  runtime_resource pool_upstream(t_caching, 0);
-  caching_pool caching(pool_upstream);
-  vmm_page_pool vmm_pool(t_vmm, 0);
-  pool_options locked_options;
-  locked_options.thread_cache = false;
-  pool_options units_options;
-  units_options.small_classes = 0;
-  runtime_resource units_upstream(t_caching_units, 0);
-  caching_pool caching_units(units_upstream, units_options);
-  vmm_page_pool vmm_units(t_vmm_units, 0, units_options);
-  runtime_resource locked_upstream(t_caching_locked, 0);
-  caching_pool caching_locked(locked_upstream, locked_options);
-  vmm_page_pool vmm_locked(t_vmm_locked, 0, locked_options);
-
+  runtime_resource pool_upstream{t_caching, 0};
+  caching_pool caching{pool_upstream};
+  vmm_page_pool vmm_pool{t_vmm, 0};
+  const pool_options locked_options = with_thread_cache_off();
+  const pool_options units_options = with_units();
+  runtime_resource units_upstream{t_caching_units, 0};
+  caching_pool caching_units{units_upstream, units_options};
+  vmm_page_pool vmm_units{t_vmm_units, 0, units_options};
+  runtime_resource locked_upstream{t_caching_locked, 0};
+  caching_pool caching_locked{locked_upstream, locked_options};
+  vmm_page_pool vmm_locked{t_vmm_locked, 0, locked_options};
   // The arena alone (see the top): a block's record stands in for its pointer.
-  detail::block_arena bare_arena(0, 512, 0);
-  bare_arena.add_region(std::uintptr_t{1} << 44, std::size_t{1} << 40, 1, 0);
+  detail::block_arena bare_arena{0, 512, 0};
   std::uint64_t arena_frees = 0;
 
-  std::vector<allocator_fns> allocators;
-  allocators.push_back({"vmm_page_pool", [&](std::size_t n) { return vmm_pool.allocate(n); },
-                        [&](void* q, std::size_t n) { vmm_pool.deallocate(q, n); }, 1, &t_vmm});
-  allocators.push_back({"caching_pool", [&](std::size_t n) { return caching.allocate(n); },
-                        [&](void* q, std::size_t n) { caching.deallocate(q, n); }, 1, &t_caching});
-  allocators.push_back({"vmm_page_pool/units",
-                        [&](std::size_t n) { return vmm_units.allocate(n); },
-                        [&](void* q, std::size_t n) { vmm_units.deallocate(q, n); }, 1, &t_vmm_units});
-  allocators.push_back({"caching_pool/units",
-                        [&](std::size_t n) { return caching_units.allocate(n); },
-                        [&](void* q, std::size_t n) { caching_units.deallocate(q, n); }, 1,
-                        &t_caching_units});
-  allocators.push_back({"vmm_page_pool/locked",
-                        [&](std::size_t n) { return vmm_locked.allocate(n); },
-                        [&](void* q, std::size_t n) { vmm_locked.deallocate(q, n); }, 1, &t_vmm_locked});
-  allocators.push_back({"caching_pool/locked",
-                        [&](std::size_t n) { return caching_locked.allocate(n); },
-                        [&](void* q, std::size_t n) { caching_locked.deallocate(q, n); }, 1,
-                        &t_caching_locked});
-  allocators.push_back({"block_arena (floor)",
-                        [&](std::size_t n) -> void* {
-                          detail::block* b = bare_arena.allocate(n, 512, 0, n);
-                          if (b == nullptr) throw std::runtime_error("block_arena: full");
-                          return b;
-                        },
-                        [&](void* q, std::size_t) {
-                          bare_arena.release(static_cast<detail::block*>(q), 0, ++arena_frees);
-                        }});
-  allocators.push_back({"cudaMallocAsync",
-                        [&](std::size_t n) {
-                          auto r = p.async_malloc(0, n, {});
-                          if (!r) throw std::runtime_error(r.error().describe());
-                          return r.value();
-                        },
-                        [&](void* q, std::size_t) {
-                          if (auto s = p.async_free(q, {}); !s) throw std::runtime_error(s.describe());
-                        }});
-  allocators.push_back({"cudaMalloc", [&](std::size_t n) { return raw_runtime.allocate(n); },
-                        [&](void* q, std::size_t n) { raw_runtime.deallocate(q, n); }, 200});
+  std::vector<allocator_fns> list() {
+    std::vector<allocator_fns> allocators;
+    allocators.push_back({"vmm_page_pool", [&](std::size_t n) { return vmm_pool.allocate(n); },
+                          [&](void* q, std::size_t n) { vmm_pool.deallocate(q, n); }, 1, &t_vmm});
+    allocators.push_back({"caching_pool", [&](std::size_t n) { return caching.allocate(n); },
+                          [&](void* q, std::size_t n) { caching.deallocate(q, n); }, 1, &t_caching});
+    allocators.push_back({"vmm_page_pool/units",
+                          [&](std::size_t n) { return vmm_units.allocate(n); },
+                          [&](void* q, std::size_t n) { vmm_units.deallocate(q, n); }, 1, &t_vmm_units});
+    allocators.push_back({"caching_pool/units",
+                          [&](std::size_t n) { return caching_units.allocate(n); },
+                          [&](void* q, std::size_t n) { caching_units.deallocate(q, n); }, 1,
+                          &t_caching_units});
+    allocators.push_back({"vmm_page_pool/locked",
+                          [&](std::size_t n) { return vmm_locked.allocate(n); },
+                          [&](void* q, std::size_t n) { vmm_locked.deallocate(q, n); }, 1, &t_vmm_locked});
+    allocators.push_back({"caching_pool/locked",
+                          [&](std::size_t n) { return caching_locked.allocate(n); },
+                          [&](void* q, std::size_t n) { caching_locked.deallocate(q, n); }, 1,
+                          &t_caching_locked});
+    allocators.push_back({"block_arena (floor)",
+                          [&](std::size_t n) -> void* {
+                            detail::block* b = bare_arena.allocate(n, 512, 0, n);
+                            if (b == nullptr) throw std::runtime_error("block_arena: full");
+                            return b;
+                          },
+                          [&](void* q, std::size_t) {
+                            bare_arena.release(static_cast<detail::block*>(q), 0, ++arena_frees);
+                          }});
+    allocators.push_back({"cudaMallocAsync",
+                          [&](std::size_t n) {
+                            auto r = p.async_malloc(0, n, {});
+                            if (!r) throw std::runtime_error(r.error().describe());
+                            return r.value();
+                          },
+                          [&](void* q, std::size_t) {
+                            if (auto s = p.async_free(q, {}); !s) throw std::runtime_error(s.describe());
+                          }});
+    allocators.push_back({"cudaMalloc", [&](std::size_t n) { return raw_runtime.allocate(n); },
+                          [&](void* q, std::size_t n) { raw_runtime.deallocate(q, n); }, 200});
+    return allocators;
+  }
+};
 
+struct row {
+  std::string name;
+  double same, mixed;                      // medians over rounds, ns a pair
+  double vs_async_same, vs_async_mixed;    // medians of the rounds' ratios
+  double mixed_ratio_low, mixed_ratio_high;
+  double mixed_driver = -1;                // median ns a pair inside driver calls (pools)
+};
+
+// The pair speeds: a row per allocator, and per pool the driver time of its mixed runs by
+// call kind with their pairs (all rounds).
+struct pair_speeds {
+  std::vector<row> rows;
+  std::vector<std::array<std::uint64_t, platform_op_count>> mixed_driver_by_op;
+  std::vector<std::uint64_t> mixed_pairs;
+};
+
+pair_speeds measure_pair_speeds(platform& p, const std::vector<allocator_fns>& allocators,
+                                int rounds) {
   // Rounds: every allocator once per round, in turn, so a host whose speed drifts (other
   // tenants, clocks) slows all of them alike; each ratio to cudaMallocAsync is taken within
   // one round, and the figures are medians over rounds.
-  struct row {
-    std::string name;
-    double same, mixed;                      // medians over rounds, ns a pair
-    double vs_async_same, vs_async_mixed;    // medians of the rounds' ratios
-    double mixed_ratio_low, mixed_ratio_high;
-    double mixed_driver = -1;                // median ns a pair inside driver calls (pools)
-  };
   const std::size_t async_index = static_cast<std::size_t>(
       std::find_if(allocators.begin(), allocators.end(),
                    [](const allocator_fns& a) { return a.name == "cudaMallocAsync"; }) -
@@ -217,9 +227,11 @@ int main(int argc, char** argv) {
   }
   std::vector<std::vector<double>> same(allocators.size()), mixed(allocators.size()),
       mixed_driver(allocators.size());
-  // Per pool, the driver time of its mixed runs by call kind, and their pairs (all rounds).
-  std::vector<std::array<std::uint64_t, platform_op_count>> mixed_driver_by_op(allocators.size());
-  std::vector<std::uint64_t> mixed_pairs(allocators.size());
+  pair_speeds out;
+  out.mixed_driver_by_op.resize(allocators.size());
+  out.mixed_pairs.resize(allocators.size());
+  auto& mixed_driver_by_op = out.mixed_driver_by_op;
+  auto& mixed_pairs = out.mixed_pairs;
   for (int round = 0; round < rounds; ++round)
     for (std::size_t k = 0; k < allocators.size(); ++k) {
       const int steps = 200000 / allocators[k].iterations_scale;
@@ -238,7 +250,7 @@ int main(int argc, char** argv) {
       }
     }
   (void)p.stream_synchronize({});
-  std::vector<row> rows;
+  std::vector<row>& rows = out.rows;
   for (std::size_t k = 0; k < allocators.size(); ++k) {
     std::vector<double> same_ratio, mixed_ratio;
     for (int r = 0; r < rounds; ++r) {
@@ -250,23 +262,26 @@ int main(int argc, char** argv) {
                     *std::max_element(mixed_ratio.begin(), mixed_ratio.end())});
     if (!mixed_driver[k].empty()) rows.back().mixed_driver = median(mixed_driver[k]);
   }
+  return out;
+}
 
-  // Growth by 512 pages (one 1 GiB request): on fresh pools with the defaults (a huge
-  // growth: 64 MiB handles) and with huge_growth:0 (one-page handles), where the growth
-  // creates its handles; and on a pool that reserved 1 GiB of one-page handles up front,
-  // which maps them when constructed (the request then makes no driver call: its
-  // construction, timed too, is where that cost went). Each pool runs over a
-  // timed_platform, so the time inside each driver call is reported by kind.
-  struct growth {
-    const char* what;
-    std::size_t huge_growth;
-    bool reserved;
-    double ns_per_page = 0;
-    std::uint64_t creates = 0, maps = 0, accesses = 0;
-    double create_ns = 0, map_ns = 0, access_ns = 0;  // per page, driver time
-    double construct_ns = 0;                          // per page: the pool's constructor
-    std::size_t big_chunk = 0;                        // pool_options::big_chunk_pages
-  };
+// Growth by 512 pages (one 1 GiB request): on fresh pools with the defaults (a huge
+// growth: 64 MiB handles) and with huge_growth:0 (one-page handles), where the growth
+// creates its handles; and on a pool that reserved 1 GiB of one-page handles up front,
+// which maps them when constructed (the request then makes no driver call: its
+// construction, timed too, is where that cost went). Each pool runs over a
+// timed_platform, so the time inside each driver call is reported by kind.
+struct growth {
+  const char* what;
+  std::size_t huge_growth;
+  bool reserved;
+  double ns_per_page = 0;
+  std::uint64_t creates = 0, maps = 0, accesses = 0;
+  double create_ns = 0, map_ns = 0, access_ns = 0;  // per page, driver time
+  double construct_ns = 0;                          // per page: the pool's constructor
+  std::size_t big_chunk = 0;                        // pool_options::big_chunk_pages
+};
+std::vector<growth> measure_growths(platform& p) {
   std::vector<growth> growths{{"defaults: 64 MiB handles, created", pool_options{}.huge_growth_bytes, false},
                               {"huge_growth:0: one-page handles, created", 0, false},
                               {"1 GiB of one-page handles reserved (and mapped) up front", 0, true},
@@ -311,19 +326,22 @@ int main(int argc, char** argv) {
     g.access_ns = median(accesses);
     g.construct_ns = median(constructs);
   }
+  return growths;
+}
 
-  // Contention: T threads share one vmm_page_pool, each doing same-size pairs; small sizes
-  // with thread caches and with every call under the pool's mutex, then large sizes.
-  struct threaded_row {
-    const char* what;
-    int threads;
-    double ns;
-  };
-  struct threaded_case {
-    const char* what;
-    bool cached;
-    std::size_t size;
-  };
+// Contention: T threads share one vmm_page_pool, each doing same-size pairs; small sizes
+// with thread caches and with every call under the pool's mutex, then large sizes.
+struct threaded_row {
+  const char* what;
+  int threads;
+  double ns;
+};
+struct threaded_case {
+  const char* what;
+  bool cached;
+  std::size_t size;
+};
+std::vector<threaded_row> measure_threads(platform& p) {
   std::vector<threaded_row> threaded;
   for (const threaded_case k : {threaded_case{"256 KiB, thread caches", true, 256 << 10},
                                 threaded_case{"256 KiB, thread_cache:off", false, 256 << 10},
@@ -347,7 +365,14 @@ int main(int argc, char** argv) {
       threaded.push_back({k.what, static_cast<int>(t), total_ns / (static_cast<double>(steps) * t)});
     }
   }
+  return threaded;
+}
 
+void print_tables(int rounds, const std::vector<allocator_fns>& allocators, const pair_speeds& speeds,
+                  const std::vector<growth>& growths, const std::vector<threaded_row>& threaded) {
+  const std::vector<row>& rows = speeds.rows;
+  const auto& mixed_driver_by_op = speeds.mixed_driver_by_op;
+  const auto& mixed_pairs = speeds.mixed_pairs;
   std::printf("\n%d rounds, each allocator once a round in turn: medians over rounds; the ratios "
               "to cudaMallocAsync are taken within each round\n", rounds);
   std::printf("(driver: of mixed_64's ns a pair, the time inside the pool's driver calls: growths, remaps, "
@@ -388,26 +413,58 @@ int main(int argc, char** argv) {
   for (const threaded_row& r : threaded)
     std::printf("%d thread(s) sharing one pool, %s: %.1f ns of wall time per alloc+free pair, "
                 "all threads together\n", r.threads, r.what, r.ns);
+}
 
-  if (!json_path.empty()) {
-    std::FILE* f = std::fopen(json_path.c_str(), "w");
-    if (f != nullptr) {
-      std::fprintf(f, "{\"platform\": \"%s\", \"device\": \"%s\", \"rounds\": %d, \"rows\": [",
-                   std::string(p.kind()).c_str(), props ? props.value().name.c_str() : "?", rounds);
-      for (std::size_t i = 0; i < rows.size(); ++i) {
-        std::fprintf(f, "%s{\"allocator\": \"%s\", \"same_size_ns_per_pair\": %.2f, \"mixed_64_ns_per_pair\": %.2f, "
-                     "\"vs_async_same\": %.2f, \"vs_async_mixed\": %.2f",
-                     i ? ", " : "", rows[i].name.c_str(), rows[i].same, rows[i].mixed,
-                     rows[i].vs_async_same, rows[i].vs_async_mixed);
-        if (rows[i].mixed_driver >= 0)
-          std::fprintf(f, ", \"mixed_64_driver_ns_per_pair\": %.2f", rows[i].mixed_driver);
-        std::fprintf(f, "}");
-      }
-      std::fprintf(f, "], \"grow_512_ns_per_page\": %.1f, \"grow_512_one_page_handles_ns_per_page\": %.1f, "
-                   "\"grow_512_reserved_ns_per_page\": %.1f}\n",
-                   growths[0].ns_per_page, growths[1].ns_per_page, growths[2].ns_per_page);
-      std::fclose(f);
+void write_json(const std::string& json_path, platform& p, const std::string& device_name,
+                int rounds, const std::vector<row>& rows, const std::vector<growth>& growths) {
+  std::FILE* f = std::fopen(json_path.c_str(), "w");
+  if (f != nullptr) {
+    std::fprintf(f, "{\"platform\": \"%s\", \"device\": \"%s\", \"rounds\": %d, \"rows\": [",
+                 std::string(p.kind()).c_str(), device_name.c_str(), rounds);
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      std::fprintf(f, "%s{\"allocator\": \"%s\", \"same_size_ns_per_pair\": %.2f, \"mixed_64_ns_per_pair\": %.2f, "
+                   "\"vs_async_same\": %.2f, \"vs_async_mixed\": %.2f",
+                   i ? ", " : "", rows[i].name.c_str(), rows[i].same, rows[i].mixed,
+                   rows[i].vs_async_same, rows[i].vs_async_mixed);
+      if (rows[i].mixed_driver >= 0)
+        std::fprintf(f, ", \"mixed_64_driver_ns_per_pair\": %.2f", rows[i].mixed_driver);
+      std::fprintf(f, "}");
+    }
+    std::fprintf(f, "], \"grow_512_ns_per_page\": %.1f, \"grow_512_one_page_handles_ns_per_page\": %.1f, "
+                 "\"grow_512_reserved_ns_per_page\": %.1f}\n",
+                 growths[0].ns_per_page, growths[1].ns_per_page, growths[2].ns_per_page);
+    std::fclose(f);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string device = "auto", json_path;
+  int rounds = 5;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--device") && i + 1 < argc) device = argv[++i];
+    else if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
+    else if (!std::strcmp(argv[i], "--rounds") && i + 1 < argc && std::atoi(argv[i + 1]) > 0)
+      rounds = std::atoi(argv[++i]);
+    else {
+      std::fprintf(stderr, "usage: pool_bench [--device auto|cuda|sim] [--rounds N] [--json FILE]\n");
+      return 2;
     }
   }
+  platform& p = platform_by_name(device);
+  const bool sim = p.kind() == "sim";
+  auto props = p.properties(0);
+  const std::string device_name = props ? props.value().name : "?";
+  std::printf("pool_bench on %s (%s)%s\n", device_name.c_str(), std::string(p.kind()).c_str(),
+              sim ? " -- sim: host-only figures, not GPU measurements" : "");
+
+  bench_allocators pools(p);
+  const std::vector<allocator_fns> allocators = pools.list();
+  const pair_speeds speeds = measure_pair_speeds(p, allocators, rounds);
+  const std::vector<growth> growths = measure_growths(p);
+  const std::vector<threaded_row> threaded = measure_threads(p);
+  print_tables(rounds, allocators, speeds, growths, threaded);
+  if (!json_path.empty()) write_json(json_path, p, device_name, rounds, speeds.rows, growths);
   return 0;
 }

@@ -250,37 +250,6 @@ parsed_args arg_parser::parse_checked(const std::vector<std::string>& args) cons
     }
   }
 
-  auto record = [&](const option_spec& spec, std::string_view spelled,
-                    std::optional<std::string> inline_value, std::size_t& i) {
-    if (!spec.takes_value) {
-      if (inline_value)
-        throw usage_error("option " + std::string(spelled) + " takes no value (got '" +
-                          std::string(spelled) + "=" + *inline_value + "')");
-      out.given_[spec.name];  // present, no values
-      return;
-    }
-    std::string v;
-    if (inline_value) {
-      v = std::move(*inline_value);
-    } else {
-      if (i + 1 >= args.size())
-        throw usage_error("option " + std::string(spelled) + " needs a value (" +
-                          std::string(spelled) + " " + spec.value_name + ")");
-      const std::string& next = args[i + 1];
-      if (next.size() > 2 && next.rfind("--", 0) == 0)
-        throw usage_error("option " + std::string(spelled) + " needs a value (" +
-                          std::string(spelled) + " " + spec.value_name + "), got option '" +
-                          next + "'");
-      v = next;
-      ++i;
-    }
-    if (!spec.choices.empty() &&
-        std::find(spec.choices.begin(), spec.choices.end(), v) == spec.choices.end())
-      throw usage_error("invalid value '" + v + "' for --" + spec.name +
-                        ": expected one of " + join(spec.choices, ", "));
-    out.given_[spec.name].push_back(std::move(v));
-  };
-
   bool only_positionals = false;
   for (std::size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -300,15 +269,52 @@ parsed_args arg_parser::parse_checked(const std::vector<std::string>& args) cons
       const option_spec* spec = find_long(name);
       if (spec == nullptr)
         throw usage_error("unknown option '--" + name + "'" + suggestion(name));
-      record(*spec, "--" + name, std::move(inline_value), i);
+      record_option(out, *spec, "--" + name, std::move(inline_value), args, i);
       continue;
     }
     // Short option: "-x" or "-x value" (one letter; no bundling).
     const option_spec* spec = a.size() == 2 ? find_short(a[1]) : nullptr;
     if (spec == nullptr) throw usage_error("unknown option '" + a + "'");
-    record(*spec, a, std::nullopt, i);
+    record_option(out, *spec, a, std::nullopt, args, i);
   }
 
+  check_positional_count(out);
+  return out;
+}
+
+void arg_parser::record_option(parsed_args& out, const option_spec& spec, std::string_view spelled,
+                               std::optional<std::string> inline_value,
+                               const std::vector<std::string>& args, std::size_t& i) {
+  if (!spec.takes_value) {
+    if (inline_value)
+      throw usage_error("option " + std::string(spelled) + " takes no value (got '" +
+                        std::string(spelled) + "=" + *inline_value + "')");
+    out.given_[spec.name];  // present, no values
+    return;
+  }
+  std::string v;
+  if (inline_value) {
+    v = std::move(*inline_value);
+  } else {
+    if (i + 1 >= args.size())
+      throw usage_error("option " + std::string(spelled) + " needs a value (" +
+                        std::string(spelled) + " " + spec.value_name + ")");
+    const std::string& next = args[i + 1];
+    if (next.size() > 2 && next.rfind("--", 0) == 0)
+      throw usage_error("option " + std::string(spelled) + " needs a value (" +
+                        std::string(spelled) + " " + spec.value_name + "), got option '" +
+                        next + "'");
+    v = next;
+    ++i;
+  }
+  if (!spec.choices.empty() &&
+      std::find(spec.choices.begin(), spec.choices.end(), v) == spec.choices.end())
+    throw usage_error("invalid value '" + v + "' for --" + spec.name +
+                      ": expected one of " + join(spec.choices, ", "));
+  out.given_[spec.name].push_back(std::move(v));
+}
+
+void arg_parser::check_positional_count(const parsed_args& out) const {
   std::size_t min_count = 0;
   std::size_t max_count = 0;
   bool unbounded = false;
@@ -333,7 +339,6 @@ parsed_args arg_parser::parse_checked(const std::vector<std::string>& args) cons
         throw usage_error("missing required argument <" + p.name + ">");
     }
   }
-  return out;
 }
 
 std::string arg_parser::usage() const {

@@ -122,6 +122,12 @@ class arg_parser {
   };
 
   parsed_args parse_checked(const std::vector<std::string>& args) const;
+  // parse_checked's steps: one option as spelled at args[i] (moving i past its value when
+  // it takes the next argument), and the count of positionals against the declared ones.
+  static void record_option(parsed_args& out, const option_spec& spec, std::string_view spelled,
+                            std::optional<std::string> inline_value,
+                            const std::vector<std::string>& args, std::size_t& i);
+  void check_positional_count(const parsed_args& out) const;
   const option_spec* find_long(std::string_view name) const;
   const option_spec* find_short(char name) const;
   std::string suggestion(std::string_view unknown) const;

@@ -337,9 +337,7 @@ void write_text(const platform_report& report, std::ostream& out) {
   }
 }
 
-}  // namespace
-
-int run_info(int argc, char** argv) {
+arg_parser info_parser() {
   arg_parser parser("gpumem info",
                     "Show the GPU (or, without one, gpumem's simulated device): properties,\n"
                     "free memory, virtual-memory granularity and, with --bandwidth, a measured\n"
@@ -362,17 +360,12 @@ int run_info(int argc, char** argv) {
           "  gpumem info\n"
           "  gpumem info --device sim --json\n"
           "  gpumem info --index 0 --bandwidth");
-  const parsed_args args = parser.parse(argc, argv);
-  if (args.help_requested()) {
-    std::cout << parser.help();
-    return 0;
-  }
-  const std::optional<std::int64_t> only_index = args.integer("index", 0);
-  const bool json = args.has("json");
-  const bool bandwidth = args.has("bandwidth");
+  return parser;
+}
 
-  // Platform: --device, else $GPUMEM_DEVICE (through default_platform), else auto.
-  std::string requested_by;
+// The platform: --device, else $GPUMEM_DEVICE (through default_platform), else auto;
+// `requested_by` says which.
+platform& chosen_platform(const parsed_args& args, std::string& requested_by) {
   platform* chosen = nullptr;
   if (auto name = args.value("device")) {
     requested_by = "--device " + *name;
@@ -386,8 +379,13 @@ int run_info(int argc, char** argv) {
       throw invalid_argument("GPUMEM_DEVICE: " + std::string(e.what()));
     }
   }
-  platform& p = *chosen;
+  return *chosen;
+}
 
+// What the platform says of itself, its devices (every one, or `only_index`) and the peer
+// access between them.
+platform_report describe_platform(platform& p, const std::string& requested_by,
+                                  std::optional<std::int64_t> only_index) {
   platform_report report;
   report.kind = std::string(p.kind());
   report.simulated = report.kind == "sim";
@@ -424,6 +422,24 @@ int run_info(int argc, char** argv) {
                                                    std::to_string(a) + " to device " +
                                                    std::to_string(b));
   }
+  return report;
+}
+
+}  // namespace
+
+int run_info(int argc, char** argv) {
+  const arg_parser parser = info_parser();
+  const parsed_args args = parser.parse(argc, argv);
+  if (args.help_requested()) {
+    std::cout << parser.help();
+    return 0;
+  }
+  const std::optional<std::int64_t> only_index = args.integer("index", 0);
+  const bool json = args.has("json");
+  const bool bandwidth = args.has("bandwidth");
+  std::string requested_by;
+  platform& p = chosen_platform(args, requested_by);
+  platform_report report = describe_platform(p, requested_by, only_index);
   // Measure after every property query so that free memory is reported untouched.
   if (bandwidth)
     for (auto& d : report.devices) d.bandwidth = measure_d2d_bandwidth(p, d.index);

@@ -302,14 +302,10 @@ bool serve_sim_uses_tiers(const std::string& strategy) {
   return strategy == "paged_prefix" || strategy == "elastic";
 }
 
-serve_sim_result run_serve_sim(const serve_sim_config& c, const std::string& strategy,
-                               platform& p) {
-  if (auto why = c.layout.validate(); !why.empty()) throw invalid_argument("serve-sim: " + why);
-  if ((c.workload.empty() && c.requests == 0) || c.arrival_rate <= 0 || c.step_seconds <= 0 || c.max_model_len < 16 ||
-      c.prompt_median < 1 || c.output_median < 1)
-    throw invalid_argument("serve-sim: requests, rate, step time and lengths must be positive");
-  if (c.instances == 0 || c.instances > 1024)
-    throw invalid_argument("serve-sim: instances must be 1..1024");
+namespace {
+
+std::unique_ptr<kv_strategy> make_strategy(const serve_sim_config& c, const std::string& strategy,
+                                           platform& p) {
   // A key space of this run's own: no earlier run or other strategy hits its blocks.
   const std::uint64_t space =
       std::hash<std::string>{}(strategy) ^
@@ -321,109 +317,174 @@ serve_sim_result run_serve_sim(const serve_sim_config& c, const std::string& str
   else if (strategy == "paged_prefix") s = std::make_unique<paged_strategy>(c, p, true, false, space);
   else if (strategy == "elastic") s = std::make_unique<paged_strategy>(c, p, true, true, space);
   else throw invalid_argument("serve-sim: unknown strategy '" + strategy + "'");
+  return s;
+}
 
-  const std::vector<request> work = make_workload(c);
-  std::mt19937_64 rng(c.seed ^ 0x70c3);
-  serve_sim_result res;
-  res.strategy = strategy;
+// One strategy serving the workload, step by step: each step admits arrivals (swapped
+// requests first), decodes one token per sequence (preempting the newest request when out
+// of blocks), samples the memory, and lets finished requests leave.
+class serving_run {
+ public:
+  serving_run(const serve_sim_config& c, kv_strategy& s, const std::vector<request>& work,
+              serve_sim_result& res)
+      : c_(c), s_(s), work_(work), res_(res), rng_(c.seed ^ 0x70c3) {}
+
+  bool done() const { return res_.completed + res_.rejected >= work_.size(); }
+
+  void step() {
+    arrive(static_cast<double>(steps_) * c_.step_seconds);
+    swap_back();
+    admit();
+    decode();
+    sample();
+    leave();
+    s_.after_step();
+    ++steps_;
+    // A guard against a livelock of preemptions (a bug, not a workload property: requests
+    // that cannot fit are rejected at admission).
+    if (++steps_since_completion_ > 1000000)
+      throw std::logic_error("serve-sim: no request completed in a million steps");
+  }
+
+  // The averages over the steps run.
+  void finish(double host_seconds) {
+    res_.host_seconds = host_seconds;
+    s_.finish(res_);
+    res_.sim_seconds = static_cast<double>(steps_) * c_.step_seconds;
+    res_.waste_fraction = alloc_sum_ == 0 ? 0.0 : 1.0 - filled_sum_ / alloc_sum_;
+    res_.mean_concurrent = concurrent_sum_ / static_cast<double>(steps_);
+    res_.kv_bytes_mean = held_sum_ / static_cast<double>(steps_);
+    res_.block_ops_per_second =
+        res_.host_seconds > 0 ? static_cast<double>(res_.block_ops) / res_.host_seconds : 0.0;
+  }
+
+ private:
   struct active {
     std::size_t r;
     std::size_t generated = 0;
   };
-  std::deque<std::size_t> waiting;
-  std::vector<active> running;       // in admission order
-  std::deque<active> swapped;        // preempted by swap, oldest first
-  std::size_t next_arrival = 0;
-  double alloc_sum = 0, filled_sum = 0, held_sum = 0, concurrent_sum = 0;
-  std::size_t steps = 0, steps_since_completion = 0;
-  const auto t0 = std::chrono::steady_clock::now();
-  auto sequences = [&] {
+
+  std::size_t sequences() const {
     std::size_t n = 0;
-    for (auto& a : running) n += work[a.r].samples;
+    for (auto& a : running_) n += work_[a.r].samples;
     return n;
-  };
-  while (res.completed + res.rejected < work.size()) {
-    const double now = static_cast<double>(steps) * c.step_seconds;
-    while (next_arrival < work.size() && work[next_arrival].arrival <= now)
-      waiting.push_back(next_arrival++);
-    // Swapped requests come back before new ones are admitted.
-    while (!swapped.empty()) {
-      if (s->try_swap_in(swapped.front().r)) {
-        running.push_back(swapped.front());
-        swapped.pop_front();
-      } else if (running.empty()) {
+  }
+
+  void arrive(double now) {
+    while (next_arrival_ < work_.size() && work_[next_arrival_].arrival <= now)
+      waiting_.push_back(next_arrival_++);
+  }
+
+  // Swapped requests come back before new ones are admitted.
+  void swap_back() {
+    while (!swapped_.empty()) {
+      if (s_.try_swap_in(swapped_.front().r)) {
+        running_.push_back(swapped_.front());
+        swapped_.pop_front();
+      } else if (running_.empty()) {
         // It cannot come back even with nothing running (its forks no longer share blocks
         // once swapped): recompute it instead.
-        s->release(swapped.front().r);
-        waiting.push_front(swapped.front().r);
-        swapped.pop_front();
+        s_.release(swapped_.front().r);
+        waiting_.push_front(swapped_.front().r);
+        swapped_.pop_front();
       } else {
         break;
       }
     }
-    while (swapped.empty() && !waiting.empty()) {
-      const std::size_t r = waiting.front();
-      if (!s->fits(work[r])) {  // could never finish, even alone: refuse it
-        ++res.rejected;
-        waiting.pop_front();
-        continue;
-      }
-      if (!s->admit(r, work[r])) break;
-      running.push_back({r, 0});
-      waiting.pop_front();
-    }
-    // Decode one token per sequence; out of blocks -> preempt the newest request.
-    for (std::size_t i = 0; i < running.size();) {
-      const token_id t = static_cast<token_id>(1 + rng() % 128000);
-      if (s->decode(running[i].r, t, steps + 1)) {
-        ++i;
-        continue;
-      }
-      active victim = running.back();
-      running.pop_back();
-      ++res.preemptions;
-      if (s->can_swap()) {
-        s->swap_out(victim.r);
-        swapped.push_back(victim);
-      } else {
-        s->release(victim.r);
-        waiting.push_front(victim.r);  // recomputed from its prompt later
-      }
-    }
-    res.max_concurrent = std::max(res.max_concurrent, sequences());
-    std::size_t allocated = 0, filled = 0, held = 0;
-    s->sample(allocated, filled, held);
-    alloc_sum += static_cast<double>(allocated);
-    filled_sum += static_cast<double>(filled);
-    held_sum += static_cast<double>(held);
-    concurrent_sum += static_cast<double>(sequences());
-    res.kv_bytes_peak = std::max(res.kv_bytes_peak, held);
-    // Finished requests leave.
-    for (std::size_t i = 0; i < running.size();) {
-      if (++running[i].generated < work[running[i].r].output) {
-        ++i;
-        continue;
-      }
-      s->release(running[i].r);
-      ++res.completed;
-      steps_since_completion = 0;
-      running.erase(running.begin() + static_cast<std::ptrdiff_t>(i));
-    }
-    s->after_step();
-    ++steps;
-    // A guard against a livelock of preemptions (a bug, not a workload property: requests
-    // that cannot fit are rejected at admission).
-    if (++steps_since_completion > 1000000)
-      throw std::logic_error("serve-sim: no request completed in a million steps");
   }
-  res.host_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  s->finish(res);
-  res.sim_seconds = static_cast<double>(steps) * c.step_seconds;
-  res.waste_fraction = alloc_sum == 0 ? 0.0 : 1.0 - filled_sum / alloc_sum;
-  res.mean_concurrent = concurrent_sum / static_cast<double>(steps);
-  res.kv_bytes_mean = held_sum / static_cast<double>(steps);
-  res.block_ops_per_second =
-      res.host_seconds > 0 ? static_cast<double>(res.block_ops) / res.host_seconds : 0.0;
+
+  void admit() {
+    while (swapped_.empty() && !waiting_.empty()) {
+      const std::size_t r = waiting_.front();
+      if (!s_.fits(work_[r])) {  // could never finish, even alone: refuse it
+        ++res_.rejected;
+        waiting_.pop_front();
+        continue;
+      }
+      if (!s_.admit(r, work_[r])) break;
+      running_.push_back({r, 0});
+      waiting_.pop_front();
+    }
+  }
+
+  // Decode one token per sequence; out of blocks -> preempt the newest request.
+  void decode() {
+    for (std::size_t i = 0; i < running_.size();) {
+      const token_id t = static_cast<token_id>(1 + rng_() % 128000);
+      if (s_.decode(running_[i].r, t, steps_ + 1)) {
+        ++i;
+        continue;
+      }
+      active victim = running_.back();
+      running_.pop_back();
+      ++res_.preemptions;
+      if (s_.can_swap()) {
+        s_.swap_out(victim.r);
+        swapped_.push_back(victim);
+      } else {
+        s_.release(victim.r);
+        waiting_.push_front(victim.r);  // recomputed from its prompt later
+      }
+    }
+  }
+
+  void sample() {
+    res_.max_concurrent = std::max(res_.max_concurrent, sequences());
+    std::size_t allocated = 0, filled = 0, held = 0;
+    s_.sample(allocated, filled, held);
+    alloc_sum_ += static_cast<double>(allocated);
+    filled_sum_ += static_cast<double>(filled);
+    held_sum_ += static_cast<double>(held);
+    concurrent_sum_ += static_cast<double>(sequences());
+    res_.kv_bytes_peak = std::max(res_.kv_bytes_peak, held);
+  }
+
+  // Finished requests leave.
+  void leave() {
+    for (std::size_t i = 0; i < running_.size();) {
+      if (++running_[i].generated < work_[running_[i].r].output) {
+        ++i;
+        continue;
+      }
+      s_.release(running_[i].r);
+      ++res_.completed;
+      steps_since_completion_ = 0;
+      running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+  }
+
+  const serve_sim_config& c_;
+  kv_strategy& s_;
+  const std::vector<request>& work_;
+  serve_sim_result& res_;
+  std::mt19937_64 rng_;
+  std::deque<std::size_t> waiting_;
+  std::vector<active> running_;  // in admission order
+  std::deque<active> swapped_;   // preempted by swap, oldest first
+  std::size_t next_arrival_ = 0;
+  double alloc_sum_ = 0, filled_sum_ = 0, held_sum_ = 0, concurrent_sum_ = 0;
+  std::size_t steps_ = 0, steps_since_completion_ = 0;
+};
+
+}  // namespace
+
+serve_sim_result run_serve_sim(const serve_sim_config& c, const std::string& strategy,
+                               platform& p) {
+  if (auto why = c.layout.validate(); !why.empty()) throw invalid_argument("serve-sim: " + why);
+  if ((c.workload.empty() && c.requests == 0) || c.arrival_rate <= 0 || c.step_seconds <= 0 ||
+      c.max_model_len < 16 ||
+      c.prompt_median < 1 || c.output_median < 1)
+    throw invalid_argument("serve-sim: requests, rate, step time and lengths must be positive");
+  if (c.instances == 0 || c.instances > 1024)
+    throw invalid_argument("serve-sim: instances must be 1..1024");
+  const std::unique_ptr<kv_strategy> s = make_strategy(c, strategy, p);
+  const std::vector<request> work = make_workload(c);
+  serve_sim_result res;
+  res.strategy = strategy;
+  serving_run run(c, *s, work, res);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (!run.done()) run.step();
+  run.finish(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return res;
 }
 

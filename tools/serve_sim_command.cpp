@@ -20,7 +20,9 @@
 
 namespace gpumem::cli {
 
-int run_serve_sim(int argc, char** argv) {
+namespace {
+
+arg_parser serve_sim_parser() {
   arg_parser parser("gpumem serve-sim",
                     "simulate LLM serving and compare KV cache memory strategies on one budget");
   parser.option("strategy", "NAME", "contiguous, paged, paged_prefix, elastic or all", "all",
@@ -60,11 +62,10 @@ int run_serve_sim(int argc, char** argv) {
               "Example:\n  gpumem serve-sim --requests 2000 --rate 40 --json\n"
               "  gpumem serve-sim --budget 2G --instances 4 --kv-store redis://127.0.0.1:6379\n"
               "Tiers (docs/KV_TIERS.md) apply to paged_prefix and elastic.\n");
-  const parsed_args args = parser.parse(argc, argv);
-  if (args.help_requested()) {
-    std::cout << parser.help();
-    return 0;
-  }
+  return parser;
+}
+
+serve_sim_config serve_sim_config_from(const parsed_args& args) {
   serve_sim_config c;
   c.layout.layers = static_cast<std::size_t>(*args.integer("layers", 1, 1024));
   c.layout.kv_heads = static_cast<std::size_t>(*args.integer("kv-heads", 1, 1024));
@@ -95,70 +96,50 @@ int run_serve_sim(int argc, char** argv) {
   }
   // A bad URL, or a build without the Redis tier, says so before anything runs.
   if (!c.kv_store_url.empty()) (void)make_redis_store(c.kv_store_url);
+  return c;
+}
 
-  const std::string device_kind = args.value_or("device", "sim");
-  std::unique_ptr<platform> cuda;
-  if (device_kind != "sim") {
-    std::string why;
-    cuda = make_cuda_platform(&why);
-    if (cuda == nullptr && device_kind == "cuda")
-      throw cuda_error("cudaGetDeviceCount", 100, "CUDA_ERROR_NO_DEVICE", why, "gpumem serve-sim");
+void write_json(const std::vector<serve_sim_result>& results) {
+  json_writer w(std::cout);
+  w.begin_array();
+  for (const auto& r : results) {
+    w.begin_object()
+        .member("strategy", r.strategy)
+        .member("max_concurrent", r.max_concurrent)
+        .member("waste_fraction", r.waste_fraction)
+        .member("prefix_hit_rate", r.prefix_hit_rate)
+        .member("preemptions", r.preemptions)
+        .member("completed", r.completed)
+        .member("rejected", r.rejected)
+        .member("sim_seconds", r.sim_seconds)
+        .member("mean_concurrent", r.mean_concurrent)
+        .member("kv_bytes_mean", r.kv_bytes_mean)
+        .member("kv_bytes_peak", r.kv_bytes_peak)
+        .member("block_ops", r.block_ops)
+        .member("block_ops_per_second", r.block_ops_per_second)
+        .member("prompt_tokens", r.prompt_tokens)
+        .member("cached_prompt_tokens", r.cached_prompt_tokens);
+    w.key("tier_hits").begin_object();
+    for (const auto& t : r.tiers) w.member(t.name, t.hits);
+    w.end_object();
+    w.member("tier_lookups", r.tier_lookups)
+        .member("tier_puts", r.tier_puts)
+        .member("tier_errors", r.tier_errors)
+        .member("writebacks_dropped", r.writebacks_dropped)
+        .member("recomputed_tokens_saved", r.recomputed_tokens_saved)
+        .end_object();
   }
-  std::vector<std::string> names = serve_sim_strategies();
-  if (args.value_or("strategy", "all") != "all") names = {*args.value("strategy")};
+  w.end_array();
+  std::cout << "\n";
+}
 
-  std::vector<serve_sim_result> results;
-  for (const auto& name : names) {
-    // A fresh sim device per strategy, sized to the budget with room for the host side.
-    std::unique_ptr<sim_platform> sim;
-    if (cuda == nullptr) {
-      sim_options so;
-      so.capacity = c.instances * (c.budget_bytes + c.host_tier_bytes) + (std::size_t{1} << 30);
-      sim = std::make_unique<sim_platform>(so);
-    }
-    platform& p = cuda ? *cuda : *sim;
-    results.push_back(run_serve_sim(c, name, p));
-  }
-
-  if (args.has("json")) {
-    json_writer w(std::cout);
-    w.begin_array();
-    for (const auto& r : results) {
-      w.begin_object()
-          .member("strategy", r.strategy)
-          .member("max_concurrent", r.max_concurrent)
-          .member("waste_fraction", r.waste_fraction)
-          .member("prefix_hit_rate", r.prefix_hit_rate)
-          .member("preemptions", r.preemptions)
-          .member("completed", r.completed)
-          .member("rejected", r.rejected)
-          .member("sim_seconds", r.sim_seconds)
-          .member("mean_concurrent", r.mean_concurrent)
-          .member("kv_bytes_mean", r.kv_bytes_mean)
-          .member("kv_bytes_peak", r.kv_bytes_peak)
-          .member("block_ops", r.block_ops)
-          .member("block_ops_per_second", r.block_ops_per_second)
-          .member("prompt_tokens", r.prompt_tokens)
-          .member("cached_prompt_tokens", r.cached_prompt_tokens);
-      w.key("tier_hits").begin_object();
-      for (const auto& t : r.tiers) w.member(t.name, t.hits);
-      w.end_object();
-      w.member("tier_lookups", r.tier_lookups)
-          .member("tier_puts", r.tier_puts)
-          .member("tier_errors", r.tier_errors)
-          .member("writebacks_dropped", r.writebacks_dropped)
-          .member("recomputed_tokens_saved", r.recomputed_tokens_saved)
-          .end_object();
-    }
-    w.end_array();
-    std::cout << "\n";
-    return 0;
-  }
+void print_table(const serve_sim_config& c, const std::vector<serve_sim_result>& results,
+                 bool on_cuda) {
   std::printf("serve-sim: %zu requests at up to %.6g/s, seed %llu, budget %s, %s KV (%s per token), "
               "%s device, preempt by %s\n",
               c.requests, c.arrival_rate, static_cast<unsigned long long>(c.seed),
               format_bytes(c.budget_bytes).c_str(), std::string(kv_dtype_name(c.layout.dtype)).c_str(),
-              format_bytes(c.layout.bytes_per_token()).c_str(), cuda ? "cuda" : "sim",
+              format_bytes(c.layout.bytes_per_token()).c_str(), on_cuda ? "cuda" : "sim",
               c.preempt_swap ? "swap" : "recompute");
   std::printf("%-13s %8s %8s %7s %7s %8s %9s %11s %12s %9s\n", "strategy", "peak_seq", "mean_seq",
               "waste", "prefix", "preempt", "sim_time", "kv_mean", "block_ops/s", "rejected");
@@ -168,9 +149,12 @@ int run_serve_sim(int argc, char** argv) {
                 100 * r.prefix_hit_rate, static_cast<unsigned long long>(r.preemptions),
                 r.sim_seconds, format_bytes(static_cast<std::size_t>(r.kv_bytes_mean)).c_str(),
                 r.block_ops_per_second, r.rejected);
+}
+
+void print_tiers(const serve_sim_config& c, const std::vector<serve_sim_result>& results) {
   bool any_tiers = false;
   for (const auto& r : results) any_tiers = any_tiers || !r.tiers.empty();
-  if (!any_tiers) return 0;
+  if (!any_tiers) return;
   std::printf("\ntiers below the GPU (%zu instance(s)%s):\n", c.instances,
               c.tier_write_through ? ", write-through" : "");
   for (const auto& r : results) {
@@ -197,6 +181,48 @@ int run_serve_sim(int argc, char** argv) {
                   static_cast<unsigned long long>(t.errors),
                   static_cast<unsigned long long>(t.corrupt));
   }
+}
+
+}  // namespace
+
+int run_serve_sim(int argc, char** argv) {
+  const arg_parser parser = serve_sim_parser();
+  const parsed_args args = parser.parse(argc, argv);
+  if (args.help_requested()) {
+    std::cout << parser.help();
+    return 0;
+  }
+  const serve_sim_config c = serve_sim_config_from(args);
+  const std::string device_kind = args.value_or("device", "sim");
+  std::unique_ptr<platform> cuda;
+  if (device_kind != "sim") {
+    std::string why;
+    cuda = make_cuda_platform(&why);
+    if (cuda == nullptr && device_kind == "cuda")
+      throw cuda_error("cudaGetDeviceCount", 100, "CUDA_ERROR_NO_DEVICE", why, "gpumem serve-sim");
+  }
+  std::vector<std::string> names = serve_sim_strategies();
+  if (args.value_or("strategy", "all") != "all") names = {*args.value("strategy")};
+
+  std::vector<serve_sim_result> results;
+  for (const auto& name : names) {
+    // A fresh sim device per strategy, sized to the budget with room for the host side.
+    std::unique_ptr<sim_platform> sim;
+    if (cuda == nullptr) {
+      sim_options so;
+      so.capacity = c.instances * (c.budget_bytes + c.host_tier_bytes) + (std::size_t{1} << 30);
+      sim = std::make_unique<sim_platform>(so);
+    }
+    platform& p = cuda ? *cuda : *sim;
+    results.push_back(run_serve_sim(c, name, p));
+  }
+
+  if (args.has("json")) {
+    write_json(results);
+    return 0;
+  }
+  print_table(c, results, cuda != nullptr);
+  print_tiers(c, results);
   return 0;
 }
 

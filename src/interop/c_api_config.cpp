@@ -62,11 +62,59 @@ void parse_sim_sizes(std::string_view key, std::string_view value, std::size_t& 
     each = std::move(sizes);
 }
 
+// A private sim device's key (sim_capacity, sim_granularity, sim_devices, sim_no_peer)
+// into spec.sim; false for a key that is none of them.
+bool parse_sim_key(c_api_pool_spec& spec, std::string_view key, std::string_view value) {
+  if (key == "sim_capacity") {
+    parse_sim_sizes(key, value, spec.sim.capacity, spec.sim.capacities);
+  } else if (key == "sim_granularity") {
+    parse_sim_sizes(key, value, spec.sim.granularity, spec.sim.granularities);
+  } else if (key == "sim_devices") {
+    spec.sim.device_count = parse_ordinal(value, key, gpumem::sim_max_devices + 1);
+    if (spec.sim.device_count == 0)
+      throw gpumem::invalid_argument("config: 'sim_devices' must be at least 1");
+    spec.sim_devices_given = true;
+  } else if (key == "sim_no_peer") {
+    spec.sim.no_peer.clear();
+    if (value != "none")
+      for (std::string_view pair : plus_list(value)) {
+        const auto dash = pair.find('-');
+        if (dash == std::string_view::npos)
+          throw gpumem::invalid_argument("config: 'sim_no_peer' takes pairs A-B joined by "
+                                         "'+', got '" + std::string(value) + "'");
+        spec.sim.no_peer.emplace_back(
+            parse_ordinal(pair.substr(0, dash), key, gpumem::sim_max_devices),
+            parse_ordinal(pair.substr(dash + 1), key, gpumem::sim_max_devices));
+      }
+  } else {
+    return false;
+  }
+  spec.own_sim = true;
+  return true;
+}
+
+// The sim device as a whole, once every key is read: its device count (from sim_devices,
+// else from the lists of sizes) and the pairs sim_no_peer names checked against it.
+void check_sim(c_api_pool_spec& spec) {
+  if (spec.own_sim && spec.platform == "cuda")
+    throw gpumem::invalid_argument("config: '" + spec.sim_key +
+                                   "' (a private sim device) needs platform sim, not cuda");
+  if (spec.own_sim && !spec.sim_devices_given)
+    spec.sim.device_count = static_cast<int>(std::max<std::size_t>(
+        {std::size_t{1}, spec.sim.capacities.size(), spec.sim.granularities.size()}));
+  if (spec.own_sim)
+    for (auto [a, b] : spec.sim.no_peer)
+      if (a >= spec.sim.device_count || b >= spec.sim.device_count || a == b)
+        throw gpumem::invalid_argument("config: 'sim_no_peer' names a pair of devices that "
+                                       "are not two of the sim device's " +
+                                       std::to_string(spec.sim.device_count));
+}
+
+}  // namespace
+
 // The configuration grammar is the pool options' (for_each_config_item); the C API's own
 // keys are the option table's rows of scope pool_create, parsed here; the rest goes to
 // pool_options::parse.
-}  // namespace
-
 c_api_pool_spec parse_c_api_config(std::string_view config) {
   c_api_pool_spec spec;
   gpumem::for_each_config_item(config, [&](std::string_view key, std::string_view value,
@@ -108,52 +156,15 @@ c_api_pool_spec parse_c_api_config(std::string_view config) {
         throw gpumem::invalid_argument("config: 'step_plan' must be on or off, got '" +
                                        std::string(value) + "'");
       spec.step_plan = value == "on";
-    } else if (key == "sim_capacity") {
-      parse_sim_sizes(key, value, spec.sim.capacity, spec.sim.capacities);
-      spec.own_sim = true;
-    } else if (key == "sim_granularity") {
-      parse_sim_sizes(key, value, spec.sim.granularity, spec.sim.granularities);
-      spec.own_sim = true;
-    } else if (key == "sim_devices") {
-      spec.sim.device_count = parse_ordinal(value, key, gpumem::sim_max_devices + 1);
-      if (spec.sim.device_count == 0)
-        throw gpumem::invalid_argument("config: 'sim_devices' must be at least 1");
-      spec.sim_devices_given = true;
-      spec.own_sim = true;
-    } else if (key == "sim_no_peer") {
-      spec.sim.no_peer.clear();
-      if (value != "none")
-        for (std::string_view pair : plus_list(value)) {
-          const auto dash = pair.find('-');
-          if (dash == std::string_view::npos)
-            throw gpumem::invalid_argument("config: 'sim_no_peer' takes pairs A-B joined by "
-                                           "'+', got '" + std::string(value) + "'");
-          spec.sim.no_peer.emplace_back(
-              parse_ordinal(pair.substr(0, dash), key, gpumem::sim_max_devices),
-              parse_ordinal(pair.substr(dash + 1), key, gpumem::sim_max_devices));
-        }
-      spec.own_sim = true;
-    } else {
+    } else if (!parse_sim_key(spec, key, value)) {
       // A row of the table that this parser does not know: the table and this function
       // disagree (option_table_test checks that every row's example is taken here).
       throw gpumem::invalid_argument("config: the C API does not handle key '" +
                                      std::string(key) + "'");
     }
   });
-  if (spec.own_sim && spec.platform == "cuda")
-    throw gpumem::invalid_argument("config: '" + spec.sim_key +
-                                   "' (a private sim device) needs platform sim, not cuda");
-  if (spec.own_sim && !spec.sim_devices_given)
-    spec.sim.device_count = static_cast<int>(std::max<std::size_t>(
-        {std::size_t{1}, spec.sim.capacities.size(), spec.sim.granularities.size()}));
-  if (spec.own_sim)
-    for (auto [a, b] : spec.sim.no_peer)
-      if (a >= spec.sim.device_count || b >= spec.sim.device_count || a == b)
-        throw gpumem::invalid_argument("config: 'sim_no_peer' names a pair of devices that "
-                                       "are not two of the sim device's " +
-                                       std::to_string(spec.sim.device_count));
+  check_sim(spec);
   return spec;
 }
-
 
 }  // namespace gpumem::detail

@@ -1,13 +1,28 @@
-// What the C API's other files (c_api_kv.cpp, c_api_vmm.cpp) need of c_api.cpp: this
-// thread's error slot and a live pool handle's parts. Not part of the public API.
+// What the C API's files share: the handle and its body, this thread's error slot, the
+// mapping of exceptions to status codes, and a live pool handle's parts. Not part of the
+// public API.
+//
+//  - c_api.cpp: the error slot, handle and body lifetime, allocation and free;
+//  - c_api_streams.cpp: streams and gpumem_record_stream (the body's `recorded` map);
+//  - c_api_stats.cpp: stats, counters, reports and snapshots;
+//  - c_api_config.cpp: the configuration grammar; c_api_vmm.cpp: tags, sleep / wake and
+//    sharing; c_api_kv.cpp: the KV cache.
 #pragma once
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
+#include <memory>
 #include <mutex>
+#include <new>
+#include <string>
+#include <unordered_map>
+#include <vector>
 
+#include "gpumem/errors.hpp"
 #include "gpumem/interop/gpumem.h"
 #include "gpumem/platform.hpp"
+#include "gpumem/platform/timed_platform.hpp"
 #include "gpumem/pool.hpp"
 
 namespace gpumem::detail {
@@ -15,8 +30,133 @@ namespace gpumem::detail {
 // Sets this thread's gpumem_last_status() / gpumem_last_error(); returns status.
 gpumem_status c_api_fail(gpumem_status status, const char* text) noexcept;
 
+// Runs f, turning every exception into a status and this thread's error text.
+template <class F>
+gpumem_status guarded(const char* where, F&& f) noexcept {
+  auto with_where = [where](const char* what) { return std::string(where) + ": " + what; };
+  try {
+    f();
+    return GPUMEM_SUCCESS;
+  } catch (const gpumem::out_of_memory& e) {
+    // The report is the message; a prefix would hide its first line's "gpumem: out of memory".
+    return c_api_fail(GPUMEM_ERROR_OUT_OF_MEMORY, e.what());
+  } catch (const gpumem::invalid_argument& e) {
+    try { return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, with_where(e.what()).c_str()); }
+    catch (...) { return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, e.what()); }
+  } catch (const gpumem::not_supported& e) {
+    try { return c_api_fail(GPUMEM_ERROR_NOT_SUPPORTED, with_where(e.what()).c_str()); }
+    catch (...) { return c_api_fail(GPUMEM_ERROR_NOT_SUPPORTED, e.what()); }
+  } catch (const gpumem::cuda_error& e) {
+    try { return c_api_fail(GPUMEM_ERROR_CUDA, with_where(e.what()).c_str()); }
+    catch (...) { return c_api_fail(GPUMEM_ERROR_CUDA, e.what()); }
+  } catch (const std::bad_alloc&) {
+    return c_api_fail(GPUMEM_ERROR_INTERNAL, "gpumem: host memory exhausted");
+  } catch (const std::exception& e) {
+    try { return c_api_fail(GPUMEM_ERROR_INTERNAL, with_where(e.what()).c_str()); }
+    catch (...) { return c_api_fail(GPUMEM_ERROR_INTERNAL, e.what()); }
+  } catch (...) {
+    return c_api_fail(GPUMEM_ERROR_INTERNAL, "gpumem: unknown exception");
+  }
+}
+
+inline gpumem::stream_handle to_stream(void* stream) noexcept {
+  return gpumem::stream_handle{reinterpret_cast<std::uintptr_t>(stream)};
+}
+
 // Tags, sleep / wake and sharing of one pool (c_api_vmm.cpp), made on first use.
 struct c_api_vmm_state;
+
+// c_api_vmm.cpp, for c_api.cpp: destroys the state (before the pool); whether untagged
+// allocations are refused (tag 0 asleep); whether `ptr` is one of the state's (another
+// tag's, shared or imported) and, if so, frees it (the status is the call's).
+void c_api_vmm_destroy(c_api_vmm_state* state) noexcept;
+bool c_api_vmm_untagged_asleep(const c_api_vmm_state* state) noexcept;
+bool c_api_vmm_free(c_api_vmm_state* state, void* ptr, std::size_t size, void* stream,
+                    gpumem_status& result) noexcept;
+
+// What a handle serves while it is live. It owns, in declaration order, a private sim
+// device (if asked for), the timed platform over the device, the caching pool's upstream
+// resource and the pool, so they are destroyed in reverse.
+struct pool_body {
+  std::unique_ptr<gpumem::sim_platform> own_sim;  // only for the sim_* keys
+  // Every call of this pool goes through it: the pool's own call counts and the time spent
+  // in each kind (a steady-clock read around a driver call of a microsecond or more).
+  std::unique_ptr<gpumem::timed_platform> timed;
+  gpumem::platform* platform = nullptr;  // timed
+  std::unique_ptr<gpumem::memory_resource> upstream;  // caching_pool's
+  std::unique_ptr<gpumem::pool_base> pool;
+  std::unique_ptr<gpumem::step_planner> planner;  // in front of pool (step_plan:on)
+  std::string allocator;
+  std::string config;
+  int device = 0;
+
+  // gpumem_record_stream bookkeeping; its invariant is c_api_streams.cpp's file comment.
+  std::mutex recorded_mutex;
+  std::unordered_map<std::uintptr_t, std::vector<std::uintptr_t>> recorded;
+  gpumem::event_handle wait_event{};  // reused: a wait captures the event's latest record
+  std::atomic<bool> any_recorded{false};
+  std::atomic<std::uint64_t> cross_stream_waits{0};
+
+  // Streams gpumem_stream_create made and gpumem_stream_destroy has not destroyed: they
+  // die with the pool (no handle is left to destroy them through).
+  std::mutex streams_mutex;
+  std::vector<std::uintptr_t> made_streams;
+
+  // Tags, sleep / wake, sharing (c_api_vmm.cpp): made on first use, destroyed first.
+  std::mutex vmm_mutex;
+  std::atomic<c_api_vmm_state*> vmm{nullptr};
+
+  ~pool_body();
+
+  // What allocations go through: the step planner, or the pool itself.
+  gpumem::memory_resource& front() const {
+    return planner != nullptr ? static_cast<gpumem::memory_resource&>(*planner) : *pool;
+  }
+};
+
+// Distinctive values, so a pointer to something else is unlikely to pass for a handle
+// (best effort only: reading a pointer that was never a handle is undefined anyway).
+enum : std::uint32_t {
+  handle_live = 0x6c697665,       // "live"
+  handle_destroyed = 0x64656164,  // "dead"
+};
+
+// Refuses a handle that is null or whose state is not handle_live: sets this thread's
+// error to say whether it is null, the pool was destroyed or the pointer was never a
+// handle; returns the status set (c_api.cpp).
+gpumem_status c_api_refuse_handle(const gpumem_pool* pool, std::uint32_t state,
+                                  const char* where) noexcept;
+
+}  // namespace gpumem::detail
+
+// The handle: a small shell around a pool_body, 24 bytes that outlive the pool.
+// gpumem_pool_destroy deletes the body but keeps the shell forever, marked destroyed, so any
+// later call on the handle is refused with a typed error instead of reading freed memory.
+// Invariant: a shell's state is handle_live while its body exists and handle_destroyed
+// after, and never changes back; a destroyed shell is never freed or reused (its address is
+// never handed out again), and it is on the `tombstones` list (c_api.cpp), so it stays
+// reachable.
+struct gpumem_pool {
+  std::atomic<std::uint32_t> state{gpumem::detail::handle_live};
+  gpumem::detail::pool_body* body = nullptr;  // owned while live; null once destroyed
+  gpumem_pool* next_tombstone = nullptr;      // the tombstones list, once destroyed
+};
+static_assert(sizeof(gpumem_pool) <= 24, "gpumem.h promises 24 bytes per destroyed pool");
+
+namespace gpumem::detail {
+
+// The body of a live handle; otherwise nullptr, with this thread's error set to say why
+// (null handle, destroyed pool, not a handle). On a live handle: one atomic load.
+inline pool_body* live_body(gpumem_pool* pool, const char* where) noexcept {
+  if (pool == nullptr) {
+    c_api_refuse_handle(pool, 0, where);
+    return nullptr;
+  }
+  const std::uint32_t state = pool->state.load(std::memory_order_acquire);
+  if (state == handle_live) [[likely]] return pool->body;
+  c_api_refuse_handle(pool, state, where);
+  return nullptr;
+}
 
 struct c_api_pool_parts {
   pool_base* pool = nullptr;  // null when the handle is not a live pool (error set)
@@ -30,12 +170,10 @@ struct c_api_pool_parts {
 // for a null, destroyed or foreign handle.
 c_api_pool_parts c_api_pool(gpumem_pool* pool, const char* where) noexcept;
 
-// c_api_vmm.cpp, for c_api.cpp: destroys the state (before the pool); whether untagged
-// allocations are refused (tag 0 asleep); whether `ptr` is one of the state's (another
-// tag's, shared or imported) and, if so, frees it (the status is the call's).
-void c_api_vmm_destroy(c_api_vmm_state* state) noexcept;
-bool c_api_vmm_untagged_asleep(const c_api_vmm_state* state) noexcept;
-bool c_api_vmm_free(c_api_vmm_state* state, void* ptr, std::size_t size, void* stream,
-                    gpumem_status& result) noexcept;
+// c_api_streams.cpp, for gpumem_free: when `ptr` has recorded streams, makes `stream` wait
+// for them, frees `ptr` through the body's front and forgets its records, and returns
+// true; false (nothing done) when `ptr` has none. Throws as the free does, forgetting
+// nothing then. REQUIRES: body.any_recorded was seen true.
+bool free_recorded(pool_body& body, void* ptr, std::size_t size, gpumem::stream_handle stream);
 
 }  // namespace gpumem::detail

@@ -3,9 +3,9 @@
 // A gpumem_kv_cache owns, in declaration order, the pinned host pool for swap (when asked
 // for) and the cache, so the cache (which may hand host blocks back) goes first. It keeps
 // a pointer to its gpumem pool's vmm_page_pool; the pool must outlive it (gpumem_kv.h).
-// Every entry point is noexcept: exceptions become status codes through `guarded`, with
-// the same mapping as the pool's C API (c_api.cpp), and the text in the same thread-local
-// slot (gpumem_last_error()).
+// Every entry point is noexcept: exceptions become status codes through the pool C API's
+// `guarded` (c_api_internal.hpp), with the text in the same thread-local slot
+// (gpumem_last_error()).
 #include "gpumem/interop/gpumem_kv.h"
 
 #include <algorithm>
@@ -36,30 +36,7 @@ struct gpumem_kv_vseqs {
 namespace {
 
 using gpumem::detail::c_api_fail;
-
-template <class F>
-gpumem_status guarded(const char* where, F&& f) noexcept {
-  auto with_where = [where](const char* what) { return std::string(where) + ": " + what; };
-  try {
-    f();
-    return GPUMEM_SUCCESS;
-  } catch (const gpumem::out_of_memory& e) {
-    return c_api_fail(GPUMEM_ERROR_OUT_OF_MEMORY, e.what());
-  } catch (const gpumem::invalid_argument& e) {
-    try { return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, with_where(e.what()).c_str()); }
-    catch (...) { return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, e.what()); }
-  } catch (const gpumem::cuda_error& e) {
-    try { return c_api_fail(GPUMEM_ERROR_CUDA, with_where(e.what()).c_str()); }
-    catch (...) { return c_api_fail(GPUMEM_ERROR_CUDA, e.what()); }
-  } catch (const std::bad_alloc&) {
-    return c_api_fail(GPUMEM_ERROR_INTERNAL, "gpumem: host memory exhausted");
-  } catch (const std::exception& e) {
-    try { return c_api_fail(GPUMEM_ERROR_INTERNAL, with_where(e.what()).c_str()); }
-    catch (...) { return c_api_fail(GPUMEM_ERROR_INTERNAL, e.what()); }
-  } catch (...) {
-    return c_api_fail(GPUMEM_ERROR_INTERNAL, "gpumem: unknown exception");
-  }
-}
+using gpumem::detail::guarded;
 
 // Null handle or null output: refused before any work, with the entry point's name.
 gpumem_status refuse(const char* where, const char* what) noexcept {

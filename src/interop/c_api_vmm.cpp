@@ -37,6 +37,8 @@ namespace {
 
 using gpumem::detail::c_api_fail;
 using gpumem::detail::c_api_vmm_state;
+using gpumem::detail::guarded;
+using gpumem::detail::to_stream;
 
 gpumem_status fail_with(gpumem_status status, const char* where, const char* what) noexcept {
   try {
@@ -44,33 +46,6 @@ gpumem_status fail_with(gpumem_status status, const char* where, const char* wha
   } catch (...) {
     return c_api_fail(status, what);
   }
-}
-
-// Runs f, turning every exception into a status and this thread's error text.
-template <class F>
-gpumem_status guarded(const char* where, F&& f) noexcept {
-  try {
-    f();
-    return GPUMEM_SUCCESS;
-  } catch (const gpumem::out_of_memory& e) {
-    return c_api_fail(GPUMEM_ERROR_OUT_OF_MEMORY, e.what());
-  } catch (const gpumem::invalid_argument& e) {
-    return fail_with(GPUMEM_ERROR_INVALID_ARGUMENT, where, e.what());
-  } catch (const gpumem::not_supported& e) {
-    return fail_with(GPUMEM_ERROR_NOT_SUPPORTED, where, e.what());
-  } catch (const gpumem::cuda_error& e) {
-    return fail_with(GPUMEM_ERROR_CUDA, where, e.what());
-  } catch (const std::bad_alloc&) {
-    return c_api_fail(GPUMEM_ERROR_INTERNAL, "gpumem: host memory exhausted");
-  } catch (const std::exception& e) {
-    return fail_with(GPUMEM_ERROR_INTERNAL, where, e.what());
-  } catch (...) {
-    return c_api_fail(GPUMEM_ERROR_INTERNAL, "gpumem: unknown exception");
-  }
-}
-
-gpumem::stream_handle to_stream(void* stream) noexcept {
-  return gpumem::stream_handle{reinterpret_cast<std::uintptr_t>(stream)};
 }
 
 // The pool's state, made now if need be. REQUIRES: parts.pool != nullptr.

@@ -73,51 +73,61 @@ void write_trace_entry(pickle_writer& w, const event_recorder& rec, const record
   w.end_dict();
 }
 
-}  // namespace
-
-std::string memory_snapshot_pickle(const pool_base& pool, const event_recorder* trace,
-                                   const step_planner* plan) {
-  std::vector<memory_segment> segments;
-  trace_copy copy;
-  // One consistent moment: no pool operation (and so no recorder event) runs in between.
-  pool.inspect([&](const std::vector<memory_segment>& s) {
-    segments = s;
-    if (trace != nullptr) copy.events = trace->events();
-  });
-  if (plan != nullptr) plan->show_plan_in(segments);
-  // Symbolize outside the pool's lock (slow: dladdr per frame). Events overwritten since
-  // the copy lose their stacks, not their place.
-  if (trace != nullptr) {
-    // Stacks repeat (a training step allocates from the same places): symbolize each
-    // distinct return address once.
-    std::unordered_map<void*, stack_frame> symbols;
-    copy.frames.reserve(copy.events.size());
-    for (const recorded_event& e : copy.events) {
-      std::vector<stack_frame> stack;
-      if (e.frame_count != 0)
-        for (void* pc : trace->return_addresses(e.sequence)) {
-          auto it = symbols.find(pc);
-          if (it == symbols.end()) it = symbols.emplace(pc, symbolize_frames(&pc, 1).front()).first;
-          stack.push_back(it->second);
-        }
-      copy.frames.push_back(std::move(stack));
-    }
+// Symbolizes each copied event's return addresses (slow: dladdr per frame, so outside the
+// pool's lock). Events overwritten since the copy lose their stacks, not their place.
+void symbolize_trace(trace_copy& copy, const event_recorder& trace) {
+  // Stacks repeat (a training step allocates from the same places): symbolize each
+  // distinct return address once.
+  std::unordered_map<void*, stack_frame> symbols;
+  copy.frames.reserve(copy.events.size());
+  for (const recorded_event& e : copy.events) {
+    std::vector<stack_frame> stack;
+    if (e.frame_count != 0)
+      for (void* pc : trace.return_addresses(e.sequence)) {
+        auto it = symbols.find(pc);
+        if (it == symbols.end()) it = symbols.emplace(pc, symbolize_frames(&pc, 1).front()).first;
+        stack.push_back(it->second);
+      }
+    copy.frames.push_back(std::move(stack));
   }
-  // Each live block's allocation event, for the block's frames.
-  std::unordered_map<std::uintptr_t, std::size_t> alloc_event;
+}
+
+// Each live block's allocation event (its index in copy.events), for the block's frames.
+using alloc_events = std::unordered_map<std::uintptr_t, std::size_t>;
+alloc_events live_allocation_events(const trace_copy& copy) {
+  alloc_events alloc_event;
   for (std::size_t i = 0; i < copy.events.size(); ++i) {
     const recorded_event& e = copy.events[i];
     if (e.kind == pool_event_kind::alloc) alloc_event[e.address] = i;
     if (e.kind == pool_event_kind::free) alloc_event.erase(e.address);
   }
-  const memory_stats stats = collect_memory_stats(pool);
-  const bool expandable = !segments.empty() ? segments.front().expandable : stats.has_pages;
+  return alloc_event;
+}
 
-  std::string out;
-  pickle_writer w(out);
-  w.begin_dict();
+void write_blocks(pickle_writer& w, const memory_segment& seg, const trace_copy& copy,
+                  const alloc_events& alloc_event) {
+  w.begin_list();
+  for (const memory_block& b : seg.blocks) {
+    const bool live = b.st == memory_block::state::allocated;
+    w.begin_dict();
+    w.item("address", b.address);
+    w.item("size", b.size);
+    w.item("requested_size", live ? b.requested : 0);
+    w.item("state", live ? "active_allocated" : "inactive");
+    w.str("frames");
+    auto it = live ? alloc_event.find(b.address) : alloc_event.end();
+    if (it != alloc_event.end())
+      write_frames(w, &copy.events[it->second], &copy.frames[it->second]);
+    else
+      write_frames(w, nullptr, nullptr);
+    w.end_dict();
+  }
+  w.end_list();
+}
 
-  w.str("segments");
+void write_segments(pickle_writer& w, const pool_base& pool,
+                    const std::vector<memory_segment>& segments, const trace_copy& copy) {
+  const alloc_events alloc_event = live_allocation_events(copy);
   w.begin_list();
   for (const memory_segment& seg : segments) {
     std::size_t allocated = 0, requested = 0;
@@ -141,29 +151,15 @@ std::string memory_snapshot_pickle(const pool_base& pool, const event_recorder* 
     w.str("frames");
     write_frames(w, nullptr, nullptr);
     w.str("blocks");
-    w.begin_list();
-    for (const memory_block& b : seg.blocks) {
-      const bool live = b.st == memory_block::state::allocated;
-      w.begin_dict();
-      w.item("address", b.address);
-      w.item("size", b.size);
-      w.item("requested_size", live ? b.requested : 0);
-      w.item("state", live ? "active_allocated" : "inactive");
-      w.str("frames");
-      auto it = live ? alloc_event.find(b.address) : alloc_event.end();
-      if (it != alloc_event.end())
-        write_frames(w, &copy.events[it->second], &copy.frames[it->second]);
-      else
-        write_frames(w, nullptr, nullptr);
-      w.end_dict();
-    }
-    w.end_list();
+    write_blocks(w, seg, copy, alloc_event);
     w.end_dict();
   }
   w.end_list();
+}
 
-  // One trace per device up to the pool's (PyTorch indexes device_traces by device).
-  w.str("device_traces");
+// One trace per device up to the pool's (PyTorch indexes device_traces by device).
+void write_device_traces(pickle_writer& w, const pool_base& pool, const event_recorder* trace,
+                         const trace_copy& copy) {
   w.begin_list();
   for (int d = 0; d < pool.device(); ++d) {
     w.begin_list();
@@ -184,8 +180,9 @@ std::string memory_snapshot_pickle(const pool_base& pool, const event_recorder* 
   }
   w.end_list();
   w.end_list();
+}
 
-  w.str("allocator_settings");
+void write_allocator_settings(pickle_writer& w, const pool_base& pool, bool expandable) {
   w.begin_dict();
   w.item("PYTORCH_CUDA_ALLOC_CONF", pool.options().to_string());
   w.item("max_split_size", -1);
@@ -198,9 +195,11 @@ std::string memory_snapshot_pickle(const pool_base& pool, const event_recorder* 
   w.begin_dict();
   w.end_dict();
   w.end_dict();
+}
 
-  // gpumem's own figures (PyTorch's tools ignore keys they do not know).
-  w.str("gpumem");
+// gpumem's own figures (PyTorch's tools ignore keys they do not know).
+void write_gpumem_figures(pickle_writer& w, const pool_base& pool, const event_recorder* trace,
+                          const memory_stats& stats) {
   w.begin_dict();
   w.item("allocator", stats.allocator);
   w.item("platform", pool.device_platform().kind());
@@ -221,7 +220,35 @@ std::string memory_snapshot_pickle(const pool_base& pool, const event_recorder* 
   }
   w.end_dict();
   w.end_dict();
+}
 
+}  // namespace
+
+std::string memory_snapshot_pickle(const pool_base& pool, const event_recorder* trace,
+                                   const step_planner* plan) {
+  std::vector<memory_segment> segments;
+  trace_copy copy;
+  // One consistent moment: no pool operation (and so no recorder event) runs in between.
+  pool.inspect([&](const std::vector<memory_segment>& s) {
+    segments = s;
+    if (trace != nullptr) copy.events = trace->events();
+  });
+  if (plan != nullptr) plan->show_plan_in(segments);
+  if (trace != nullptr) symbolize_trace(copy, *trace);
+  const memory_stats stats = collect_memory_stats(pool);
+  const bool expandable = !segments.empty() ? segments.front().expandable : stats.has_pages;
+
+  std::string out;
+  pickle_writer w(out);
+  w.begin_dict();
+  w.str("segments");
+  write_segments(w, pool, segments, copy);
+  w.str("device_traces");
+  write_device_traces(w, pool, trace, copy);
+  w.str("allocator_settings");
+  write_allocator_settings(w, pool, expandable);
+  w.str("gpumem");
+  write_gpumem_figures(w, pool, trace, stats);
   w.end_dict();
   w.finish();
   return out;

@@ -139,17 +139,14 @@ bool redis_link::ready() {
   return true;
 }
 
-// Commands go out by writev straight from the callers' buffers (a 2 MiB value is not
-// copied into a client buffer first), and replies come in through large reads fed to
-// hiredis's protocol reader; the socket's timeouts (SO_SNDTIMEO/SO_RCVTIMEO, set at
-// connect) bound every call.
-bool redis_link::run(const std::vector<redis_command>& commands,
-                     std::vector<redis_reply>& replies,
-                     std::span<const std::span<std::byte>> into) {
-  replies.clear();
-  if (!ready()) return false;
-  // RESP framing: "*<argc>\r\n" then "$<len>\r\n<arg>\r\n" per argument.
-  std::string framing;
+namespace {
+
+// RESP framing of a pipeline ("*<argc>\r\n" then "$<len>\r\n<arg>\r\n" per argument) as
+// writev pieces: the framing text and short arguments in `framing`, each long argument
+// (over 256 bytes) as a piece of its own, pointing at the caller's bytes.
+// `iov` points into `framing`: neither changes until the pipeline is written.
+void frame_pipeline(const std::vector<redis_command>& commands, std::string& framing,
+                    std::vector<iovec>& iov) {
   framing.reserve(commands.size() * 64);
   struct piece {
     bool own;           // framing[offset, offset + len) or the argument's own bytes
@@ -180,10 +177,36 @@ bool redis_link::run(const std::vector<redis_command>& commands,
       add_framing("\r\n");
     }
   }
-  std::vector<iovec> iov;
   iov.reserve(pieces.size());
   for (const piece& p : pieces)
     iov.push_back({const_cast<char*>(p.own ? framing.data() + p.offset : p.data), p.len});
+}
+
+}  // namespace
+
+// Commands go out by writev straight from the callers' buffers (a 2 MiB value is not
+// copied into a client buffer first), and replies come in through large reads fed to
+// hiredis's protocol reader; the socket's timeouts (SO_SNDTIMEO/SO_RCVTIMEO, set at
+// connect) bound every call.
+bool redis_link::run(const std::vector<redis_command>& commands,
+                     std::vector<redis_reply>& replies,
+                     std::span<const std::span<std::byte>> into) {
+  replies.clear();
+  if (!ready()) return false;
+  std::string framing;
+  std::vector<iovec> iov;
+  frame_pipeline(commands, framing, iov);
+  if (!write_all(iov)) return false;
+  if (!into.empty()) {
+    if (!read_simple_replies(commands.size(), replies, into)) return false;
+  } else if (!read_replies(commands.size(), replies)) {
+    return false;
+  }
+  health_.connection_ok();
+  return true;
+}
+
+bool redis_link::write_all(std::vector<iovec>& iov) {
   std::size_t first = 0;
   while (first < iov.size()) {
     const int count = static_cast<int>(std::min<std::size_t>(iov.size() - first, IOV_MAX));
@@ -201,13 +224,12 @@ bool redis_link::run(const std::vector<redis_command>& commands,
       iov[first].iov_len -= left;
     }
   }
-  if (!into.empty()) {
-    if (!read_simple_replies(commands.size(), replies, into)) return false;
-    health_.connection_ok();
-    return true;
-  }
+  return true;
+}
+
+bool redis_link::read_replies(std::size_t count, std::vector<redis_reply>& replies) {
   std::vector<char> buf(std::size_t{1} << 20);
-  while (replies.size() < commands.size()) {
+  while (replies.size() < count) {
     void* r = nullptr;
     if (redisReaderGetReply(ctx_->reader, &r) != REDIS_OK) {
       fail("protocol error");
@@ -231,7 +253,6 @@ bool redis_link::run(const std::vector<redis_command>& commands,
       return false;
     }
   }
-  health_.connection_ok();
   return true;
 }
 

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <hiredis/hiredis.h>
+#include <sys/uio.h>
 
 #include <chrono>
 #include <memory>
@@ -79,6 +80,10 @@ class redis_link {
  private:
   void fail(const std::string& what);
   std::string introduce(redisContext* c) const;
+  // run()'s steps: the whole pipeline written (iov advanced as it goes), then `count`
+  // replies read through hiredis's reader; false, after fail(), when the connection fails.
+  bool write_all(std::vector<iovec>& iov);
+  bool read_replies(std::size_t count, std::vector<redis_reply>& replies);
   // The replies of a pipeline with `into` buffers, parsed here (see run()).
   bool read_simple_replies(std::size_t count, std::vector<redis_reply>& replies,
                            std::span<const std::span<std::byte>> into);

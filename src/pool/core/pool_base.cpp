@@ -135,27 +135,25 @@ detail::thread_cache& pool_base::cache_for_this_thread_locked() {
 }
 
 void pool_base::publish(std::int64_t requested, std::int64_t block) noexcept {
+  detail::live_totals& t = live_totals_;
   // Two's complement: adding a negative delta as unsigned subtracts it.
-  const auto live = live_bytes_.fetch_add(static_cast<std::size_t>(requested),
-                                          std::memory_order_relaxed) +
+  const auto live = t.live.fetch_add(static_cast<std::size_t>(requested), std::memory_order_relaxed) +
                     static_cast<std::size_t>(requested);
-  const auto held = block_bytes_.fetch_add(static_cast<std::size_t>(block),
-                                           std::memory_order_relaxed) +
+  const auto held = t.blocks.fetch_add(static_cast<std::size_t>(block), std::memory_order_relaxed) +
                     static_cast<std::size_t>(block);
-  if (requested > 0) raise_to(peak_live_bytes_, live + locked_counts().live);
-  if (block > 0) raise_to(peak_block_bytes_, held + locked_counts().held);
+  if (requested > 0) raise_to(t.peak_live, live + t.locked().live);
+  if (block > 0) raise_to(t.peak_blocks, held + t.locked().held);
 }
 
 void pool_base::publish_locked(std::int64_t requested, std::int64_t block) noexcept {
   constexpr auto relaxed = std::memory_order_relaxed;
-  const std::int64_t live = locked_live_.load(relaxed) + requested;
-  const std::int64_t held = locked_blocks_.load(relaxed) + block;
-  locked_live_.store(live, relaxed);
-  locked_blocks_.store(held, relaxed);
-  if (requested > 0)
-    raise_to(peak_live_bytes_, live_bytes_.load(relaxed) + static_cast<std::size_t>(live));
-  if (block > 0)
-    raise_to(peak_block_bytes_, block_bytes_.load(relaxed) + static_cast<std::size_t>(held));
+  detail::live_totals& t = live_totals_;
+  const std::int64_t live = t.locked_live.load(relaxed) + requested;
+  const std::int64_t held = t.locked_blocks.load(relaxed) + block;
+  t.locked_live.store(live, relaxed);
+  t.locked_blocks.store(held, relaxed);
+  if (requested > 0) raise_to(t.peak_live, t.live.load(relaxed) + static_cast<std::size_t>(live));
+  if (block > 0) raise_to(t.peak_blocks, t.blocks.load(relaxed) + static_cast<std::size_t>(held));
 }
 
 template <bool allocated, bool locked>
@@ -184,9 +182,10 @@ inline void pool_base::count(detail::thread_cache& c, std::size_t requested,
   // The peaks see this thread's pending bytes at once: exact while one thread uses the
   // pool, and no shared write unless a peak rises.
   if constexpr (allocated) {
-    const live_and_held l = locked_counts();
-    raise_to(peak_live_bytes_, live_bytes_.load(relaxed) + l.live + static_cast<std::size_t>(live));
-    raise_to(peak_block_bytes_, block_bytes_.load(relaxed) + l.held + static_cast<std::size_t>(held));
+    detail::live_totals& t = live_totals_;
+    const live_and_held l = t.locked();
+    raise_to(t.peak_live, t.live.load(relaxed) + l.live + static_cast<std::size_t>(live));
+    raise_to(t.peak_blocks, t.blocks.load(relaxed) + l.held + static_cast<std::size_t>(held));
   }
 }
 
@@ -203,11 +202,13 @@ std::size_t with_pending(const std::atomic<std::size_t>& shared,
 }  // namespace
 
 std::size_t pool_base::live_bytes_locked() const {
-  return with_pending(live_bytes_, caches_, &detail::thread_cache::pending_live) + locked_counts().live;
+  return with_pending(live_totals_.live, caches_, &detail::thread_cache::pending_live) +
+         live_totals_.locked().live;
 }
 
 std::size_t pool_base::block_bytes_locked() const {
-  return with_pending(block_bytes_, caches_, &detail::thread_cache::pending_blocks) + locked_counts().held;
+  return with_pending(live_totals_.blocks, caches_, &detail::thread_cache::pending_blocks) +
+         live_totals_.locked().held;
 }
 
 void pool_base::release_to_arena_locked(detail::block* b, std::uintptr_t stream) {

@@ -61,7 +61,7 @@ resource_stats pool_base::stats() const {
     s.live_allocations += c->live.size();
   }
   s.live_bytes = live_bytes_locked();
-  s.peak_live_bytes = std::max(peak_live_bytes_.load(std::memory_order_relaxed), s.live_bytes);
+  s.peak_live_bytes = std::max(live_totals_.peak_live.load(std::memory_order_relaxed), s.live_bytes);
   const std::size_t handed_out = block_bytes_locked();
   s.cached_bytes = s.reserved_bytes > handed_out ? s.reserved_bytes - handed_out : 0;
   return s;
@@ -124,7 +124,7 @@ std::string pool_base::report_locked(std::size_t bytes) const {
   std::ostringstream r;
   const std::size_t allocated = block_bytes_locked();
   const std::size_t live_bytes = live_bytes_locked();
-  const std::size_t peak_live = std::max(peak_live_bytes_.load(std::memory_order_relaxed), live_bytes);
+  const std::size_t peak_live = std::max(live_totals_.peak_live.load(std::memory_order_relaxed), live_bytes);
   const std::vector<live_allocation> live = live_list_locked();
   const std::uint32_t id = arena_for(bytes);
   r << "gpumem: out of memory on device " << device() << " (" << device_platform().kind()
@@ -289,7 +289,7 @@ void pool_base::inspect(
 
 std::size_t pool_base::peak_allocated_block_bytes() const {
   std::lock_guard lock(mutex_);
-  return std::max(peak_block_bytes_.load(std::memory_order_relaxed), block_bytes_locked());
+  return std::max(live_totals_.peak_blocks.load(std::memory_order_relaxed), block_bytes_locked());
 }
 
 std::string pool_base::validate() const {

@@ -13,8 +13,9 @@ namespace gpumem {
 
 inline pool_base::live_and_held pool_base::totals(const detail::thread_cache* mine) const noexcept {
   constexpr auto relaxed = std::memory_order_relaxed;
-  const live_and_held l = locked_counts();
-  live_and_held t{live_bytes_.load(relaxed) + l.live, block_bytes_.load(relaxed) + l.held};
+  const live_and_held l = live_totals_.locked();
+  live_and_held t{live_totals_.live.load(relaxed) + l.live,
+                  live_totals_.blocks.load(relaxed) + l.held};
   if (mine != nullptr) {
     t.live += static_cast<std::size_t>(mine->pending_live.load(relaxed));
     t.held += static_cast<std::size_t>(mine->pending_blocks.load(relaxed));

@@ -34,7 +34,7 @@ namespace gpumem {
 
 namespace {
 
-// Offload copies go in slices of this many bytes (see sleep()): large enough that a
+// Offload copies go in slices of this many bytes (offload_and_retire_locked): large enough that a
 // slice's copy outlasts the driver calls that retire the slice before it.
 constexpr std::size_t sleep_slice_bytes = std::size_t{256} << 20;
 
@@ -125,7 +125,6 @@ void vmm_page_pool::sleep(sleep_mode mode, stream_handle stream) {
   const std::uint64_t frees = stats().deallocations;
 
   std::lock_guard lock(mutex_);
-  platform& p = device_platform();
   retire_completed(true);  // no old mapping of a remapped page is left
   if (sleep_ == nullptr) sleep_ = std::make_unique<detail::vmm_sleep_state>();
   auto& st = *sleep_;
@@ -133,130 +132,155 @@ void vmm_page_pool::sleep(sleep_mode mode, stream_handle stream) {
     st.mode = mode;  // a sleep that failed halfway completes in its own mode
     st.frees_at_sleep = frees;
   }
-
-  // Every chunk still mapped sleeps, in address order (adjacent ones copy and unmap
-  // together); those an earlier, failed call unmapped are past the copy and the unmap.
-  std::vector<std::uint32_t> ids;
-  for (std::uint32_t id = 0; id < chunks_.size(); ++id) {
-    if (!chunks_[id].live || chunks_[id].mapped_at == no_page) continue;
-    auto it = st.chunks.find(id);
-    if (it == st.chunks.end() || it->second == phase::mapped) ids.push_back(id);
-  }
-  std::sort(ids.begin(), ids.end(),
-            [&](std::uint32_t a, std::uint32_t b) { return chunks_[a].mapped_at < chunks_[b].mapped_at; });
-
-  if (st.mode == sleep_mode::offload) {
-    if (st.staging == nullptr) st.staging = std::make_unique<pinned_host_pool>(p, device());
-    if (!resuming && st.host != nullptr) {  // left by a sleep that failed before any page slept
-      st.staging->deallocate(st.host, st.host_bytes, stream);
-      st.host = nullptr;
-      st.host_offset.clear();
-    }
-    if (st.host == nullptr && !ids.empty()) {
-      std::size_t total = 0;
-      for (std::uint32_t id : ids) {
-        st.host_offset[id] = total;
-        total += chunks_[id].pages * page_;
-      }
-      st.host = st.staging->allocate(total, stream);  // throws out_of_memory: nothing changed
-      st.host_bytes = total;
-    }
-  }
-
-  // Gives the physical memory of an unmapped sleeping chunk back to the driver.
-  auto release_sleeping_chunk = [&](std::uint32_t id) {
-    auto ph = st.chunks.find(id);
-    if (ph == st.chunks.end() || ph->second != phase::unmapped) return;
-    chunk& c = chunks_[id];
-    if (auto s = p.release_physical(c.handle); !s)
-      throw_cuda_error(s, "vmm_page_pool::sleep: release the physical memory");
-    c.handle = physical_handle{};
-    ph->second = phase::released;
-    st.released_pages += c.pages;
-    sub_reserved(c.pages * page_);
-    counts_.pages_released += c.pages;
-  };
-
-  // Unmaps and releases the chunks ids[begin, end) (their copies, if any, are done):
-  // runs of adjacent chunks unmap in one call each where the driver accepts it.
-  auto retire = [&](std::size_t begin, std::size_t end) {
-    for (std::size_t i = begin; i < end; ++i) st.chunks.try_emplace(ids[i], phase::mapped);
-    for (std::size_t i = begin; i < end;) {
-      std::size_t j = i + 1;
-      while (j < end &&
-             chunks_[ids[j]].mapped_at == chunks_[ids[j - 1]].mapped_at + chunks_[ids[j - 1]].pages)
-        ++j;
-      const std::span<const std::uint32_t> run(ids.data() + i, j - i);
-      auto [done, failed] = unmap_run(run);
-      // unmap_run reports the chunks unmapped from the top of the run.
-      for (std::size_t k = 0; k < done; ++k) st.chunks[run[run.size() - 1 - k]] = phase::unmapped;
-      if (!failed.ok()) throw_cuda_error(failed, "vmm_page_pool::sleep: unmap the pages");
-      i = j;
-    }
-    for (std::size_t i = begin; i < end; ++i) release_sleeping_chunk(ids[i]);
-  };
-
+  const std::vector<std::uint32_t> ids = chunks_to_sleep_locked();
+  if (st.mode == sleep_mode::offload) stage_host_copy_locked(ids, resuming, stream);
   if (st.mode == sleep_mode::offload && !ids.empty()) {
-    // The copies go in slices of about sleep_slice_bytes; while one slice copies, the one
-    // before it (its copies done, and with them the work queued before) is unmapped and
-    // released, so the driver calls run under the transfer instead of after it.
-    stream_events events(p, device());
-    std::size_t prev_begin = 0, prev_end = 0, slice = 0;
-    for (std::size_t begin = 0; begin < ids.size(); ++slice) {
-      std::size_t end = begin, bytes = 0;
-      while (end < ids.size() && (end == begin || bytes < sleep_slice_bytes))
-        bytes += chunks_[ids[end++]].pages * page_;
-      // Copies of adjacent chunks (adjacent in the host block too) go as one.
-      for (std::size_t i = begin; i < end;) {
-        std::size_t j = i + 1;
-        const chunk& first = chunks_[ids[i]];
-        std::size_t pages = first.pages;
-        while (j < end && chunks_[ids[j]].mapped_at == first.mapped_at + pages &&
-               st.host_offset.at(ids[j]) == st.host_offset.at(ids[i]) + pages * page_) {
-          pages += chunks_[ids[j]].pages;
-          ++j;
-        }
-        auto* host = static_cast<char*>(st.host) + st.host_offset.at(ids[i]);
-        if (auto s = p.memcpy_async(host, reinterpret_cast<void*>(page_address(first.mapped_at)),
-                                    pages * page_, stream);
-            !s)
-          throw_cuda_error(s, "vmm_page_pool::sleep: copy the pages to the host");
-        i = j;
-      }
-      events.record(slice % 2, stream);
-      if (slice > 0) {
-        events.wait((slice - 1) % 2, stream);
-        retire(prev_begin, prev_end);
-      }
-      prev_begin = begin;
-      prev_end = end;
-      begin = end;
-    }
-    events.wait((slice - 1) % 2, stream);
-    retire(prev_begin, prev_end);
+    offload_and_retire_locked(ids, stream);
   } else {
     // Nothing to copy: the work queued on the stream is done before the pages go.
-    if (auto s = p.stream_synchronize(stream); !s)
+    if (auto s = device_platform().stream_synchronize(stream); !s)
       throw_cuda_error(s, "vmm_page_pool::sleep: wait for the stream");
-    retire(0, ids.size());
+    retire_sleeping_locked(ids);
   }
   // Chunks an earlier, failed call left unmapped are released now.
   std::vector<std::uint32_t> left;
   for (auto& [id, ph] : st.chunks)
     if (ph == phase::unmapped) left.push_back(id);
-  for (std::uint32_t id : left) release_sleeping_chunk(id);
+  for (std::uint32_t id : left) release_sleeping_chunk_locked(id);
   st.complete = true;
 }
 
-void vmm_page_pool::wake(stream_handle stream) {
+// Every chunk still mapped sleeps, in address order (adjacent ones copy and unmap
+// together); those an earlier, failed call unmapped are past the copy and the unmap.
+std::vector<std::uint32_t> vmm_page_pool::chunks_to_sleep_locked() const {
   using phase = detail::vmm_sleep_state::phase;
+  std::vector<std::uint32_t> ids;
+  for (std::uint32_t id = 0; id < chunks_.size(); ++id) {
+    if (!chunks_[id].live || chunks_[id].mapped_at == no_page) continue;
+    auto it = sleep_->chunks.find(id);
+    if (it == sleep_->chunks.end() || it->second == phase::mapped) ids.push_back(id);
+  }
+  std::sort(ids.begin(), ids.end(),
+            [&](std::uint32_t a, std::uint32_t b) { return chunks_[a].mapped_at < chunks_[b].mapped_at; });
+  return ids;
+}
+
+// The pinned host block the offloaded bytes of `ids` go to, chunk after chunk (kept by a
+// resumed sleep, which copies into the same places).
+void vmm_page_pool::stage_host_copy_locked(std::span<const std::uint32_t> ids, bool resuming,
+                                           stream_handle stream) {
+  auto& st = *sleep_;
+  if (st.staging == nullptr)
+    st.staging = std::make_unique<pinned_host_pool>(device_platform(), device());
+  if (!resuming && st.host != nullptr) {  // left by a sleep that failed before any page slept
+    st.staging->deallocate(st.host, st.host_bytes, stream);
+    st.host = nullptr;
+    st.host_offset.clear();
+  }
+  if (st.host == nullptr && !ids.empty()) {
+    std::size_t total = 0;
+    for (std::uint32_t id : ids) {
+      st.host_offset[id] = total;
+      total += chunks_[id].pages * page_;
+    }
+    st.host = st.staging->allocate(total, stream);  // throws out_of_memory: nothing changed
+    st.host_bytes = total;
+  }
+}
+
+// The copies go in slices of about sleep_slice_bytes; while one slice copies, the one
+// before it (its copies done, and with them the work queued before) is unmapped and
+// released, so the driver calls run under the transfer instead of after it.
+// REQUIRES: !ids.empty().
+void vmm_page_pool::offload_and_retire_locked(std::span<const std::uint32_t> ids,
+                                              stream_handle stream) {
+  stream_events events(device_platform(), device());
+  std::span<const std::uint32_t> prev;
+  std::size_t slice = 0;
+  for (std::size_t begin = 0; begin < ids.size(); ++slice) {
+    std::size_t end = begin, bytes = 0;
+    while (end < ids.size() && (end == begin || bytes < sleep_slice_bytes))
+      bytes += chunks_[ids[end++]].pages * page_;
+    copy_to_host_locked(ids.subspan(begin, end - begin), stream);
+    events.record(slice % 2, stream);
+    if (slice > 0) {
+      events.wait((slice - 1) % 2, stream);
+      retire_sleeping_locked(prev);
+    }
+    prev = ids.subspan(begin, end - begin);
+    begin = end;
+  }
+  events.wait((slice - 1) % 2, stream);
+  retire_sleeping_locked(prev);
+}
+
+// Queues on `stream` the copies of the chunks `ids` to their places in the host block;
+// copies of adjacent chunks (adjacent in the host block too) go as one.
+void vmm_page_pool::copy_to_host_locked(std::span<const std::uint32_t> ids,
+                                        stream_handle stream) {
+  const auto& st = *sleep_;
+  for (std::size_t i = 0; i < ids.size();) {
+    std::size_t j = i + 1;
+    const chunk& first = chunks_[ids[i]];
+    std::size_t pages = first.pages;
+    while (j < ids.size() && chunks_[ids[j]].mapped_at == first.mapped_at + pages &&
+           st.host_offset.at(ids[j]) == st.host_offset.at(ids[i]) + pages * page_) {
+      pages += chunks_[ids[j]].pages;
+      ++j;
+    }
+    auto* host = static_cast<char*>(st.host) + st.host_offset.at(ids[i]);
+    if (auto s = device_platform().memcpy_async(
+            host, reinterpret_cast<void*>(page_address(first.mapped_at)), pages * page_, stream);
+        !s)
+      throw_cuda_error(s, "vmm_page_pool::sleep: copy the pages to the host");
+    i = j;
+  }
+}
+
+// Unmaps and releases the chunks `ids` (their copies, if any, are done): runs of adjacent
+// chunks unmap in one call each where the driver accepts it.
+void vmm_page_pool::retire_sleeping_locked(std::span<const std::uint32_t> ids) {
+  using phase = detail::vmm_sleep_state::phase;
+  auto& st = *sleep_;
+  for (std::uint32_t id : ids) st.chunks.try_emplace(id, phase::mapped);
+  for (std::size_t i = 0; i < ids.size();) {
+    std::size_t j = i + 1;
+    while (j < ids.size() &&
+           chunks_[ids[j]].mapped_at == chunks_[ids[j - 1]].mapped_at + chunks_[ids[j - 1]].pages)
+      ++j;
+    const std::span<const std::uint32_t> run = ids.subspan(i, j - i);
+    auto [done, failed] = unmap_run(run);
+    // unmap_run reports the chunks unmapped from the top of the run.
+    for (std::size_t k = 0; k < done; ++k) st.chunks[run[run.size() - 1 - k]] = phase::unmapped;
+    if (!failed.ok()) throw_cuda_error(failed, "vmm_page_pool::sleep: unmap the pages");
+    i = j;
+  }
+  for (std::uint32_t id : ids) release_sleeping_chunk_locked(id);
+}
+
+// Gives the physical memory of an unmapped sleeping chunk back to the driver.
+void vmm_page_pool::release_sleeping_chunk_locked(std::uint32_t id) {
+  using phase = detail::vmm_sleep_state::phase;
+  auto& st = *sleep_;
+  auto ph = st.chunks.find(id);
+  if (ph == st.chunks.end() || ph->second != phase::unmapped) return;
+  chunk& c = chunks_[id];
+  if (auto s = device_platform().release_physical(c.handle); !s)
+    throw_cuda_error(s, "vmm_page_pool::sleep: release the physical memory");
+  c.handle = physical_handle{};
+  ph->second = phase::released;
+  st.released_pages += c.pages;
+  sub_reserved(c.pages * page_);
+  counts_.pages_released += c.pages;
+}
+
+void vmm_page_pool::wake(stream_handle stream) {
   check_stream(stream, "vmm_page_pool::wake");
   const std::uint64_t frees = stats().deallocations;
   bool freed_while_asleep = false;
   {
     std::lock_guard lock(mutex_);
     if (!sleeping_locked()) throw invalid_argument("vmm_page_pool::wake: not asleep");
-    platform& p = device_platform();
     auto& st = *sleep_;
     // Address order, so the restoring copies of adjacent chunks could merge on the stream.
     std::vector<std::uint32_t> ids;
@@ -264,63 +288,7 @@ void vmm_page_pool::wake(stream_handle stream) {
     std::sort(ids.begin(), ids.end(),
               [&](std::uint32_t a, std::uint32_t b) { return chunks_[a].mapped_at < chunks_[b].mapped_at; });
     st.complete = false;  // from here the pool is partly awake until this loop ends
-    for (std::uint32_t id : ids) {
-      chunk& c = chunks_[id];
-      const phase ph = st.chunks.at(id);
-      const std::uintptr_t va = page_address(c.mapped_at);
-      const std::size_t bytes = c.pages * page_;
-      if (ph == phase::mapped) {  // never left
-        st.chunks.erase(id);
-        continue;
-      }
-      physical_handle fresh = c.handle;
-      if (ph == phase::released) {
-        if (options_.limit_bytes != 0 && reserved_locked() + bytes > options_.limit_bytes)
-          throw out_of_memory("gpumem: vmm_page_pool::wake: the pool's limit (" +
-                              format_bytes(options_.limit_bytes) + ") leaves no room for " +
-                              format_bytes(sleeping_pages_locked() * page_) +
-                              " still asleep; the offloaded bytes stay on the host, wake again "
-                              "once memory is free");
-        auto h = p.create_physical(device(), bytes);
-        if (!h) {
-          if (h.error().kind == failure_kind::out_of_memory)
-            throw out_of_memory("gpumem: vmm_page_pool::wake: device " + std::to_string(device()) +
-                                " has no room for " +
-                                format_bytes(sleeping_pages_locked() * page_) +
-                                " still asleep (" + h.error().describe() +
-                                "); the offloaded bytes stay on the host, wake again once "
-                                "memory is free");
-          throw_cuda_error(h.error(), "vmm_page_pool::wake: create physical memory");
-        }
-        fresh = h.value();
-      }
-      // Map and grant access; undo this chunk's step on failure (a fresh handle is given
-      // back, a kept one stays unmapped), so the chunk keeps its phase.
-      if (auto s = p.map(va, bytes, fresh, 0); !s) {
-        if (ph == phase::released) (void)p.release_physical(fresh);
-        throw_cuda_error(s, "vmm_page_pool::wake: map the pages");
-      }
-      if (auto s = grant_access(va, bytes); !s) {
-        (void)p.unmap(va, bytes);
-        if (ph == phase::released) (void)p.release_physical(fresh);
-        throw_cuda_error(s, "vmm_page_pool::wake: grant access to the pages");
-      }
-      if (ph == phase::released && st.mode == sleep_mode::offload) {
-        auto* host = static_cast<char*>(st.host) + st.host_offset.at(id);
-        if (auto s = p.memcpy_async(reinterpret_cast<void*>(va), host, bytes, stream); !s) {
-          (void)p.unmap(va, bytes);
-          (void)p.release_physical(fresh);
-          throw_cuda_error(s, "vmm_page_pool::wake: copy the pages back");
-        }
-      }
-      if (ph == phase::released) {
-        c.handle = fresh;
-        st.released_pages -= c.pages;
-        add_reserved(bytes);
-        counts_.pages_created += c.pages;
-      }
-      st.chunks.erase(id);
-    }
+    for (std::uint32_t id : ids) wake_chunk_locked(id, stream);
     freed_while_asleep = frees != st.frees_at_sleep;
     // Every chunk is awake: the host copy is free once the copies on `stream` are done.
     if (st.host != nullptr) {
@@ -337,6 +305,70 @@ void vmm_page_pool::wake(stream_handle stream) {
       throw_cuda_error(s, "vmm_page_pool::wake: wait for the stream");
     trim();
   }
+}
+
+// Wakes one sleeping chunk: a fresh handle for a released one (its bytes copied back on
+// `stream` after offload), the kept handle for an unmapped one; mapped and granted access
+// at its address. On failure the chunk keeps its phase.
+void vmm_page_pool::wake_chunk_locked(std::uint32_t id, stream_handle stream) {
+  using phase = detail::vmm_sleep_state::phase;
+  platform& p = device_platform();
+  auto& st = *sleep_;
+  chunk& c = chunks_[id];
+  const phase ph = st.chunks.at(id);
+  const std::uintptr_t va = page_address(c.mapped_at);
+  const std::size_t bytes = c.pages * page_;
+  if (ph == phase::mapped) {  // never left
+    st.chunks.erase(id);
+    return;
+  }
+  physical_handle fresh = c.handle;
+  if (ph == phase::released) {
+    if (options_.limit_bytes != 0 && reserved_locked() + bytes > options_.limit_bytes)
+      throw out_of_memory("gpumem: vmm_page_pool::wake: the pool's limit (" +
+                          format_bytes(options_.limit_bytes) + ") leaves no room for " +
+                          format_bytes(sleeping_pages_locked() * page_) +
+                          " still asleep; the offloaded bytes stay on the host, wake again "
+                          "once memory is free");
+    auto h = p.create_physical(device(), bytes);
+    if (!h) {
+      if (h.error().kind == failure_kind::out_of_memory)
+        throw out_of_memory("gpumem: vmm_page_pool::wake: device " + std::to_string(device()) +
+                            " has no room for " +
+                            format_bytes(sleeping_pages_locked() * page_) +
+                            " still asleep (" + h.error().describe() +
+                            "); the offloaded bytes stay on the host, wake again once "
+                            "memory is free");
+      throw_cuda_error(h.error(), "vmm_page_pool::wake: create physical memory");
+    }
+    fresh = h.value();
+  }
+  // Map and grant access; undo this chunk's step on failure (a fresh handle is given
+  // back, a kept one stays unmapped), so the chunk keeps its phase.
+  if (auto s = p.map(va, bytes, fresh, 0); !s) {
+    if (ph == phase::released) (void)p.release_physical(fresh);
+    throw_cuda_error(s, "vmm_page_pool::wake: map the pages");
+  }
+  if (auto s = grant_access(va, bytes); !s) {
+    (void)p.unmap(va, bytes);
+    if (ph == phase::released) (void)p.release_physical(fresh);
+    throw_cuda_error(s, "vmm_page_pool::wake: grant access to the pages");
+  }
+  if (ph == phase::released && st.mode == sleep_mode::offload) {
+    auto* host = static_cast<char*>(st.host) + st.host_offset.at(id);
+    if (auto s = p.memcpy_async(reinterpret_cast<void*>(va), host, bytes, stream); !s) {
+      (void)p.unmap(va, bytes);
+      (void)p.release_physical(fresh);
+      throw_cuda_error(s, "vmm_page_pool::wake: copy the pages back");
+    }
+  }
+  if (ph == phase::released) {
+    c.handle = fresh;
+    st.released_pages -= c.pages;
+    add_reserved(bytes);
+    counts_.pages_created += c.pages;
+  }
+  st.chunks.erase(id);
 }
 
 }  // namespace gpumem

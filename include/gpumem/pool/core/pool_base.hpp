@@ -235,6 +235,8 @@ class pool_base : public memory_resource {
   virtual std::size_t asleep_bytes_locked() const { return 0; }
   // Guard mode (pool_options::guard; vmm_page_pool only): an allocation of its own pages
   // with an unmapped page after it. nullptr: out of memory. REQUIRES: mutex_ held.
+  // Hooks rather than a policy object: guard mode places pages in the page pool's own
+  // virtual ranges, page table and spare handles, under this mutex.
   virtual void* allocate_guarded(std::size_t bytes, std::size_t alignment, stream_handle stream) {
     (void)bytes, (void)alignment, (void)stream;
     throw invalid_argument("guard mode is an option of the vmm_page_pool only");
@@ -302,7 +304,7 @@ class pool_base : public memory_resource {
   // Peak live (requested) bytes so far: exact while one thread uses the pool; each other
   // thread's cache may hold back up to stats_slack.
   std::size_t peak_live_so_far() const noexcept {
-    return peak_live_bytes_.load(std::memory_order_relaxed);
+    return live_totals_.peak_live.load(std::memory_order_relaxed);
   }
 
   // Gives every thread cache's freed blocks back to the arenas (before reclaiming free
@@ -449,7 +451,7 @@ class pool_base : public memory_resource {
   // miss up to stats_slack per other thread with more. The direction is a template
   // argument: each call site then has no branch on it (with mixed sizes a branch on the
   // sign, at a shared call, is mispredicted often). REQUIRES: c.mutex held;
-  // `locked`: mutex_ held too, and a publish goes to locked_live_ / locked_blocks_.
+  // `locked`: mutex_ held too, and a publish goes to live_totals_'s locked_* counts.
   template <bool allocated, bool locked = false>
   void count(detail::thread_cache& c, std::size_t requested, std::size_t block) noexcept;
   // Adds to the shared totals and raises the peaks.
@@ -481,25 +483,9 @@ class pool_base : public memory_resource {
   alignas(64) std::atomic<bool> fast_path_{false};  // allowed and no observer attached
   std::vector<std::unique_ptr<detail::thread_cache>> caches_;
   std::unordered_map<std::thread::id, detail::thread_cache*> cache_of_thread_;
-  // Shared totals of live bytes (requested; rounded blocks handed out) and their peaks;
-  // the thread caches' pending_* complete them (see count()).
-  alignas(64) std::atomic<std::size_t> live_bytes_{0};
-  std::atomic<std::size_t> peak_live_bytes_{0};
-  std::atomic<std::size_t> block_bytes_{0}, peak_block_bytes_{0};
-  // What calls holding mutex_ published (the locked paths: large blocks, misses; see
-  // count()): written only with mutex_ held, by a load and a store (the mutex orders them:
-  // no atomic read-modify-write, where publishing a large block's bytes took two), read
-  // without it where an estimate will do. Signed: what one thread published here may be
-  // freed by another, which publishes to the shared totals.
-  std::atomic<std::int64_t> locked_live_{0}, locked_blocks_{0};
-  struct live_and_held {
-    std::size_t live, held;
-  };
-  // locked_live_ and locked_blocks_, to add to the unsigned totals (two's complement).
-  live_and_held locked_counts() const noexcept {
-    return {static_cast<std::size_t>(locked_live_.load(std::memory_order_relaxed)),
-            static_cast<std::size_t>(locked_blocks_.load(std::memory_order_relaxed))};
-  }
+  // Shared totals of live bytes and their peaks, on a line of their own (pool_state.hpp).
+  detail::live_totals live_totals_;
+  using live_and_held = detail::live_and_held;
   // Live (requested) and handed-out block bytes: the shared totals, the locked paths'
   // counts and what `mine` (may be null) has not published. An estimate while other
   // threads run (their pending bytes are left out).

@@ -349,6 +349,15 @@ class vmm_page_pool final : public pool_base {
   bool sleeping_locked() const noexcept;
   void forget_sleeping_chunks() noexcept;  // the destructor's: sleeping chunks are not live
   std::size_t sleeping_pages_locked() const noexcept;
+  // sleep()'s and wake()'s steps (sleep_wake.cpp). REQUIRES: mutex_ held, sleep_ != null.
+  std::vector<std::uint32_t> chunks_to_sleep_locked() const;
+  void stage_host_copy_locked(std::span<const std::uint32_t> ids, bool resuming,
+                              stream_handle stream);
+  void offload_and_retire_locked(std::span<const std::uint32_t> ids, stream_handle stream);
+  void copy_to_host_locked(std::span<const std::uint32_t> ids, stream_handle stream);
+  void retire_sleeping_locked(std::span<const std::uint32_t> ids);
+  void release_sleeping_chunk_locked(std::uint32_t id);
+  void wake_chunk_locked(std::uint32_t id, stream_handle stream);
 };
 
 }  // namespace gpumem

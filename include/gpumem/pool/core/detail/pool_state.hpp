@@ -1,6 +1,6 @@
 // pool_base's private bookkeeping, apart from its interface: the per-stream state behind
-// stream-ordered reuse, and the ring of recent frees that tells a double free from a
-// stranger's pointer. Held by value in pool_base (no indirection on its paths); nothing
+// stream-ordered reuse, the ring of recent frees that tells a double free from a
+// stranger's pointer, and the shared totals of live bytes. Held by value in pool_base (no indirection on its paths); nothing
 // outside pool_base uses them.
 //
 // Invariants: completed_epoch <= frees, event_epoch <= frees; while event_pending, `event`
@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <unordered_map>
@@ -51,6 +52,31 @@ struct recent_frees {
   }
   bool contains(std::uintptr_t addr) const noexcept {
     return std::find(addresses.begin(), addresses.end(), addr) != addresses.end();
+  }
+};
+
+struct live_and_held {
+  std::size_t live, held;
+};
+
+// Shared totals of live bytes (requested; rounded blocks handed out) and their peaks; the
+// thread caches' pending_* complete them (pool_base::count). Aligned to a cache line of
+// their own, away from the state every call reads.
+struct alignas(64) live_totals {
+  std::atomic<std::size_t> live{0};
+  std::atomic<std::size_t> peak_live{0};
+  std::atomic<std::size_t> blocks{0}, peak_blocks{0};
+  // What calls holding the pool's mutex published (the locked paths: large blocks, misses;
+  // see pool_base::count): written only with the mutex held, by a load and a store (the
+  // mutex orders them: no atomic read-modify-write, where publishing a large block's bytes
+  // took two), read without it where an estimate will do. Signed: what one thread
+  // published here may be freed by another, which publishes to the shared totals.
+  std::atomic<std::int64_t> locked_live{0}, locked_blocks{0};
+
+  // locked_live and locked_blocks, to add to the unsigned totals (two's complement).
+  live_and_held locked() const noexcept {
+    return {static_cast<std::size_t>(locked_live.load(std::memory_order_relaxed)),
+            static_cast<std::size_t>(locked_blocks.load(std::memory_order_relaxed))};
   }
 };
 
