@@ -56,11 +56,11 @@ struct sim_options {
   std::uint64_t seed = 0x5eed;                         // for probabilistic faults
   // Per device: entry d, where present (and non-zero), replaces capacity / granularity for
   // device d.
-  std::vector<std::size_t> capacities;
-  std::vector<std::size_t> granularities;
+  std::vector<std::size_t> capacities{};
+  std::vector<std::size_t> granularities{};
   // Pairs of devices with no peer path between them (cuDeviceCanAccessPeer 0 both ways).
   // Every other pair of distinct devices can reach each other, as GPUs on NVLink do.
-  std::vector<std::pair<int, int>> no_peer;
+  std::vector<std::pair<int, int>> no_peer{};
 
   std::size_t capacity_of(int device) const noexcept;
   std::size_t granularity_of(int device) const noexcept;
