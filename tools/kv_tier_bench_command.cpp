@@ -8,6 +8,10 @@
 //    device (--device cuda on a GPU), evicted through the write-back path (device -> pinned
 //    host -> store) and brought back by a prompt lookup (store -> host -> device), against
 //    a plain device-to-host copy of the same bytes.
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -62,13 +66,34 @@ double benchmark_rps(const std::string& out, const std::string& test) {
   return rps;
 }
 
-std::string run_capture(const std::string& cmd) {
+extern "C" char** environ;
+
+// Runs a program found on PATH with these arguments (no shell: nothing in them is
+// interpreted) and returns its standard output and error; "" when it cannot start.
+std::string run_capture(const std::vector<std::string>& argv) {
+  int fds[2];
+  if (::pipe(fds) != 0) return {};
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
+  posix_spawn_file_actions_adddup2(&fa, fds[1], 2);
+  posix_spawn_file_actions_addclose(&fa, fds[0]);
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = 0;
+  const int rc = ::posix_spawnp(&pid, args[0], &fa, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  ::close(fds[1]);
   std::string out;
-  std::unique_ptr<FILE, int (*)(FILE*)> f(::popen(cmd.c_str(), "r"), ::pclose);
-  if (!f) return out;
-  char buf[4096];
-  std::size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, f.get())) > 0) out.append(buf, n);
+  if (rc == 0) {
+    char buf[4096];
+    ssize_t n;
+    while ((n = ::read(fds[0], buf, sizeof buf)) > 0) out.append(buf, static_cast<std::size_t>(n));
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+  }
+  ::close(fds[0]);
   return out;
 }
 
@@ -76,18 +101,34 @@ void redis_benchmark(const std::string& url, std::size_t value_bytes, std::size_
                      std::size_t pipeline, figures& out) {
   const bool cluster = url.rfind("redis-cluster://", 0) == 0;
   if (!cluster && url.rfind("redis://", 0) != 0) return;
-  if (run_capture("command -v redis-benchmark").empty()) {
+  // [[USER]:PASSWORD@]HOST:PORT[,...][/DB]: the first host. redis-benchmark takes a
+  // password only on its command line, which other users of the machine can read: a
+  // server that needs one gets no comparison.
+  std::string rest = url.substr(url.find("://") + 3);
+  std::string hostport = rest.substr(0, rest.find('/'));
+  std::string password;
+  if (const auto at = hostport.rfind('@'); at != std::string::npos) {
+    const std::string info = hostport.substr(0, at);
+    const auto colon = info.find(':');
+    password = colon == std::string::npos ? info : info.substr(colon + 1);
+    hostport = hostport.substr(at + 1);
+  }
+  if (!password.empty()) {
+    out.notes.push_back("redis-benchmark takes a password only on its command line: no comparison");
+    return;
+  }
+  hostport = hostport.substr(0, hostport.find(','));
+  const auto colon = hostport.rfind(':');
+  const std::string host = hostport.substr(0, colon), port = hostport.substr(colon + 1);
+  std::vector<std::string> cmd{"redis-benchmark", "-h", host, "-p", port};
+  if (cluster) cmd.push_back("--cluster");
+  cmd.insert(cmd.end(), {"-t", "set,get", "-d", std::to_string(value_bytes), "-n",
+                         std::to_string(n), "-P", std::to_string(pipeline), "-c", "1", "-q"});
+  const std::string res = run_capture(cmd);
+  if (res.empty()) {
     out.notes.push_back("redis-benchmark is not installed: no comparison");
     return;
   }
-  std::string hostport = url.substr(url.find("://") + 3);
-  hostport = hostport.substr(0, hostport.find_first_of(",/"));
-  const auto colon = hostport.rfind(':');
-  const std::string host = hostport.substr(0, colon), port = hostport.substr(colon + 1);
-  const std::string cmd = "redis-benchmark -h " + host + " -p " + port + (cluster ? " --cluster" : "") +
-                          " -t set,get -d " + std::to_string(value_bytes) + " -n " +
-                          std::to_string(n) + " -P " + std::to_string(pipeline) + " -c 1 -q 2>&1";
-  const std::string res = run_capture(cmd);
   const double set = benchmark_rps(res, "SET"), get = benchmark_rps(res, "GET");
   if (set == 0 || get == 0) {
     out.notes.push_back("redis-benchmark gave no figures: " + res.substr(0, 200));
@@ -95,7 +136,9 @@ void redis_benchmark(const std::string& url, std::size_t value_bytes, std::size_
   }
   out.rows.emplace_back("redis-benchmark SET", gbps(set * static_cast<double>(value_bytes), 1));
   out.rows.emplace_back("redis-benchmark GET", gbps(get * static_cast<double>(value_bytes), 1));
-  out.notes.push_back("redis-benchmark: " + cmd.substr(0, cmd.size() - 5));
+  std::string shown;
+  for (const auto& a : cmd) shown += (shown.empty() ? "" : " ") + a;
+  out.notes.push_back("redis-benchmark: " + shown);
 }
 
 std::vector<std::unique_ptr<kv_store>> make_stores(platform& p, const parsed_args& args) {

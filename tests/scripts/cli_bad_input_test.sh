@@ -192,4 +192,12 @@ python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); assert "no_such_
 run "$gpumem" replay "$good" --no-such-flag --json
 expect_rc 2 "an unknown flag with --json"
 python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); assert d["usage_error"] is True, d' "$tmp/out" || fail "usage refusal not in the JSON"
+# kv-tier-bench runs redis-benchmark for its comparison without a shell: a host carrying
+# shell syntax reaches no shell (it ran one: `;touch ...;` in the host created the file).
+if "$gpumem" kv-tier-bench --help >/dev/null 2>&1; then
+  (cd "$tmp" && run "$gpumem" kv-tier-bench --kv-store 'redis://no-such-host.invalid;touch${IFS}injected;:6' \
+     --blocks 2 --batch 1)
+  [ ! -e "$tmp/injected" ] || fail "kv-tier-bench ran the URL's host through a shell"
+fi
 echo "cli bad input: ok"
+
