@@ -11,6 +11,7 @@
 #include "gpumem/errors.hpp"
 #include "gpumem/platform/status_error.hpp"
 #include "pool/plan/large_request_detector.hpp"
+#include "pool/plan/region_order.hpp"
 #include "pool/plan/step_plan.hpp"
 
 namespace gpumem {
@@ -280,17 +281,8 @@ void large_planner::do_deallocate(void* ptr, std::size_t bytes, stream_handle st
                              ": it was allocated with " + std::to_string(rec.bytes) + " bytes");
     if (stream.value != s.region_stream) {
       pool_.check_stream(stream, "deallocate");
-      // The region is reused in its stream's order: make that stream wait for this one.
-      platform& p = device_platform();
-      if (s.wait_event.value == 0) {
-        auto ev = p.event_create(device());
-        if (!ev) throw_cuda_error(ev.error(), "large plan: event for a free on another stream");
-        s.wait_event = ev.value();
-      }
-      if (auto st = p.event_record(s.wait_event, stream); !st)
-        throw_cuda_error(st, "large plan: record the freeing stream");
-      if (auto st = p.stream_wait_event(stream_handle{s.region_stream}, s.wait_event); !st)
-        throw_cuda_error(st, "large plan: make the plan's stream wait");
+      detail::region_waits_for(device_platform(), device(), s.wait_event, s.region_stream,
+                               stream, "large plan");
     }
     s.occupied.erase(rec.offset);
     s.planned_live_bytes -= rec.bytes;
