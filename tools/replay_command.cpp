@@ -210,6 +210,8 @@ replay_settings parse_settings(const parsed_args& args) {
   s.json = args.has("json");
   s.step_plan = args.has("step-plan");
   s.large_plan_bytes = args.bytes("large-plan", 1).value_or(0);
+  if (s.step_plan && s.large_plan_bytes != 0)
+    throw usage_error("--step-plan and --large-plan are two planners for one pool: give one");
   s.plot_path = args.value_or("plot", "");
   s.snapshot_path = args.value_or("snapshot", "");
   return s;
@@ -345,7 +347,7 @@ int run_replay(int argc, char** argv) {
     all_results.push_back(results);
     replayed.push_back(path);
     const trace_report report{t, path, results, explanations, s.on_sim, s.setup.passes,
-                              s.setup.gpu_lag, s.step_plan};
+                              s.setup.gpu_lag, s.step_plan, s.large_plan_bytes != 0};
     if (json != nullptr)
       write_trace_json(*json, report);
     else

@@ -132,6 +132,15 @@ void write_result_json(json_writer& w, const trace_report& report, const replay_
     w.member("steps_rejoined", r.steps_rejoined);
     w.member("regions_handed_over", r.regions_handed_over);
   }
+  if (report.large_plan) {
+    w.member("large_requests", r.large_requests);
+    w.member("plans_built", r.plans_built);
+    w.member("planned_allocations", r.planned_allocations);
+    w.member("large_plan_misses", r.large_plan_misses);
+    w.member("large_plan_conflicts", r.large_plan_conflicts);
+    w.member("large_plan_region_takes", r.large_plan_region_takes);
+    w.member("regions_handed_over", r.regions_handed_over);
+  }
   w.member("oom", r.oom);
   if (auto e = report.explanations.find(r.allocator); e != report.explanations.end())
     write_breakdown_json(w, report.t, e->second);
@@ -165,6 +174,15 @@ void print_result_row(const trace_report& report, const replay_result& r) {
                 static_cast<unsigned long long>(r.steps_left_plan),
                 static_cast<unsigned long long>(r.steps_rejoined),
                 static_cast<unsigned long long>(r.regions_handed_over));
+  if (report.large_plan && !r.oom)
+    std::printf("%-14s %llu large requests, %llu plan(s) built, %llu served from a plan, "
+                "%llu differed from it, %llu found their place taken; %llu region(s) taken\n",
+                "  large plan:", static_cast<unsigned long long>(r.large_requests),
+                static_cast<unsigned long long>(r.plans_built),
+                static_cast<unsigned long long>(r.planned_allocations),
+                static_cast<unsigned long long>(r.large_plan_misses),
+                static_cast<unsigned long long>(r.large_plan_conflicts),
+                static_cast<unsigned long long>(r.large_plan_region_takes));
   if (r.oom) {
     std::printf("  %s: OUT OF MEMORY replaying %s at event %llu:\n%s\n", r.allocator.c_str(),
                 report.path.c_str(), static_cast<unsigned long long>(r.oom_event),

@@ -31,6 +31,7 @@ struct trace_report {
   int passes = 1;
   std::size_t gpu_lag = 0;
   bool step_plan = false;
+  bool large_plan = false;
 };
 
 // The trace's object (trace, device, anomalies, results with their breakdowns) into `w`.

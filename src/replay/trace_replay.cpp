@@ -232,6 +232,18 @@ void record_plan_counts(const step_planner& planner, replay_result& r) {
   r.regions_handed_over = c.regions_handed_over;
 }
 
+// The large-request planner's counts into `r`.
+void record_large_plan_counts(const large_planner& planner, replay_result& r) {
+  const large_planner_counts c = planner.counts();
+  r.large_requests = c.large_requests;
+  r.plans_built = c.plans_built;
+  r.planned_allocations = c.planned_allocations;
+  r.large_plan_misses = c.misses;
+  r.large_plan_conflicts = c.conflicts;
+  r.large_plan_region_takes = c.region_takes;
+  r.regions_handed_over = c.regions_handed_over;
+}
+
 // The driver calls made since `calls_before` (and, with several passes, since the last
 // pass began: `calls_at_pass`) and the time in them since `ns_before`, into `r`.
 void record_driver_calls(const driver_meter& meter, const op_counts& calls_before,
@@ -288,6 +300,7 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
     run.free_live();
   }
   if (planner != nullptr) record_plan_counts(*planner, r);
+  if (auto* lp = dynamic_cast<const large_planner*>(&resource)) record_large_plan_counts(*lp, r);
   const resource_stats s = resource.stats();
   r.peak_reserved_bytes = s.peak_reserved_bytes;
   r.fragmentation = r.peak_live_bytes == 0

@@ -192,6 +192,15 @@ python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); assert "no_such_
 run "$gpumem" replay "$good" --no-such-flag --json
 expect_rc 2 "an unknown flag with --json"
 python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); assert d["usage_error"] is True, d' "$tmp/out" || fail "usage refusal not in the JSON"
+# Two planners in front of one pool: refused as a usage error naming both.
+run "$gpumem" replay "$good" --device sim --step-plan --large-plan 32M
+expect_rc 2 "--step-plan with --large-plan"
+expect_err "--step-plan and --large-plan"
+# --large-plan reports its counts.
+run "$gpumem" replay "$good" --device sim --allocator vmm_page_pool --large-plan 1M --passes 1 --json
+expect_rc 0 "--large-plan --json"
+python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))["results"][0]; assert r["large_requests"] == 1 and "large_plan_misses" in r, r' "$tmp/out" || fail "--large-plan counts not in the JSON"
+
 # kv-tier-bench runs redis-benchmark for its comparison without a shell: a host carrying
 # shell syntax reaches no shell (it ran one: `;touch ...;` in the host created the file).
 if "$gpumem" kv-tier-bench --help >/dev/null 2>&1; then

@@ -152,6 +152,13 @@ struct replay_result {
   std::uint64_t steps_left_plan = 0;
   std::uint64_t steps_rejoined = 0;
   std::uint64_t regions_handed_over = 0;
+  // With a large_planner (plans_built, planned_allocations and regions_handed_over above
+  // are its too): large requests seen, those that differed from the plan, planned places
+  // found taken, regions taken (large_planner_counts).
+  std::uint64_t large_requests = 0;
+  std::uint64_t large_plan_misses = 0;
+  std::uint64_t large_plan_conflicts = 0;
+  std::uint64_t large_plan_region_takes = 0;
   // Live and reserved bytes sampled over the (first) pass, for plots.
   std::vector<std::pair<std::uint64_t, std::size_t>> live_samples;
   std::vector<std::pair<std::uint64_t, std::size_t>> reserved_samples;
