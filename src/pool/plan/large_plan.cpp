@@ -11,7 +11,7 @@
 #include "gpumem/errors.hpp"
 #include "gpumem/platform/status_error.hpp"
 #include "pool/plan/large_request_detector.hpp"
-#include "pool/plan/region_order.hpp"
+#include "pool/plan/plan_region.hpp"
 #include "pool/plan/step_plan.hpp"
 
 namespace gpumem {
@@ -78,12 +78,9 @@ struct large_planner::state {
     return h;
   }
 
-  std::uintptr_t region = 0;
-  std::size_t region_bytes = 0;
-  std::uintptr_t region_stream = 0;
+  detail::plan_region region;
   std::map<std::size_t, std::size_t> occupied;  // offset -> end, of live planned allocations
   std::size_t planned_live_bytes = 0;
-  event_handle wait_event{};
   large_planner_counts counts;
 
   std::size_t cycle_id(std::uint64_t serial) const {
@@ -108,28 +105,18 @@ large_planner::large_planner(pool_base& pool, large_plan_options options)
       name_("large_plan+" + std::string(pool.name())),
       s_(std::make_unique<state>(options.max_period)) {}
 
-large_planner::~large_planner() {
-  state& s = *s_;
-  if (s.region != 0) {
-    try {
-      pool_.deallocate(reinterpret_cast<void*>(s.region), s.region_bytes,
-                       stream_handle{s.region_stream});
-    } catch (...) {
-    }
-  }
-  if (s.wait_event.value != 0) (void)device_platform().event_destroy(s.wait_event);
-}
+large_planner::~large_planner() { s_->region.release(pool_, device_platform()); }
 
 void large_planner::give_region_back_if_idle(state& s) {
-  if (s.region == 0 || !s.occupied.empty()) return;
-  pool_.deallocate(reinterpret_cast<void*>(s.region), s.region_bytes, stream_handle{s.region_stream});
-  s.region = 0;
-  s.region_bytes = 0;
+  if (!s.region.held() || !s.occupied.empty()) return;
+  pool_.deallocate(reinterpret_cast<void*>(s.region.base), s.region.bytes, stream_handle{s.region.stream});
+  s.region.base = 0;
+  s.region.bytes = 0;
   s.counts.region_bytes = 0;
 }
 
 void large_planner::take_region(state& s) {
-  if (s.region == 0) {
+  if (!s.region.held()) {
     void* r = nullptr;
     try {
       r = pool_.allocate(s.plan->region_bytes, step_plan::unit, stream_handle{s.plan->stream});
@@ -143,17 +130,17 @@ void large_planner::take_region(state& s) {
       return;
     }
     ++s.counts.region_takes;
-    s.region = reinterpret_cast<std::uintptr_t>(r);
-    s.region_bytes = s.plan->region_bytes;
-    s.region_stream = s.plan->stream;
-    s.counts.region_bytes = s.region_bytes;
+    s.region.base = reinterpret_cast<std::uintptr_t>(r);
+    s.region.bytes = s.plan->region_bytes;
+    s.region.stream = s.plan->stream;
+    s.counts.region_bytes = s.region.bytes;
   }
   s.active = true;
 }
 
 void large_planner::leave_cycle(state& s) {
   s.active = false;
-  if (s.region == 0) return;
+  if (!s.region.held()) return;
   if (s.occupied.empty()) return give_region_back_if_idle(s);
   // The planned allocations still live become the pool's own, the rest goes back.
   std::vector<pool_base::kept_range> keep;
@@ -162,14 +149,14 @@ void large_planner::leave_cycle(state& s) {
     if (rec.planned) keep.push_back({addr, rec.bytes});
   std::sort(keep.begin(), keep.end(),
             [](const auto& a, const auto& b) { return a.address < b.address; });
-  if (!pool_.free_except(reinterpret_cast<void*>(s.region), s.region_bytes,
-                         stream_handle{s.region_stream}, keep))
+  if (!pool_.free_except(reinterpret_cast<void*>(s.region.base), s.region.bytes,
+                         stream_handle{s.region.stream}, keep))
     return;  // the pool cannot (guard or scrub mode): the region goes back once idle
   for (auto& [addr, rec] : s.live) rec.planned = false;
   s.occupied.clear();
   s.planned_live_bytes = 0;
-  s.region = 0;
-  s.region_bytes = 0;
+  s.region.base = 0;
+  s.region.bytes = 0;
   s.counts.region_bytes = 0;
   ++s.counts.regions_handed_over;
 }
@@ -219,7 +206,7 @@ void* large_planner::do_allocate(std::size_t bytes, std::size_t alignment, strea
           alignment <= step_plan::unit) {
         const std::size_t at = s.plan->offset[id];
         // (A request matching the plan's key has the plan's size: inside the region.)
-        if (at + step_plan::block_bytes(bytes) <= s.region_bytes &&
+        if (at + step_plan::block_bytes(bytes) <= s.region.bytes &&
             s.range_free(at, at + step_plan::block_bytes(bytes)))
           planned_at = at;
         else
@@ -227,7 +214,7 @@ void* large_planner::do_allocate(std::size_t bytes, std::size_t alignment, strea
       }
     }
   }
-  void* ptr = planned_at ? reinterpret_cast<void*>(s.region + *planned_at)
+  void* ptr = planned_at ? reinterpret_cast<void*>(s.region.base + *planned_at)
                          : pool_.allocate(bytes, alignment, stream);
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   s.live[addr] = state::live_record{serial, bytes, planned_at.has_value(), planned_at.value_or(0)};
@@ -250,7 +237,7 @@ void* large_planner::do_allocate(std::size_t bytes, std::size_t alignment, strea
     // within a step the layer repeats, and the step's plan resynchronizes.
     drop_plan(s);
   }
-  if (!s.plan && s.region == 0 && period > 0) {
+  if (!s.plan && !s.region.held() && period > 0) {
     if (s.build(s.next_serial, period, std::min<std::size_t>(step_plan::unit, pool_.max_alignment()))) {
       ++s.counts.plans_built;
       s.counts.period = period;
@@ -266,7 +253,7 @@ void large_planner::do_deallocate(void* ptr, std::size_t bytes, stream_handle st
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   const auto it = s.live.find(addr);
   if (it == s.live.end()) {
-    if (s.region != 0 && addr >= s.region && addr < s.region + s.region_bytes)
+    if (s.region.held() && addr >= s.region.base && addr < s.region.base + s.region.bytes)
       throw invalid_argument("free of " + hex(addr) +
                              ": inside the large-request plan's region but not a live "
                              "allocation (freed twice, or not an address allocate returned)");
@@ -279,10 +266,9 @@ void large_planner::do_deallocate(void* ptr, std::size_t bytes, stream_handle st
     if (bytes != rec.bytes)
       throw invalid_argument("free of " + hex(addr) + " with size " + std::to_string(bytes) +
                              ": it was allocated with " + std::to_string(rec.bytes) + " bytes");
-    if (stream.value != s.region_stream) {
+    if (stream.value != s.region.stream) {
       pool_.check_stream(stream, "deallocate");
-      detail::region_waits_for(device_platform(), device(), s.wait_event, s.region_stream,
-                               stream, "large plan");
+      s.region.waits_for(device_platform(), device(), stream, "large plan");
     }
     s.occupied.erase(rec.offset);
     s.planned_live_bytes -= rec.bytes;
@@ -358,9 +344,9 @@ resource_stats large_planner::stats() const {
   resource_stats r = pool_.stats();
   std::lock_guard lock(mutex_);
   const state& s = *s_;
-  if (s.region != 0) {
-    r.live_bytes = r.live_bytes - s.region_bytes + s.planned_live_bytes;
-    r.cached_bytes += s.region_bytes - s.planned_live_bytes;
+  if (s.region.held()) {
+    r.live_bytes = r.live_bytes - s.region.bytes + s.planned_live_bytes;
+    r.cached_bytes += s.region.bytes - s.planned_live_bytes;
   }
   return r;
 }
@@ -373,8 +359,8 @@ std::string large_planner::validate() const {
   for (const auto& [addr, rec] : s.live) {
     if (!rec.planned) continue;
     ++planned;
-    if (s.region == 0 || addr != s.region + rec.offset ||
-        rec.offset + step_plan::block_bytes(rec.bytes) > s.region_bytes)
+    if (!s.region.held() || addr != s.region.base + rec.offset ||
+        rec.offset + step_plan::block_bytes(rec.bytes) > s.region.bytes)
       return "large plan: planned allocation " + hex(addr) + " lies outside the region";
     const auto o = s.occupied.find(rec.offset);
     if (o == s.occupied.end() || o->second != rec.offset + step_plan::block_bytes(rec.bytes))
@@ -396,7 +382,7 @@ void large_planner::release_stream(stream_handle stream) {
     std::lock_guard lock(mutex_);
     state& s = *s_;
     // The region lives in this stream's order: no plan on it from now on.
-    if (s.region != 0 && s.region_stream == stream.value) drop_plan(s);
+    if (s.region.held() && s.region.stream == stream.value) drop_plan(s);
   }
   pool_.release_stream(stream);
 }

@@ -8,7 +8,7 @@
 
 #include "gpumem/errors.hpp"
 #include "gpumem/platform/status_error.hpp"
-#include "pool/plan/region_order.hpp"
+#include "pool/plan/plan_region.hpp"
 #include "pool/plan/step_plan.hpp"
 
 namespace gpumem {
@@ -64,19 +64,15 @@ struct step_planner::state {
   bool on_plan = false;                 // this cycle follows the plan so far
   std::size_t cursor = 0;               // events of the plan's sequence done this cycle
 
-  std::uintptr_t region = 0;  // held from the pool while non-zero (also after the plan
-  std::size_t region_bytes = 0;  // is dropped, until its last allocation is freed)
-  std::uintptr_t region_stream = 0;
+  // Held (also after the plan is dropped) until its last allocation is freed.
+  detail::plan_region region;
   std::size_t region_live = 0, region_live_blocks = 0;
 
   std::uint64_t retry_at_step = 0;  // after the pool refused a region: back off
   unsigned refusals_in_a_row = 0;
-  event_handle wait_event{};  // for planned frees on another stream
   step_planner_counts counts;
 
-  bool in_region(std::uintptr_t addr) const {
-    return region != 0 && addr >= region && addr < region + region_bytes;
-  }
+  bool in_region(std::uintptr_t addr) const { return region.contains(addr); }
 };
 
 namespace {
@@ -96,18 +92,7 @@ step_planner::step_planner(pool_base& pool, std::size_t max_planned)
       name_("step_plan+" + std::string(pool.name())),
       s_(std::make_unique<state>()) {}
 
-step_planner::~step_planner() {
-  state& s = *s_;
-  if (s.region != 0) {
-    try {
-      pool_.deallocate(reinterpret_cast<void*>(s.region), s.region_bytes,
-                       stream_handle{s.region_stream});
-    } catch (...) {
-      // The pool reports its own failures; a destructor cannot.
-    }
-  }
-  if (s.wait_event.value != 0) (void)device_platform().event_destroy(s.wait_event);
-}
+step_planner::~step_planner() { s_->region.release(pool_, device_platform()); }
 
 void step_planner::count_alloc(std::size_t bytes) noexcept {
   const std::size_t live = live_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
@@ -142,7 +127,7 @@ void* step_planner::do_allocate(std::size_t bytes, std::size_t alignment, stream
     }
   }
   const std::uintptr_t addr =
-      planned ? s.region + s.plan->offset[in_cycle.id]
+      planned ? s.region.base + s.plan->offset[in_cycle.id]
               : reinterpret_cast<std::uintptr_t>(pool_.allocate(bytes, alignment, stream));
   try {
     s.live.emplace(addr, state::live_record{s.step, e.id, s.cycle, in_cycle.id, bytes, planned});
@@ -189,12 +174,11 @@ void step_planner::do_deallocate(void* ptr, std::size_t bytes, stream_handle str
     if (bytes != rec.bytes)
       throw invalid_argument("free of " + hex(addr) + " with size " + std::to_string(bytes) +
                              ": it was allocated with " + std::to_string(rec.bytes) + " bytes");
-    if (stream.value != s.region_stream) {
+    if (stream.value != s.region.stream) {
       // A stream the platform refuses is bad input, refused before anything changes (as the
       // pool refuses it), not a driver failure of the event record below.
       pool_.check_stream(stream, "deallocate");
-      detail::region_waits_for(device_platform(), device(), s.wait_event, s.region_stream,
-                               stream, "step_plan");
+      s.region.waits_for(device_platform(), device(), stream, "step_plan");
     }
   }
   s.live.erase(it);
@@ -256,24 +240,24 @@ void step_planner::hand_region_over(state& s) {
     if (rec.planned) keep.push_back({addr, rec.bytes});
   std::sort(keep.begin(), keep.end(),
             [](const auto& a, const auto& b) { return a.address < b.address; });
-  if (!pool_.free_except(reinterpret_cast<void*>(s.region), s.region_bytes,
-                         stream_handle{s.region_stream}, keep))
+  if (!pool_.free_except(reinterpret_cast<void*>(s.region.base), s.region.bytes,
+                         stream_handle{s.region.stream}, keep))
     return;  // the pool cannot (guard or scrub mode): the region goes back when they die
   for (auto& [addr, rec] : s.live) rec.planned = false;
   s.region_live = 0;
   s.region_live_blocks = 0;
   s.counts.planned_live_bytes = 0;
-  s.region = 0;
-  s.region_bytes = 0;
+  s.region.base = 0;
+  s.region.bytes = 0;
   s.counts.region_bytes = 0;
   ++s.counts.regions_handed_over;
 }
 
 void step_planner::give_region_back(state& s) {
-  if (s.region == 0) return;
-  pool_.deallocate(reinterpret_cast<void*>(s.region), s.region_bytes, stream_handle{s.region_stream});
-  s.region = 0;
-  s.region_bytes = 0;
+  if (!s.region.held()) return;
+  pool_.deallocate(reinterpret_cast<void*>(s.region.base), s.region.bytes, stream_handle{s.region.stream});
+  s.region.base = 0;
+  s.region.bytes = 0;
   s.counts.region_bytes = 0;
 }
 
@@ -315,7 +299,7 @@ void step_planner::mark_step() {
     s.on_plan = false;
     if (s.region_live == 0) give_region_back(s);
   }
-  if (!s.plan && repeated && s.region == 0 && s.step >= s.retry_at_step) {
+  if (!s.plan && repeated && !s.region.held() && s.step >= s.retry_at_step) {
     const detail::step_cycle cycle = detail::cycle_of(s.previous);
     step_plan plan =
         detail::build_step_plan(cycle.events, max_planned_, region_alignment(), cycle.mark);
@@ -373,7 +357,7 @@ void step_planner::begin_cycle(state& s) {
   s.cycle_next_id = 0;
   s.cursor = 0;
   // A cycle begins on the plan when no planned allocation is live and the region is held.
-  s.on_plan = s.region_live == 0 && (s.region != 0 || take_region(s));
+  s.on_plan = s.region_live == 0 && (s.region.held() || take_region(s));
   if (s.on_plan) ++s.counts.planned_steps;
 }
 
@@ -415,10 +399,10 @@ bool step_planner::take_region(state& s) {
   }
   s.refusals_in_a_row = 0;
   ++s.counts.region_takes;
-  s.region = reinterpret_cast<std::uintptr_t>(region);
-  s.region_bytes = s.plan->region_bytes;
-  s.region_stream = s.plan->stream;
-  s.counts.region_bytes = s.region_bytes;
+  s.region.base = reinterpret_cast<std::uintptr_t>(region);
+  s.region.bytes = s.plan->region_bytes;
+  s.region.stream = s.plan->stream;
+  s.counts.region_bytes = s.region.bytes;
   return true;
 }
 
@@ -436,7 +420,7 @@ resource_stats step_planner::stats() const {
   r.allocations = allocations_.load(std::memory_order_relaxed);
   r.deallocations = deallocations_.load(std::memory_order_relaxed);
   std::lock_guard lock(mutex_);
-  r.cached_bytes += s_->region_bytes - s_->region_live_blocks;  // the region's unused part
+  r.cached_bytes += s_->region.bytes - s_->region_live_blocks;  // the region's unused part
   return r;
 }
 
@@ -447,7 +431,7 @@ std::string step_planner::validate() const {
   std::vector<std::pair<std::uintptr_t, std::size_t>> planned;  // [addr, end)
   for (const auto& [addr, rec] : s.live) {
     if (!rec.planned) continue;
-    if (!s.in_region(addr) || addr + rec.bytes > s.region + s.region_bytes)
+    if (!s.in_region(addr) || addr + rec.bytes > s.region.base + s.region.bytes)
       return "step_plan: planned allocation " + hex(addr) + " lies outside the region";
     planned.emplace_back(addr, addr + step_plan::block_bytes(rec.bytes));
   }
@@ -459,11 +443,11 @@ std::string step_planner::validate() const {
     if (planned[i].first < planned[i - 1].second)
       return "step_plan: planned allocations " + hex(planned[i - 1].first) + " and " +
              hex(planned[i].first) + " overlap";
-  if (s.on_plan && (!s.plan || s.region == 0 || s.cursor > s.plan->sequence.size()))
+  if (s.on_plan && (!s.plan || !s.region.held() || s.cursor > s.plan->sequence.size()))
     return "step_plan: on a plan without a plan, a region or a valid position";
   if (s.plan) {
     if (std::string v = detail::check_step_plan(*s.plan); !v.empty()) return "step_plan: " + v;
-    if (s.region != 0 && s.plan->region_bytes != s.region_bytes)
+    if (s.region.held() && s.plan->region_bytes != s.region.bytes)
       return "step_plan: the region is not the plan's size";
   }
   return {};
@@ -473,7 +457,7 @@ void step_planner::release_stream(stream_handle stream) {
   {
     std::lock_guard lock(mutex_);
     state& s = *s_;
-    if (s.region != 0 && s.region_stream == stream.value) {
+    if (s.region.held() && s.region.stream == stream.value) {
       // The region lives in this stream's order: no plan on it from now on.
       s.plan.reset();
       s.plan_source.clear();
@@ -493,29 +477,29 @@ std::vector<memory_segment> step_planner::memory_segments() const {
 void step_planner::show_plan_in(std::vector<memory_segment>& segments) const {
   std::lock_guard lock(mutex_);
   const state& s = *s_;
-  if (s.region == 0) return;
+  if (!s.region.held()) return;
   std::vector<memory_block> inside;  // the planned allocations live now, by address
   for (const auto& [addr, rec] : s.live)
     if (rec.planned)
-      inside.push_back({addr, step_plan::block_bytes(rec.bytes), rec.bytes, s.region_stream,
+      inside.push_back({addr, step_plan::block_bytes(rec.bytes), rec.bytes, s.region.stream,
                         memory_block::state::allocated});
   std::sort(inside.begin(), inside.end(),
             [](const memory_block& a, const memory_block& b) { return a.address < b.address; });
   for (memory_segment& seg : segments) {
     for (std::size_t i = 0; i < seg.blocks.size(); ++i) {
       const memory_block region = seg.blocks[i];
-      if (region.address != s.region || region.st != memory_block::state::allocated) continue;
+      if (region.address != s.region.base || region.st != memory_block::state::allocated) continue;
       // The region's block (possibly rounded up by the pool) becomes planned blocks and
       // free gaps that tile it.
       std::vector<memory_block> tiles;
       std::uintptr_t at = region.address;
       for (const memory_block& b : inside) {
-        if (b.address > at) tiles.push_back({at, b.address - at, 0, s.region_stream, memory_block::state::free});
+        if (b.address > at) tiles.push_back({at, b.address - at, 0, s.region.stream, memory_block::state::free});
         tiles.push_back(b);
         at = b.address + b.size;
       }
       if (region.address + region.size > at)
-        tiles.push_back({at, region.address + region.size - at, 0, s.region_stream,
+        tiles.push_back({at, region.address + region.size - at, 0, s.region.stream,
                          memory_block::state::free});
       seg.blocks.erase(seg.blocks.begin() + static_cast<std::ptrdiff_t>(i));
       seg.blocks.insert(seg.blocks.begin() + static_cast<std::ptrdiff_t>(i), tiles.begin(), tiles.end());
