@@ -74,9 +74,9 @@ class ContiguousRows:
         the range holds at most 1/32 more than its tokens, plus a page."""
         need = self.length + tokens - self.held
         if need > 0:
-            grow = min(max(need, self.held // 32), self.max_tokens - self.held)
-            self._vs.append(self._seq, max(grow, need))
-            self.held += max(grow, need)
+            grow = max(need, min(self.held // 32, self.max_tokens - self.held))
+            self._vs.append(self._seq, grow)
+            self.held += grow
 
     def write(self, layer, keys, values, start):
         """Copies keys/values [rows, kv_heads, n, head_dim] to tokens start..start+n of
