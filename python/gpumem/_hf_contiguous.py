@@ -19,8 +19,6 @@ unmapped page; the views are dropped before the sequence is freed.
 
 Package-private: gpumem.hf uses it."""
 
-import torch
-
 import gpumem.kv as gkv
 from gpumem._kv_c_api import DTYPES, _TYPESTR
 from gpumem._kv_views import SequenceView, _to_torch, _torch_dtype
@@ -100,6 +98,7 @@ class ContiguousRows:
             return False
         if list(sources) == list(range(self.rows)) or self.length == 0:
             return True
+        import torch  # gpumem.hf imports without torch; its cache needs it
         device = self._views[0][0].device
         idx = torch.tensor(sources, device=device)
         for k, v in self._views:
@@ -109,6 +108,7 @@ class ContiguousRows:
 
     def copy_rows_from(self, other, sources):
         """Fills this (new) range with `other`'s rows `sources`, `other.length` tokens."""
+        import torch
         device = self._views[0][0].device
         idx = torch.tensor(sources, device=device)
         n = other.length

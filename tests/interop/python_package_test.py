@@ -20,8 +20,17 @@ os.environ.setdefault("GPUMEM_SIM_DEVICES", "2")  # the shared sim device: two G
 
 import gpumem  # noqa: E402
 import gpumem.torch  # noqa: E402  (must import without torch)
+import gpumem.hf  # noqa: E402  (so must the Hugging Face cache, saying what it needs)
 
 MiB = 1 << 20
+
+
+class HfImportTest(unittest.TestCase):
+    def test_the_cache_says_what_it_needs(self):
+        if gpumem.hf._IMPORT_ERROR is None:
+            self.skipTest("torch and transformers are installed")
+        with self.assertRaisesRegex(ImportError, "needs torch and transformers"):
+            gpumem.hf.GpumemCache(layout=None, kv_cache=None, config=object())
 
 
 class PoolTest(unittest.TestCase):
