@@ -1,5 +1,10 @@
 #include "gpumem/backend/backends.hpp"
 
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include "backend/ownership_registry.hpp"
 #include "gpumem/errors.hpp"
 
@@ -55,11 +60,17 @@ std::size_t tracked_resource::untrack(void* ptr, std::size_t bytes) {
 }
 
 std::vector<void*> tracked_resource::take_all() {
-  std::lock_guard lock(mutex_);
   std::vector<void*> all;
+  for (auto& [ptr, reserved] : take_all_reserved()) all.push_back(ptr);
+  return all;
+}
+
+std::vector<std::pair<void*, std::size_t>> tracked_resource::take_all_reserved() {
+  std::lock_guard lock(mutex_);
+  std::vector<std::pair<void*, std::size_t>> all;
   for (auto& [ptr, e] : live_) {
     registry_remove(ptr);
-    all.push_back(ptr);
+    all.emplace_back(ptr, e.reserved);
   }
   live_.clear();
   stats_.live_bytes = stats_.live_allocations = stats_.reserved_bytes = 0;
@@ -238,6 +249,42 @@ void pinned_host_resource::do_deallocate(void* ptr, std::size_t bytes, stream_ha
   if (auto s = device_platform().host_free_pinned(ptr); !s) {
     retrack(ptr, bytes, reserved);
     throw_cuda_error(s, "pinned_host_resource::deallocate");
+  }
+}
+
+host_memory_resource::host_memory_resource(platform& platform, int device)
+    : tracked_resource(platform, device) {}
+
+namespace {
+std::size_t host_mapping_bytes(std::size_t bytes) { return (bytes + 4095) / 4096 * 4096; }
+}  // namespace
+
+host_memory_resource::~host_memory_resource() {
+  for (auto& [ptr, reserved] : take_all_reserved()) (void)::munmap(ptr, reserved);
+}
+
+void* host_memory_resource::do_allocate(std::size_t bytes, std::size_t, stream_handle) {
+  const std::size_t len = host_mapping_bytes(bytes);
+  void* p = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    throw_out_of_memory(bytes,
+                        status::failure(platform_op::count_, failure_kind::out_of_memory, err,
+                                        "mmap", std::strerror(err)),
+                        holdings());
+  }
+  (void)::madvise(p, len, MADV_HUGEPAGE);  // advice only: without THP, 4 KiB pages
+  track(p, bytes, len);
+  return p;
+}
+
+void host_memory_resource::do_deallocate(void* ptr, std::size_t bytes, stream_handle) {
+  const std::size_t reserved = untrack(ptr, bytes);
+  if (::munmap(ptr, reserved) != 0) {
+    const int err = errno;
+    retrack(ptr, bytes, reserved);
+    throw invalid_argument(std::string("host_memory_resource::deallocate: munmap failed: ") +
+                           std::strerror(err));
   }
 }
 

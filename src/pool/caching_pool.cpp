@@ -14,9 +14,11 @@ constexpr std::size_t small_segment = std::size_t{2} << 20;
 constexpr std::size_t large_rounding = std::size_t{2} << 20;
 }  // namespace
 
-caching_pool::caching_pool(memory_resource& upstream, pool_options options)
+caching_pool::caching_pool(memory_resource& upstream, pool_options options,
+                           std::size_t min_segment_bytes)
     : pool_base(upstream.device_platform(), upstream.device(), options, upstream.max_alignment()),
-      upstream_(upstream) {
+      upstream_(upstream),
+      min_segment_((min_segment_bytes + large_rounding - 1) / large_rounding * large_rounding) {
   if (options.guard)
     throw invalid_argument("caching_pool: guard mode is an option of the vmm_page_pool only");
   if (options.peer_access != 0 || options.peer_access_all)
@@ -89,7 +91,8 @@ bool caching_pool::grow(detail::block_arena& arena, std::uint32_t arena_id, std:
   // Upstream aligns the segment itself, so an aligned request fits at its start.
   const std::size_t need = arena_id == small_arena && size <= small_segment
                                ? small_segment
-                               : (size + large_rounding - 1) / large_rounding * large_rounding;
+                               : (std::max(size, min_segment_) + large_rounding - 1) /
+                                     large_rounding * large_rounding;
   // release_idle: a new peak is not set while whole segments sit idle (pool_options.hpp).
   if (options().release_idle && reserved_locked() + need > peak_reserved_locked()) {
     // Idle segments may sit in either arena's quick lists (cheap when they are empty).

@@ -2,8 +2,9 @@
 
 namespace gpumem {
 
-pinned_host_pool::pinned_host_pool(platform& platform, int device, pool_options options)
-    : upstream_(platform, device), pool_(upstream_, options) {}
+pinned_host_pool::pinned_host_pool(platform& platform, int device, pool_options options,
+                                   std::size_t min_segment_bytes)
+    : upstream_(platform, device), pool_(upstream_, options, min_segment_bytes) {}
 
 // The pool's destructor gives its segments back to upstream_ first (members are destroyed
 // in reverse order), then upstream_ frees what is left.

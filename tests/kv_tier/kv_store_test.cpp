@@ -212,6 +212,38 @@ TEST_F(HostStore, CorruptOrWrongSizeValueIsAMissCountedNeverData) {
   EXPECT_EQ(hs.stats().hits, 0u);
 }
 
+// Records of a 2 MiB block and its header share slabs of host memory: a store of them
+// holds about their bytes from the OS, not 4 MiB each (2 MiB-rounded segments of their own),
+// and every one reads back intact.
+TEST_F(HostStore, RecordsOfABlockAndAHeaderShareSlabs) {
+  const std::size_t payload = std::size_t{2} << 20;
+  host_store hs(sim, 0, std::size_t{1} << 30);  // slabs of 64 MiB
+  std::vector<std::vector<std::byte>> recs;
+  for (std::uint64_t h = 1; h <= 96; ++h) {
+    recs.push_back(make_record(key(h), payload, 0, 16, static_cast<unsigned>(h)));
+    const kv_block_key k[] = {key(h)};
+    const std::span<const std::byte> v[] = {recs.back()};
+    bool ok[1] = {false};
+    hs.put(k, v, ok);
+    ASSERT_TRUE(ok[0]);
+  }
+  const std::size_t held = hs.stats().held_bytes;
+  EXPECT_EQ(held, 96 * recs[0].size());
+  // A 64 MiB slab holds 31 records: 4 slabs for 96 (the last partly used).
+  EXPECT_LE(hs.reserved_bytes(), held * 32 / 31 + (std::size_t{64} << 20));
+  EXPECT_LT(hs.reserved_bytes(), 96 * (std::size_t{4} << 20));
+  std::vector<std::byte> buf(recs[0].size());
+  for (std::uint64_t h = 1; h <= 96; ++h) {
+    const kv_block_key k[] = {key(h)};
+    const std::span<std::byte> d[] = {buf};
+    kv_get_status st[1];
+    hs.get(k, d, st);
+    ASSERT_EQ(st[0], kv_get_status::hit);
+    ASSERT_EQ(buf, recs[h - 1]);
+  }
+  EXPECT_EQ(hs.validate(), "");
+}
+
 TEST_F(HostStore, TenantsNeverSeeEachOthersBlocks) {
   host_store hs(sim, 0, 1 << 20);
   const auto r = make_record(key(1, /*salt*/ 10), 4096);

@@ -35,6 +35,32 @@ struct runtime_caching_pool {
 
 class CachingPool : public gpumem_test::sim_pool_test {};
 
+// With a minimum segment size, requests a little over 2 MiB share segments: 15 of them fit
+// one 32 MiB segment (one upstream call), where each would otherwise take a 4 MiB one.
+TEST_F(CachingPool, MinimumSegmentSizeLetsRequestsJustOverTwoMiBShareSegments) {
+  const std::size_t request = 2 * MiB + 512;
+  runtime_resource upstream(sim);
+  caching_pool shared(upstream, {}, 32 * MiB);
+  std::vector<void*> blocks;
+  for (int i = 0; i < 15; ++i) blocks.push_back(shared.allocate(request));
+  EXPECT_EQ(shared.segment_count(), 1u);
+  EXPECT_EQ(shared.stats().reserved_bytes, 32 * MiB);
+  for (std::size_t i = 0; i < blocks.size(); ++i)
+    for (std::size_t j = i + 1; j < blocks.size(); ++j) EXPECT_FALSE(overlaps(blocks[i], request, blocks[j], request));
+  blocks.push_back(shared.allocate(request));  // the 16th needs a second segment
+  EXPECT_EQ(shared.segment_count(), 2u);
+  for (void* b : blocks) shared.deallocate(b, request);
+  EXPECT_EQ(shared.validate(), "");
+
+  runtime_resource upstream2(sim);
+  caching_pool own(upstream2);
+  std::vector<void*> apart;
+  for (int i = 0; i < 15; ++i) apart.push_back(own.allocate(request));
+  EXPECT_EQ(own.segment_count(), 15u);
+  EXPECT_EQ(own.stats().reserved_bytes, 15 * 4 * MiB);
+  for (void* b : apart) own.deallocate(b, request);
+}
+
 TEST_F(CachingPool, ReusesAFreedBlockWithoutDriverCalls) {
   runtime_caching_pool env(sim);
   caching_pool& pool = env.pool;

@@ -19,6 +19,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "gpumem/backend/memory_resource.hpp"
@@ -46,6 +47,8 @@ class tracked_resource : public memory_resource {
   std::string holdings() const;
   // Removes every live allocation (for destructors, which then free them).
   std::vector<void*> take_all();
+  // take_all(), with the bytes each held (for backends that free by size).
+  std::vector<std::pair<void*, std::size_t>> take_all_reserved();
 
   mutable std::mutex mutex_;
 
@@ -115,6 +118,23 @@ class pinned_host_resource final : public detail::tracked_resource {
   ~pinned_host_resource() override;
   std::string_view name() const noexcept override { return "pinned_host"; }
   // cudaMallocHost returns page-aligned memory.
+  std::size_t max_alignment() const noexcept override { return 4096; }
+
+ protected:
+  void* do_allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) override;
+  void do_deallocate(void* ptr, std::size_t bytes, stream_handle stream) override;
+};
+
+// Pageable host memory: page-aligned anonymous mappings, advised to use transparent huge
+// pages (one fault per 2 MiB where the kernel allows). For memory the CPU copies into and
+// out of, never the device's DMA: pinning costs time (cudaMallocHost and cudaFreeHost of
+// 2 MiB take ~1.1 ms on an H200 host, kv_bench) and locks RAM the OS can no longer page.
+// The platform is asked for nothing but the device's total (the contract's size bound).
+class host_memory_resource final : public detail::tracked_resource {
+ public:
+  explicit host_memory_resource(platform& platform, int device = 0);
+  ~host_memory_resource() override;
+  std::string_view name() const noexcept override { return "host"; }
   std::size_t max_alignment() const noexcept override { return 4096; }
 
  protected:

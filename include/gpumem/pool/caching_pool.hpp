@@ -18,8 +18,13 @@ namespace gpumem {
 
 class caching_pool final : public pool_base {
  public:
+  // min_segment_bytes: a large request's new segment is at least this big (rounded to
+  // 2 MiB), so requests a little over a multiple of 2 MiB (a KV record: a 2 MiB block and
+  // its header) share segments instead of each taking one of twice its size, and upstream
+  // is asked fewer times. 0: segments of the request's size.
   // REQUIRES: upstream outlives the pool.
-  explicit caching_pool(memory_resource& upstream, pool_options options = {});
+  explicit caching_pool(memory_resource& upstream, pool_options options = {},
+                        std::size_t min_segment_bytes = 0);
   ~caching_pool() override;
   std::string_view name() const noexcept override { return "caching_pool"; }
   std::size_t segment_count() const;
@@ -51,6 +56,7 @@ class caching_pool final : public pool_base {
   memory_resource& upstream_;
   std::map<std::uintptr_t, segment> segments_;
   std::uint32_t next_segment_id_ = 1;
+  std::size_t min_segment_ = 0;
 };
 
 }  // namespace gpumem

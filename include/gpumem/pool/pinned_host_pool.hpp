@@ -19,7 +19,9 @@ namespace gpumem {
 
 class pinned_host_pool {
  public:
-  explicit pinned_host_pool(platform& platform, int device = 0, pool_options options = {});
+  // min_segment_bytes: as caching_pool's (fewer, larger cudaMallocHost calls).
+  explicit pinned_host_pool(platform& platform, int device = 0, pool_options options = {},
+                            std::size_t min_segment_bytes = 0);
   ~pinned_host_pool();
   pinned_host_pool(const pinned_host_pool&) = delete;
   pinned_host_pool& operator=(const pinned_host_pool&) = delete;

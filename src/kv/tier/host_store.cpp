@@ -1,5 +1,6 @@
 #include "gpumem/kv/tier/host_store.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -9,17 +10,27 @@
 namespace gpumem {
 
 namespace {
-pool_options staging_options() {
+pool_options value_options() {
   pool_options o;
   o.thread_cache = false;  // values are freed by whichever thread drops them
   return o;
 }
+// A quarter of the capacity, from 2 MiB to 64 MiB: a slab of k x 2 MiB holds k - 1 records
+// of a 2 MiB block and its header, so large slabs lose little (64 MiB: 1/32), and a small
+// store holds at most a slab past its capacity.
+std::size_t slab_bytes(std::size_t capacity) {
+  return std::clamp<std::size_t>(capacity / 4, std::size_t{2} << 20, std::size_t{64} << 20);
+}
+std::size_t checked_capacity(std::size_t capacity) {
+  if (capacity == 0) throw invalid_argument("host_store: capacity must be positive");
+  return capacity;
+}
 }  // namespace
 
 host_store::host_store(platform& platform, int device, std::size_t capacity_bytes)
-    : capacity_(capacity_bytes), pool_(platform, device, staging_options()) {
-  if (capacity_bytes == 0) throw invalid_argument("host_store: capacity must be positive");
-}
+    : capacity_(checked_capacity(capacity_bytes)),
+      memory_(platform, device),
+      pool_(memory_, value_options(), slab_bytes(capacity_bytes)) {}
 
 host_store::~host_store() {
   for (const entry& e : lru_) free_entry(e);
@@ -76,7 +87,7 @@ void host_store::put(std::span<const kv_block_key> keys,
     } catch (...) {
       std::lock_guard lock(mutex_);
       ++counters_.put_failures;
-      counters_.last_error = "host_store: pinned host memory exhausted";
+      counters_.last_error = "host_store: host memory exhausted";
       continue;
     }
     std::memcpy(data, values[i].data(), bytes);

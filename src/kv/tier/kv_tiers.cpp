@@ -1,5 +1,6 @@
 #include "gpumem/kv/tier/kv_tiers.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 
@@ -15,12 +16,18 @@ pool_options staging_options() {
   return o;
 }
 constexpr std::size_t worker_batch = 32;  // records per put batch
+// Staging segments of an 8th of what may be pending, from 2 MiB to 64 MiB: a record (a
+// block and its header, a little over 2 MiB for Llama-3-8B) then shares a segment with
+// others instead of pinning 4 MiB of its own, and cudaMallocHost is called seldom.
+std::size_t staging_segment_bytes(std::size_t max_pending) {
+  return std::clamp<std::size_t>(max_pending / 8, std::size_t{2} << 20, std::size_t{64} << 20);
+}
 }  // namespace
 
 kv_tiers::kv_tiers(platform& platform, int device, std::vector<std::unique_ptr<kv_store>> stores,
                    kv_tiers_options options)
     : platform_(platform), device_(device), stores_(std::move(stores)), options_(options),
-      staging_(platform, device, staging_options()) {
+      staging_(platform, device, staging_options(), staging_segment_bytes(options.max_pending_bytes)) {
   if (stores_.empty()) throw invalid_argument("kv_tiers: no store given");
   for (const auto& s : stores_)
     if (s == nullptr) throw invalid_argument("kv_tiers: a store is null");

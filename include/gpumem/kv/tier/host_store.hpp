@@ -1,5 +1,10 @@
-// host_store: a KV tier in pinned host memory (from a pinned_host_pool of its own, so a
-// hit copies to the device at full PCIe speed), bounded, least recently used first out.
+// host_store: a KV tier in host memory, bounded, least recently used first out.
+//
+// Values live in pageable host memory (host_memory_resource) carved by a caching_pool from
+// slabs of a quarter of the capacity, 2 to 64 MiB: a put copies a record in and a get copies it out into the caller's
+// buffer (kv_tiers' pinned staging), so the store never needs memory the device can DMA,
+// and pinning it would cost ~1.1 ms per 2 MiB on an H200 host. Slabs let 2 MiB-and-a-header
+// records share segments instead of each taking 4 MiB.
 //
 // Invariants (validate()): held_bytes == sum of held values' sizes <= capacity_bytes;
 // every held value is in the index once and in the LRU list once.
@@ -16,7 +21,8 @@
 #include <unordered_map>
 
 #include "gpumem/kv/tier/kv_store.hpp"
-#include "gpumem/pool/pinned_host_pool.hpp"
+#include "gpumem/backend/backends.hpp"
+#include "gpumem/pool/caching_pool.hpp"
 
 namespace gpumem {
 
@@ -35,6 +41,9 @@ class host_store final : public kv_store {
   void contains(std::span<const kv_block_key> keys, std::span<bool> out) noexcept override;
   kv_store_stats stats() const override;
   std::size_t capacity_bytes() const noexcept { return capacity_; }
+  // Host memory the store holds from the OS now (its slabs): held bytes plus what the
+  // slabs keep free.
+  std::size_t reserved_bytes() const { return pool_.stats().reserved_bytes; }
   std::string validate() const;
 
  private:
@@ -52,7 +61,8 @@ class host_store final : public kv_store {
   void free_entry(const entry& e) noexcept;
 
   std::size_t capacity_;
-  pinned_host_pool pool_;
+  host_memory_resource memory_;
+  caching_pool pool_;
   mutable std::mutex mutex_;
   std::list<entry> lru_;  // front: most recently used
   std::unordered_map<kv_block_key, std::list<entry>::iterator, key_hash> index_;
