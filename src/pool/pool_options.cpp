@@ -96,9 +96,12 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
         o.cross_stream = cross_stream_policy::wait;
       else if (value == "event")
         o.cross_stream = cross_stream_policy::event;
+      else if (value == "wait_before_growth")
+        o.cross_stream = cross_stream_policy::wait_before_growth;
       else
-        throw invalid_argument("config: cross_stream must be 'wait' or 'event', not '" +
-                               std::string(value) + "'");
+        throw invalid_argument(
+            "config: cross_stream must be 'event', 'wait' or 'wait_before_growth', not '" +
+            std::string(value) + "'");
     } else if (key == "round_large") {
       o.round_large = parse_bytes(value);
       if (o.round_large != 0 && (o.round_large & (o.round_large - 1)) != 0)
@@ -202,7 +205,10 @@ std::string pool_options::to_string() const {
   else
     out << release_threshold;
   out << ",small_threshold:" << small_threshold
-      << ",cross_stream:" << (cross_stream == cross_stream_policy::wait ? "wait" : "event")
+      << ",cross_stream:"
+      << (cross_stream == cross_stream_policy::wait                 ? "wait"
+          : cross_stream == cross_stream_policy::wait_before_growth ? "wait_before_growth"
+                                                                    : "event")
       << ",va_reserve:" << va_reserve_bytes << ",big_chunk:" << big_chunk_pages
       << ",huge_growth:" << huge_growth_bytes
       << ",scrub:" << (scrub ? "on" : "off") << ",guard:" << (guard ? "on" : "off")

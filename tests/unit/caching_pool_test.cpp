@@ -258,6 +258,48 @@ TEST_F(CachingPool, WaitPolicyReusesAnotherStreamsBlockAtOnce) {
   sim.hold_events(false);
 }
 
+// wait_before_growth: a block freed on s1 whose last use may still run is not taken by s2
+// while s2 fits elsewhere (event semantics); where s2 would grow the pool instead, s2 is
+// made to wait on s1's free and reuses the block, with no new segment.
+TEST_F(CachingPool, WaitBeforeGrowthReusesAnotherStreamsBlockRatherThanGrowing) {
+  pool_options o;
+  o.cross_stream = cross_stream_policy::wait_before_growth;
+  runtime_caching_pool env(sim, o);
+  caching_pool& pool = env.pool;
+  const stream_handle s1 = make_stream(), s2 = make_stream();
+  void* p = pool.allocate(4 * MiB, default_alignment, s1);
+  void* own = pool.allocate(4 * MiB, default_alignment, s2);
+  pool.deallocate(own, 4 * MiB, s2);
+  sim.hold_events(true);
+  pool.deallocate(p, 4 * MiB, s1);
+  const auto waits = calls(platform_op::stream_wait_event);
+  const auto mallocs = calls(platform_op::runtime_malloc);
+  void* q = pool.allocate(4 * MiB, default_alignment, s2);
+  EXPECT_EQ(q, own) << "s2's own free block first";
+  EXPECT_EQ(calls(platform_op::stream_wait_event), waits) << "no wait while s2 fits elsewhere";
+  void* r = pool.allocate(4 * MiB, default_alignment, s2);
+  EXPECT_EQ(r, p) << "s1's block, instead of a new segment";
+  EXPECT_GT(calls(platform_op::stream_wait_event), waits) << "s2 must be made to wait on s1";
+  EXPECT_EQ(calls(platform_op::runtime_malloc), mallocs);
+  EXPECT_EQ(pool.segment_count(), 2u);
+  pool.deallocate(q, 4 * MiB, s2);
+  pool.deallocate(r, 4 * MiB, s2);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  sim.hold_events(false);
+
+  pool_options e;  // the same under event: s2 grows the pool
+  runtime_caching_pool env2(sim, e);
+  const stream_handle t1 = make_stream(), t2 = make_stream();
+  sim.hold_events(true);
+  void* x = env2.pool.allocate(4 * MiB, default_alignment, t1);
+  env2.pool.deallocate(x, 4 * MiB, t1);
+  void* y = env2.pool.allocate(4 * MiB, default_alignment, t2);
+  EXPECT_NE(y, x);
+  EXPECT_EQ(env2.pool.segment_count(), 2u);
+  env2.pool.deallocate(y, 4 * MiB, t2);
+  sim.hold_events(false);
+}
+
 // Regression; the defect was: block_arena::take() gives the tail split off a freed block free_epoch 0, so the rest
 // of a block freed on s1 (still in use by s1's queued work) counts as complete for s2.
 TEST_F(CachingPool, TheRestOfASplitFreedBlockIsNotHandedToAnotherStreamEarly) {

@@ -16,7 +16,7 @@
 
 namespace gpumem {
 
-enum class cross_stream_policy { event, wait };
+enum class cross_stream_policy { event, wait, wait_before_growth };
 enum class map_worker_mode { automatic, on, off };
 
 struct pool_options {

@@ -145,6 +145,12 @@ detail::block* pool_base::allocate_slow(std::uint32_t id, std::size_t size, std:
   // grows the pool (the thread caches were drained above).
   if (id == large_arena && fixed_segments_.small_piece_bytes != 0 && return_free_small_regions())
     if (auto* b = find_free()) return b;
+  // cross_stream:wait_before_growth: before the pool takes more memory, this stream waits on
+  // the GPU for the frees of other streams whose last use may still run, and reuses their
+  // blocks (FSDP's gathered parameters, freed on another stream than they were made on).
+  if (options_.cross_stream == cross_stream_policy::wait_before_growth &&
+      reclaim_other_streams_free(stream.value, false, true))
+    if (auto* b = find_free()) return b;
   if (grow(a, id, size, alignment, stream, growth::any)) {
     if (auto* b = a.allocate(size, alignment, stream.value, requested))
       return b;

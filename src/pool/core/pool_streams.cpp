@@ -23,7 +23,7 @@ bool pool_base::free_known_complete(const detail::block& b) {
 }
 
 bool pool_base::free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch,
-                                 const stream_handle* wanted_by) {
+                                 const stream_handle* wanted_by, bool stream_wait) {
   auto& s = streams_.states[freed_on];
   if (s.completed_epoch >= epoch) return true;
   platform& p = device_platform();
@@ -47,7 +47,7 @@ bool pool_base::free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch,
     s.event_pending = true;
     s.event_epoch = s.frees;
   }
-  if (wanted_by != nullptr && options_.cross_stream == cross_stream_policy::wait) {
+  if (wanted_by != nullptr && (stream_wait || options_.cross_stream == cross_stream_policy::wait)) {
     if (auto st = p.stream_wait_event(*wanted_by, s.event); !st)
       throw_cuda_error(st, "pool: cross-stream wait");
     return true;  // wanted_by's later work now runs after the freed block's last use
@@ -115,7 +115,7 @@ void pool_base::check_stream_locked(stream_handle stream, std::string_view calle
   streams_.states.try_emplace(stream.value);
 }
 
-bool pool_base::reclaim_other_streams_free(std::uintptr_t to, bool wait) {
+bool pool_base::reclaim_other_streams_free(std::uintptr_t to, bool wait, bool stream_wait) {
   std::vector<std::uintptr_t> others;
   for (auto& a : arenas_) {
     a->flush();
@@ -129,13 +129,13 @@ bool pool_base::reclaim_other_streams_free(std::uintptr_t to, bool wait) {
   bool moved = false;
   for (std::uintptr_t from : others) {
     auto it = streams_.states.find(from);
-    if (it != streams_.states.end() && options_.cross_stream == cross_stream_policy::wait) {
+    if (it != streams_.states.end() && (stream_wait || options_.cross_stream == cross_stream_policy::wait)) {
       // Policy wait: `to` is made to wait on `from`'s frees instead (an event recorded on
       // `from` and waited on by `to`: legal inside a CUDA graph capture, where a query or a
       // synchronize is not). The blocks are then safe in `to`'s order only, so they take a
       // new free epoch of `to`: another stream reuses them once `to` has passed the wait.
       const stream_handle to_handle{to};
-      (void)free_is_complete(from, it->second.frees, &to_handle);
+      (void)free_is_complete(from, it->second.frees, &to_handle, true);
       const std::uint64_t epoch = ++stream_state_of(to).frees;
       for (auto& a : arenas_) moved = a->retag_free(from, to, it->second.frees, epoch) != 0 || moved;
       continue;

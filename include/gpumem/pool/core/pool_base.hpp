@@ -377,9 +377,11 @@ class pool_base : public memory_resource {
   // Free blocks of streams other than `to` whose frees are known complete (wait: after
   // synchronizing those streams) become `to`'s, merged with its free neighbours; the
   // per-stream state of streams left with no free block is dropped. Whether any moved.
+  // stream_wait (as policy cross_stream:wait always does): every free block of the other
+  // streams becomes `to`'s, `to` made to wait on the GPU for their frees.
   // Throws gpumem::cuda_error when the platform fails (nothing moved for that stream).
   // REQUIRES: mutex_ held.
-  bool reclaim_other_streams_free(std::uintptr_t to, bool wait);
+  bool reclaim_other_streams_free(std::uintptr_t to, bool wait, bool stream_wait = false);
   // Free blocks of streams whose frees are known complete become the default stream's,
   // safe at once; then the state of streams that hold no free block in any arena is dropped
   // (their events kept for reuse, a few). Called as the number of streams doubles, so its
@@ -395,9 +397,10 @@ class pool_base : public memory_resource {
                                   bool scrub, std::string_view caller);
   detail::block* allocate_slow(std::uint32_t arena_id, std::size_t size, std::size_t alignment,
                       stream_handle stream, std::size_t requested);
-  // wanted_by: the stream that would reuse the memory (policy wait makes it wait);
-  // nullptr: only ask whether the free is complete.
-  bool free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch, const stream_handle* wanted_by);
+  // wanted_by: the stream that would reuse the memory (policy wait, or stream_wait, makes it
+  // wait); nullptr: only ask whether the free is complete.
+  bool free_is_complete(std::uintptr_t freed_on, std::uint64_t epoch, const stream_handle* wanted_by,
+                        bool stream_wait = false);
   std::string report_locked(std::size_t bytes) const;
   std::vector<memory_segment> segments_locked() const;
   overhead_breakdown overhead_locked() const;
