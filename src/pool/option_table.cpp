@@ -31,7 +31,8 @@ constexpr std::array<pool_option_info, 30> table{{
      "Reuse of a block freed on another stream: event waits until the freeing stream's "
      "event completed; wait makes the new stream wait on it (reuse at once, serialising the "
      "streams); wait_before_growth is event, but where the pool would otherwise take more "
-     "memory the new stream waits on those frees and reuses their blocks.",
+     "memory the new stream waits on those frees and reuses their blocks. FSDP on 2 H200s: "
+     "1.005-1.006 of the requested bytes (1.24-1.39 under event) at a 27% slower step.",
      "cross_stream:wait"},
     {"va_reserve", "2x device memory",
      "vmm_page_pool's virtual address range. Virtual address space costs no memory.",
