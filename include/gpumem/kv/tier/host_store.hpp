@@ -2,9 +2,9 @@
 //
 // Values live in pageable host memory (host_memory_resource) carved by a caching_pool from
 // slabs of a quarter of the capacity, 2 to 64 MiB: a put copies a record in and a get
-// copies it out into the caller's buffer (kv_tiers' pinned staging), so the store never needs memory the device can DMA,
-// and pinning it costs 0.74-2.3 ms per 2 MiB on an H200 host. Slabs let 2 MiB-and-a-header
-// records share segments instead of each taking 4 MiB.
+// copies it out into the caller's buffer (kv_tiers' pinned staging), so the store never
+// needs memory the device can DMA, and pinning it costs 0.74-2.3 ms per 2 MiB on an H200
+// host. Slabs let 2 MiB-and-a-header records share segments instead of each taking 4 MiB.
 //
 // Invariants (validate()): held_bytes == sum of held values' sizes <= capacity_bytes;
 // every held value is in the index once and in the LRU list once.
