@@ -2,12 +2,14 @@
 # the plug-in (libgpumem_torch.so throws c10::OutOfMemoryError, which PyTorch raises as
 # torch.OutOfMemoryError) and by bench/torch_replay_bench. GPUMEM_TORCH_DIR names the torch
 # package folder (holding include/ and lib/); unset, python3's torch is asked.
-# Sets GPUMEM_HAVE_TORCH and GPUMEM_TORCH_CXX11_ABI (torch's _GLIBCXX_USE_CXX11_ABI).
+# Sets GPUMEM_HAVE_TORCH, GPUMEM_TORCH_CXX11_ABI (torch's _GLIBCXX_USE_CXX11_ABI) and
+# GPUMEM_TORCH_VERSION (torch.__version__, "unknown" where Python cannot tell).
 set(GPUMEM_TORCH_DIR "" CACHE PATH "torch package folder (holding include/ and lib/)")
 option(GPUMEM_TORCH_ERRORS
        "With libtorch found, the plug-in throws PyTorch's own c10::OutOfMemoryError (and links libc10)" ON)
 set(GPUMEM_HAVE_TORCH OFF)
 set(GPUMEM_TORCH_CXX11_ABI 1)
+set(GPUMEM_TORCH_VERSION "unknown")
 if(GPUMEM_HAVE_CUDA)
   find_package(Python3 COMPONENTS Interpreter QUIET)
   if(NOT GPUMEM_TORCH_DIR AND Python3_FOUND)
@@ -27,6 +29,12 @@ if(GPUMEM_HAVE_CUDA)
                       ERROR_QUIET RESULT_VARIABLE GPUMEM_TORCH_ABI_RC)
       if(GPUMEM_TORCH_ABI_RC EQUAL 0 AND GPUMEM_TORCH_ABI_PROBE MATCHES "^[01]$")
         set(GPUMEM_TORCH_CXX11_ABI ${GPUMEM_TORCH_ABI_PROBE})
+      endif()
+      execute_process(COMMAND ${Python3_EXECUTABLE} -c "import torch; print(torch.__version__)"
+                      OUTPUT_VARIABLE GPUMEM_TORCH_VERSION_PROBE OUTPUT_STRIP_TRAILING_WHITESPACE
+                      ERROR_QUIET RESULT_VARIABLE GPUMEM_TORCH_VERSION_RC)
+      if(GPUMEM_TORCH_VERSION_RC EQUAL 0 AND GPUMEM_TORCH_VERSION_PROBE MATCHES "^[0-9A-Za-z.+_-]+$")
+        set(GPUMEM_TORCH_VERSION ${GPUMEM_TORCH_VERSION_PROBE})
       endif()
     endif()
   endif()

@@ -37,6 +37,7 @@ What changes under a pluggable allocator, and what enable() does about it:
 
 import ctypes
 import os
+import sys
 
 import gpumem
 
@@ -66,6 +67,12 @@ def enable(conf=None, allocator=None, path=None, patch_record_stream=True, mark_
     if allocator is not None:
         os.environ["GPUMEM_ALLOCATOR"] = gpumem._text(allocator, "allocator")
     lib = gpumem.load(path)
+    route = _install_native(torch, lib)
+    if route is not None:
+        _state.update(enabled=True, allocator=route, record_stream="native",
+                      empty_cache="native", graph_pools="private", route="native")
+        _register_mark_steps(mark_steps)
+        return route
     so_path = gpumem.library_path()
     alloc = torch.cuda.memory.CUDAPluggableAllocator(
         so_path, "gpumem_torch_malloc", "gpumem_torch_free")
@@ -88,13 +95,75 @@ def enable(conf=None, allocator=None, path=None, patch_record_stream=True, mark_
     _state["graph_pools"] = _set_graph_pool_hooks(native, lib)
     _relax_inductor_pool_asserts()
     torch.cuda.memory.change_current_allocator(alloc)
-    _state.update(enabled=True, allocator=alloc)
+    _state.update(enabled=True, allocator=alloc, route="pluggable")
+    _register_mark_steps(mark_steps)
+    return alloc
+
+
+def _register_mark_steps(mark_steps):
     if mark_steps:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         register_optimizer_step_post_hook(lambda optimizer, args, kwargs: mark_step())
         _state["mark_steps"] = "optimizer"
-    return alloc
+
+
+NATIVE_LIBRARY_NAME = "libgpumem_torch_native.so"
+
+
+def _torch_build_tag(torch):
+    """The running torch as the native allocator records the one it was built for."""
+    return "%s abi%d" % (torch.__version__, int(bool(torch._C._GLIBCXX_USE_CXX11_ABI)))
+
+
+def _install_native(torch, lib):
+    """Makes gpumem PyTorch's own CUDA allocator (libgpumem_torch_native.so, a subclass of
+    c10's CUDAAllocator) when that library was built for the running torch; returns a
+    description of the route, or None after one line on stderr saying why the pluggable
+    route serves instead. GPUMEM_TORCH_ROUTE=pluggable asks for the pluggable route."""
+    if os.environ.get("GPUMEM_TORCH_ROUTE", "") == "pluggable":
+        return None
+    folder = os.path.dirname(gpumem.library_path())
+    native_path = os.path.join(folder, NATIVE_LIBRARY_NAME)
+    tag_path = native_path[:-len(".so")] + ".torch"
+    if not os.path.exists(native_path) or not os.path.exists(tag_path):
+        _say("the native PyTorch allocator was not built (no torch at build time); "
+             "using CUDAPluggableAllocator")
+        return None
+    with open(tag_path, encoding="utf-8") as f:
+        built_for = f.read().strip()
+    running = _torch_build_tag(torch)
+    if built_for != running:
+        _say("the native PyTorch allocator was built for torch %s, this is torch %s; using "
+             "CUDAPluggableAllocator (rebuild gpumem to get the native one)" % (built_for, running))
+        return None
+    try:
+        native = ctypes.CDLL(native_path, mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        _say("the native PyTorch allocator could not be loaded (%s); using "
+             "CUDAPluggableAllocator" % e)
+        return None
+    native.gpumem_torch_native_built_for.restype = ctypes.c_char_p
+    native.gpumem_torch_native_error.restype = ctypes.c_char_p
+    if native.gpumem_torch_native_built_for().decode() != running:
+        _say("the native PyTorch allocator's build does not match this torch; using "
+             "CUDAPluggableAllocator")
+        return None
+    if native.gpumem_torch_native_install() != 0:
+        raise RuntimeError("gpumem.torch.enable: " +
+                           native.gpumem_torch_native_error().decode(errors="replace"))
+    _state["native"] = native
+    return "native"
+
+
+def _say(line):
+    sys.stderr.write("gpumem: %s\n" % line)
+
+
+def route():
+    """"native" when gpumem is PyTorch's own CUDA allocator (a CUDAAllocator subclass),
+    "pluggable" when it serves through CUDAPluggableAllocator, None before enable()."""
+    return _state.get("route")
 
 
 def _set_graph_pool_hooks(native, lib):
