@@ -16,7 +16,8 @@
 //  - live_ holds every pointer this allocator handed out and not yet freed, once, with the
 //    size, device, stream and route (gpumem, or the custom allocator of a MemPool) it came
 //    from; a free goes back to that route.
-//  - pools_[id].created == createOrIncrefPool calls for id less releasePool calls for it.
+//  - pools_[id].uses == createOrIncrefPool and beginAllocateToPool calls for id less its
+//    releasePool calls, as PyTorch counts a pool's uses.
 //  - routes_ holds the allocate-to-pool blocks begun and not ended; a route with a custom
 //    allocator serves the streams its filter accepts, the others reach libgpumem_torch.so's
 //    graph pools.
@@ -82,7 +83,7 @@ struct live_allocation {
 };
 
 struct pool_record {
-  int created = 0;                             // createOrIncrefPool less releasePool
+  int uses = 0;                                // createOrIncrefPool and begins less releases
   std::shared_ptr<cca::CUDAAllocator> custom;  // MemPool(allocator=...), else null
   bool use_on_oom = false;
 };
@@ -343,32 +344,30 @@ class gpumem_cuda_allocator final : public cca::CUDAAllocator {
   }
 
   // --- pools: CUDA graphs and MemPool ------------------------------------------------------
+  // A pool's uses follow PyTorch's: createOrIncrefPool and beginAllocateToPool take one,
+  // releasePool gives one back; libgpumem_torch.so's private pool of the id counts the same
+  // calls, so it lives, with its cached memory, until the last use is given back and its
+  // last allocation freed.
   void createOrIncrefPool(c10::DeviceIndex device, c10::MempoolId_t id,
                           std::shared_ptr<cca::CUDAAllocator> allocator) override {
     check_device(device);
-    bool first = false;
     {
       std::lock_guard lock(pools_mutex_);
       pool_record& r = pools_[id];
-      first = r.created == 0;
-      if (first && allocator && allocator.get() != this) r.custom = std::move(allocator);
-      ++r.created;
+      if (r.uses == 0 && allocator && allocator.get() != this) r.custom = std::move(allocator);
+      ++r.uses;
       if (r.custom) return;
     }
-    // The pool's first count holds one use of libgpumem_torch.so's private pool (a begin
-    // that routes nothing, ended at once), so the pool and its cached memory outlive its
-    // allocate-to-pool blocks until the last releasePool.
-    if (first) {
-      gpumem_torch_begin_allocate_to_pool(device, {id.first, id.second},
-                                          [](CUstream_st*) { return false; });
-      gpumem_torch_end_allocate_to_pool(device, {id.first, id.second});
-    }
+    // A begin that routes nothing, ended at once: the private pool's use without a route.
+    gpumem_torch_begin_allocate_to_pool(device, {id.first, id.second},
+                                        [](CUstream_st*) { return false; });
+    gpumem_torch_end_allocate_to_pool(device, {id.first, id.second});
   }
   int getPoolUseCount(c10::DeviceIndex device, c10::MempoolId_t id) override {
     check_device(device);
     std::lock_guard lock(pools_mutex_);
     auto it = pools_.find(id);
-    return it == pools_.end() ? 0 : it->second.created;
+    return it == pools_.end() ? 0 : it->second.uses;
   }
   void setUseOnOOM(c10::DeviceIndex device, c10::MempoolId_t id, bool use_on_oom) override {
     check_device(device);
@@ -383,8 +382,9 @@ class gpumem_cuda_allocator final : public cca::CUDAAllocator {
     std::shared_ptr<cca::CUDAAllocator> custom;
     {
       std::lock_guard lock(pools_mutex_);
-      auto it = pools_.find(id);
-      if (it != pools_.end()) custom = it->second.custom;
+      pool_record& r = pools_[id];
+      ++r.uses;
+      custom = r.custom;
     }
     if (!custom)
       gpumem_torch_begin_allocate_to_pool(
@@ -407,33 +407,20 @@ class gpumem_cuda_allocator final : public cca::CUDAAllocator {
         }
       routing_.store(!routes_.empty());
     }
-    if (custom) return;
-    gpumem_torch_end_allocate_to_pool(device, {id.first, id.second});
-    // A pool made by createOrIncrefPool lives by that count: the use the begin took is given
-    // back at its end, so releasePool's calls alone end the pool.
-    bool counted = false;
-    {
-      std::lock_guard lock(pools_mutex_);
-      auto it = pools_.find(id);
-      counted = it != pools_.end() && it->second.created > 0;
-    }
-    if (counted) gpumem_torch_release_pool(device, {id.first, id.second});
+    if (!custom) gpumem_torch_end_allocate_to_pool(device, {id.first, id.second});
   }
   void releasePool(c10::DeviceIndex device, c10::MempoolId_t id) override {
     check_device(device);
+    bool custom = false;
     {
-      // A counted pool gives its use back at its last release only; a pool begun without
-      // createOrIncrefPool gives back the use its begin took.
       std::lock_guard lock(pools_mutex_);
       auto it = pools_.find(id);
-      if (it != pools_.end() && it->second.created > 0) {
-        const bool custom = it->second.custom != nullptr;
-        if (--it->second.created > 0) return;
-        pools_.erase(it);
-        if (custom) return;
+      if (it != pools_.end()) {
+        custom = it->second.custom != nullptr;
+        if (--it->second.uses <= 0) pools_.erase(it);
       }
     }
-    gpumem_torch_release_pool(device, {id.first, id.second});
+    if (!custom) gpumem_torch_release_pool(device, {id.first, id.second});
   }
   bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::MempoolId_t id,
                                 const std::unordered_set<void*>& expected) override {
