@@ -168,7 +168,7 @@ def _declare(lib):
         "gpumem_last_status": (c.c_int, []),
         "gpumem_status_name": (c.c_char_p, [c.c_int]),
         "gpumem_pool_create": (c.c_int, [c.c_char_p, c.POINTER(pool_p)]),
-        "gpumem_pool_destroy": (None, [pool_p]),
+        "gpumem_pool_destroy": (c.c_int, [pool_p]),
         "gpumem_malloc": (c.c_void_p, [pool_p, c.c_size_t, c.c_void_p]),
         "gpumem_allocate": (c.c_int, [pool_p, c.c_size_t, c.c_size_t, c.c_void_p,
                                       c.POINTER(c.c_void_p)]),
@@ -438,9 +438,11 @@ class Pool:
         return self._handle
 
     def close(self):
-        """Destroys the pool: every byte goes back to the driver, live allocations too."""
+        """Destroys the pool: every byte goes back to the driver, live allocations too.
+        InvalidArgumentError, the pool left open, while a KV cache or VirtualSequences
+        (gpumem.kv) still stands on it: close those first."""
         if self._handle is not None:
-            self._lib.gpumem_pool_destroy(self._handle)
+            _check(self._lib, self._lib.gpumem_pool_destroy(self._handle))
             self._handle = None
 
     def __enter__(self):

@@ -4,11 +4,13 @@ caches share: dtype codes, Layout (the shape of a cache), the pool a cache takes
 Package-private: gpumem.kv re-exports the public names (Layout, DTYPES, dtype_code,
 NOT_RESIDENT)."""
 
+import array
 import ctypes
+import operator
 import threading
 
 import gpumem
-from gpumem import InvalidArgumentError, _size
+from gpumem import InvalidArgumentError
 
 DTYPES = {"fp8": 0, "f16": 1, "fp16": 1, "float16": 1, "bf16": 2, "bfloat16": 2,
           "f32": 3, "fp32": 3, "float32": 3}
@@ -18,6 +20,55 @@ _DTYPE_BYTES = {0: 1, 1: 2, 2: 2, 3: 4}
 # they are described as same-size integers and reinterpreted by tensor() (view(dtype)).
 _TYPESTR = {0: "|u1", 1: "<f2", 2: "<i2", 3: "<f4"}
 NOT_RESIDENT = 0xFFFFFFFF
+
+
+# --- integers into ctypes: every one the kv modules pass is checked here, once ----------
+#
+# ctypes converts silently: a c_uint64 takes 2**64 + s as s and -1 as 2**64 - 1, so an id
+# out of range would name another sequence. So, before any C call:
+#  - a non-integer (float, str, None) is a TypeError, and so is a bool: True as a sequence
+#    id or a count is always a slip (an is_swapped() result passed on);
+#  - an integer outside the C type is InvalidArgumentError (a ValueError) naming the range;
+#  - any other integer (int, numpy and torch integer scalars: __index__) is used as is.
+
+def _c_int(value, what, bits=64, signed=False):
+    """`value` as a Python int in the range of a C integer of `bits` bits."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError("gpumem.kv: %s must be an integer, not %s" % (what, type(value).__name__))
+    value = operator.index(value)
+    low, high = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
+    if not low <= value <= high:
+        raise InvalidArgumentError(
+            gpumem.ERROR_INVALID_ARGUMENT,
+            "gpumem.kv: %s %d is outside %d..%d (a %d-bit %s C integer)"
+            % (what, value, low, high, bits, "signed" if signed else "unsigned"))
+    return value
+
+
+def _c_size(value, what):
+    """A count or size for a size_t or uint64_t parameter."""
+    return _c_int(value, what, 8 * ctypes.sizeof(ctypes.c_size_t))
+
+
+_ARRAYS = {(32, True): ("i", ctypes.c_int32), (64, False): ("Q", ctypes.c_uint64)}
+
+
+def _c_ints(values, what, bits, signed):
+    """`values` (an iterable of integers) as a ctypes array (at least one element long, so
+    it is never NULL) and their count, each checked as _c_int does."""
+    values = values if isinstance(values, (list, tuple)) else list(values)
+    code, ctype = _ARRAYS[(bits, signed)]
+    try:
+        ints = array.array(code, values)  # the common case, checked in C
+        ok = ints.itemsize == ctypes.sizeof(ctype) and bool not in set(map(type, values))
+    except (TypeError, OverflowError, ValueError):
+        ok = False
+    if not ok:  # the first bad element raises; else one by one (e.g. torch scalars)
+        ints = [_c_int(v, "%s[%d]" % (what, i), bits, signed) for i, v in enumerate(values)]
+    n = len(ints)
+    if isinstance(ints, array.array) and n:
+        return (ctype * n).from_buffer(ints), n
+    return (ctype * max(1, n))(*ints), n
 
 
 class _Layout(ctypes.Structure):
@@ -128,11 +179,11 @@ class Layout:
     __slots__ = ("layers", "kv_heads", "head_dim", "dtype", "block_tokens")
 
     def __init__(self, layers, kv_heads, head_dim, dtype="bf16", block_tokens=16):
-        self.layers = _size(layers, "layers")
-        self.kv_heads = _size(kv_heads, "kv_heads")
-        self.head_dim = _size(head_dim, "head_dim")
+        self.layers = _c_int(layers, "layers")
+        self.kv_heads = _c_int(kv_heads, "kv_heads")
+        self.head_dim = _c_int(head_dim, "head_dim")
         self.dtype = _DTYPE_NAMES[dtype_code(dtype)]
-        self.block_tokens = _size(block_tokens, "block_tokens")
+        self.block_tokens = _c_int(block_tokens, "block_tokens")
 
     @classmethod
     def from_hf_config(cls, config, dtype="bf16", block_tokens=16):

@@ -7,9 +7,9 @@ import ctypes
 import weakref
 
 import gpumem
-from gpumem import InvalidArgumentError, _check, _size
-from gpumem._kv_c_api import (DTYPES, _TYPESTR, Layout, _Layout, _declare_lock, _declared,
-                              _default_pool, _lib)
+from gpumem import InvalidArgumentError, _check
+from gpumem._kv_c_api import (DTYPES, _TYPESTR, Layout, _Layout, _c_int, _c_size,
+                              _declare_lock, _declared, _default_pool, _lib)
 from gpumem._kv_views import SequenceView, _to_torch, _torch_dtype
 
 
@@ -89,7 +89,7 @@ class VirtualSequences:
         handle = ctypes.c_void_p()
         c = layout._c()
         _check(self._lib, self._lib.gpumem_kv_vseqs_create(
-            pool.handle, ctypes.byref(c), _size(max_sequence_tokens, "max_sequence_tokens"),
+            pool.handle, ctypes.byref(c), _c_size(max_sequence_tokens, "max_sequence_tokens"),
             self._stream, ctypes.byref(handle)))
         self._owner = _VseqsOwner(self._lib, handle, pool)
         self._views = {}  # seq -> weakref.WeakSet of SequenceView
@@ -106,14 +106,16 @@ class VirtualSequences:
 
     def add(self, tokens=0):
         out = ctypes.c_uint64()
-        _check(self._lib, self._lib.gpumem_kv_vseqs_add(self.handle, _size(tokens),
+        _check(self._lib, self._lib.gpumem_kv_vseqs_add(self.handle, _c_size(tokens, "tokens"),
                                                         ctypes.byref(out)))
         return out.value
 
     def append(self, seq, tokens):
-        _check(self._lib, self._lib.gpumem_kv_vseqs_append(self.handle, seq, _size(tokens)))
+        _check(self._lib, self._lib.gpumem_kv_vseqs_append(
+            self.handle, _c_int(seq, "sequence id"), _c_size(tokens, "tokens")))
 
     def free(self, seq, force=False):
+        seq = _c_int(seq, "sequence id")
         live = [v for v in self._views.get(seq, ())]
         if live and not force:
             raise InvalidArgumentError(
@@ -126,7 +128,7 @@ class VirtualSequences:
     def sequence(self, seq):
         """(base address, tokens)."""
         base, tokens = ctypes.c_uint64(), ctypes.c_uint64()
-        _check(self._lib, self._lib.gpumem_kv_vseqs_sequence(self.handle, seq,
+        _check(self._lib, self._lib.gpumem_kv_vseqs_sequence(self.handle, _c_int(seq, "sequence id"),
                                                              ctypes.byref(base),
                                                              ctypes.byref(tokens)))
         return base.value, tokens.value
@@ -144,12 +146,13 @@ class VirtualSequences:
 
     def array_views(self, seq, layer, tokens=None):
         """(keys, values) SequenceViews of `tokens` (default: all) tokens of one layer."""
-        if not 0 <= layer < self.layout.layers:
+        seq, layer = _c_int(seq, "sequence id"), _c_int(layer, "layer")
+        if not layer < self.layout.layers:
             raise InvalidArgumentError(gpumem.ERROR_INVALID_ARGUMENT,
                                        "gpumem.kv: layer %d of a %d-layer layout"
                                        % (layer, self.layout.layers))
         base, have = self.sequence(seq)
-        tokens = have if tokens is None else tokens
+        tokens = have if tokens is None else _c_size(tokens, "tokens")
         if tokens > have:
             raise InvalidArgumentError(gpumem.ERROR_INVALID_ARGUMENT,
                                        "gpumem.kv: sequence %d holds %d tokens, not %d"

@@ -39,17 +39,17 @@ Lifetime of views, and stale block tables:
    are refused ("... was freed"): ids are never reused.
 """
 
-import array
 import ctypes
 import weakref
 
 import gpumem
-from gpumem import InvalidArgumentError, _check, _size
+from gpumem import InvalidArgumentError, _check
 # The C API and the shared shape, the views, and VirtualSequences live in package-private
 # modules; every name below stays importable from gpumem.kv.
 from gpumem._kv_c_api import (DTYPES, NOT_RESIDENT, Layout, dtype_code, _DTYPE_BYTES,  # noqa: F401
                               _DTYPE_NAMES, _TYPESTR, _Config, _Layout, _Stats, _Storage,
-                              _declare_lock, _declared, _default_pool, _lib)
+                              _c_int, _c_ints, _c_size, _declare_lock, _declared,
+                              _default_pool, _lib)
 from gpumem._kv_views import (SequenceView, StorageView, _DL_CODES, _DL_CUDA,  # noqa: F401
                               _DLDataType, _DLDeleter, _DLDevice, _DLManagedTensor, _DLTensor,
                               _DLTENSOR_NAME, _dlpack_capsule, _dlpack_deleter,
@@ -146,10 +146,10 @@ class KVCache:
         cfg = _Config()
         self._lib.gpumem_kv_config_init(ctypes.byref(cfg))
         cfg.layout = layout._c()
-        cfg.max_blocks = _size(max_blocks, "max_blocks")
-        cfg.initial_blocks = _size(initial_blocks, "initial_blocks")
-        cfg.max_sequence_tokens = _size(max_sequence_tokens, "max_sequence_tokens")
-        cfg.grow_pages = _size(grow_pages, "grow_pages")
+        cfg.max_blocks = _c_size(max_blocks, "max_blocks")
+        cfg.initial_blocks = _c_size(initial_blocks, "initial_blocks")
+        cfg.max_sequence_tokens = _c_size(max_sequence_tokens, "max_sequence_tokens")
+        cfg.grow_pages = _c_size(grow_pages, "grow_pages")
         cfg.prefix_caching = 1 if prefix_caching else 0
         cfg.scrub = 1 if scrub else 0
         cfg.swap = 1 if swap else 0
@@ -194,19 +194,12 @@ class KVCache:
 
     @staticmethod
     def _tokens(tokens):
-        """Token ids as a C int32 array (and their count); OverflowError past 32 bits."""
-        try:
-            ints = array.array("i", tokens)  # checks the range in C
-        except TypeError:
-            ints = array.array("i", [int(t) for t in tokens])
-        except OverflowError:
-            raise OverflowError("gpumem.kv: a token id does not fit in 32 bits") from None
-        if ints.itemsize != 4:  # no 32-bit C int on this platform: convert one by one
-            out = (ctypes.c_int32 * max(1, len(ints)))(*ints)
-            return out, len(ints)
-        if not ints:
-            return (ctypes.c_int32 * 1)(), 0
-        return (ctypes.c_int32 * len(ints)).from_buffer(ints), len(ints)
+        """Token ids as a C int32 array (and their count), checked as _c_int does."""
+        return _c_ints(tokens, "token", 32, True)
+
+    @staticmethod
+    def _seq(seq):
+        return _c_int(seq, "sequence id")
 
     def add_sequence(self, tokens=(), salt=0):
         """A new sequence holding the prompt `tokens` (token ids). Returns (seq, cached):
@@ -215,13 +208,14 @@ class KVCache:
         arr, n = self._tokens(tokens)
         seq, cached = ctypes.c_uint64(), ctypes.c_uint64()
         _check(self._lib, self._lib.gpumem_kv_add_sequence(
-            self.handle, arr, n, gpumem._unsigned(salt, "salt", 64), ctypes.byref(seq),
+            self.handle, arr, n, _c_int(salt, "salt"), ctypes.byref(seq),
             ctypes.byref(cached)))
         self._bump(seq.value)
         return seq.value, cached.value
 
     def append(self, seq, tokens):
         """Appends token ids to `seq` (blocks as they fill; all or nothing)."""
+        seq = self._seq(seq)
         arr, n = self._tokens(tokens)
         _check(self._lib, self._lib.gpumem_kv_append(self.handle, seq, arr, n))
         self._bump(seq)
@@ -229,15 +223,14 @@ class KVCache:
     def append_each(self, seqs, tokens):
         """One token to each sequence (a decode step); stops at the first failure, raising
         it after the sequences before it got theirs."""
-        seqs = list(seqs)
+        ids, count = _c_ints(seqs, "sequence id", 64, False)
         arr, n = self._tokens(tokens)
-        if n != len(seqs):
+        if n != count:
             raise InvalidArgumentError(gpumem.ERROR_INVALID_ARGUMENT,
-                                       "gpumem.kv: %d sequences, %d tokens" % (len(seqs), n))
-        ids = (ctypes.c_uint64 * max(1, n))(*seqs)
+                                       "gpumem.kv: %d sequences, %d tokens" % (count, n))
         done = ctypes.c_size_t()
         status = self._lib.gpumem_kv_append_each(self.handle, ids, arr, n, ctypes.byref(done))
-        for s in seqs[:done.value]:
+        for s in ids[:done.value]:
             self._bump(s)
         _check(self._lib, status)
 
@@ -245,42 +238,49 @@ class KVCache:
         """A new sequence sharing every block of `seq`; the first append to either copies
         a shared, partly filled last block (copy on write)."""
         child = ctypes.c_uint64()
-        _check(self._lib, self._lib.gpumem_kv_fork(self.handle, seq, ctypes.byref(child)))
+        _check(self._lib, self._lib.gpumem_kv_fork(self.handle, self._seq(seq),
+                                                   ctypes.byref(child)))
         self._bump(child.value)
         return child.value
 
     def free(self, seq):
+        seq = self._seq(seq)
         _check(self._lib, self._lib.gpumem_kv_free(self.handle, seq))
         self._generations.pop(seq, None)
 
     def swap_out(self, seq):
         """Copies the blocks only `seq` holds to pinned host memory and releases them."""
+        seq = self._seq(seq)
         _check(self._lib, self._lib.gpumem_kv_swap_out(self.handle, seq))
         self._bump(seq)
 
     def swap_in(self, seq):
+        seq = self._seq(seq)
         _check(self._lib, self._lib.gpumem_kv_swap_in(self.handle, seq))
         self._bump(seq)
 
     def is_swapped(self, seq):
         out = ctypes.c_int32()
-        _check(self._lib, self._lib.gpumem_kv_is_swapped(self.handle, seq, ctypes.byref(out)))
+        _check(self._lib, self._lib.gpumem_kv_is_swapped(self.handle, self._seq(seq),
+                                                         ctypes.byref(out)))
         return bool(out.value)
 
     def sequence_tokens(self, seq):
         out = ctypes.c_uint64()
-        _check(self._lib, self._lib.gpumem_kv_sequence_tokens(self.handle, seq,
+        _check(self._lib, self._lib.gpumem_kv_sequence_tokens(self.handle, self._seq(seq),
                                                               ctypes.byref(out)))
         return out.value
 
     def generation(self, seq):
         """Changes whenever seq's block table may have changed (append, swap)."""
+        seq = self._seq(seq)
         if seq not in self._generations:
             self.sequence_tokens(seq)  # raises "was freed" / "does not exist"
         return self._generations.get(seq)
 
     def block_table(self, seq):
         """The block ids of `seq` in token order (NOT_RESIDENT where swapped out)."""
+        seq = self._seq(seq)
         count = ctypes.c_size_t()
         _check(self._lib, self._lib.gpumem_kv_block_table(self.handle, seq, None, 0,
                                                           ctypes.byref(count)))
@@ -292,18 +292,17 @@ class KVCache:
     def block_tables(self, seqs, row_blocks=None, pad=0):
         """A BlockTables of `seqs` (rows padded with `pad` to row_blocks, by default the
         longest). Refused for a freed, unknown or swapped-out sequence."""
-        seqs = list(seqs)
-        n = len(seqs)
-        ids = (ctypes.c_uint64 * max(1, n))(*seqs)
+        ids, n = _c_ints(seqs, "sequence id", 64, False)
+        seqs = list(ids[:n])
         if row_blocks is None:
             bt = self.layout.block_tokens
             row_blocks = max([(self.sequence_tokens(s) + bt - 1) // bt for s in seqs] or [0])
             row_blocks = max(1, row_blocks)
-        row_blocks = _size(row_blocks, "row_blocks")
+        row_blocks = _c_size(row_blocks, "row_blocks")
         rows = (ctypes.c_uint32 * max(1, n * row_blocks))()
         lengths = (ctypes.c_uint64 * max(1, n))()
         _check(self._lib, self._lib.gpumem_kv_block_tables(
-            self.handle, ids, n, rows, row_blocks, gpumem._unsigned(pad, "pad", 32), lengths))
+            self.handle, ids, n, rows, row_blocks, _c_int(pad, "pad", 32), lengths))
         gens = [self._generations.get(s) for s in seqs]
         return BlockTables(self, seqs, rows, row_blocks, lengths[:n], gens, pad)
 
@@ -321,8 +320,8 @@ class KVCache:
 
     def blocks_needed(self, seq, tokens):
         out = ctypes.c_uint64()
-        _check(self._lib, self._lib.gpumem_kv_blocks_needed(self.handle, seq, _size(tokens),
-                                                            ctypes.byref(out)))
+        _check(self._lib, self._lib.gpumem_kv_blocks_needed(
+            self.handle, self._seq(seq), _c_size(tokens, "tokens"), ctypes.byref(out)))
         return out.value
 
     def available_blocks(self):
@@ -332,14 +331,14 @@ class KVCache:
 
     def evict(self, blocks):
         out = ctypes.c_uint64()
-        _check(self._lib, self._lib.gpumem_kv_evict(self.handle, _size(blocks),
+        _check(self._lib, self._lib.gpumem_kv_evict(self.handle, _c_size(blocks, "blocks"),
                                                     ctypes.byref(out)))
         return out.value
 
     def shrink(self, keep_free=0, drop_cached=False):
         """Gives pages above the highest used block back to the pool; returns pages."""
         out = ctypes.c_uint64()
-        _check(self._lib, self._lib.gpumem_kv_shrink(self.handle, _size(keep_free),
+        _check(self._lib, self._lib.gpumem_kv_shrink(self.handle, _c_size(keep_free, "keep_free"),
                                                      1 if drop_cached else 0, ctypes.byref(out)))
         return out.value
 
@@ -417,7 +416,8 @@ class KVCache:
         """(keys, values) of one layer: tensors [max_blocks, block_tokens, kv_heads,
         head_dim] over the cache's memory (no copy); token t of a sequence with block table
         `table` is keys[table[t // block_tokens], t % block_tokens]."""
-        if not 0 <= layer < self.layout.layers:
+        layer = _c_int(layer, "layer")
+        if not layer < self.layout.layers:
             raise InvalidArgumentError(gpumem.ERROR_INVALID_ARGUMENT,
                                        "gpumem.kv: layer %d of a %d-layer cache"
                                        % (layer, self.layout.layers))

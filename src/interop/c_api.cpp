@@ -186,14 +186,28 @@ gpumem_status gpumem_pool_create(const char* config, gpumem_pool** out) {
   });
 }
 
-void gpumem_pool_destroy(gpumem_pool* pool) {
-  if (pool == nullptr) return;
+gpumem_status gpumem_pool_destroy(gpumem_pool* pool) {
+  if (pool == nullptr) return GPUMEM_SUCCESS;
+  // A pool something still stands on stays: its body is their memory.
+  if (pool->state.load(std::memory_order_acquire) == handle_live) {
+    const auto& b = pool->body->borrowers;
+    const std::uint64_t caches = b.kv_caches.load(std::memory_order_acquire);
+    const std::uint64_t vseqs = b.kv_vseqs.load(std::memory_order_acquire);
+    if (caches != 0 || vseqs != 0) {
+      char text[320];
+      std::snprintf(text, sizeof text,
+                    "gpumem_pool_destroy: the pool %p still has %llu KV cache(s) and %llu "
+                    "virtually contiguous sequence set(s) built on it; destroy them first "
+                    "(gpumem_kv_destroy, gpumem_kv_vseqs_destroy). The pool stays live.",
+                    static_cast<const void*>(pool), static_cast<unsigned long long>(caches),
+                    static_cast<unsigned long long>(vseqs));
+      return fail(GPUMEM_ERROR_INVALID_ARGUMENT, text);
+    }
+  }
   // The state changes once: of two destroys (even racing ones) only one deletes the body.
   std::uint32_t state = handle_live;
-  if (!pool->state.compare_exchange_strong(state, handle_destroyed, std::memory_order_acq_rel)) {
-    refuse_handle(pool, state, "gpumem_pool_destroy");
-    return;
-  }
+  if (!pool->state.compare_exchange_strong(state, handle_destroyed, std::memory_order_acq_rel))
+    return refuse_handle(pool, state, "gpumem_pool_destroy");
   // Destructors of pools never throw; the delete itself cannot either.
   delete pool->body;
   pool->body = nullptr;
@@ -203,6 +217,7 @@ void gpumem_pool_destroy(gpumem_pool* pool) {
     pool->next_tombstone = head;
   } while (!tombstones.compare_exchange_weak(head, pool, std::memory_order_release,
                                              std::memory_order_relaxed));
+  return GPUMEM_SUCCESS;
 }
 
 gpumem_status gpumem_allocate(gpumem_pool* pool, size_t size, size_t alignment, void* stream,
@@ -307,7 +322,7 @@ c_api_pool_parts c_api_pool(gpumem_pool* pool, const char* where) noexcept {
   pool_body* body = live_body(pool, where);
   if (body == nullptr) return {};
   return {body->pool.get(), body->platform, body->device, &body->front(), &body->vmm,
-          &body->vmm_mutex};
+          &body->vmm_mutex, &body->borrowers};
 }
 
 }  // namespace gpumem::detail

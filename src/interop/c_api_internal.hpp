@@ -74,6 +74,12 @@ bool c_api_vmm_untagged_asleep(const c_api_vmm_state* state) noexcept;
 bool c_api_vmm_free(c_api_vmm_state* state, void* ptr, std::size_t size, void* stream,
                     gpumem_status& result) noexcept;
 
+// How many live handles of each kind stand on one pool (pool_body::borrowers).
+struct c_api_borrowers {
+  std::atomic<std::uint64_t> kv_caches{0};
+  std::atomic<std::uint64_t> kv_vseqs{0};
+};
+
 // What a handle serves while it is live. It owns, in declaration order, a private sim
 // device (if asked for), the timed platform over the device, the caching pool's upstream
 // resource and the pool, so they are destroyed in reverse.
@@ -105,6 +111,11 @@ struct pool_body {
   // Tags, sleep / wake, sharing (c_api_vmm.cpp): made on first use, destroyed first.
   std::mutex vmm_mutex;
   std::atomic<c_api_vmm_state*> vmm{nullptr};
+
+  // Handles that borrow this pool (c_api_kv.cpp): counted up at their create, down at
+  // their destroy. gpumem_pool_destroy refuses while any is left, as deleting the body
+  // would leave them with unmapped pages and a dangling pool.
+  c_api_borrowers borrowers;
 
   ~pool_body();
 
@@ -165,10 +176,16 @@ struct c_api_pool_parts {
   memory_resource* front = nullptr;  // what untagged allocations go through (the planner)
   std::atomic<c_api_vmm_state*>* vmm = nullptr;  // the pool's slot for its vmm state
   std::mutex* vmm_mutex = nullptr;               // guards making it
+  c_api_borrowers* borrowers = nullptr;          // the pool's count of handles on it
 };
 // The parts of a live handle; pool == nullptr, with this thread's error set naming `where`,
 // for a null, destroyed or foreign handle.
 c_api_pool_parts c_api_pool(gpumem_pool* pool, const char* where) noexcept;
+
+// c_api_streams.cpp: throws gpumem::invalid_argument when `stream` (non-zero) is not a
+// stream `p` knows, or one of another device than `device` ("<what> <hex> is not ...");
+// gpumem::cuda_error when the platform fails otherwise. The null stream always passes.
+void require_device_stream(platform& p, int device, std::uintptr_t stream, const char* what);
 
 // c_api_streams.cpp, for gpumem_free: when `ptr` has recorded streams, makes `stream` wait
 // for them, frees `ptr` through the body's front and forgets its records, and returns

@@ -2,13 +2,22 @@
 //
 // A gpumem_kv_cache owns, in declaration order, the pinned host pool for swap (when asked
 // for) and the cache, so the cache (which may hand host blocks back) goes first. It keeps
-// a pointer to its gpumem pool's vmm_page_pool; the pool must outlive it (gpumem_kv.h).
+// a pointer to its gpumem pool's vmm_page_pool and counts itself among the pool's
+// borrowers (c_api_internal.hpp) from create to destroy, so gpumem_pool_destroy refuses
+// the pool while it lives. gpumem_kv_vseqs does the same.
+//
+// Counts that describe a caller's buffer (tokens, sequence ids, rows) are checked before
+// the buffer is read: a count whose bytes overflow size_t, or whose buffer would wrap the
+// address space, names no buffer that can exist (invalid_argument). Token counts are
+// checked against the cache's sequence_token_limit() first, so the text names the limit.
 // Every entry point is noexcept: exceptions become status codes through the pool C API's
 // `guarded` (c_api_internal.hpp), with the text in the same thread-local slot
 // (gpumem_last_error()).
 #include "gpumem/interop/gpumem_kv.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <new>
@@ -22,7 +31,24 @@
 #include "gpumem/pool.hpp"
 #include "interop/c_api_internal.hpp"
 
+// Counts its handle among a pool's borrowers for as long as it lives.
+class pool_borrow {
+ public:
+  pool_borrow(std::atomic<std::uint64_t>& count) noexcept : count_(&count) {
+    count_->fetch_add(1, std::memory_order_acq_rel);
+  }
+  ~pool_borrow() { count_->fetch_sub(1, std::memory_order_acq_rel); }
+  pool_borrow(const pool_borrow&) = delete;
+  pool_borrow& operator=(const pool_borrow&) = delete;
+
+ private:
+  std::atomic<std::uint64_t>* count_;
+};
+
+// Members in this order: the borrow ends last, after the cache gave its pages back.
 struct gpumem_kv_cache {
+  explicit gpumem_kv_cache(std::atomic<std::uint64_t>& count) : borrow(count) {}
+  pool_borrow borrow;
   std::unique_ptr<gpumem::pinned_host_pool> host;
   std::unique_ptr<gpumem::kv_cache> cache;
   void* stream = nullptr;
@@ -30,6 +56,8 @@ struct gpumem_kv_cache {
 };
 
 struct gpumem_kv_vseqs {
+  explicit gpumem_kv_vseqs(std::atomic<std::uint64_t>& count) : borrow(count) {}
+  pool_borrow borrow;
   std::unique_ptr<gpumem::kv_virtual_sequences> seqs;
 };
 
@@ -94,7 +122,24 @@ size_t copy_text(const std::string& text, char* buf, size_t capacity) {
   return text.size();
 }
 
-std::span<const gpumem::token_id> token_span(const std::int32_t* tokens, std::size_t count) {
+// Throws gpumem::invalid_argument when `count` elements of `element` bytes at `buf` name no
+// buffer that can exist: the byte count overflows, or the range wraps the address space.
+void require_buffer(const void* buf, std::size_t count, std::size_t element, const char* what) {
+  const std::size_t room = SIZE_MAX - reinterpret_cast<std::uintptr_t>(buf);
+  if (count <= room / element) return;
+  throw gpumem::invalid_argument(std::string(what) + ": a count of " + std::to_string(count) +
+                                 " elements of " + std::to_string(element) +
+                                 " bytes names no buffer that can exist (it wraps the "
+                                 "address space)");
+}
+
+// The caller's token buffer: a count past the cache's sequence_token_limit() is refused
+// naming that limit; then the buffer must be one that can exist.
+std::span<const gpumem::token_id> token_span(const gpumem::kv_cache& cache,
+                                             const std::int32_t* tokens, std::size_t count,
+                                             const char* what) {
+  if (count > cache.sequence_token_limit()) cache.check_token_count(0, count, what);
+  require_buffer(tokens, count, sizeof(std::int32_t), "tokens");
   return {reinterpret_cast<const gpumem::token_id*>(tokens), count};
 }
 
@@ -133,6 +178,12 @@ gpumem_status gpumem_kv_create(gpumem_pool* pool, const gpumem_kv_config* config
   if (parts.pool == nullptr) return gpumem_last_status();
   return guarded(where, [&] {
     gpumem::vmm_page_pool* pages = &page_pool_of(parts, "the KV cache needs");
+    gpumem::detail::require_device_stream(*parts.device_platform, parts.device,
+                                          reinterpret_cast<std::uintptr_t>(config->stream),
+                                          "no cache was made");
+    if (config->reserved != 0 || config->layout.reserved != 0)
+      throw gpumem::invalid_argument("the reserved fields of the config and its layout must "
+                                     "be 0 (gpumem_kv_config_init sets them)");
     const gpumem_kv_layout& cl = config->layout;
     gpumem::kv_cache_config c;
     c.layout.layers = cl.layers;
@@ -149,7 +200,7 @@ gpumem_status gpumem_kv_create(gpumem_pool* pool, const gpumem_kv_config* config
     c.prefix_caching = config->prefix_caching != 0;
     c.scrub = config->scrub != 0;
     c.stream = gpumem::stream_handle{reinterpret_cast<std::uintptr_t>(config->stream)};
-    auto handle = std::make_unique<gpumem_kv_cache>();
+    auto handle = std::make_unique<gpumem_kv_cache>(parts.borrowers->kv_caches);
     if (config->swap != 0)
       handle->host = std::make_unique<gpumem::pinned_host_pool>(*parts.device_platform, parts.device);
     handle->cache = std::make_unique<gpumem::kv_cache>(*pages, c, handle->host.get());
@@ -203,7 +254,8 @@ gpumem_status gpumem_kv_add_sequence(gpumem_kv_cache* cache, const int32_t* toke
   GPUMEM_KV_REQUIRE(seq != nullptr, where, "null output pointer");
   GPUMEM_KV_REQUIRE(tokens != nullptr || count == 0, where, "null tokens with a count");
   return guarded(where, [&] {
-    const auto a = cache->cache->add_sequence(token_span(tokens, count), salt);
+    const auto a =
+        cache->cache->add_sequence(token_span(*cache->cache, tokens, count, "add_sequence"), salt);
     *seq = a.id;
     if (cached_tokens != nullptr) *cached_tokens = a.cached_tokens;
   });
@@ -214,7 +266,9 @@ gpumem_status gpumem_kv_append(gpumem_kv_cache* cache, uint64_t seq, const int32
   constexpr const char* where = "gpumem_kv_append";
   GPUMEM_KV_REQUIRE(cache != nullptr, where, "null cache handle");
   GPUMEM_KV_REQUIRE(tokens != nullptr || count == 0, where, "null tokens with a count");
-  return guarded(where, [&] { cache->cache->append(seq, token_span(tokens, count)); });
+  return guarded(where, [&] {
+    cache->cache->append(seq, token_span(*cache->cache, tokens, count, "append"));
+  });
 }
 
 gpumem_status gpumem_kv_append_each(gpumem_kv_cache* cache, const uint64_t* seqs,
@@ -226,7 +280,11 @@ gpumem_status gpumem_kv_append_each(gpumem_kv_cache* cache, const uint64_t* seqs
                     "null sequences or tokens with a count");
   std::size_t i = 0;
   const gpumem_status st = guarded(where, [&] {
-    for (; i < count; ++i) cache->cache->append(seqs[i], token_span(tokens + i, 1));
+    require_buffer(seqs, count, sizeof(std::uint64_t), "sequences");
+    require_buffer(tokens, count, sizeof(std::int32_t), "tokens");
+    for (; i < count; ++i)
+      cache->cache->append(seqs[i], std::span<const gpumem::token_id>(
+                                        reinterpret_cast<const gpumem::token_id*>(tokens + i), 1));
   });
   if (done != nullptr) *done = i;
   return st;
@@ -281,6 +339,14 @@ gpumem_status gpumem_kv_block_tables(gpumem_kv_cache* cache, const uint64_t* seq
   GPUMEM_KV_REQUIRE((seqs != nullptr && out != nullptr) || count == 0, where,
                     "null sequences or output with a count");
   return guarded(where, [&] {
+    require_buffer(seqs, count, sizeof(std::uint64_t), "sequences");
+    if (count != 0 && row_blocks > SIZE_MAX / count)
+      throw gpumem::invalid_argument(std::to_string(count) + " rows of " +
+                                     std::to_string(row_blocks) +
+                                     " blocks name no buffer that can exist (the product "
+                                     "overflows)");
+    require_buffer(out, count * row_blocks, sizeof(std::uint32_t), "rows");
+    if (lengths != nullptr) require_buffer(lengths, count, sizeof(std::uint64_t), "lengths");
     // Read every table first: a refusal writes nothing.
     std::vector<std::vector<gpumem::kv_cache::block_id>> tables(count);
     std::vector<std::uint64_t> tokens(count);
@@ -439,13 +505,18 @@ gpumem_status gpumem_kv_vseqs_create(gpumem_pool* pool, const gpumem_kv_layout* 
   if (parts.pool == nullptr) return gpumem_last_status();
   return guarded(where, [&] {
     gpumem::vmm_page_pool* pages = &page_pool_of(parts, "virtually contiguous sequences need");
+    gpumem::detail::require_device_stream(*parts.device_platform, parts.device,
+                                          reinterpret_cast<std::uintptr_t>(stream),
+                                          "no sequence set was made");
+    if (layout->reserved != 0)
+      throw gpumem::invalid_argument("the layout's reserved field must be 0");
     gpumem::kv_layout l;
     l.layers = layout->layers;
     l.kv_heads = layout->kv_heads;
     l.head_dim = layout->head_dim;
     l.block_tokens = layout->block_tokens;
     l.dtype = to_dtype(layout->dtype, where);
-    auto handle = std::make_unique<gpumem_kv_vseqs>();
+    auto handle = std::make_unique<gpumem_kv_vseqs>(parts.borrowers->kv_vseqs);
     handle->seqs = std::make_unique<gpumem::kv_virtual_sequences>(
         *pages, l, max_sequence_tokens,
         gpumem::stream_handle{reinterpret_cast<std::uintptr_t>(stream)});

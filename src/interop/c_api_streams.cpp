@@ -106,6 +106,21 @@ void wait_for_recorded_streams(pool_body& pool, const std::vector<std::uintptr_t
 
 namespace gpumem::detail {
 
+void require_device_stream(platform& p, int device, std::uintptr_t stream, const char* what) {
+  if (stream == 0) return;
+  auto owner = p.stream_device(gpumem::stream_handle{stream});
+  if (!owner && owner.error().kind != gpumem::failure_kind::invalid_value)
+    gpumem::throw_cuda_error(owner.error(), "the stream's device");
+  if (!owner)
+    throw gpumem::invalid_argument("stream " + hex(stream) + " is not a stream the platform "
+                                   "knows (" + owner.error().describe() + "); " + what);
+  if (owner.value() != device)
+    throw gpumem::invalid_argument("stream " + hex(stream) + " belongs to device " +
+                                   std::to_string(owner.value()) + ", this pool to device " +
+                                   std::to_string(device) + " (use that device's pool); " +
+                                   what);
+}
+
 bool free_recorded(pool_body& body, void* ptr, std::size_t size, gpumem::stream_handle stream) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   std::unique_lock lock(body.recorded_mutex);
@@ -150,18 +165,8 @@ gpumem_status gpumem_record_stream(gpumem_pool* pool, void* ptr, void* stream) {
     // on it is what the free does, so a stream that fails here would fail the free. Its
     // device is asked first, so another device's stream is named as such.
     if (s != 0) {
-      auto owner = body->platform->stream_device(gpumem::stream_handle{s});
-      if (!owner && owner.error().kind != gpumem::failure_kind::invalid_value)
-        gpumem::throw_cuda_error(owner.error(), "gpumem_record_stream: the stream's device");
-      if (!owner)
-        throw gpumem::invalid_argument("stream " + hex(s) + " is not a stream the platform "
-                                       "knows (" + owner.error().describe() +
-                                       "); nothing was recorded");
-      if (owner.value() != body->device)
-        throw gpumem::invalid_argument(
-            "stream " + hex(s) + " belongs to device " + std::to_string(owner.value()) +
-            ", this pool to device " + std::to_string(body->device) +
-            " (record it with that device's pool); nothing was recorded");
+      gpumem::detail::require_device_stream(*body->platform, body->device, s,
+                                            "nothing was recorded");
       const gpumem::event_handle ev = wait_event_of(*body, "gpumem_record_stream: event");
       if (auto st = body->platform->event_record(ev, gpumem::stream_handle{s}); !st) {
         if (st.kind == gpumem::failure_kind::invalid_value)

@@ -92,8 +92,10 @@ bool kv_block_storage::grow_to(std::size_t blocks) {
   const std::size_t max_pages = range_bytes_ / page_;
   // Pages an earlier undo left mapped without access count towards this growth; so
   // end > accessible_pages_ (blocks > capacity_).
-  const std::size_t end =
-      std::max(have, std::min(max_pages, std::max(need_pages, accessible_pages_ + grow_pages_)));
+  // grow_pages_ may be anything up to SIZE_MAX: bounded by the range before the sum.
+  const std::size_t end = std::max(
+      have, std::min(max_pages, std::max(need_pages,
+                                         accessible_pages_ + std::min(grow_pages_, max_pages))));
   std::vector<physical_handle> lent;
   try {
     lent = pool_.lend_pages(end - have);
@@ -168,7 +170,8 @@ std::size_t kv_block_storage::shrink(std::size_t keep_free) {
   // The highest used block bounds what must stay mapped.
   std::size_t top = capacity_;
   while (top > 0 && used_[top - 1] == 0) --top;
-  const std::size_t keep_blocks = std::min(capacity_, top + keep_free);
+  // keep_free may be anything up to SIZE_MAX: compared, never added past capacity.
+  const std::size_t keep_blocks = keep_free >= capacity_ - top ? capacity_ : top + keep_free;
   const std::size_t keep_pages = (keep_blocks * block_bytes_ + page_ - 1) / page_;
   if (keep_pages >= handles_.size()) return 0;
   if (auto s = platform_.stream_synchronize(stream_); !s)

@@ -16,7 +16,8 @@ std::size_t checked_max_blocks(const vmm_page_pool& pages, const kv_cache_config
   return std::max<std::size_t>(1, pages.device_total_bytes() / c.layout.block_stride());
 }
 
-std::size_t ceil_div(std::size_t a, std::size_t b) { return (a + b - 1) / b; }
+// Never overflows (a + b - 1 would for a near SIZE_MAX).
+std::size_t ceil_div(std::size_t a, std::size_t b) { return a / b + (a % b != 0 ? 1 : 0); }
 
 }  // namespace
 
@@ -68,6 +69,34 @@ const kv_cache::sequence& kv_cache::find_locked(sequence_id id, const char* what
     throw invalid_argument(std::string("kv_cache::") + what + ": sequence " + std::to_string(id) +
                            (id != 0 && id < next_id_ ? " was freed" : " does not exist"));
   return it->second;
+}
+
+std::size_t kv_cache::sequence_token_limit() const noexcept {
+  // max_blocks <= 2^31 and block_tokens <= 2^16 (kv_block_storage, kv_layout): no overflow.
+  const std::size_t capacity = storage_.max_blocks() * config_.layout.block_tokens;
+  return config_.max_sequence_tokens != 0 ? std::min(capacity, config_.max_sequence_tokens)
+                                          : capacity;
+}
+
+void kv_cache::check_token_count(std::size_t have, std::size_t more, const char* what,
+                                 sequence_id id) const {
+  // REQUIRES have <= limit (every sequence is within it), so limit - have cannot wrap.
+  const std::size_t limit = sequence_token_limit();
+  if (more <= limit - have) return;
+  const bool by_cap = config_.max_sequence_tokens != 0 && limit == config_.max_sequence_tokens;
+  std::string text = std::string("kv_cache::") + what + ": ";
+  if (id != 0)
+    text += "sequence " + std::to_string(id) + " has " + std::to_string(have) + " tokens; " +
+            std::to_string(more) + " more";
+  else
+    text += std::to_string(more) + " tokens";
+  if (by_cap)
+    text += " exceed max_sequence_tokens " + std::to_string(limit);
+  else
+    text += " exceed the cache's capacity of " + std::to_string(limit) + " tokens (" +
+            std::to_string(storage_.max_blocks()) + " max_blocks of " +
+            std::to_string(config_.layout.block_tokens) + " tokens)";
+  throw invalid_argument(text);
 }
 
 void kv_cache::lru_push(block_id b) {
@@ -278,11 +307,8 @@ void kv_cache::append_locked(sequence& s, std::span<const token_id> tokens) {
 }
 
 kv_cache::admission kv_cache::add_sequence(std::span<const token_id> prompt, std::uint64_t salt) {
+  check_token_count(0, prompt.size(), "add_sequence");
   std::lock_guard lock(mutex_);
-  if (config_.max_sequence_tokens != 0 && prompt.size() > config_.max_sequence_tokens)
-    throw invalid_argument("kv_cache::add_sequence: a prompt of " + std::to_string(prompt.size()) +
-                           " tokens exceeds max_sequence_tokens " +
-                           std::to_string(config_.max_sequence_tokens));
   const std::size_t bt = config_.layout.block_tokens;
   const std::size_t max_hits = prompt.empty() ? 0 : (prompt.size() - 1) / bt;
   // Leading full blocks already cached, confirmed token by token.
@@ -354,11 +380,7 @@ void kv_cache::append(sequence_id id, std::span<const token_id> tokens) {
   if (s.swapped)
     throw invalid_argument("kv_cache::append: sequence " + std::to_string(id) +
                            " is swapped out (swap_in first)");
-  if (config_.max_sequence_tokens != 0 && s.tokens + tokens.size() > config_.max_sequence_tokens)
-    throw invalid_argument("kv_cache::append: sequence " + std::to_string(id) + " has " +
-                           std::to_string(s.tokens) + " tokens; " +
-                           std::to_string(tokens.size()) + " more exceed max_sequence_tokens " +
-                           std::to_string(config_.max_sequence_tokens));
+  check_token_count(s.tokens, tokens.size(), "append", id);
   ensure_available(blocks_needed_locked(s, tokens.size()), 0, "append");
   append_locked(s, tokens);
 }
@@ -495,6 +517,7 @@ bool kv_cache::is_swapped(sequence_id id) const {
 std::size_t kv_cache::blocks_needed(sequence_id id, std::size_t tokens) const {
   std::lock_guard lock(mutex_);
   const sequence& s = find_locked(id, "blocks_needed");
+  check_token_count(s.tokens, tokens, "blocks_needed", id);
   if (!s.swapped) return blocks_needed_locked(s, tokens);
   // Back in first, then the new tokens as if appended.
   const std::size_t bt = config_.layout.block_tokens;

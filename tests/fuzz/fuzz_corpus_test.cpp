@@ -8,7 +8,9 @@
 // then a second corpus with sim faults injected (every failure typed, nothing changed, pool
 // usable, no leak), one with several fault rules at once, and one of 2,000 operations
 // with most frees on another stream than the allocation's; for the KV cache the same
-// without the streams.
+// without the streams; for the KV cache's C API, pools, caches and sequence sets made and
+// destroyed in any order with counts, ids and sizes at the edges of their types, each
+// status as the model predicts.
 // Runs in every CI build, under ASan+UBSan and TSan too. GPUMEM_FUZZ_SEEDS overrides the
 // seed count (for longer local runs); totals are printed for docs/RELIABILITY.md.
 #include <algorithm>
@@ -19,6 +21,7 @@
 #include <string>
 
 #include "fuzz/fuzz_driver.hpp"
+#include "fuzz/kv_c_api_fuzz_driver.hpp"
 #include "fuzz/kv_cache_fuzz_driver.hpp"
 
 namespace {
@@ -186,6 +189,23 @@ TEST(fuzz_corpus_kv_cache, several_faults_at_once_are_typed_and_leak_nothing) {
   report("kv_cache with up to 3 faults at once", counts);
   EXPECT_GT(counts.faults_armed, n * 2);
   EXPECT_GT(counts.typed_failures, 0u);
+}
+
+// The C API (gpumem_kv.h) with counts, ids and sizes at the edges of their types and
+// handles destroyed in any order: every status as the model predicts (invalid argument for
+// what can never fit, success or out of memory for what can), every structure valid.
+TEST(fuzz_corpus_kv_c_api, every_seed_keeps_the_model) {
+  fuzz_counts counts;
+  const auto n = seeds();
+  for (std::uint64_t seed = 0; seed < n; ++seed) {
+    const auto bytes = corpus_bytes(7'000'000 + seed, ops_per_seed * 16);
+    const auto why = run_kv_c_api_fuzz(bytes.data(), bytes.size(), ops_per_seed, counts);
+    ASSERT_EQ(why, "") << "seed " << seed;
+  }
+  report("kv C API", counts);
+  EXPECT_EQ(counts.operations, n * ops_per_seed);
+  EXPECT_GT(counts.bad_inputs, n * 50);
+  EXPECT_GT(counts.allocations, n * 10);
 }
 
 }  // namespace

@@ -2,7 +2,8 @@
  * where device memory is host memory: sequences, prefix sharing, bytes written through the
  * documented strides surviving copy on write and swap, block tables for a kernel, shrink,
  * stats, and bad input (layout mismatch, append past the maximum, a freed sequence's
- * block table, a too small buffer) refused with a status and a text, state intact.
+ * block table, a too small buffer, counts at the edges of their types, a bogus stream, a
+ * pool destroyed before its cache) refused with a status and a text, state intact.
  * Exits non-zero on the first failed check, naming it. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -344,11 +345,195 @@ static void virtual_sequences(void) {
   gpumem_pool_destroy(pool);
 }
 
+/* Counts at the edges of their types. A count that can never fit (past max_sequence_tokens,
+ * or without a cap past the capacity of max_blocks blocks) is an invalid argument naming
+ * the limit, however large (SIZE_MAX included: no wrap); one that could fit but finds no
+ * block now is out of memory. Nothing changes on either. */
+static int32_t many[16384];
+
+static void counts_at_the_edges(void) {
+  gpumem_pool* pool = NULL;
+  gpumem_kv_cache* kv = NULL;
+  gpumem_kv_config c = small_config();
+  gpumem_kv_stats before, after;
+  int32_t prompt[64];
+  uint32_t rows[8];
+  uint64_t a = 0, b = 0, blocks = 0, pages = 0, seqs[2];
+  size_t done = 99, i;
+
+  for (i = 0; i < 64; ++i) prompt[i] = (int32_t)i;
+  CHECK(gpumem_pool_create("platform:sim,sim_capacity:1G", &pool) == GPUMEM_SUCCESS);
+  if (pool == NULL) return;
+  c.max_sequence_tokens = 0; /* no cap: the capacity, 256 blocks of 16 tokens, bounds */
+  CHECK(gpumem_kv_create(pool, &c, &kv) == GPUMEM_SUCCESS);
+  if (kv == NULL) {
+    gpumem_pool_destroy(pool);
+    return;
+  }
+  CHECK(gpumem_kv_add_sequence(kv, prompt, 20, 0, &a, NULL) == GPUMEM_SUCCESS);
+  CHECK(gpumem_kv_stats_get(kv, &before) == GPUMEM_SUCCESS);
+
+  CHECK(gpumem_kv_append(kv, a, prompt, SIZE_MAX) == GPUMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "capacity of 4096 tokens") != NULL);
+  CHECK(gpumem_kv_append(kv, a, prompt, SIZE_MAX - 16) == GPUMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(gpumem_kv_append(kv, a, prompt, SIZE_MAX / 4) == GPUMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(gpumem_kv_append(kv, a, prompt, 4096 - 20 + 1) == GPUMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "has 20 tokens; 4077 more exceed the cache's capacity") != NULL);
+  CHECK(gpumem_kv_add_sequence(kv, prompt, SIZE_MAX, 0, &b, NULL) == GPUMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(gpumem_kv_add_sequence(kv, prompt, 4097, 0, &b, NULL) == GPUMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "4097 tokens exceed the cache's capacity of 4096") != NULL);
+
+  /* blocks_needed: the same limit, no wrap; exact below it. */
+  blocks = 77;
+  CHECK(gpumem_kv_blocks_needed(kv, a, UINT64_MAX, &blocks) == GPUMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(blocks == 77 && strstr(gpumem_last_error(), "capacity of 4096") != NULL);
+  CHECK(gpumem_kv_blocks_needed(kv, a, UINT64_MAX - 14, &blocks) == GPUMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(gpumem_kv_blocks_needed(kv, a, 4096 - 20, &blocks) == GPUMEM_SUCCESS && blocks == 254);
+  CHECK(gpumem_kv_blocks_needed(kv, a, 12, &blocks) == GPUMEM_SUCCESS && blocks == 0);
+  CHECK(gpumem_kv_blocks_needed(kv, a, 13, &blocks) == GPUMEM_SUCCESS && blocks == 1);
+
+  /* Caller buffers whose size overflows, or that would wrap the address space. */
+  seqs[0] = a;
+  seqs[1] = a;
+  CHECK(gpumem_kv_append_each(kv, seqs, prompt, SIZE_MAX, &done) == GPUMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(done == 0 && strstr(gpumem_last_error(), "names no buffer") != NULL);
+  CHECK(gpumem_kv_append_each(kv, seqs, prompt, SIZE_MAX / 8 + 1, &done) ==
+        GPUMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(gpumem_kv_block_tables(kv, seqs, SIZE_MAX, rows, 4, 0, NULL) == GPUMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(gpumem_kv_block_tables(kv, seqs, 2, rows, SIZE_MAX, 0, NULL) == GPUMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(gpumem_kv_block_tables(kv, seqs, 2, rows, SIZE_MAX / 2 + 1, 0, NULL) ==
+        GPUMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "overflows") != NULL);
+
+  CHECK(gpumem_kv_stats_get(kv, &after) == GPUMEM_SUCCESS);
+  CHECK(after.used_blocks == before.used_blocks && after.filled_slots == before.filled_slots &&
+        after.sequences == before.sequences && after.capacity_blocks == before.capacity_blocks);
+  CHECK(valid(kv));
+
+  /* Large counts that could fit are served or are out of memory, never a wrong answer. */
+  CHECK(gpumem_kv_evict(kv, UINT64_MAX, &blocks) == GPUMEM_SUCCESS && blocks == 0);
+  /* keep_free at the top of its type keeps every page (the sum must not wrap to fewer).
+   * Block 128, the first of the second 2 MiB page, is in use: top + keep_free wrapping to
+   * 128 or 127 would unmap it. */
+  CHECK(gpumem_kv_add_sequence(kv, many, 127 * 16, 0, &b, NULL) == GPUMEM_SUCCESS);
+  CHECK(gpumem_kv_shrink(kv, UINT64_MAX, 0, &pages) == GPUMEM_SUCCESS && pages == 0);
+  CHECK(gpumem_kv_shrink(kv, UINT64_MAX - 1, 1, &pages) == GPUMEM_SUCCESS && pages == 0);
+  CHECK(gpumem_kv_stats_get(kv, &after) == GPUMEM_SUCCESS && after.used_blocks == 129);
+  CHECK(valid(kv));
+  gpumem_kv_destroy(kv);
+  CHECK(gpumem_pool_destroy(pool) == GPUMEM_SUCCESS);
+
+  /* Under a pool limit, a count within the capacity that finds no block: out of memory. */
+  kv = NULL;
+  c.max_blocks = 1024; /* 16 MiB of blocks, the pool allows 4 MiB */
+  CHECK(gpumem_pool_create("platform:sim,sim_capacity:1G,limit:4M", &pool) == GPUMEM_SUCCESS);
+  CHECK(gpumem_kv_create(pool, &c, &kv) == GPUMEM_SUCCESS);
+  if (kv != NULL) {
+    CHECK(gpumem_kv_add_sequence(kv, prompt, 1, 0, &a, NULL) == GPUMEM_SUCCESS);
+    CHECK(gpumem_kv_append(kv, a, many, 16384 - 1) == GPUMEM_ERROR_OUT_OF_MEMORY);
+    CHECK(gpumem_kv_blocks_needed(kv, a, 16384 - 1, &blocks) == GPUMEM_SUCCESS && blocks == 1023);
+    CHECK(gpumem_kv_append(kv, a, many, 16384) == GPUMEM_ERROR_INVALID_ARGUMENT);
+    CHECK(strstr(gpumem_last_error(), "capacity of 16384 tokens") != NULL);
+    CHECK(valid(kv));
+    gpumem_kv_destroy(kv);
+  }
+  CHECK(gpumem_pool_destroy(pool) == GPUMEM_SUCCESS);
+}
+
+/* A pool is refused destruction while a KV cache or a sequence set stands on it; it stays
+ * live and usable, and goes once they are destroyed. */
+static void pool_outlives_what_borrows_it(void) {
+  gpumem_pool* pool = NULL;
+  gpumem_kv_cache* kv = NULL;
+  gpumem_kv_vseqs* vs = NULL;
+  gpumem_kv_config c = small_config();
+  int32_t one = 1;
+  uint64_t a = 0, v = 0;
+  void* p;
+
+  CHECK(gpumem_pool_create("platform:sim,sim_capacity:1G", &pool) == GPUMEM_SUCCESS);
+  if (pool == NULL) return;
+  CHECK(gpumem_kv_create(pool, &c, &kv) == GPUMEM_SUCCESS);
+  CHECK(gpumem_kv_vseqs_create(pool, &c.layout, 64, NULL, &vs) == GPUMEM_SUCCESS);
+  if (kv == NULL || vs == NULL) return;
+  CHECK(gpumem_kv_add_sequence(kv, &one, 1, 0, &a, NULL) == GPUMEM_SUCCESS);
+  CHECK(gpumem_kv_vseqs_add(vs, 8, &v) == GPUMEM_SUCCESS);
+
+  CHECK(gpumem_pool_destroy(pool) == GPUMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "still has 1 KV cache(s) and 1 virtually contiguous") != NULL);
+  CHECK(gpumem_last_status() == GPUMEM_ERROR_INVALID_ARGUMENT);
+  /* Still live: the pool allocates, the cache and the set work. */
+  p = gpumem_malloc(pool, MIB, NULL);
+  CHECK(p != NULL);
+  CHECK(gpumem_free(pool, p, MIB, NULL) == GPUMEM_SUCCESS);
+  CHECK(gpumem_kv_append(kv, a, &one, 1) == GPUMEM_SUCCESS);
+  CHECK(gpumem_kv_vseqs_append(vs, v, 8) == GPUMEM_SUCCESS);
+  CHECK(valid(kv));
+
+  gpumem_kv_destroy(kv);
+  CHECK(gpumem_pool_destroy(pool) == GPUMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "still has 0 KV cache(s) and 1 virtually") != NULL);
+  gpumem_kv_vseqs_destroy(vs);
+  CHECK(gpumem_pool_destroy(pool) == GPUMEM_SUCCESS);
+  CHECK(gpumem_pool_destroy(pool) == GPUMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "destroyed") != NULL);
+}
+
+/* The stream is checked at create, as the pools check theirs: a value the platform does
+ * not know is refused there, not at the first copy. Reserved fields must be 0. */
+static void streams_and_reserved_fields_checked_at_create(void) {
+  gpumem_pool* pool = NULL;
+  gpumem_kv_cache* kv = NULL;
+  gpumem_kv_vseqs* vs = NULL;
+  gpumem_kv_config c = small_config();
+  void* stream = NULL;
+
+  CHECK(gpumem_pool_create("platform:sim,sim_capacity:1G", &pool) == GPUMEM_SUCCESS);
+  if (pool == NULL) return;
+  c.stream = (void*)(size_t)0x5eed;
+  kv = (gpumem_kv_cache*)&failures;
+  CHECK(gpumem_kv_create(pool, &c, &kv) == GPUMEM_ERROR_INVALID_ARGUMENT && kv == NULL);
+  CHECK(strstr(gpumem_last_error(), "stream 0x5eed is not a stream the platform knows") != NULL);
+  vs = (gpumem_kv_vseqs*)&failures;
+  CHECK(gpumem_kv_vseqs_create(pool, &c.layout, 64, (void*)(size_t)0x5eed, &vs) ==
+        GPUMEM_ERROR_INVALID_ARGUMENT && vs == NULL);
+  CHECK(strstr(gpumem_last_error(), "stream 0x5eed") != NULL);
+
+  c = small_config();
+  c.reserved = 1;
+  CHECK(gpumem_kv_create(pool, &c, &kv) == GPUMEM_ERROR_INVALID_ARGUMENT && kv == NULL);
+  CHECK(strstr(gpumem_last_error(), "reserved") != NULL);
+  c = small_config();
+  c.layout.reserved = -1;
+  CHECK(gpumem_kv_create(pool, &c, &kv) == GPUMEM_ERROR_INVALID_ARGUMENT && kv == NULL);
+  CHECK(gpumem_kv_vseqs_create(pool, &c.layout, 64, NULL, &vs) == GPUMEM_ERROR_INVALID_ARGUMENT);
+
+  /* A stream the pool made: accepted, and the cache's copies run on it. */
+  c = small_config();
+  CHECK(gpumem_stream_create(pool, &stream) == GPUMEM_SUCCESS && stream != NULL);
+  c.stream = stream;
+  CHECK(gpumem_kv_create(pool, &c, &kv) == GPUMEM_SUCCESS && kv != NULL);
+  if (kv != NULL) {
+    int32_t t[3] = {1, 2, 3};
+    uint64_t a = 0, child = 0;
+    CHECK(gpumem_kv_add_sequence(kv, t, 3, 0, &a, NULL) == GPUMEM_SUCCESS);
+    CHECK(gpumem_kv_fork(kv, a, &child) == GPUMEM_SUCCESS);
+    CHECK(gpumem_kv_append(kv, child, t, 1) == GPUMEM_SUCCESS); /* copy on write */
+    CHECK(gpumem_kv_synchronize(kv) == GPUMEM_SUCCESS);
+    gpumem_kv_destroy(kv);
+  }
+  CHECK(gpumem_stream_destroy(pool, stream) == GPUMEM_SUCCESS);
+  CHECK(gpumem_pool_destroy(pool) == GPUMEM_SUCCESS);
+}
+
 int main(void) {
   lifecycle();
   virtual_sequences();
   bad_input();
   one_budget();
+  counts_at_the_edges();
+  pool_outlives_what_borrows_it();
+  streams_and_reserved_fields_checked_at_create();
   if (failures != 0) {
     fprintf(stderr, "c_api_kv_c_test: %d check(s) failed\n", failures);
     return EXIT_FAILURE;

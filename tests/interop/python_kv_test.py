@@ -164,6 +164,102 @@ class KVCacheTest(unittest.TestCase):
         with self.assertRaises(gpumem.InvalidArgumentError):
             c.add_sequence(range(1001))
 
+    def test_sequence_ids_are_checked_before_any_call(self):
+        """An id past 64 bits is refused, never wrapped onto another sequence; a non-integer
+        (float, bool, str) is a TypeError, never truncated. Nothing changes."""
+        c = self.cache
+        a, _ = c.add_sequence(range(20))
+        b, _ = c.add_sequence(range(100, 105))
+        before = c.stats()
+        wrapped = (1 << 64) + a
+        calls = {
+            "free": lambda s: c.free(s), "fork": lambda s: c.fork(s),
+            "append": lambda s: c.append(s, [1]), "append_each": lambda s: c.append_each([s], [1]),
+            "block_tables": lambda s: c.block_tables([s]), "block_table": lambda s: c.block_table(s),
+            "swap_out": lambda s: c.swap_out(s), "swap_in": lambda s: c.swap_in(s),
+            "is_swapped": lambda s: c.is_swapped(s), "sequence_tokens": lambda s: c.sequence_tokens(s),
+            "blocks_needed": lambda s: c.blocks_needed(s, 1), "generation": lambda s: c.generation(s),
+        }
+        for name, call in calls.items():
+            with self.subTest(call=name):
+                with self.assertRaisesRegex(gpumem.InvalidArgumentError,
+                                            r"sequence id(\[0\])? %d is outside 0\.\.%d"
+                                            % (wrapped, (1 << 64) - 1)):
+                    call(wrapped)
+                with self.assertRaisesRegex(gpumem.InvalidArgumentError, r"sequence id(\[0\])? -1 is outside"):
+                    call(-1)
+                for bad in (float(a), a + 0.5, True, str(a), None):
+                    with self.assertRaisesRegex(TypeError, "sequence id.* must be an integer"):
+                        call(bad)
+        self.assertEqual(c.stats(), before)
+        self.assertEqual(c.sequence_tokens(a), 20)
+        self.assertEqual(c.validate(), "")
+
+        class Index:  # numpy and torch integer scalars: __index__
+            def __index__(self):
+                return a
+        self.assertEqual(c.sequence_tokens(Index()), 20)
+        c.append_each([Index(), b], [7, 8])
+        self.assertEqual((c.sequence_tokens(a), c.sequence_tokens(b)), (21, 6))
+
+    def test_token_ids_and_counts_are_checked_before_any_call(self):
+        c = self.cache
+        a, _ = c.add_sequence(range(20))
+        before = c.stats()
+        for bad in ([1.5], [True], ["3"], [None]):
+            with self.assertRaisesRegex(TypeError, r"token\[0\] must be an integer"):
+                c.append(a, bad)
+        with self.assertRaisesRegex(TypeError, r"token\[1\]"):
+            c.add_sequence([1, 2.0])
+        with self.assertRaisesRegex(gpumem.InvalidArgumentError, r"token\[0\] 2147483648 is outside"):
+            c.append(a, [1 << 31])
+        with self.assertRaisesRegex(gpumem.InvalidArgumentError, "token\\[1\\] -2147483649"):
+            c.append_each([a, a], [1, -(1 << 31) - 1])
+        c.append(a, [-(1 << 31), (1 << 31) - 1])  # the int32 range itself
+        self.assertEqual(c.sequence_tokens(a), 22)
+        # Counts: past the C type refused in Python; within it, past the cache's limit
+        # refused by the cache naming the limit, never wrapped.
+        for count in (-1, 1 << 64):
+            with self.assertRaisesRegex(gpumem.InvalidArgumentError, "tokens -?[0-9]+ is outside"):
+                c.blocks_needed(a, count)
+        for count in ((1 << 64) - 1, (1 << 64) - 16, 1000 - 22 + 1):
+            with self.assertRaisesRegex(gpumem.InvalidArgumentError, "max_sequence_tokens 1000"):
+                c.blocks_needed(a, count)
+        self.assertEqual(c.blocks_needed(a, 1000 - 22), 61)
+        for call in (lambda: c.evict(-1), lambda: c.shrink(1 << 64), lambda: c.block_tables([a], row_blocks=-1),
+                     lambda: c.block_tables([a], pad=1 << 32)):
+            with self.assertRaises(gpumem.InvalidArgumentError):
+                call()
+        with self.assertRaises(TypeError):
+            c.evict(1.0)
+        with self.assertRaises(TypeError):
+            c.layer_views(0.5)
+        self.assertEqual(c.shrink((1 << 64) - 1), 0)  # keep_free at its top keeps every page
+        self.assertEqual(c.stats()["used_blocks"], before["used_blocks"])
+        self.assertEqual(c.validate(), "")
+
+    def test_pool_close_is_refused_while_a_cache_stands_on_it(self):
+        c, pool = make_cache()
+        a, _ = c.add_sequence(range(40))
+        with self.assertRaisesRegex(gpumem.InvalidArgumentError, "still has 1 KV cache"):
+            pool.close()
+        self.assertEqual(len(c.block_table(a)), 3)  # the cache still works
+        c.append(a, [1])
+        ptr = pool.malloc(1 << 20)  # and so does the pool
+        pool.free(ptr, 1 << 20)
+        c.close()
+        gc.collect()
+        pool.close()
+        with self.assertRaisesRegex(gpumem.InvalidArgumentError, "closed"):
+            pool.handle
+
+    def test_a_bogus_stream_is_refused_at_create(self):
+        with self.assertRaisesRegex(gpumem.InvalidArgumentError, "not a stream the platform knows"):
+            make_cache(stream=0x5EED)
+        with self.assertRaisesRegex(gpumem.InvalidArgumentError, "not a stream the platform knows"):
+            kv.VirtualSequences(layers=2, kv_heads=2, head_dim=64, dtype="f16", stream=0x5EED,
+                                pool=self.pool)
+
     def test_layout_mismatch_names_the_fields(self):
         c = self.cache
         c.check_layout(2, 2, 64, "float16")
@@ -303,6 +399,19 @@ class VirtualSequencesTest(unittest.TestCase):
             vs.array_views(a, 2)
         with self.assertRaisesRegex(gpumem.InvalidArgumentError, "holds 4000 tokens"):
             vs.array_views(a, 0, tokens=4001)
+        # Ids and counts: checked before any call, never wrapped or truncated.
+        for call in (lambda: vs.free((1 << 64) + a), lambda: vs.append((1 << 64) + a, 1),
+                     lambda: vs.sequence(-1), lambda: vs.add(1 << 64),
+                     lambda: vs.append(a, (1 << 64) - 1)):
+            with self.assertRaises(gpumem.InvalidArgumentError):
+                call()
+        for call in (lambda: vs.free(float(a)), lambda: vs.add(2.5), lambda: vs.append(a, True),
+                     lambda: vs.array_views(a, 0.0)):
+            with self.assertRaises(TypeError):
+                call()
+        self.assertEqual(vs.sequence(a)[1], 4000)
+        with self.assertRaisesRegex(gpumem.InvalidArgumentError, "still has 0 KV cache.*1 virtually"):
+            self.pool.close()
         self.assertEqual(vs.validate(), "")
 
 

@@ -111,6 +111,28 @@ TEST_F(KvCache, StorageTakesLowestIdsAndGrowsByPagesWithOneAccessGrant) {
   EXPECT_FALSE(st.grow_to(1001));
 }
 
+// grow_pages and keep_free are caller counts up to SIZE_MAX: bounded by the range, never
+// added past it (a sum that wraps would map too few pages, or unmap a used block's page).
+TEST_F(KvCache, HugeGrowAndKeepCountsSaturate) {
+  vmm_page_pool pool(sim);
+  kv_block_storage st(pool, 16 * KiB, 1000, /*grow_pages=*/SIZE_MAX);  // 8 pages of range
+  ASSERT_TRUE(st.try_allocate().has_value());
+  EXPECT_EQ(st.capacity_blocks(), 1000u);  // "at least SIZE_MAX pages": the whole range
+  EXPECT_EQ(st.shrink(), 7u);              // block 0 keeps the first page
+  EXPECT_TRUE(st.grow_to(200));
+  EXPECT_EQ(st.capacity_blocks(), 1000u) << "1 + SIZE_MAX pages wrapped to 0";
+  while (st.used_blocks() < 129) ASSERT_TRUE(st.try_allocate().has_value());
+  EXPECT_TRUE(st.is_used(128));  // the first block of the second page
+  EXPECT_EQ(st.shrink(SIZE_MAX), 0u);
+  EXPECT_EQ(st.shrink(SIZE_MAX - 1), 0u);
+  EXPECT_EQ(st.shrink(SIZE_MAX - 129), 0u);
+  EXPECT_TRUE(st.is_used(128));
+  EXPECT_EQ(st.validate(), "");
+  EXPECT_EQ(st.shrink(0), 6u);  // pages 2..7 hold no used block
+  EXPECT_EQ(st.validate(), "");
+  EXPECT_EQ(pool.validate(), "");
+}
+
 TEST_F(KvCache, StorageAndPoolShareOneBudget) {
   pool_options o;
   o.limit_bytes = 8 * MiB;  // four pages for the pool and the cache together

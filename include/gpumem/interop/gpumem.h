@@ -117,9 +117,12 @@ GPUMEM_API const char* gpumem_status_name(gpumem_status status);
 /* REQUIRES: out != NULL. On failure *out is set to NULL. */
 GPUMEM_API gpumem_status gpumem_pool_create(const char* config, gpumem_pool** out);
 /* Gives every byte back to the driver. Live allocations are freed with the pool. NULL is
- * a no-op. The handle stays dead, never reused: a later call on it, or a second destroy,
- * sets GPUMEM_ERROR_INVALID_ARGUMENT ("... was destroyed") and does nothing else. */
-GPUMEM_API void gpumem_pool_destroy(gpumem_pool* pool);
+ * a no-op (GPUMEM_SUCCESS). The handle stays dead, never reused: a later call on it, or a
+ * second destroy, returns GPUMEM_ERROR_INVALID_ARGUMENT ("... was destroyed") and does
+ * nothing else. A pool that KV caches or virtually contiguous sequence sets
+ * (gpumem_kv.h) still stand on is refused the same way ("... still has N KV cache(s)"),
+ * and stays live: destroy them first. */
+GPUMEM_API gpumem_status gpumem_pool_destroy(gpumem_pool* pool);
 
 /* NULL on failure (also for size 0): gpumem_last_status() / gpumem_last_error() say why. */
 GPUMEM_API void* gpumem_malloc(gpumem_pool* pool, size_t size, void* stream);

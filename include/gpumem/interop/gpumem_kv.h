@@ -8,7 +8,9 @@
  *
  * The pool must be a vmm_page_pool (the C API's default allocator): the cache borrows
  * whole physical pages from it, so the cache and the pool's other allocations share one
- * budget (its limit, the device). The cache must be destroyed before its pool.
+ * budget (its limit, the device). The cache must be destroyed before its pool:
+ * gpumem_pool_destroy refuses a pool that caches or sequence sets still stand on
+ * (GPUMEM_ERROR_INVALID_ARGUMENT, the pool left live). The stream is checked at create.
  *
  * Storage layout (one virtual range reserved for max_blocks blocks, fixed for the cache's
  * life; only blocks named by a live block table are mapped and meaningful):
@@ -25,11 +27,16 @@
  *
  * Contract (as gpumem.h): no exception crosses the boundary; every failure returns a
  * status and sets gpumem_last_error(); a failed call changes nothing (all or nothing).
- *  - bad layout, unknown or freed sequence, append past max_sequence_tokens, fork or
+ *  - bad layout, non-zero reserved fields, a stream the pool's platform does not know (or of
+ *    another device), unknown or freed sequence, a token count past what a sequence can
+ *    ever hold (max_sequence_tokens, else the capacity max_blocks * block_tokens; any
+ *    count, SIZE_MAX included: counts are compared, never added past their type), a
+ *    count whose buffer cannot exist (its bytes overflow or wrap the address space), fork or
  *    append of a swapped-out sequence, swap without host memory, a layout that does not
  *    match the model (gpumem_kv_check_layout), an output buffer too small ->
  *    GPUMEM_ERROR_INVALID_ARGUMENT;
- *  - no block available -> GPUMEM_ERROR_OUT_OF_MEMORY (the text is the cache's report);
+ *  - no block available for a count within those limits -> GPUMEM_ERROR_OUT_OF_MEMORY (the
+ *    text is the cache's report);
  *  - a driver failure -> GPUMEM_ERROR_CUDA.
  * Sequence ids are never reused within a cache, so an id kept after gpumem_kv_free is
  * always refused ("... was freed"), never taken for another sequence.
@@ -173,7 +180,8 @@ GPUMEM_API gpumem_status gpumem_kv_sequence_tokens(gpumem_kv_cache* cache, uint6
 GPUMEM_API gpumem_status gpumem_kv_is_swapped(gpumem_kv_cache* cache, uint64_t seq,
                                               int32_t* swapped);
 /* Blocks an append of `tokens` tokens to `seq` would take (copy on write and, for a
- * swapped-out sequence, its blocks away included). */
+ * swapped-out sequence, its blocks away included). A count the append would refuse as
+ * past the limit is refused the same way, *blocks untouched. */
 GPUMEM_API gpumem_status gpumem_kv_blocks_needed(gpumem_kv_cache* cache, uint64_t seq,
                                                  uint64_t tokens, uint64_t* blocks);
 /* Blocks obtainable now: free, cached (evictable) and mappable under max_blocks. */

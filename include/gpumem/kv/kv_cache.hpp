@@ -28,7 +28,8 @@
 // stream needs no extra synchronization.
 //
 // Errors (typed; the cache is left exactly as before the call): unknown or freed
-// sequence, append past max_sequence_tokens, fork or append of a swapped-out sequence,
+// sequence, a token count past sequence_token_limit() (max_sequence_tokens, or the
+// capacity of max_blocks blocks), fork or append of a swapped-out sequence,
 // swap without a host pool -> gpumem::invalid_argument; no block available ->
 // gpumem::out_of_memory whose report gives capacity, used, cached and the pool's state.
 //
@@ -140,6 +141,14 @@ class kv_cache {
   bool is_swapped(sequence_id seq) const;
   // Blocks an append of `tokens` tokens to `seq` would take (copy on write included).
   std::size_t blocks_needed(sequence_id seq, std::size_t tokens) const;
+  // The most tokens one sequence can ever hold: max_sequence_tokens when set, and never
+  // more than the cache's capacity (max_blocks * block_tokens). A count past it is an
+  // invalid_argument naming the limit; one within it that finds no block is out_of_memory.
+  std::size_t sequence_token_limit() const noexcept;
+  // Throws gpumem::invalid_argument when `more` tokens on top of `have` exceed
+  // sequence_token_limit() (id 0: tokens of no sequence yet). REQUIRES have <= the limit.
+  void check_token_count(std::size_t have, std::size_t more, const char* what,
+                         sequence_id id = 0) const;
   // Blocks obtainable now without failing: free, cached (evictable) and mappable under
   // the cap (the pool may still run out of memory).
   std::size_t available_blocks() const;
