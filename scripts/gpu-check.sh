@@ -38,7 +38,7 @@ grep -E "tests passed|tests failed|Skipped|Failed" "$OUT/interop.log"
 onestep() {
   local venv=$PWD/$BUILD/onestep-venv src=$PWD
   rm -rf "$venv" && python3 -m venv --system-site-packages "$venv" &&
-    GPUMEM_BUILD_DIR=$PWD/$BUILD/pip-build "$venv/bin/pip" install --no-build-isolation --no-deps --no-index "$src" &&
+    GPUMEM_BUILD_DIR=$PWD/$BUILD/pip-build "$venv/bin/pip" install --no-deps --no-index "$src" &&
     (cd /tmp && GPUMEM_ENABLE=1 "$venv/bin/python" "$src/tests/interop/torch_train_script.py" --steps 20 &&
      "$venv/bin/python" -m gpumem run --mark-steps optimizer "$src/tests/interop/torch_train_script.py" --steps 20 &&
      "$venv/bin/python" "$src/tests/interop/torch_train_script.py" --steps 20)

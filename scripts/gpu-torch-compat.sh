@@ -36,7 +36,7 @@ onestep() {
   rm -rf "$venv" && python3 -m venv "$venv" &&
     python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))' \
       >"$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torch-site.pth" &&
-    GPUMEM_BUILD_DIR=$PWD/$BUILD/pip-build "$venv/bin/pip" install --no-build-isolation --no-deps --no-index "$src" &&
+    GPUMEM_BUILD_DIR=$PWD/$BUILD/pip-build "$venv/bin/pip" install --no-deps --no-index "$src" &&
     (cd /tmp && env -u PYTHONPATH -u GPUMEM_LIB GPUMEM_ENABLE=1 "$venv/bin/python" "$src/tests/interop/torch_train_script.py" --steps 20 &&
      env -u PYTHONPATH -u GPUMEM_LIB "$venv/bin/python" -m gpumem run --mark-steps optimizer "$src/tests/interop/torch_train_script.py" --steps 20 &&
      env -u PYTHONPATH -u GPUMEM_LIB "$venv/bin/python" "$src/tests/interop/torch_train_script.py" --steps 20)
