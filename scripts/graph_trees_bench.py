@@ -81,8 +81,7 @@ def main():
         order = sides if r % 2 == 0 else list(reversed(sides))
         for side in order:
             env = dict(os.environ, BENCH_SIDE=side)
-            if side == "gpumem-pluggable":
-                env["GPUMEM_TORCH_ROUTE"] = "pluggable"
+            env["GPUMEM_TORCH_ROUTE"] = "pluggable" if side == "gpumem-pluggable" else "native"
             out = subprocess.run([sys.executable, __file__, "--one", "--steps", str(a.steps),
                                   "--width", str(a.width), "--depth", str(a.depth),
                                   "--batch", str(a.batch)], env=env, capture_output=True,

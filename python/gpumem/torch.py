@@ -120,8 +120,14 @@ def _install_native(torch, lib):
     """Makes gpumem PyTorch's own CUDA allocator (libgpumem_torch_native.so, a subclass of
     c10's CUDAAllocator) when that library was built for the running torch; returns a
     description of the route, or None after one line on stderr saying why the pluggable
-    route serves instead. GPUMEM_TORCH_ROUTE=pluggable asks for the pluggable route."""
-    if os.environ.get("GPUMEM_TORCH_ROUTE", "") == "pluggable":
+    route serves instead. GPUMEM_TORCH_ROUTE chooses: "native" (the native allocator where
+    it was built, with -DGPUMEM_TORCH_NATIVE=ON, and matches this torch; else the pluggable
+    route) or "pluggable" (the default)."""
+    wanted = os.environ.get("GPUMEM_TORCH_ROUTE", "pluggable")
+    if wanted not in ("native", "pluggable"):
+        raise ValueError("gpumem.torch.enable: GPUMEM_TORCH_ROUTE must be 'native' or "
+                         "'pluggable', not %r" % (wanted,))
+    if wanted == "pluggable":
         return None
     folder = os.path.dirname(gpumem.library_path())
     native_path = os.path.join(folder, NATIVE_LIBRARY_NAME)

@@ -6,6 +6,7 @@ reported. A small Llama-shaped model with random weights and data (no network).
 Run with PYTHONPATH=python and GPUMEM_LIB=<libgpumem_torch.so>. Exits 77 (skipped) without
 torch, a CUDA device, transformers or accelerate (Trainer needs it)."""
 
+import os
 import sys
 import tempfile
 
@@ -15,7 +16,12 @@ torch = require_torch_and_gpu()
 
 import gpumem.torch  # noqa: E402
 
+os.environ.setdefault("GPUMEM_TORCH_ROUTE", "native")
 gpumem.torch.enable()
+if gpumem.torch.route() != "native":
+    # Trainer reads torch.cuda.memory_allocated(), which CUDAPluggableAllocator refuses.
+    print("skipped: the native allocator was not built for this torch (see stderr)")
+    sys.exit(77)
 
 try:
     import accelerate  # noqa: F401  (Trainer needs it)

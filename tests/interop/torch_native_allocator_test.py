@@ -26,6 +26,7 @@ torch = require_torch_and_gpu()
 
 import gpumem.torch  # noqa: E402
 
+os.environ.setdefault("GPUMEM_TORCH_ROUTE", "native")
 gpumem.torch.enable()
 if gpumem.torch.route() != "native":
     print("skipped: the native allocator was not built for this torch (see stderr)")
