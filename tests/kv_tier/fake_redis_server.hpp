@@ -72,8 +72,15 @@ class fake_redis_server {
     std::lock_guard l(m_);
     mode_ = m;
   }
-  std::chrono::milliseconds drip_interval{2};
-  std::size_t stream_limit = std::size_t{64} << 20;  // a huge reply stops after this
+  // A dripped answer's pace, and the bytes after which a huge reply stops.
+  void set_drip_interval(std::chrono::milliseconds d) {
+    std::lock_guard l(m_);
+    drip_interval_ = d;
+  }
+  void set_stream_limit(std::size_t bytes) {
+    std::lock_guard l(m_);
+    stream_limit_ = bytes;
+  }
 
   // Connections accepted and not yet closed by the client.
   std::size_t open_connections() {
@@ -211,11 +218,11 @@ class fake_redis_server {
         return bulk(random_bytes(64));
       }
       case misbehaviour::huge_bulk:
-        c.stream_left = stream_limit;
+        c.stream_left = stream_limit_;
         c.stream_unit = std::string(64 << 10, 'x');
         return "$25769803776\r\n";
       case misbehaviour::huge_array:
-        c.stream_left = stream_limit;
+        c.stream_left = stream_limit_;
         c.stream_unit.clear();
         for (int i = 0; i < (16 << 10); ++i) c.stream_unit += ":1\r\n";
         return "*2000000000\r\n";
@@ -311,7 +318,7 @@ class fake_redis_server {
           const std::size_t len = paced ? 1 : c.out.size();
           const ssize_t n = ::send(c.fd, c.out.data(), len, MSG_NOSIGNAL);
           if (n > 0) c.out.erase(0, static_cast<std::size_t>(n));
-          if (paced) c.next_drip = std::chrono::steady_clock::now() + drip_interval;
+          if (paced) c.next_drip = std::chrono::steady_clock::now() + drip_interval_;
           if (c.out.empty()) c.drip = false;
           if (c.out.empty() && c.reset_after) {
             drop(k, true);
@@ -340,6 +347,8 @@ class fake_redis_server {
   std::mutex m_;
   std::mt19937_64 rng_;
   misbehaviour mode_ = misbehaviour::none;
+  std::chrono::milliseconds drip_interval_{2};
+  std::size_t stream_limit_ = std::size_t{64} << 20;
   std::map<std::string, std::string> data_;
   std::vector<listener> listeners_;
   std::vector<connection> conns_;

@@ -85,7 +85,7 @@ TEST(RedisFaults, AHugeDeclaredArrayIsRefusedBeforeHiredisAllocatesIt) {
 TEST(RedisFaults, ADrippingServerCostsOneDeadlineNotATimeoutPerByte) {
   GPUMEM_REQUIRE_REDIS_TIER();
   fake_redis_server server;
-  server.drip_interval = 10ms;  // a 4 KiB record: 40 s at one byte per 10 ms
+  server.set_drip_interval(10ms);  // a 4 KiB record: 40 s at one byte per 10 ms
   auto s = make_redis_store(server.url(), fault_options(150ms));
   ASSERT_EQ(put_records(*s, payload, 1, 1), 1u);
   server.behave(misbehaviour::drip);

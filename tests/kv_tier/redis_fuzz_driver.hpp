@@ -49,8 +49,8 @@ class redis_fuzz_driver {
     o.backoff_max = std::chrono::milliseconds{10};
     o.max_reply_bytes = std::size_t{256} << 10;
     o.max_links = 4;
-    server_.drip_interval = std::chrono::milliseconds{1};
-    server_.stream_limit = std::size_t{32} << 20;
+    server_.set_drip_interval(std::chrono::milliseconds{1});
+    server_.set_stream_limit(std::size_t{32} << 20);
     store_ = gpumem::make_redis_store(c.cluster ? server_.cluster_url() : server_.url(), o);
   }
 
