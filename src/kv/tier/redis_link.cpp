@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <climits>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -557,6 +558,26 @@ redisReply* new_reply(int type) {
   return r;
 }
 
+// A status or error reply holding `text`.
+redisReply* line_reply(int type, std::string_view text) {
+  redisReply* r = new_reply(type);
+  if (r == nullptr) return nullptr;
+  r->str = static_cast<char*>(std::malloc(text.size() + 1));
+  if (r->str != nullptr) {
+    std::memcpy(r->str, text.data(), text.size());
+    r->str[text.size()] = '\0';
+  }
+  r->len = r->str != nullptr ? text.size() : 0;
+  return r;
+}
+
+std::string unknown_type(char kind) {
+  char shown[8];
+  std::snprintf(shown, sizeof shown, std::isprint(static_cast<unsigned char>(kind)) != 0 ? "%c" : "\\x%02x",
+                static_cast<unsigned char>(kind));
+  return std::string("protocol error (an unknown reply type '") + shown + "')";
+}
+
 // Buffered reads from the socket, with bulk payloads read straight into their target;
 // every wait ends at the deadline.
 class socket_reader {
@@ -667,15 +688,7 @@ bool redis_link::read_simple_replies(std::size_t count, std::vector<redis_reply>
         return false;
       }
       budget_.left -= rest.size() + sizeof(redisReply);
-      r = new_reply(kind == '+' ? REDIS_REPLY_STATUS : REDIS_REPLY_ERROR);
-      if (r != nullptr) {
-        r->str = static_cast<char*>(std::malloc(rest.size() + 1));
-        if (r->str != nullptr) {
-          std::memcpy(r->str, rest.data(), rest.size());
-          r->str[rest.size()] = '\0';
-        }
-        r->len = r->str != nullptr ? rest.size() : 0;
-      }
+      r = line_reply(kind == '+' ? REDIS_REPLY_STATUS : REDIS_REPLY_ERROR, rest);
     } else if (kind == ':') {
       long long v = 0;
       if (!whole_number(rest, v)) {
@@ -733,8 +746,7 @@ bool redis_link::read_simple_replies(std::size_t count, std::vector<redis_reply>
       fail(redis_fault::unexpected_reply, "an array where a value, status or number was asked");
       return false;
     } else {
-      fail(redis_fault::protocol, std::string("protocol error (an unknown reply type '") +
-                                      (std::isprint(static_cast<unsigned char>(kind)) ? std::string(1, kind) : "\\x" + std::to_string(static_cast<unsigned char>(kind))) + "')");
+      fail(redis_fault::protocol, unknown_type(kind));
       return false;
     }
     if (r == nullptr) {
