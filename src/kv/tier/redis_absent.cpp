@@ -12,4 +12,9 @@ std::unique_ptr<kv_store> make_redis_store(std::string_view url, redis_store_opt
                          "found at build time: install libhiredis-dev and rebuild)");
 }
 
+redis_fault_counts redis_faults(const kv_store& store) {
+  throw invalid_argument("redis_faults: '" + store.name() + "' is not a Redis store (this gpumem "
+                         "was built without the Redis tier)");
+}
+
 }  // namespace gpumem
