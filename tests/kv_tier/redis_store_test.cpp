@@ -4,7 +4,14 @@
 // stored", counted and reported once; nothing throws.
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <chrono>
+#include <cstdint>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -151,14 +158,38 @@ TEST(RedisStore, KilledMidRunThenRestartedReconnects) {
   EXPECT_EQ(r.count("back after"), 1u);
 }
 
+// True once a PING to 127.0.0.1:port goes unanswered for 50 ms (the server is asleep),
+// false if it still answers after `within`. Plain sockets: the probe needs no client library.
+bool wait_until_unresponsive(int port, std::chrono::milliseconds within) {
+  const auto end = std::chrono::steady_clock::now() + within;
+  while (std::chrono::steady_clock::now() < end) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return false;
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<std::uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    bool answered = false;
+    if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0 &&
+        ::send(fd, "PING\r\n", 6, MSG_NOSIGNAL) == 6) {
+      pollfd p{fd, POLLIN, 0};
+      answered = ::poll(&p, 1, 50) == 1;
+    }
+    ::close(fd);
+    if (!answered) return true;
+    std::this_thread::sleep_for(10ms);
+  }
+  return false;
+}
+
 TEST(RedisStore, ASlowServerTimesOutIntoMissesNotAStall) {
   GPUMEM_REQUIRE_REDIS();
   report_lines r;
   redis_server server;
   auto s = make_redis_store(server.url(), fast_redis_options(300ms, r.sink()));
   ASSERT_EQ(put_records(*s, payload, 1, 4), 4u);
-  server.cli_async({"DEBUG", "SLEEP", "1.5"});
-  std::this_thread::sleep_for(100ms);
+  server.cli_async({"DEBUG", "SLEEP", "3"});
+  ASSERT_TRUE(wait_until_unresponsive(server.port(), 2s)) << "DEBUG SLEEP did not take effect";
   const auto t0 = std::chrono::steady_clock::now();
   const auto st = get_records(*s, payload, 1, 4);
   const auto took = std::chrono::steady_clock::now() - t0;
