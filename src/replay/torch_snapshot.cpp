@@ -97,52 +97,62 @@ class unpickler {
         case 'r': put(le(4)); break;                                     // LONG_BINPUT
         case 'h': push(memo_at(le(1))); break;                           // BINGET
         case 'j': push(memo_at(le(4))); break;                           // LONG_BINGET
-        case 'a': { value* v = pop(); append(list_of(top()), v); break; }  // APPEND
-        case 'e': {                                                      // APPENDS
-          const std::size_t from = pop_mark();
-          value* l = list_of(top_below(from));
-          for (std::size_t k = from; k < stack_.size(); ++k) append(l, stack_[k]);
-          stack_.resize(from);
-          break;
-        }
-        case 's': { value* v = pop(); value* k = pop(); set_item(dict_of(top()), k, v); break; }
-        case 'u': {                                                      // SETITEMS
-          const std::size_t from = pop_mark();
-          if ((stack_.size() - from) % 2 != 0) fail("SETITEMS with an odd number of values");
-          value* d = dict_of(top_below(from));
-          for (std::size_t k = from; k < stack_.size(); k += 2) set_item(d, stack_[k], stack_[k + 1]);
-          stack_.resize(from);
-          break;
-        }
-        case 't': {                                                      // TUPLE
-          const std::size_t from = pop_mark();
-          value* v = make(value::type::tuple);
-          for (std::size_t k = from; k < stack_.size(); ++k) append(v, stack_[k]);
-          stack_.resize(from);
-          push(v);
-          break;
-        }
-        case 0x85: case 0x86: case 0x87: {                               // TUPLE1..3
-          const std::size_t n = op - 0x84u;
-          if (stack_.size() < n + marks_floor()) fail("an opcode with no value to act on");
-          value* v = make(value::type::tuple);
-          for (std::size_t k = stack_.size() - n; k < stack_.size(); ++k) append(v, stack_[k]);
-          stack_.resize(stack_.size() - n);
-          push(v);
-          break;
-        }
-        default: {
-          char text[192];
-          std::snprintf(text, sizeof text,
-                        "pickle opcode 0x%02x at byte %zu is not plain data (refused: only "
-                        "dicts, lists, strings and numbers are read)", op, pos_ - 1);
-          fail(text);
-        }
+        default:
+          if (!build(op)) refuse_opcode(op);
       }
     }
   }
 
  private:
+  // The opcodes that build containers from values on the stack; false for any other.
+  bool build(std::uint8_t op) {
+    switch (op) {
+      case 'a': { value* v = pop(); append(list_of(top()), v); break; }  // APPEND
+      case 'e': {                                                      // APPENDS
+        const std::size_t from = pop_mark();
+        value* l = list_of(top_below(from));
+        for (std::size_t k = from; k < stack_.size(); ++k) append(l, stack_[k]);
+        stack_.resize(from);
+        break;
+      }
+      case 's': { value* v = pop(); value* k = pop(); set_item(dict_of(top()), k, v); break; }
+      case 'u': {                                                      // SETITEMS
+        const std::size_t from = pop_mark();
+        if ((stack_.size() - from) % 2 != 0) fail("SETITEMS with an odd number of values");
+        value* d = dict_of(top_below(from));
+        for (std::size_t k = from; k < stack_.size(); k += 2) set_item(d, stack_[k], stack_[k + 1]);
+        stack_.resize(from);
+        break;
+      }
+      case 't': {                                                      // TUPLE
+        const std::size_t from = pop_mark();
+        value* v = make(value::type::tuple);
+        for (std::size_t k = from; k < stack_.size(); ++k) append(v, stack_[k]);
+        stack_.resize(from);
+        push(v);
+        break;
+      }
+      case 0x85: case 0x86: case 0x87: {                               // TUPLE1..3
+        const std::size_t n = op - 0x84u;
+        if (stack_.size() < n + marks_floor()) fail("an opcode with no value to act on");
+        value* v = make(value::type::tuple);
+        for (std::size_t k = stack_.size() - n; k < stack_.size(); ++k) append(v, stack_[k]);
+        stack_.resize(stack_.size() - n);
+        push(v);
+        break;
+      }
+      default:
+        return false;
+    }
+    return true;
+  }
+  [[noreturn]] void refuse_opcode(std::uint8_t op) const {
+    char text[192];
+    std::snprintf(text, sizeof text,
+                  "pickle opcode 0x%02x at byte %zu is not plain data (refused: only "
+                  "dicts, lists, strings and numbers are read)", op, pos_ - 1);
+    fail(text);
+  }
   [[noreturn]] void fail(const std::string& what) const {
     throw invalid_argument("torch snapshot '" + source_ + "': " + what);
   }

@@ -218,7 +218,7 @@ run "$gpumem" serve-sim --workload "$tmp/nul.workload" --device sim
 expect_rc 1 "serve-sim of a workload with a NUL"
 expect_err "nul.workload:2: binary data, not text (byte 0x00 at column 9: a NUL)"
 printf '\xef\xbb\xbf0 8 1 5 6\r\n1 8 1 5 6\r\n' > "$tmp/bom.workload"
-run "$gpumem" serve-sim --workload "$tmp/bom.workload" --device sim --capacity 256M
+run "$gpumem" serve-sim --workload "$tmp/bom.workload" --device sim
 expect_rc 0 "serve-sim of a workload with a byte-order mark and CRLF"
 printf '0 8 1 5\n1e300 8 1 5\n' > "$tmp/far.workload"
 run "$gpumem" serve-sim --workload "$tmp/far.workload" --device sim
