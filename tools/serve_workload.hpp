@@ -8,11 +8,17 @@
 //
 //   ARRIVAL_SECONDS OUTPUT_TOKENS SAMPLES TOKEN TOKEN ...
 //
-// arrivals non-decreasing and finite, output tokens and samples >= 1, at least one prompt
-// token, tokens 0..2^31-1. Requests sharing a prompt prefix share its token ids there.
+// arrivals non-decreasing in 0..serve_max_arrival_seconds, output tokens in
+// 1..serve_max_output_tokens, samples in 1..serve_max_samples, at least one prompt token,
+// tokens 0..2^31-1 (decimal digits). Requests sharing a prompt prefix share its token ids
+// there. The file is read as it streams, plain or gzip'd, within a limit on its bytes
+// (replay/input_file.hpp), and cut into lines by the rule every text reader shares
+// (replay/text_lines.hpp: a leading UTF-8 byte-order mark skipped, CRLF read as LF, a NUL
+// or other control byte refused as binary data, a line over serve_max_line refused).
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -27,8 +33,21 @@ struct serve_request {
   std::size_t samples = 1;  // sequences the request forks into
 };
 
-// Throws gpumem::invalid_argument naming the file (and the line) when it cannot be read,
-// holds no request, or a line is not a request as described above.
-std::vector<serve_request> read_serve_workload(const std::string& path);
+// The ranges of a request's fields. Arrivals span at most a day of serving (3.5 million
+// steps of the simulation).
+inline constexpr double serve_max_arrival_seconds = 86400;
+inline constexpr std::size_t serve_max_output_tokens = std::size_t{1} << 32;
+inline constexpr std::size_t serve_max_samples = 1024;
+// The longest line (a prompt of some 100,000 tokens), and the most bytes a file may hold
+// (decompressed; the requests read take at most about 12 x as much memory: a one-token
+// request from an 8-byte line).
+inline constexpr std::size_t serve_max_line = 1 << 20;
+inline constexpr std::uint64_t serve_max_workload_bytes = std::uint64_t{256} << 20;
+
+// Throws gpumem::invalid_argument naming the file (and the line, and the field with its
+// value and range) when it cannot be read, holds more than `max_bytes`, holds no request,
+// or a line is not a request as described above.
+std::vector<serve_request> read_serve_workload(const std::string& path,
+                                               std::uint64_t max_bytes = serve_max_workload_bytes);
 
 }  // namespace gpumem::cli

@@ -13,8 +13,9 @@ while any process maps it: the producer may drop its tensor while a consumer sti
 and a consumer that dies leaks nothing of the producer's. A Handle also pickles through
 multiprocessing (its descriptor travels as multiprocessing passes descriptors).
 """
-import ctypes
+import json
 import os
+import re
 import socket
 
 import gpumem
@@ -46,8 +47,8 @@ class Handle:
             pass
 
     def _meta(self):
-        return repr((self.size, str(self.dtype).replace("torch.", ""), self.shape,
-                     self.device)).encode()
+        return json.dumps([self.size, str(self.dtype).replace("torch.", ""),
+                           [int(d) for d in self.shape], self.device]).encode()
 
     def send(self, sock):
         """Sends the descriptor and the metadata over a connected AF_UNIX socket."""
@@ -56,18 +57,65 @@ class Handle:
 
     @classmethod
     def receive(cls, sock):
-        import ast
-        msg, fds, _, _ = socket.recv_fds(sock, 65536, 1)
-        if not fds:
-            raise gpumem.InvalidArgumentError(1, "gpumem.ipc: no file descriptor received")
-        n = int.from_bytes(msg[:4], "little")
-        size, dtype, shape, device = ast.literal_eval(msg[4:4 + n].decode())
-        return cls(fds[0], size, dtype, shape, device)
-
+        """The Handle another process sent. A message that is not send()'s (no or several
+        descriptors, cut short, metadata that is not a size, dtype name, shape and device)
+        raises InvalidArgumentError naming what is wrong; every descriptor it carried is
+        closed first."""
+        # Room for several descriptors, so extra ones arrive here and are closed rather
+        # than cut off by the kernel.
+        msg, fds, flags, _ = socket.recv_fds(sock, _MAX_MESSAGE, 8)
+        try:
+            size, dtype, shape, device = _parse_message(msg, fds, flags)
+            return cls(fds[0], size, dtype, shape, device)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
     def __reduce__(self):
         from multiprocessing import reduction
         return (_rebuild, (reduction.DupFd(self.fd), self.size, str(self.dtype), self.shape,
                            self.device))
+
+
+_MAX_MESSAGE = 65536
+_DTYPE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+def _refuse(why):
+    raise gpumem.InvalidArgumentError(gpumem.ERROR_INVALID_ARGUMENT, "gpumem.ipc: " + why)
+
+
+def _parse_message(msg, fds, flags):
+    """(size, dtype, shape, device) of a message of Handle.send, or InvalidArgumentError."""
+    if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+        _refuse("the message was cut short (MSG_CTRUNC or MSG_TRUNC)")
+    if len(fds) != 1:
+        _refuse("expected one file descriptor with the message, received %d" % len(fds))
+    if len(msg) < 4:
+        _refuse("a message of %d bytes, shorter than its 4-byte length" % len(msg))
+    n = int.from_bytes(msg[:4], "little")
+    if n != len(msg) - 4:
+        _refuse("the metadata is %d bytes, its length says %d" % (len(msg) - 4, n))
+    try:
+        meta = json.loads(msg[4:].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        _refuse("the metadata is not JSON text (%s)" % e.__class__.__name__)
+
+    def whole(v):
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
+
+    if not (isinstance(meta, list) and len(meta) == 4):
+        _refuse("the metadata is not [size, dtype, shape, device]")
+    size, dtype, shape, device = meta
+    if not whole(size):
+        _refuse("size %r is not a whole number in 0..2^63-1" % (size,))
+    if not (isinstance(dtype, str) and _DTYPE_NAME.fullmatch(dtype)):
+        _refuse("dtype %r is not a dtype name" % (dtype,))
+    if not (isinstance(shape, list) and len(shape) <= 64 and all(whole(d) for d in shape)):
+        _refuse("shape %r is not a list of at most 64 whole numbers" % (shape,))
+    if not (whole(device) and device < 1024):
+        _refuse("device %r is not a device index in 0..1023" % (device,))
+    return size, dtype, shape, device
 
 
 def _rebuild(dup, size, dtype, shape, device):

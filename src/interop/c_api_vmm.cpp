@@ -197,8 +197,13 @@ gpumem_status gpumem_receive_fd(int socket, int* fd_out, uint64_t* size_out) {
     return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_receive_fd: null output pointer");
   *fd_out = gpumem::receive_fd(socket, size_out);
   if (*fd_out >= 0) return GPUMEM_SUCCESS;
-  char text[128];
-  std::snprintf(text, sizeof text, "gpumem_receive_fd: recvmsg failed (%s)", std::strerror(errno));
+  char text[192];
+  if (errno == EBADMSG)
+    std::snprintf(text, sizeof text,
+                  "gpumem_receive_fd: not a message of gpumem_send_fd (short, cut, or with no "
+                  "or several descriptors); every descriptor it carried is closed");
+  else
+    std::snprintf(text, sizeof text, "gpumem_receive_fd: recvmsg failed (%s)", std::strerror(errno));
   return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, text);
 }
 

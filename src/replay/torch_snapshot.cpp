@@ -2,80 +2,84 @@
 // to trace CSV (gpumem/replay/torch_snapshot.hpp).
 //
 // Invariants: the reader never reads past the end of the input (every read checks the
-// bytes left); memo indices are checked; the value stack never pops below a mark.
+// bytes left); no length, count or index read from the input is used before it is checked
+// against the bytes left or the memory budget; every value lives in the unpickler's arena
+// and refers to others by plain pointers, so no destruction or walk recurses however the
+// values nest (cycles included); the value stack never pops below a mark; a value nests at
+// most snapshot_max_depth deep as it is built.
 #include "gpumem/replay/torch_snapshot.hpp"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <map>
-#include <memory>
+#include <deque>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "gpumem/backend/memory_resource.hpp"
 #include "gpumem/errors.hpp"
 
 namespace gpumem {
 
 namespace {
 
-struct value;
-using value_ptr = std::shared_ptr<value>;
-
 struct value {
   enum class type : std::uint8_t { none, boolean, integer, real, text, bytes, list, tuple, dict, mark };
   type t = type::none;
+  std::uint32_t depth = 1;  // 1 + the deepest value put into it, as built
   std::int64_t i = 0;
   double d = 0;
-  std::string s;                                    // text and bytes
-  std::vector<value_ptr> items;                     // list and tuple
-  std::vector<std::pair<value_ptr, value_ptr>> kv;  // dict, in insertion order
+  std::string s;                            // text and bytes
+  std::vector<value*> items;                // list and tuple
+  std::vector<std::pair<value*, value*>> kv;  // dict, in insertion order
 
+  // The value of text key `key`; the last one set wins, as in Python.
   const value* get(std::string_view key) const {
-    for (const auto& [k, v] : kv)
-      if (k->t == type::text && k->s == key) return v.get();
+    for (auto it = kv.rbegin(); it != kv.rend(); ++it)
+      if (it->first->t == type::text && it->first->s == key) return it->second;
     return nullptr;
   }
 };
 
-value_ptr make(value::type t) {
-  auto v = std::make_shared<value>();
-  v->t = t;
-  return v;
-}
-
 class unpickler {
  public:
-  unpickler(const std::string& bytes, const std::string& source) : data_(bytes), source_(source) {}
+  unpickler(const std::string& bytes, const std::string& source, std::uint64_t max_memory)
+      : data_(bytes), source_(source), max_memory_(max_memory) {}
 
-  value_ptr load() {
+  value* load() {
     for (;;) {
       const std::uint8_t op = byte();
       switch (op) {
         case 0x80: proto_ = byte(); if (proto_ < 2) fail("pickle protocol below 2"); break;  // PROTO
-        case 0x95: take(8); break;                                       // FRAME: length only
+        case 0x95: {                                                     // FRAME: length only
+          const std::uint64_t n = le(8);
+          if (n > data_.size() - pos_) fail("a frame of " + std::to_string(n) + " bytes, past the end of the data");
+          break;
+        }
         case '.': {                                                      // STOP
-          if (stack_.size() != 1) fail("the pickle does not end with one value");
+          if (stack_.size() != 1 || !marks_.empty()) fail("the pickle does not end with one value");
           return stack_.back();
         }
         case '}': push(make(value::type::dict)); break;                  // EMPTY_DICT
         case ']': push(make(value::type::list)); break;                  // EMPTY_LIST
         case ')': push(make(value::type::tuple)); break;                 // EMPTY_TUPLE
-        case '(': push(make(value::type::mark)); break;                  // MARK
+        case '(': mark(); break;                                         // MARK
         case 'N': push(make(value::type::none)); break;                  // NONE
-        case 0x88: push_bool(true); break;                               // NEWTRUE
-        case 0x89: push_bool(false); break;                              // NEWFALSE
-        case 'J': push_int(static_cast<std::int32_t>(le(4))); break;     // BININT
-        case 'K': push_int(static_cast<std::int64_t>(le(1))); break;     // BININT1
-        case 'M': push_int(static_cast<std::int64_t>(le(2))); break;     // BININT2
-        case 0x8a: push_int(long_value(le(1))); break;                   // LONG1
-        case 0x8b: push_int(long_value(le(4))); break;                   // LONG4
+        case 0x88: push_int(value::type::boolean, 1); break;             // NEWTRUE
+        case 0x89: push_int(value::type::boolean, 0); break;             // NEWFALSE
+        case 'J': push_int(value::type::integer, static_cast<std::int32_t>(le(4))); break;  // BININT
+        case 'K': push_int(value::type::integer, static_cast<std::int64_t>(le(1))); break;  // BININT1
+        case 'M': push_int(value::type::integer, static_cast<std::int64_t>(le(2))); break;  // BININT2
+        case 0x8a: push_int(value::type::integer, long_value(le(1))); break;  // LONG1
+        case 0x8b: push_int(value::type::integer, long_value(le(4))); break;  // LONG4
         case 'G': {                                                      // BINFLOAT (big-endian)
           std::uint64_t bits = 0;
           for (char c : take(8)) bits = (bits << 8) | static_cast<std::uint8_t>(c);
-          auto v = make(value::type::real);
+          value* v = make(value::type::real);
           std::memcpy(&v->d, &bits, sizeof bits);
           push(v);
           break;
@@ -88,51 +92,91 @@ class unpickler {
         case 0x8e: push_text(le(8), value::type::bytes); break;         // BINBYTES8
         case 'U': push_text(le(1), value::type::bytes); break;          // SHORT_BINSTRING
         case 'T': push_text(le(4), value::type::bytes); break;          // BINSTRING
-        case 0x94: memo_.push_back(top()); break;                        // MEMOIZE
+        case 0x94: put(memo_next_); break;                               // MEMOIZE
         case 'q': put(le(1)); break;                                     // BINPUT
         case 'r': put(le(4)); break;                                     // LONG_BINPUT
         case 'h': push(memo_at(le(1))); break;                           // BINGET
         case 'j': push(memo_at(le(4))); break;                           // LONG_BINGET
-        case 'a': { auto v = pop(); list_of(top())->items.push_back(v); break; }  // APPEND
-        case 'e': { auto items = pop_mark(); auto& l = list_of(top())->items;     // APPENDS
-                    l.insert(l.end(), items.begin(), items.end()); break; }
-        case 's': { auto v = pop(); auto k = pop(); dict_of(top())->kv.emplace_back(k, v); break; }
-        case 'u': {                                                      // SETITEMS
-          auto items = pop_mark();
-          if (items.size() % 2 != 0) fail("SETITEMS with an odd number of values");
-          auto* d = dict_of(top());
-          for (std::size_t i = 0; i < items.size(); i += 2) d->kv.emplace_back(items[i], items[i + 1]);
-          break;
-        }
-        case 't': { auto v = make(value::type::tuple); v->items = pop_mark(); push(v); break; }
-        case 0x85: case 0x86: case 0x87: {                               // TUPLE1..3
-          auto v = make(value::type::tuple);
-          v->items.resize(op - 0x84);
-          for (std::size_t i = v->items.size(); i-- > 0;) v->items[i] = pop();
-          push(v);
-          break;
-        }
-        default: {
-          char text[192];
-          std::snprintf(text, sizeof text,
-                        "pickle opcode 0x%02x at byte %zu is not plain data (refused: only "
-                        "dicts, lists, strings and numbers are read)", op, pos_ - 1);
-          fail(text);
-        }
+        default:
+          if (!build(op)) refuse_opcode(op);
       }
     }
   }
 
  private:
+  // The opcodes that build containers from values on the stack; false for any other.
+  bool build(std::uint8_t op) {
+    switch (op) {
+      case 'a': { value* v = pop(); append(list_of(top()), v); break; }  // APPEND
+      case 'e': {                                                      // APPENDS
+        const std::size_t from = pop_mark();
+        value* l = list_of(top_below(from));
+        for (std::size_t k = from; k < stack_.size(); ++k) append(l, stack_[k]);
+        stack_.resize(from);
+        break;
+      }
+      case 's': { value* v = pop(); value* k = pop(); set_item(dict_of(top()), k, v); break; }
+      case 'u': {                                                      // SETITEMS
+        const std::size_t from = pop_mark();
+        if ((stack_.size() - from) % 2 != 0) fail("SETITEMS with an odd number of values");
+        value* d = dict_of(top_below(from));
+        for (std::size_t k = from; k < stack_.size(); k += 2) set_item(d, stack_[k], stack_[k + 1]);
+        stack_.resize(from);
+        break;
+      }
+      case 't': {                                                      // TUPLE
+        const std::size_t from = pop_mark();
+        value* v = make(value::type::tuple);
+        for (std::size_t k = from; k < stack_.size(); ++k) append(v, stack_[k]);
+        stack_.resize(from);
+        push(v);
+        break;
+      }
+      case 0x85: case 0x86: case 0x87: {                               // TUPLE1..3
+        const std::size_t n = op - 0x84u;
+        if (stack_.size() < n + marks_floor()) fail("an opcode with no value to act on");
+        value* v = make(value::type::tuple);
+        for (std::size_t k = stack_.size() - n; k < stack_.size(); ++k) append(v, stack_[k]);
+        stack_.resize(stack_.size() - n);
+        push(v);
+        break;
+      }
+      default:
+        return false;
+    }
+    return true;
+  }
+  [[noreturn]] void refuse_opcode(std::uint8_t op) const {
+    char text[192];
+    std::snprintf(text, sizeof text,
+                  "pickle opcode 0x%02x at byte %zu is not plain data (refused: only "
+                  "dicts, lists, strings and numbers are read)", op, pos_ - 1);
+    fail(text);
+  }
   [[noreturn]] void fail(const std::string& what) const {
     throw invalid_argument("torch snapshot '" + source_ + "': " + what);
+  }
+  // Memory about to be held for the values: refused past the budget.
+  void charge(std::uint64_t bytes) {
+    if (bytes > max_memory_ - std::min(used_, max_memory_))
+      fail("its values take more than " + format_bytes(static_cast<std::size_t>(max_memory_)) +
+           " of memory, the limit of this reader (at byte " + std::to_string(pos_) + ")");
+    used_ += bytes;
+  }
+  value* make(value::type t) {
+    charge(sizeof(value) + 16);
+    value* v = &arena_.emplace_back();
+    v->t = t;
+    return v;
   }
   std::uint8_t byte() {
     if (pos_ >= data_.size()) fail("truncated pickle (no STOP)");
     return static_cast<std::uint8_t>(data_[pos_++]);
   }
   std::string_view take(std::uint64_t n) {
-    if (n > data_.size() - pos_) fail("truncated pickle");
+    if (n > data_.size() - pos_)
+      fail("truncated pickle (" + std::to_string(n) + " bytes asked at byte " +
+           std::to_string(pos_) + ", " + std::to_string(data_.size() - pos_) + " left)");
     std::string_view s(data_.data() + pos_, static_cast<std::size_t>(n));
     pos_ += static_cast<std::size_t>(n);
     return s;
@@ -153,41 +197,91 @@ class unpickler {
     if (n < 8 && (static_cast<std::uint8_t>(s[n - 1]) & 0x80)) v |= ~std::uint64_t{0} << (8 * n);
     return static_cast<std::int64_t>(v);
   }
-  void push(value_ptr v) { stack_.push_back(std::move(v)); }
-  void push_bool(bool b) { auto v = make(value::type::boolean); v->i = b; push(v); }
-  void push_int(std::int64_t i) { auto v = make(value::type::integer); v->i = i; push(v); }
-  void push_text(std::uint64_t n, value::type t) { auto v = make(t); v->s = std::string(take(n)); push(v); }
-  value_ptr& top() {
-    if (stack_.empty() || stack_.back()->t == value::type::mark) fail("an opcode with no value to act on");
+  void push(value* v) {
+    charge(sizeof(value*));
+    stack_.push_back(v);
+  }
+  void push_int(value::type t, std::int64_t i) { value* v = make(t); v->i = i; push(v); }
+  void push_text(std::uint64_t n, value::type t) {
+    const std::string_view bytes = take(n);  // checked against the data left first
+    charge(n);
+    value* v = make(t);
+    v->s = std::string(bytes);
+    push(v);
+  }
+  // Nesting `child` in `parent`: one level deeper than the child, within the bound.
+  void nest(value* parent, const value* child) {
+    if (child->depth >= snapshot_max_depth)
+      fail("values nested more than " + std::to_string(snapshot_max_depth) + " deep (at byte " +
+           std::to_string(pos_) + ")");
+    parent->depth = std::max(parent->depth, child->depth + 1);
+  }
+  void append(value* parent, value* child) {
+    nest(parent, child);
+    charge(sizeof(value*));
+    parent->items.push_back(child);
+  }
+  void set_item(value* d, value* k, value* v) {
+    nest(d, k);
+    nest(d, v);
+    charge(2 * sizeof(value*));
+    d->kv.emplace_back(k, v);
+  }
+  void mark() {
+    charge(sizeof(std::size_t));
+    marks_.push_back(stack_.size());
+  }
+  std::size_t marks_floor() const { return marks_.empty() ? 0 : marks_.back(); }
+  value* top() {
+    if (stack_.size() <= marks_floor()) fail("an opcode with no value to act on");
     return stack_.back();
   }
-  value_ptr pop() { value_ptr v = top(); stack_.pop_back(); return v; }
-  std::vector<value_ptr> pop_mark() {
-    std::size_t k = stack_.size();
-    while (k > 0 && stack_[k - 1]->t != value::type::mark) --k;
-    if (k == 0) fail("no MARK for a multi-value opcode");
-    std::vector<value_ptr> items(stack_.begin() + static_cast<std::ptrdiff_t>(k), stack_.end());
-    stack_.resize(k - 1);
-    return items;
+  // The value just below stack position `from` (the one a multi-value opcode acts on).
+  value* top_below(std::size_t from) {
+    if (from <= marks_floor()) fail("an opcode with no value to act on");
+    return stack_[from - 1];
+  }
+  value* pop() { value* v = top(); stack_.pop_back(); return v; }
+  // The stack position of the values after the last MARK (which goes).
+  std::size_t pop_mark() {
+    if (marks_.empty()) fail("no MARK for a multi-value opcode");
+    const std::size_t from = marks_.back();
+    marks_.pop_back();
+    return from;
   }
   void put(std::uint64_t index) {
-    if (index > (1u << 26)) fail("a memo index out of range");
-    if (memo_.size() <= index) memo_.resize(static_cast<std::size_t>(index) + 1);
-    memo_[static_cast<std::size_t>(index)] = top();
+    value* v = top();
+    auto [it, fresh] = memo_.try_emplace(index, v);
+    if (fresh) {
+      charge(64);
+      memo_next_ = std::max(memo_next_, index + 1);
+    } else {
+      it->second = v;
+    }
   }
-  value_ptr memo_at(std::uint64_t index) {
-    if (index >= memo_.size() || memo_[static_cast<std::size_t>(index)] == nullptr) fail("a memo index never stored");
-    return memo_[static_cast<std::size_t>(index)];
+  value* memo_at(std::uint64_t index) {
+    const auto it = memo_.find(index);
+    if (it == memo_.end()) fail("a memo index never stored (" + std::to_string(index) + ")");
+    return it->second;
   }
-  value* list_of(value_ptr& v) { if (v->t != value::type::list) fail("APPEND to something not a list"); return v.get(); }
-  value* dict_of(value_ptr& v) { if (v->t != value::type::dict) fail("SETITEM on something not a dict"); return v.get(); }
+  value* list_of(value* v) { if (v->t != value::type::list) fail("APPEND to something not a list"); return v; }
+  value* dict_of(value* v) { if (v->t != value::type::dict) fail("SETITEM on something not a dict"); return v; }
 
   const std::string& data_;
   const std::string& source_;
+  const std::uint64_t max_memory_;
+  std::uint64_t used_ = 0;
   std::size_t pos_ = 0;
   int proto_ = 0;
-  std::vector<value_ptr> stack_;
-  std::vector<value_ptr> memo_;
+  std::deque<value> arena_;  // every value; destroyed one by one, never recursively
+  std::vector<value*> stack_;
+  std::vector<std::size_t> marks_;  // stack positions of the open MARKs
+  std::unordered_map<std::uint64_t, value*> memo_;
+  std::uint64_t memo_next_ = 0;  // MEMOIZE's index: one past the highest stored
+
+ public:
+  unpickler(const unpickler&) = delete;
+  unpickler& operator=(const unpickler&) = delete;
 };
 
 std::int64_t integer(const value* v, const char* key, const std::string& where) {
@@ -204,8 +298,10 @@ bool looks_like_pickle(const std::string& bytes) noexcept {
 }
 
 std::string torch_snapshot_to_trace_csv(const std::string& bytes, const std::string& source,
-                                        int device) {
-  const value_ptr root = unpickler(bytes, source).load();
+                                        int device, std::uint64_t max_memory,
+                                        std::uint64_t max_csv_bytes) {
+  unpickler reader(bytes, source, max_memory);
+  const value* root = reader.load();
   const std::string where = "torch snapshot '" + source + "'";
   if (root->t != value::type::dict || root->get("segments") == nullptr)
     throw invalid_argument(where + ": not a PyTorch memory snapshot (no 'segments')");
@@ -227,26 +323,42 @@ std::string torch_snapshot_to_trace_csv(const std::string& bytes, const std::str
       throw invalid_argument(where + ": every device trace is empty (record the snapshot with "
                              "torch.cuda.memory._record_memory_history() on)");
   }
-  const value* trace = traces->items[static_cast<std::size_t>(device)].get();
+  const value* trace = traces->items[static_cast<std::size_t>(device)];
   if (trace->t != value::type::list)
     throw invalid_argument(where + ": device_traces[" + std::to_string(device) + "] is not a list");
   std::string csv = "action,addr,size,stream,time_us\n";
+  // An entry seen before (the memo lets one dict appear any number of times) gives the line
+  // it gave then: each dict's keys are scanned once, so the work is linear in the input.
+  std::unordered_map<const value*, std::string> lines;
   std::size_t index = 0;
-  for (const value_ptr& e : trace->items) {
-    const std::string at = where + " device " + std::to_string(device) + " entry " + std::to_string(index++);
-    if (e->t != value::type::dict) throw invalid_argument(at + ": not a dict");
-    const value* action = e->get("action");
-    if (action == nullptr || action->t != value::type::text)
-      throw invalid_argument(at + ": 'action' missing");
-    if (action->s != "alloc" && action->s != "free_completed") continue;  // what replay drives
-    csv += action->s;
-    csv += ',' + std::to_string(static_cast<std::uint64_t>(integer(e->get("addr"), "addr", at)));
-    csv += ',' + std::to_string(integer(e->get("size"), "size", at));
-    csv += ',' + std::to_string(static_cast<std::uint64_t>(integer(e->get("stream"), "stream", at)));
-    const value* t = e->get("time_us");
-    csv += ',';
-    if (t != nullptr && t->t == value::type::integer) csv += std::to_string(t->i);
-    csv += '\n';
+  for (const value* e : trace->items) {
+    auto [it, fresh] = lines.try_emplace(e);
+    if (fresh) {
+      const std::string at =
+          where + " device " + std::to_string(device) + " entry " + std::to_string(index);
+      if (e->t != value::type::dict) throw invalid_argument(at + ": not a dict");
+      const value* action = e->get("action");
+      if (action == nullptr || action->t != value::type::text)
+        throw invalid_argument(at + ": 'action' missing");
+      if (action->s == "alloc" || action->s == "free_completed") {  // what replay drives
+        std::string& line = it->second;
+        line = action->s;
+        line += ',' + std::to_string(static_cast<std::uint64_t>(integer(e->get("addr"), "addr", at)));
+        line += ',' + std::to_string(integer(e->get("size"), "size", at));
+        line += ',' + std::to_string(static_cast<std::uint64_t>(integer(e->get("stream"), "stream", at)));
+        const value* t = e->get("time_us");
+        line += ',';
+        if (t != nullptr && t->t == value::type::integer) line += std::to_string(t->i);
+        line += '\n';
+      }
+    }
+    ++index;
+    if (csv.size() + it->second.size() > max_csv_bytes)
+      throw invalid_argument(where + ": its trace is more than " +
+                             format_bytes(static_cast<std::size_t>(max_csv_bytes)) +
+                             " of trace text, the limit of this reader (at entry " +
+                             std::to_string(index - 1) + ")");
+    csv += it->second;
   }
   return csv;
 }

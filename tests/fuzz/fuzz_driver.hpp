@@ -82,7 +82,11 @@ struct fuzz_counts {
   std::uint64_t foreign_frees = 0;     // frees on a stream other than the allocation's
   std::uint64_t bad_stream_calls = 0;  // calls on a refused stream (among bad_inputs)
   std::size_t worst_reserved_over_peak = 0;  // largest reserved - 2 x peak live seen, bytes
+  // The reserved bytes after every checked step, summed: two runs of one corpus that took
+  // the same decisions agree on it (the pools' choices must not depend on host addresses).
+  std::uint64_t reserved_sum = 0;
   void add(const fuzz_counts& o) {
+    reserved_sum += o.reserved_sum;
     foreign_frees += o.foreign_frees;
     bad_stream_calls += o.bad_stream_calls;
     worst_reserved_over_peak = std::max(worst_reserved_over_peak, o.worst_reserved_over_peak);
@@ -450,9 +454,10 @@ class pool_driver {
     bool refused = false;
     if (auto why = round_trip(refused); !why.empty()) return why;
     if (refused) ++counts_.oom_with_device_memory_free;
-    while (!live_.empty())
-      if (auto why = free_one(live_.begin(), live_.begin()->second.stream_slot); !why.empty())
-        return "teardown free: " + why;
+    while (!live_.empty()) {
+      const auto it = live_.find(by_serial_.begin()->second);
+      if (auto why = free_one(it, it->second.stream_slot); !why.empty()) return "teardown free: " + why;
+    }
     try {
       pool_.trim();
       for (std::size_t i = 1; i < streams_.size(); ++i) pool_.release_stream(streams_[i]);
@@ -575,8 +580,7 @@ class pool_driver {
         return allocate_one();
       case 12: case 13: case 14: case 15: case 16: case 17: case 18: case 19: {
         if (live_.empty()) return allocate_one();
-        auto it = live_.begin();
-        std::advance(it, static_cast<std::ptrdiff_t>(in_.below(live_.size())));
+        auto it = nth_live();
         // Its own stream mostly, another one sometimes (most times with cross_stream).
         std::size_t slot = it->second.stream_slot;
         if (in_.u8() % 4 < (cross_stream_ ? 3 : 1))
@@ -639,6 +643,7 @@ class pool_driver {
     const std::uint64_t serial = ++serial_;
     write_pattern(p, bytes, serial);
     live_.emplace(addr, live_block{bytes, alignment, slot, serial});
+    by_serial_.emplace(serial, addr);
     live_bytes_ += bytes;
     peak_live_ = std::max(peak_live_, live_bytes_);
     ++counts_.allocations;
@@ -657,6 +662,7 @@ class pool_driver {
       return judge(std::current_exception(), false);  // still owned: the model keeps it
     }
     if (stream(slot).value != stream(b.stream_slot).value) ++counts_.foreign_frees;
+    by_serial_.erase(b.serial);
     live_.erase(it);
     live_bytes_ -= b.bytes;
     recently_freed_.push_back({addr, b.bytes});
@@ -710,8 +716,7 @@ class pool_driver {
       }
     };
     if (!live_.empty() && in_.u8() % 4 != 0) {
-      auto it = live_.begin();
-      std::advance(it, static_cast<std::ptrdiff_t>(in_.below(live_.size())));
+      auto it = nth_live();
       what = "a free on refused stream " + std::to_string(bad.value);
       attempt([&] { pool_.deallocate(reinterpret_cast<void*>(it->first), it->second.bytes, bad); });
     } else {
@@ -831,10 +836,17 @@ class pool_driver {
     return addr == prev->first;  // a live block's start: freeing it would be a real free
   }
 
+  // The live allocation the input names: the k-th in the order they were made, never in
+  // address order (addresses come from the host's layout on sim, so an address-ordered
+  // pick would make the operations, and the pool's results, vary from run to run).
+  live_map::iterator nth_live() {
+    auto by = by_serial_.begin();
+    std::advance(by, static_cast<std::ptrdiff_t>(in_.below(by_serial_.size())));
+    return live_.find(by->second);
+  }
   live_map::iterator pick_live(std::size_t min_bytes) {
     if (live_.empty()) return live_.end();
-    auto it = live_.begin();
-    std::advance(it, static_cast<std::ptrdiff_t>(in_.below(live_.size())));
+    auto it = nth_live();
     return it->second.bytes >= min_bytes ? it : live_.end();
   }
 
@@ -852,6 +864,7 @@ class pool_driver {
              std::to_string(st.live_allocations) + " allocations, the model " +
              std::to_string(bytes) + " in " + std::to_string(live_.size());
     if (auto why = pool_.validate(); !why.empty()) return "validate: " + why;
+    counts_.reserved_sum += st.reserved_bytes;
     if (st.reserved_bytes > 2 * peak_live_)
       counts_.worst_reserved_over_peak =
           std::max(counts_.worst_reserved_over_peak, st.reserved_bytes - 2 * peak_live_);
@@ -873,6 +886,7 @@ class pool_driver {
   std::size_t live_bytes_ = 0;
   std::uint64_t serial_ = 0;
   std::vector<std::pair<std::uintptr_t, std::size_t>> recently_freed_;
+  std::map<std::uint64_t, std::uintptr_t> by_serial_;  // the live allocations: serial -> address
   fault_arm faults_;
   bool cross_stream_ = false;
   std::size_t peak_live_ = 0;                    // the model's peak of live_bytes_

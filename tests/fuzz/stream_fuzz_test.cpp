@@ -231,6 +231,7 @@ class c_api_driver {
         if (p == nullptr) return "gpumem_malloc: " + status_text(gpumem_last_status());
         detail::write_pattern(p, n, ++serial_);
         live_.emplace(p, block{n, serial_});
+        by_serial_.emplace(serial_, p);
         live_bytes_ += n;
         peak_ = std::max(peak_, live_bytes_);
         return {};
@@ -247,6 +248,7 @@ class c_api_driver {
         live_bytes_ -= it->second.n;
         freed_.push_back(it->first);
         if (freed_.size() > 8) freed_.erase(freed_.begin());
+        by_serial_.erase(it->second.serial);
         live_.erase(it);
         return {};
       }
@@ -312,10 +314,12 @@ class c_api_driver {
     }
   }
 
+  // The k-th live allocation in the order they were made, never in address order (sim's
+  // addresses follow the host's layout, so the operations would vary from run to run).
   std::map<void*, block>::iterator pick() {
-    auto it = live_.begin();
-    std::advance(it, static_cast<std::ptrdiff_t>(in_.below(live_.size())));
-    return it;
+    auto by = by_serial_.begin();
+    std::advance(by, static_cast<std::ptrdiff_t>(in_.below(by_serial_.size())));
+    return live_.find(by->second);
   }
 
   std::string check() {
@@ -339,6 +343,7 @@ class c_api_driver {
         return "final free: " + status_text(st);
     }
     live_.clear();
+    by_serial_.clear();
     live_bytes_ = 0;
     if (auto why = check(); !why.empty()) return "at the end: " + why;
     for (void* s : live_streams_)
@@ -350,6 +355,7 @@ class c_api_driver {
   gpumem_pool* pool_;
   byte_source& in_;
   std::map<void*, block> live_;
+  std::map<std::uint64_t, void*> by_serial_;  // the live allocations: serial -> pointer
   std::size_t live_bytes_ = 0, peak_ = 0, ramp_ = 0;
   std::uint64_t serial_ = 0;
   std::vector<void*> live_streams_, destroyed_, freed_;

@@ -387,5 +387,65 @@ class TorchPluginTest(unittest.TestCase):
             self.skipTest("torch is installed: enable() is exercised by scripts/torch_proof.py")
 
 
+class IpcReceiveTest(unittest.TestCase):
+    """gpumem.ipc.Handle.receive against messages that are not Handle.send's: each raises
+    InvalidArgumentError, and no descriptor it carried stays open."""
+
+    @staticmethod
+    def open_fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    def receive(self, payload, count):
+        import socket
+        import gpumem.ipc
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            before = self.open_fds()
+            sent = [os.open("/dev/null", os.O_RDONLY) for _ in range(count)]
+            socket.send_fds(a, [payload], sent)
+            for fd in sent:
+                os.close(fd)
+            try:
+                return gpumem.ipc.Handle.receive(b)
+            finally:
+                self.after = self.open_fds() - before
+        finally:
+            a.close()
+            b.close()
+
+    def refused(self, payload, count, says):
+        with self.assertRaises(gpumem.InvalidArgumentError) as e:
+            self.receive(payload, count)
+        self.assertIn(says, str(e.exception))
+        self.assertEqual(self.after, 0, "descriptors left open by: %r" % (payload,))
+
+    def test_a_message_of_send_is_received(self):
+        import gpumem.ipc
+        h = gpumem.ipc.Handle(-1, 4096, "float32", (2, 512), 0)
+        meta = h._meta()  # pylint: disable=protected-access
+        got = self.receive(len(meta).to_bytes(4, "little") + meta, 1)
+        self.assertEqual((got.size, got.dtype, got.shape, got.device), (4096, "float32", (2, 512), 0))
+        self.assertEqual(self.after, 1)
+        got.close()
+
+    def test_malformed_metadata_is_refused_and_closes_the_descriptor(self):
+        def framed(text):
+            return len(text).to_bytes(4, "little") + text
+        self.refused(framed(b"(1, 'float32', (2,), 0"), 1, "not JSON text")
+        self.refused(framed(b"__import__('os')"), 1, "not JSON text")
+        self.refused(framed(b"\xff\xfe"), 1, "not JSON text")
+        self.refused(framed(b"[" * 5000 + b"]" * 5000), 1, "metadata")
+        self.refused(framed(b'{"size": 1}'), 1, "not [size, dtype, shape, device]")
+        self.refused(framed(b'[-1, "float32", [2], 0]'), 1, "size -1")
+        self.refused(framed(b'[8, "os.system", [2], 0]'), 1, "dtype 'os.system'")
+        self.refused(framed(b'[8, "float32", [2, true], 0]'), 1, "shape")
+        self.refused(framed(b'[8, "float32", [2], 99999]'), 1, "device 99999")
+        self.refused(b"\x10\x00", 1, "shorter than its 4-byte length")
+        self.refused(framed(b"[8]")[:-1], 1, "its length says")
+        self.refused(framed(b'[8, "float32", [2], 0]'), 0, "received 0")
+        self.refused(framed(b'[8, "float32", [2], 0]'), 2, "received 2")
+        self.refused(framed(b'[8, "float32", [2], 0]'), 12, "cut short")
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)

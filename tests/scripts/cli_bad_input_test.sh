@@ -201,6 +201,30 @@ run "$gpumem" replay "$good" --device sim --allocator vmm_page_pool --large-plan
 expect_rc 0 "--large-plan --json"
 python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))["results"][0]; assert r["large_requests"] == 1 and "large_plan_misses" in r, r' "$tmp/out" || fail "--large-plan counts not in the JSON"
 
+# Hostile snapshot pickles and workloads, through the command: a million nested tuples (the
+# process crashed freeing them), a 9-byte pickle storing at memo index 2^26-1 (1 GiB was
+# allocated for it), a FIFO fed without end, a NUL inside a workload token (cut silently),
+# a byte-order mark before a workload (refused, where replay skipped it).
+python3 -c 'import sys; sys.stdout.buffer.write(b"\x80\x02)" + b"\x85" * 1000000 + b".")' > "$tmp/nested.pickle"
+run "$gpumem" replay "$tmp/nested.pickle" --device sim
+expect_rc 1 "replay of a deeply nested pickle"
+expect_err "values nested more than 100 deep"
+printf '\x80\x02Nr\xff\xff\xff\x03.' > "$tmp/memo.pickle"
+run bash -c "ulimit -v 400000; '$gpumem' replay '$tmp/memo.pickle' --device sim"
+expect_rc 1 "replay of a pickle with a huge memo index"
+expect_err "not a PyTorch memory snapshot"
+printf '0 8 1 5\n0 8 1 12\00099\n' > "$tmp/nul.workload"
+run "$gpumem" serve-sim --workload "$tmp/nul.workload" --device sim
+expect_rc 1 "serve-sim of a workload with a NUL"
+expect_err "nul.workload:2: binary data, not text (byte 0x00 at column 9: a NUL)"
+printf '\xef\xbb\xbf0 8 1 5 6\r\n1 8 1 5 6\r\n' > "$tmp/bom.workload"
+run "$gpumem" serve-sim --workload "$tmp/bom.workload" --device sim
+expect_rc 0 "serve-sim of a workload with a byte-order mark and CRLF"
+printf '0 8 1 5\n1e300 8 1 5\n' > "$tmp/far.workload"
+run "$gpumem" serve-sim --workload "$tmp/far.workload" --device sim
+expect_rc 1 "serve-sim of an absurd arrival"
+expect_err "far.workload:2: arrival '1e300' is not a number of seconds in 0..86400"
+
 # kv-tier-bench runs redis-benchmark for its comparison without a shell: a host carrying
 # shell syntax reaches no shell (it ran one: `;touch ...;` in the host created the file).
 if "$gpumem" kv-tier-bench --help >/dev/null 2>&1; then

@@ -64,13 +64,16 @@ TEST(TraceTimes, ATraceWhereAnEventLacksATimeHasNone) {
   const trace t = parse_trace(
       "action,addr,size,stream,time_us\n"
       "alloc,4096,512,0,1000\n"
-      "free_completed,4096,512,0,soon\n",
+      "free_completed,4096,512,0,\n",
       "untimed.csv");
   EXPECT_FALSE(t.timed);
   EXPECT_EQ(t.duration_ns, 0u);
   EXPECT_EQ(t.events[0].time_ns, 0u);
   EXPECT_EQ(t.events[1].time_ns, 0u);
   EXPECT_FALSE(parse_trace("action,addr,size,stream\nalloc,4096,512,0\n", "no_column.csv").timed);
+  // A time that is there but no time is refused, naming it (it is no missing time).
+  EXPECT_THROW((void)parse_trace("action,addr,size,stream,time_us\nalloc,4096,512,0,soon\n", "bad.csv"),
+               gpumem::invalid_argument);
 }
 
 TEST(TraceClock, PassesFollowEachOtherAndTheDriverTimeIsAdded) {

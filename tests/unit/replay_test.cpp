@@ -4,7 +4,12 @@
 
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <csignal>
+#include <thread>
 
 #include <algorithm>
 #include <cstdlib>
@@ -154,6 +159,21 @@ TEST(ParseTrace, MalformedInputIsRefusedNamingTheLine) {
   expect_refused("action,addr,size,stream,time_us\nalloc,100\n", "bad.csv:2");
   expect_refused("Thread,Time,Action,Pointer,Size,Stream\n1,2,allocate,0xZZ,16,0x0\n", "bad.csv:2");
   expect_refused("", "bad.csv");
+  // Each number names its field, the value and the range.
+  expect_refused("action,addr,size,stream,time_us\nalloc,100,x7,0,1\n",
+                 "bad.csv:2: size 'x7' is not a whole number in 0..18446744073709551615");
+  expect_refused("action,addr,size,stream,time_us\nalloc,18446744073709551616,512,0,1\n",
+                 "bad.csv:2: addr '18446744073709551616' is not a whole number");
+  expect_refused("action,addr,size,stream,time_us\nalloc,100,281474976710657,0,1\n",
+                 "bad.csv:2: size '281474976710657' is not a size in 0..281474976710656");
+  expect_refused("action,addr,size,stream,time_us\nalloc,100,512,0,abc\n",
+                 "bad.csv:2: time_us 'abc' is not a whole number of microseconds in 0..9223372036854775");
+  expect_refused("action,addr,size,stream,time_us\nalloc,100,512,0,99999999999999999\n",
+                 "bad.csv:2: time_us '99999999999999999' is not");
+  expect_refused("Thread,Time,Action,Pointer,Size,Stream\n1,10:99:00.5,allocate,0x10,16,0x0\n",
+                 "bad.csv:2: Time '10:99:00.5' is not a time H:MM:SS.fraction");
+  expect_refused(std::string("action,addr,size,stream,time_us\nalloc,100,512,0,1\nalloc,1\x00" "00,512,0,2\n", 69),
+                 "bad.csv:3: binary data, not text (byte 0x00 at column 8: a NUL)");
 }
 
 TEST(ParseTrace, LoadTraceNamesAMissingFile) {
@@ -309,6 +329,43 @@ TEST(LoadTrace, AFileThatIsNoTraceIsRefusedAfterABoundedRead) {
   EXPECT_NE(empty.find("/dev/null is empty"), std::string::npos) << empty;
 }
 
+TEST(LoadTrace, AFifoIsReadWithinTheLimitWhateverItHolds) {
+  // A FIFO fed without end, as a pickle (read whole before it is unpickled) and as CSV
+  // text: each refused at the limit, naming the file and the limit.
+  for (const std::string head : {std::string("\x80\x02"), std::string("action,addr,size,stream,time_us\n")}) {
+    const temp_file fifo("endless.fifo");
+    ASSERT_EQ(::mkfifo(fifo.path.c_str(), 0600), 0);
+    std::thread writer([&] {
+      const int fd = ::open(fifo.path.c_str(), O_WRONLY);
+      if (fd < 0) return;
+      std::string chunk = head;
+      while (chunk.size() < 64 * KiB) chunk += head[0] == '\x80' ? "N" : "alloc,4096,512,0,1\n";
+      chunk.erase(0, head.size());
+      bool first = true;
+      // Stops when the reader closes its end (EPIPE; SIGPIPE is ignored below).
+      for (;;) {
+        const std::string& out = first ? head : chunk;
+        first = false;
+        if (::write(fd, out.data(), out.size()) < 0) break;
+      }
+      ::close(fd);
+    });
+    const auto old = std::signal(SIGPIPE, SIG_IGN);
+    trace_read_limits limits;
+    limits.max_bytes = 2 * MiB;
+    std::string why;
+    try {
+      (void)load_trace(fifo.path, limits);
+    } catch (const gpumem::invalid_argument& e) {
+      why = e.what();
+    }
+    writer.join();
+    std::signal(SIGPIPE, old);
+    EXPECT_NE(why.find("trace: " + fifo.path), std::string::npos) << why;
+    EXPECT_NE(why.find("more than 2.00 MiB, this reader's limit"), std::string::npos) << why;
+  }
+}
+
 #if GPUMEM_TEST_HAVE_ZLIB
 // `text` gzip'd.
 std::string gzip(const std::string& text) {
@@ -374,6 +431,47 @@ TEST(LoadTrace, ACutOrCorruptGzipTraceIsRefusedNamingTheFileAndLine) {
               corrupt_why.find("gzip data is corrupt") != std::string::npos)
       << corrupt_why;
 }
+TEST(LoadTrace, AGzipBombIsRefusedAtTheLimitOfEitherForm) {
+  // 64 MiB of trace lines in some 200 KiB of gzip: refused once 1 MiB is decompressed.
+  std::string text = "action,addr,size,stream,time_us\n";
+  while (text.size() < 64 * MiB) text += "alloc,4096,512,0,1\nfree_completed,4096,512,0,2\n";
+  const temp_file bomb("bomb.csv.gz");
+  bomb.write(gzip(text));
+  trace_read_limits limits;
+  limits.max_bytes = MiB;
+  std::string why;
+  try {
+    (void)load_trace(bomb.path, limits);
+  } catch (const gpumem::invalid_argument& e) {
+    why = e.what();
+  }
+  EXPECT_NE(why.find("trace: " + bomb.path + ":"), std::string::npos) << why;
+  EXPECT_NE(why.find("more than 1.00 MiB, this reader's limit"), std::string::npos) << why;
+
+  // 8 MiB of empty gzip members (nothing decompressed, ever): refused by the bytes read.
+  const std::string empty_member = gzip("");
+  std::string members;
+  while (members.size() < 8 * MiB) members += empty_member;
+  const temp_file empties("empties.csv.gz");
+  empties.write(members);
+  const std::uint64_t before = bytes_read_by_process();
+  const std::string empty_why = [&] {
+    try {
+      (void)load_trace(empties.path, limits);
+    } catch (const gpumem::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  }();
+  EXPECT_LT(bytes_read_by_process() - before, 2 * MiB) << "bytes read before refusing it";
+  EXPECT_NE(empty_why.find("its data runs to more than 1.00 MiB"), std::string::npos) << empty_why;
+  // Two members of a trace read as one (as gzip -c a b > c writes).
+  const temp_file two("two.csv.gz");
+  two.write(gzip("action,addr,size,stream,time_us\nalloc,4096,512,0,1\n") +
+            gzip("free_completed,4096,512,0,2\n"));
+  EXPECT_EQ(load_trace(two.path).frees, 1u);
+}
+
 #else
 TEST(LoadTrace, AGzipTraceIsRefusedSayingZlibIsMissing) {
   // gzip's magic and a header: this gpumem reads no gzip without zlib.

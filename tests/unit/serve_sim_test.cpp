@@ -194,18 +194,88 @@ TEST(ServeSim, RefusesBadWorkloadFilesNamingTheLine) {
     }
   };
   refused("# nothing\n\n", "holds no request");
-  refused("0 8 1 5\nx 8 1 5\n", "line 2: arrival 'x'");
-  refused("0 8 1 5\n-1 8 1 5\n", "line 2: arrival '-1'");
-  refused("3 8 1 5\n2 8 1 5\n", "line 2: arrival 2 is before");
-  refused("0 0 1 5\n", "line 1: output tokens '0'");
-  refused("0 8 0 5\n", "line 1: samples '0'");
-  refused("0 8 1\n", "line 1: no prompt token");
-  refused("0 8 1 5 -3\n", "line 1: token '-3'");
-  refused("0 8 1 5 2147483648\n", "line 1: token '2147483648'");
-  refused("0 8\n", "line 1: no samples");
-  refused("inf 8 1 5\n", "line 1: arrival 'inf'");
+  refused("0 8 1 5\nx 8 1 5\n", ":2: arrival 'x'");
+  refused("0 8 1 5\n-1 8 1 5\n", ":2: arrival '-1' is not a number of seconds in 0..86400");
+  refused("3 8 1 5\n2 8 1 5\n", ":2: arrival 2 is before");
+  refused("0 0 1 5\n", ":1: output tokens '0'");
+  refused("0 8 0 5\n", ":1: samples '0'");
+  refused("0 8 1\n", ":1: no prompt token");
+  refused("0 8 1 5 -3\n", ":1: token '-3'");
+  refused("0 8 1 5 2147483648\n", ":1: token '2147483648'");
+  refused("0 8\n", ":1: no samples");
+  refused("inf 8 1 5\n", ":1: arrival 'inf'");
   EXPECT_THROW((void)gpumem::cli::read_serve_workload("/nonexistent/gpumem/workload.txt"),
                gpumem::invalid_argument);
+}
+
+TEST(ServeSim, WorkloadFieldsNameTheFieldTheValueAndTheRange) {
+  const auto refused = [](const std::string& text, const std::string& says) {
+    const workload_file f(text);
+    try {
+      (void)gpumem::cli::read_serve_workload(f.path);
+      ADD_FAILURE() << "accepted: " << text;
+    } catch (const gpumem::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(f.path + says), std::string::npos) << e.what();
+    }
+  };
+  refused("0 8 1 5\n1e300 8 1 5\n", ":2: arrival '1e300' is not a number of seconds in 0..86400");
+  refused("86400.5 8 1 5\n", ":1: arrival '86400.5' is not a number of seconds in 0..86400");
+  refused("0 99999999999 1 5\n", ":1: output tokens '99999999999' is not a whole number in 1..4294967296");
+  refused("0 8 2000 5\n", ":1: samples '2000' is not a whole number in 1..1024");
+  refused("0 8 1 +5\n", ":1: token '+5' is not a whole number in 0..2147483647");
+  refused("0 8 1 0x10\n", ":1: token '0x10' is not a whole number");
+}
+
+TEST(ServeSim, WorkloadTextFollowsTheSharedTextRule) {
+  const auto refused = [](const std::string& text, const std::string& says) {
+    const workload_file f(text);
+    try {
+      (void)gpumem::cli::read_serve_workload(f.path);
+      ADD_FAILURE() << "accepted: " << text;
+    } catch (const gpumem::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(f.path + says), std::string::npos) << e.what();
+    }
+  };
+  // A NUL inside a token never cuts it: the line is binary data.
+  refused(std::string("0 8 1 5\n0 8 1 12\0" "99\n", 20), ":2: binary data, not text (byte 0x00 at column 9: a NUL)");
+  refused("0 8 1 5\r7\n", ":1: binary data, not text (byte 0x0d at column 8: a carriage return");
+  refused("0 8 1 5\x1b[0m\n", ":1: binary data");
+  // A byte-order mark at the start and CRLF line ends read as plain text (as a trace's).
+  const workload_file f("\xEF\xBB\xBF# exported\r\n0 8 1 5 6\r\n\r\n2.5\t4 2 7\r\n");
+  const auto w = gpumem::cli::read_serve_workload(f.path);
+  ASSERT_EQ(w.size(), 2u);
+  EXPECT_EQ(w[0].prompt, (std::vector<gpumem::token_id>{5, 6}));
+  EXPECT_DOUBLE_EQ(w[1].arrival, 2.5);
+  EXPECT_EQ(w[1].samples, 2u);
+  // A mark anywhere else is no number.
+  refused("0 8 1 5\n\xEF\xBB\xBF" "1 8 1 5\n", ":2: arrival '\xEF\xBB\xBF" "1'");
+}
+
+TEST(ServeSim, AWorkloadFileOverItsLimitIsRefusedWhileStreaming) {
+  std::string text;
+  while (text.size() < (1u << 20)) text += "0 8 1 5 6 7 8 9\n";
+  const workload_file f(text);
+  try {
+    (void)gpumem::cli::read_serve_workload(f.path, 256 << 10);
+    ADD_FAILURE() << "a file over the limit was read";
+  } catch (const gpumem::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("serve-sim: workload: " + f.path), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("more than 256.00 KiB, this reader's limit"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(gpumem::cli::read_serve_workload(f.path, 1 << 20).size(), text.size() / 16);
+}
+
+TEST(ServeSim, ALongGapBetweenArrivalsIsServedNotTakenForALivelock) {
+  // 30,000 s between two requests: 1.2 million idle steps of 25 ms, more than the
+  // million steps without a completion that stop a livelocked run.
+  const workload_file f("0 8 1 5 6\n30000 8 1 5 6\n");
+  auto c = small();
+  c.workload = gpumem::cli::read_serve_workload(f.path);
+  c.requests = 0;
+  const auto r = run(c, "paged");
+  EXPECT_EQ(r.completed, 2u);
+  EXPECT_GE(r.sim_seconds, 30000.0);
 }
 
 }  // namespace

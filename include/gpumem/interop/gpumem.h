@@ -290,7 +290,9 @@ GPUMEM_API gpumem_status gpumem_device_memory(gpumem_pool* pool, size_t* free_by
  * there and that device is granted access. */
 GPUMEM_API gpumem_status gpumem_export(gpumem_pool* pool, void* ptr, int* fd_out);
 GPUMEM_API gpumem_status gpumem_import(gpumem_pool* pool, int fd, size_t size, void** ptr_out);
-/* Sends `fd` with `size` over a connected Unix domain socket; receives them. */
+/* Sends `fd` with `size` over a connected Unix domain socket; receives them. A message
+ * that is not gpumem_send_fd's (short, cut, with no or several descriptors) is refused
+ * with GPUMEM_ERROR_INVALID_ARGUMENT, every descriptor it carried closed. */
 GPUMEM_API gpumem_status gpumem_send_fd(int socket, int fd, uint64_t size);
 GPUMEM_API gpumem_status gpumem_receive_fd(int socket, int* fd_out, uint64_t* size_out);
 

@@ -18,12 +18,17 @@
 //  - an allocation at an address still live (its free is missing) is replayed; the
 //    earlier allocation stays live to the end of the trace;
 //  - a free whose size differs from its allocation's frees the allocation (its size).
-// A file is read as it streams: its first non-empty line (a UTF-8 byte-order mark before
-// it is skipped) must be a known header within the first trace_header_window bytes, and
-// no line may be longer than trace_max_line, so a file that is not a trace (/dev/zero, a
-// binary) is refused after a bounded read. A gzip'd file is read through zlib; a gzip
-// stream that ends early or is corrupt is refused naming the file and the line where the
-// data stopped. Built without zlib, a gzip'd file is refused with that reason.
+// A file is read as it streams (replay/input_file.hpp), its text cut into lines by the rule
+// every text reader shares (replay/text_lines.hpp: a leading UTF-8 byte-order mark skipped,
+// CRLF read as LF, a NUL or other control byte refused as binary data): its first
+// non-empty line must be a known header within the first trace_header_window bytes, and no
+// line may be longer than trace_max_line, so a file that is not a trace (/dev/zero, a
+// binary) is refused after a bounded read. At most trace_read_limits::max_bytes are read,
+// compressed and decompressed (a FIFO or a gzip bomb is refused at the limit, naming the
+// file and the limit). A gzip'd file is read through zlib; a gzip stream that ends early or
+// is corrupt is refused naming the file and the line where the data stopped. Built without
+// zlib, a gzip'd file is refused with that reason. Numbers are checked: a field that is no
+// number, or a time beyond the range, is refused naming the field, the value and the range.
 //
 // Invariant of a loaded trace: every free names an earlier, still-live alloc id.
 #pragma once
@@ -100,12 +105,21 @@ class trace_clock final : public pool_clock {
 inline constexpr std::size_t trace_header_window = 64 * 1024;
 inline constexpr std::size_t trace_max_line = 64 * 1024;
 
+// What reading one trace file may take. A loaded trace holds at most about 4 x max_bytes
+// (an event is 32 bytes, from a line of at least 10 bytes); a snapshot pickle's values
+// are held within max_snapshot_memory while it is read, and the trace text made of it
+// within max_bytes.
+struct trace_read_limits {
+  std::uint64_t max_bytes = std::uint64_t{2} << 30;            // read from the file, either form
+  std::uint64_t max_snapshot_memory = std::uint64_t{4} << 30;  // a pickle's values, read
+};
+
 // Reads a trace file as it streams; throws gpumem::invalid_argument naming the file (and
 // the line, where there is one) when it cannot be read, is not a trace (no header in the
-// window, binary data, a line over trace_max_line), is malformed (unknown header, bad
-// number, unknown action) or is a gzip stream cut short or corrupt.
-trace load_trace(const std::string& path);
-// Parses trace text (already decompressed).
+// window, binary data, a line over trace_max_line), is over a limit, is malformed (unknown
+// header, bad number, unknown action) or is a gzip stream cut short or corrupt.
+trace load_trace(const std::string& path, const trace_read_limits& limits = {});
+// Parses trace text (already decompressed), by the same rules.
 trace parse_trace(const std::string& text, const std::string& source);
 
 struct replay_options {

@@ -120,7 +120,7 @@ inline block* block_arena::best_fit(const size_bins& bins, std::size_t need, boo
     for (block* b = head; b != nullptr; b = b->bin_next) {
       if (check_fit && b->size < need) continue;
       if (!all_serve && b->segment == restricted_segment_) continue;
-      if (best == nullptr || b->size < best->size || (b->size == best->size && b->addr < best->addr))
+      if (best == nullptr || b->size < best->size || (b->size == best->size && earlier(*b, *best)))
         best = b;
     }
     return best;
@@ -288,7 +288,7 @@ block* block_arena::allocate(std::size_t size, std::size_t alignment, std::uintp
       if (!any_segment && !serves(*c, size)) return;
       const std::uintptr_t start = align_up(c->addr, alignment);
       if (start + size > c->addr + c->size) return;
-      if (b == nullptr || c->size < b->size || (c->size == b->size && c->addr < b->addr)) b = c;
+      if (b == nullptr || c->size < b->size || (c->size == b->size && earlier(*c, *b))) b = c;
     });
   }
   // Best fit is the smallest that fits: when it is over the limit, so is every other.
@@ -307,7 +307,7 @@ block* block_arena::allocate_from_other_streams(std::size_t size, std::size_t al
     if (other == stream || bins->empty()) continue;
     block* b = best_fit(*bins, need, false);
     if (b == nullptr) continue;
-    if (best != nullptr && (b->size > best->size || (b->size == best->size && b->addr > best->addr)))
+    if (best != nullptr && (b->size > best->size || (b->size == best->size && !earlier(*b, *best))))
       continue;
     if (usable(*b)) best = b;
   }
@@ -426,11 +426,11 @@ std::vector<block*> block_arena::free_blocks() const {
   std::vector<block*> all;
   all.reserve(free_blocks_);
   for_each_free([&](block* b) { all.push_back(b); });
-  // Ascending (stream, size, address): deterministic order for callers that scan.
+  // Ascending (stream, size, segment, address): deterministic order for callers that scan.
   std::sort(all.begin(), all.end(), [](const block* a, const block* b) {
     if (a->stream != b->stream) return a->stream < b->stream;
     if (a->size != b->size) return a->size < b->size;
-    return a->addr < b->addr;
+    return earlier(*a, *b);
   });
   return all;
 }

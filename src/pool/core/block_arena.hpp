@@ -1,9 +1,11 @@
 // block_arena: the block bookkeeping shared by caching_pool and vmm_page_pool.
 //
 // Memory is handed to the arena as free regions; the arena carves them into blocks:
-// best fit by (stream, size, address) over segregated size bins (per stream, 16 bins per
-// power of two, two-level bitmaps: O(1) to find the first bin that can fit, then the
-// smallest block in it, lowest address on ties), split on allocation, merged with free address
+// best fit by (stream, size, segment, address) over segregated size bins (per stream, 16
+// bins per power of two, two-level bitmaps: O(1) to find the first bin that can fit, then the
+// smallest block in it, the earliest segment and then the lowest address on ties: segments
+// are numbered in the order their owner made them, so no choice depends on where the host
+// or driver placed one segment relative to another), split on allocation, merged with free address
 // neighbours of the same segment and stream on flush. Freed blocks first go to exact-size
 // quick lists (the hot path: no tree operations); quick lists are flushed into the merged
 // free index when a request misses, so merging happens before the pool ever grows.
@@ -58,6 +60,13 @@ struct block {
                                 // allocated: lifetime_hints' stamp, or stale)
   std::size_t requested = 0;    // bytes the user asked for (allocated blocks)
 };
+// Ties between free blocks of one size go to the earlier segment, then the lower address
+// (within a segment, the lower offset): an order that the placement of segments by the
+// upstream allocator (host addresses on sim, the driver's on a GPU) does not change.
+inline bool earlier(const block& a, const block& b) noexcept {
+  return a.segment != b.segment ? a.segment < b.segment : a.addr < b.addr;
+}
+
 // block_arena::new_block resets a recycled record field by field: a new field needs a line there.
 static_assert(sizeof(block) == 88, "a field was added to block: reset it in block_arena::new_block");
 

@@ -3,10 +3,12 @@
 
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <iterator>
 
 #include "gpumem/errors.hpp"
 #include "gpumem/platform/status_error.hpp"
@@ -195,7 +197,11 @@ bool send_fd(int socket, int fd, std::uint64_t size) {
 int receive_fd(int socket, std::uint64_t* size) {
   std::uint64_t got = 0;
   iovec io{&got, sizeof got};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  // Room for more descriptors than a message of send_fd carries: extra ones arrive here and
+  // are closed, rather than being cut off by the kernel (MSG_CTRUNC, which closes them
+  // too, but says the message was not send_fd's).
+  constexpr std::size_t room = 16;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * room)] = {};
   msghdr msg{};
   msg.msg_iov = &io;
   msg.msg_iovlen = 1;
@@ -204,20 +210,30 @@ int receive_fd(int socket, std::uint64_t* size) {
   ssize_t n;
   do n = ::recvmsg(socket, &msg, MSG_CMSG_CLOEXEC);
   while (n < 0 && errno == EINTR);
-  if (n != static_cast<ssize_t>(sizeof got)) {
-    if (n >= 0) errno = ECONNRESET;
-    return -1;
+  if (n < 0) return -1;
+  // Every descriptor the message carried, over every SCM_RIGHTS header: each is returned
+  // or closed, whatever else is wrong with the message.
+  int fds[room * 2];
+  std::size_t count = 0;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const std::size_t in_header = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (std::size_t k = 0; k < in_header && count < std::size(fds); ++k)
+      std::memcpy(&fds[count++], CMSG_DATA(c) + k * sizeof(int), sizeof(int));
   }
-  int fd = -1;
-  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c))
-    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
-      std::memcpy(&fd, CMSG_DATA(c), sizeof fd);
-  if (fd < 0) {
-    errno = EBADMSG;
+  int error = 0;
+  if (n == 0 && count == 0)
+    error = ECONNRESET;  // the peer closed the socket
+  else if (n != static_cast<ssize_t>(sizeof got) || count != 1 ||
+           (msg.msg_flags & (MSG_CTRUNC | MSG_TRUNC)) != 0)
+    error = EBADMSG;  // a short message, none or several descriptors, or a cut one
+  if (error != 0) {
+    for (std::size_t k = 0; k < count; ++k) ::close(fds[k]);
+    errno = error;
     return -1;
   }
   if (size != nullptr) *size = got;
-  return fd;
+  return fds[0];
 }
 
 }  // namespace gpumem

@@ -76,7 +76,9 @@ class shared_memory {
 
 // Passing a file descriptor to another process over a connected Unix domain socket
 // (SCM_RIGHTS), with `size` as the message. send_fd returns false (errno set) on failure;
-// receive_fd returns -1 (errno set) on failure or when the peer closed the socket.
+// receive_fd returns -1 (errno set) on failure, ECONNRESET when the peer closed the
+// socket, EBADMSG for a message that is not send_fd's (short, cut, with no or several
+// descriptors). Every descriptor a message carried is either returned or closed.
 bool send_fd(int socket, int fd, std::uint64_t size);
 int receive_fd(int socket, std::uint64_t* size);
 
