@@ -247,7 +247,7 @@ TEST(c_api_tags, record_stream_works_for_tagged_shared_and_imported_allocations)
 // With many tags, each free goes to the tag whose range holds it: untagged pointers to the
 // untagged pool, each tag's to its own, whatever the order of the tags' ranges.
 TEST(c_api_tags, frees_find_their_tag_among_many) {
-  pool_handle h(small_sim);
+  pool_handle h("platform:sim,sim_capacity:1G");  // a page for each of 300 tags
   ASSERT_EQ(h.status, GPUMEM_SUCCESS);
   struct live {
     void* p;
