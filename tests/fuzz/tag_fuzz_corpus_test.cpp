@@ -20,7 +20,7 @@ constexpr std::size_t bytes_per_seed = ops_per_seed * 4;
 
 std::uint64_t tag_seeds() {
   if (const char* s = std::getenv("GPUMEM_FUZZ_SEEDS")) return std::strtoull(s, nullptr, 10);
-  return 6;
+  return 3;
 }
 
 TEST(fuzz_corpus_tags, every_seed_keeps_the_model) {

@@ -62,6 +62,9 @@ class tag_driver {
   struct tag_model {
     bool used = false;  // allocated in at least once (tag 0 always)
     bool asleep = false;
+    // Partly asleep after a failed wake: a sleep completes the sleep (in the first sleep's
+    // mode), a wake completes the wake.
+    bool partly = false;
   };
 
   std::uint32_t pick_tag() {
@@ -111,9 +114,10 @@ class tag_driver {
   }
 
   std::string allocate() {
-    static constexpr std::size_t sizes[] = {512, 4096, 100 * 1024, 2 * MiB + 100, 6 * MiB};
+    // 48 MiB: a few of them, over tags, fill the 256 MiB device (out of memory is reached).
+    static constexpr std::size_t sizes[] = {512, 4096, 100 * 1024, 2 * MiB + 100, 6 * MiB, 48 * MiB};
     const std::uint32_t tag = pick_tag();
-    const std::size_t bytes = sizes[in_.u8() % 5];
+    const std::size_t bytes = sizes[in_.u8() % 6];
     void* p = nullptr;
     const gpumem_status st = tag == 0 && in_.u8() % 2 == 0
                                  ? gpumem_allocate(pool_, bytes, 256, nullptr, &p)
@@ -183,7 +187,7 @@ class tag_driver {
     const int mode = in_.u8() % 2 ? GPUMEM_SLEEP_OFFLOAD : GPUMEM_SLEEP_DISCARD;
     const gpumem_status st = gpumem_sleep(pool_, tag, mode, nullptr);
     tag_model& m = model_of(tag);
-    if (tag == shared || !m.used || m.asleep) {
+    if (tag == shared || !m.used || (m.asleep && !m.partly)) {
       ++counts_.bad_inputs;
       return expect(st, GPUMEM_ERROR_INVALID_ARGUMENT, "refused sleep");
     }
@@ -193,6 +197,7 @@ class tag_driver {
     }
     if (auto why = expect(st, GPUMEM_SUCCESS, "sleep"); !why.empty()) return why;
     m.asleep = true;
+    m.partly = false;
     if (mode == GPUMEM_SLEEP_DISCARD)
       for (auto& [addr, a] : live_)
         if (a.tag == tag) a.intact = false;
@@ -207,12 +212,14 @@ class tag_driver {
       ++counts_.bad_inputs;
       return expect(st, GPUMEM_ERROR_INVALID_ARGUMENT, "refused wake");
     }
-    if (st == GPUMEM_ERROR_OUT_OF_MEMORY) {  // the device is full: the tag stays asleep
+    if (st == GPUMEM_ERROR_OUT_OF_MEMORY) {  // the device is full: the tag stays (partly) asleep
       ++counts_.out_of_memory;
+      m.partly = true;
       return {};
     }
     if (auto why = expect(st, GPUMEM_SUCCESS, "wake"); !why.empty()) return why;
     m.asleep = false;
+    m.partly = false;
     return {};
   }
 
@@ -321,14 +328,9 @@ class tag_driver {
     return {};
   }
 
+  // Frees first (allowed while a tag sleeps), then wakes: a wake that finds the device
+  // full gets the other tags' free memory.
   std::string teardown() {
-    for (std::uint32_t tag : {0u, 1u, 2u, 3u})
-      if (model_of(tag).asleep) {
-        if (auto why = expect(gpumem_wake(pool_, tag, nullptr), GPUMEM_SUCCESS, "final wake");
-            !why.empty())
-          return why;
-        model_of(tag).asleep = false;
-      }
     while (!live_.empty()) {
       auto it = live_.begin();
       if (auto why = expect(gpumem_free(pool_, reinterpret_cast<void*>(it->first), it->second.bytes,
@@ -338,6 +340,13 @@ class tag_driver {
         return why;
       live_.erase(it);
     }
+    for (std::uint32_t tag : {0u, 1u, 2u, 3u})
+      if (model_of(tag).asleep) {
+        if (auto why = expect(gpumem_wake(pool_, tag, nullptr), GPUMEM_SUCCESS, "final wake");
+            !why.empty())
+          return why;
+        model_of(tag).asleep = false;
+      }
     std::uint64_t released = 0;
     if (auto why = expect(gpumem_pool_trim(pool_, &released), GPUMEM_SUCCESS, "final trim"); !why.empty())
       return why;

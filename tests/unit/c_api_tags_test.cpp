@@ -209,6 +209,25 @@ TEST(c_api_tags, pool_stats_trim_and_out_of_memory_reach_every_tag) {
   EXPECT_EQ(h.stats().live_bytes, 0u);
 }
 
+// A wake that finds the device full of other tags' cached pages gets them: the wake trims
+// every tag and tries again, and the bytes come back.
+TEST(c_api_tags, a_wake_gets_the_free_memory_other_tags_cache) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  auto* kept = static_cast<unsigned char*>(h.tagged(100 * MiB, 1));
+  ASSERT_NE(kept, nullptr);
+  kept[0] = 0x5a;
+  kept[100 * MiB - 1] = 0xa5;
+  ASSERT_EQ(gpumem_sleep(h.pool, 1, GPUMEM_SLEEP_OFFLOAD, nullptr), GPUMEM_SUCCESS) << last_error();
+  void* other = h.tagged(200 * MiB, 2);
+  ASSERT_NE(other, nullptr);
+  ASSERT_EQ(gpumem_free(h.pool, other, 200 * MiB, nullptr), GPUMEM_SUCCESS);  // cached by tag 2
+  ASSERT_EQ(gpumem_wake(h.pool, 1, nullptr), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(kept[0], 0x5a);
+  EXPECT_EQ(kept[100 * MiB - 1], 0xa5);
+  EXPECT_EQ(gpumem_free(h.pool, kept, 100 * MiB, nullptr), GPUMEM_SUCCESS);
+}
+
 // A free on the default stream of an allocation recorded on a side stream waits for it,
 // whichever kind of allocation it is; pointers that are not live allocations are refused.
 TEST(c_api_tags, record_stream_works_for_tagged_shared_and_imported_allocations) {

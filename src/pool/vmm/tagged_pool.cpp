@@ -280,8 +280,15 @@ void tagged_pool::wake(std::uint32_t tag, stream_handle stream) {
   tag_entry* e = nullptr;
   vmm_page_pool& pool = sleeper(tag, e, "wake");
   std::unique_lock gate(e->gate);
-  // On failure the tag stays asleep: the pool is still partly asleep.
-  follow_pool(*e, [&] { pool.wake(stream); });
+  // Out of memory, every tag's free memory is given back and the wake tried once more (it
+  // resumes where it stopped). On failure the tag stays asleep: the pool is still partly
+  // asleep.
+  follow_pool(*e, [&] {
+    with_memory_of_every_tag([&]() -> void* {
+      pool.wake(stream);
+      return nullptr;
+    });
+  });
 }
 
 bool tagged_pool::asleep(std::uint32_t tag) const {

@@ -11,7 +11,8 @@
 //  - The pool is the registry of its tags: stats() is the sum over every tag (0 and the
 //    shared tag included), trim() gives back the free pages of every tag, and an
 //    allocation of any tag that runs out of memory trims every tag and tries once more
-//    before it throws out_of_memory, whose report then lists what each tag holds.
+//    before it throws out_of_memory, whose report then lists what each tag holds; so does a
+//    wake that finds the device full.
 //  - allocate(bytes, alignment, stream, tag), or memory_resource::allocate under a
 //    scoped_tag (a thread's current tag; 0 outside any). deallocate finds the tag by
 //    address in a map of the tags' ranges (O(log tags)). Stats per tag: tag_stats(tag).
