@@ -51,6 +51,40 @@ pool_body::~pool_body() {
   }
 }
 
+gpumem::resource_stats pool_body::stats() const {
+  const auto* v = vmm.load(std::memory_order_acquire);
+  return v != nullptr ? c_api_vmm_stats(v) : front().stats();
+}
+
+std::size_t pool_body::trim() {
+  auto* v = vmm.load(std::memory_order_acquire);
+  return v != nullptr ? c_api_vmm_trim(v) : pool->trim();
+}
+
+void pool_body::release_stream(gpumem::stream_handle stream) {
+  if (auto* v = vmm.load(std::memory_order_acquire); v != nullptr)
+    c_api_vmm_release_stream(v, stream);
+  else
+    front().release_stream(stream);
+}
+
+std::string pool_body::memory_report(std::size_t bytes) const {
+  const auto* v = vmm.load(std::memory_order_acquire);
+  return pool->memory_report(bytes) + (v != nullptr ? c_api_vmm_describe_tags(v) : std::string());
+}
+
+void* pool_body::allocate_untagged(std::size_t bytes, std::size_t alignment,
+                                   gpumem::stream_handle stream) {
+  auto attempt = [&] { return front().allocate(bytes, alignment, stream); };
+  try {
+    return attempt();
+  } catch (const gpumem::out_of_memory& first) {
+    auto* v = vmm.load(std::memory_order_acquire);
+    if (v == nullptr) throw;  // no other tag holds memory
+    return c_api_vmm_after_out_of_memory(v, first, attempt);
+  }
+}
+
 }  // namespace gpumem::detail
 
 namespace {
@@ -229,7 +263,7 @@ gpumem_status gpumem_allocate(gpumem_pool* pool, size_t size, size_t alignment, 
   if (body == nullptr) return last_error_status;
   if (untagged_asleep(*body, "gpumem_allocate")) return last_error_status;
   return guarded("gpumem_allocate",
-                 [&] { *out = body->front().allocate(size, alignment, to_stream(stream)); });
+                 [&] { *out = body->allocate_untagged(size, alignment, to_stream(stream)); });
 }
 
 void* gpumem_malloc(gpumem_pool* pool, size_t size, void* stream) {
@@ -238,7 +272,7 @@ void* gpumem_malloc(gpumem_pool* pool, size_t size, void* stream) {
   if (body == nullptr) return nullptr;
   if (untagged_asleep(*body, "gpumem_malloc")) return nullptr;
   guarded("gpumem_malloc", [&] {
-    ptr = body->front().allocate(size, gpumem::default_alignment, to_stream(stream));
+    ptr = body->allocate_untagged(size, gpumem::default_alignment, to_stream(stream));
   });
   return ptr;
 }
@@ -246,17 +280,19 @@ void* gpumem_malloc(gpumem_pool* pool, size_t size, void* stream) {
 gpumem_status gpumem_free(gpumem_pool* pool, void* ptr, size_t size, void* stream) {
   pool_body* body = live_body(pool, "gpumem_free");
   if (body == nullptr) return last_error_status;
-  if (auto* vmm = body->vmm.load(std::memory_order_acquire); vmm != nullptr) {
-    gpumem_status result = GPUMEM_SUCCESS;
-    if (gpumem::detail::c_api_vmm_free(vmm, ptr, size, stream, result)) return result;
-  }
   return guarded("gpumem_free", [&] {
     const gpumem::stream_handle s = to_stream(stream);
-    // An allocation with recorded streams: the free waits for them (c_api_streams.cpp).
+    // Another tag's allocation (a tag's block, shared or imported) is the tags' to free;
+    // one look-up in their range map (O(log tags)).
+    gpumem::memory_resource* owner = &body->front();
+    if (auto* vmm = body->vmm.load(std::memory_order_acquire); vmm != nullptr)
+      if (auto* tags = gpumem::detail::c_api_vmm_owner(vmm, ptr); tags != nullptr) owner = tags;
+    // An allocation with recorded streams: the free waits for them (c_api_streams.cpp),
+    // whichever tag holds it.
     if (body->any_recorded.load(std::memory_order_acquire) &&
-        gpumem::detail::free_recorded(*body, ptr, size, s))
+        gpumem::detail::free_recorded(*body, *owner, ptr, size, s))
       return;
-    body->front().deallocate(ptr, size, s);
+    owner->deallocate(ptr, size, s);
   });
 }
 
@@ -271,7 +307,7 @@ gpumem_status gpumem_pool_trim(gpumem_pool* pool, uint64_t* released) {
   pool_body* body = live_body(pool, "gpumem_pool_trim");
   if (body == nullptr) return last_error_status;
   return guarded("gpumem_pool_trim", [&] {
-    const std::size_t bytes = body->pool->trim();
+    const std::size_t bytes = body->trim();
     if (released != nullptr) *released = bytes;
   });
 }

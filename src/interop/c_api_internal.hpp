@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -66,13 +67,23 @@ inline gpumem::stream_handle to_stream(void* stream) noexcept {
 // Tags, sleep / wake and sharing of one pool (c_api_vmm.cpp), made on first use.
 struct c_api_vmm_state;
 
-// c_api_vmm.cpp, for c_api.cpp: destroys the state (before the pool); whether untagged
-// allocations are refused (tag 0 asleep); whether `ptr` is one of the state's (another
-// tag's, shared or imported) and, if so, frees it (the status is the call's).
+// c_api_vmm.cpp, for the other files: destroys the state (before the pool); whether
+// untagged allocations are refused (tag 0 asleep); what frees `ptr` when another tag holds
+// it (a tag's block, shared or imported: the tags), else nullptr; whether `ptr` is a live
+// allocation of another tag. The pool's sums over every tag, the tags' trim and
+// release_stream, the retry of an untagged allocation that ran out of memory after
+// trimming every tag, and the report with every tag's holdings (pool_body's whole-pool
+// calls below go through these).
 void c_api_vmm_destroy(c_api_vmm_state* state) noexcept;
 bool c_api_vmm_untagged_asleep(const c_api_vmm_state* state) noexcept;
-bool c_api_vmm_free(c_api_vmm_state* state, void* ptr, std::size_t size, void* stream,
-                    gpumem_status& result) noexcept;
+gpumem::memory_resource* c_api_vmm_owner(c_api_vmm_state* state, const void* ptr);
+bool c_api_vmm_is_live(const c_api_vmm_state* state, const void* ptr);
+gpumem::resource_stats c_api_vmm_stats(const c_api_vmm_state* state);
+std::size_t c_api_vmm_trim(c_api_vmm_state* state);
+void c_api_vmm_release_stream(c_api_vmm_state* state, gpumem::stream_handle stream);
+void* c_api_vmm_after_out_of_memory(c_api_vmm_state* state, const gpumem::out_of_memory& first,
+                                    const std::function<void*()>& attempt);
+std::string c_api_vmm_describe_tags(const c_api_vmm_state* state);
 
 // How many live handles of each kind stand on one pool (pool_body::borrowers).
 struct c_api_borrowers {
@@ -123,6 +134,17 @@ struct pool_body {
   gpumem::memory_resource& front() const {
     return planner != nullptr ? static_cast<gpumem::memory_resource&>(*planner) : *pool;
   }
+
+  // The whole pool: every tag, once any tag other than 0 was used (c_api_vmm.cpp). These
+  // are the only ways the C API reads the pool's totals, gives memory back, forgets a
+  // stream or reports, so none of them can leave a tag out.
+  gpumem::resource_stats stats() const;
+  std::size_t trim();
+  void release_stream(gpumem::stream_handle stream);
+  std::string memory_report(std::size_t bytes) const;
+  // An untagged allocation through front(); out of memory, every tag's free memory is
+  // given back and it is tried once more.
+  void* allocate_untagged(std::size_t bytes, std::size_t alignment, gpumem::stream_handle stream);
 };
 
 // Distinctive values, so a pointer to something else is unlikely to pass for a handle
@@ -188,9 +210,10 @@ c_api_pool_parts c_api_pool(gpumem_pool* pool, const char* where) noexcept;
 void require_device_stream(platform& p, int device, std::uintptr_t stream, const char* what);
 
 // c_api_streams.cpp, for gpumem_free: when `ptr` has recorded streams, makes `stream` wait
-// for them, frees `ptr` through the body's front and forgets its records, and returns
-// true; false (nothing done) when `ptr` has none. Throws as the free does, forgetting
-// nothing then. REQUIRES: body.any_recorded was seen true.
-bool free_recorded(pool_body& body, void* ptr, std::size_t size, gpumem::stream_handle stream);
+// for them, frees `ptr` through `owner` (what holds it: the body's front, or the tags) and
+// forgets its records, and returns true; false (nothing done) when `ptr` has none. Throws
+// as the free does, forgetting nothing then. REQUIRES: body.any_recorded was seen true.
+bool free_recorded(pool_body& body, gpumem::memory_resource& owner, void* ptr, std::size_t size,
+                   gpumem::stream_handle stream);
 
 }  // namespace gpumem::detail

@@ -37,7 +37,7 @@ gpumem_status gpumem_pool_stats(gpumem_pool* pool, gpumem_stats* out) {
   if (out == nullptr)
     return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_pool_stats: null output pointer");
   return guarded("gpumem_pool_stats", [&] {
-    const gpumem::resource_stats s = body->front().stats();
+    const gpumem::resource_stats s = body->stats();  // every tag's
     gpumem_stats r{};
     r.live_bytes = s.live_bytes;
     r.peak_live_bytes = s.peak_live_bytes;
@@ -122,7 +122,7 @@ size_t gpumem_pool_report(gpumem_pool* pool, size_t size, char* buf, size_t capa
   std::string report;
   pool_body* body = live_body(pool, "gpumem_pool_report");
   if (body == nullptr) return 0;
-  if (guarded("gpumem_pool_report", [&] { report = body->pool->memory_report(size); }) !=
+  if (guarded("gpumem_pool_report", [&] { report = body->memory_report(size); }) !=
       GPUMEM_SUCCESS)
     return 0;
   return copy_text(report, buf, capacity);

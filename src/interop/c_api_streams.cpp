@@ -22,6 +22,7 @@
 #include "gpumem/platform.hpp"
 #include "gpumem/platform/status_error.hpp"
 #include "gpumem/pool.hpp"
+#include "gpumem/pool/core/segment_lookup.hpp"
 
 using gpumem::detail::c_api_fail;
 using gpumem::detail::guarded;
@@ -31,31 +32,21 @@ using gpumem::detail::to_stream;
 
 namespace {
 
-// Whether `addr` is the address of a live allocation this pool handed out (through the
-// planner when there is one: its planned allocations too).
-// The pool has no lookup of one address, so this reads every segment's blocks: O(blocks),
-// paid once per allocation recorded (a pointer already in `recorded` is known live).
-// Guarded allocations (pool_options::guard) are in no segment: in guard mode every
-// pointer passes.
+// Whether `addr` is the address of a live allocation this pool handed out, of any tag
+// (untagged through the planner when there is one: its planned allocations too; another
+// tag's, shared or imported through the pool's tags). The pools have no look-up of one
+// address, so this reads the segments' blocks: O(blocks), paid once per allocation
+// recorded (a pointer already in `recorded` is known live). Guarded allocations
+// (pool_options::guard) are in no segment: in guard mode every pointer passes.
 // REQUIRES: pool.recorded_mutex held (no free of `addr` runs meanwhile).
 bool is_live_allocation(const pool_body& pool, std::uintptr_t addr) {
   if (pool.pool->options().guard) return true;
   const std::vector<gpumem::memory_segment> segments =
       pool.planner != nullptr ? pool.planner->memory_segments() : pool.pool->memory_segments();
-  // Segments and their blocks are by address.
-  auto seg = std::upper_bound(segments.begin(), segments.end(), addr,
-                              [](std::uintptr_t a, const gpumem::memory_segment& s) {
-                                return a < s.address;
-                              });
-  if (seg == segments.begin()) return false;
-  --seg;
-  if (addr >= seg->address + seg->size) return false;
-  auto b = std::lower_bound(seg->blocks.begin(), seg->blocks.end(), addr,
-                            [](const gpumem::memory_block& x, std::uintptr_t a) {
-                              return x.address < a;
-                            });
-  return b != seg->blocks.end() && b->address == addr &&
-         b->st == gpumem::memory_block::state::allocated;
+  if (gpumem::is_allocated_block(segments, addr)) return true;
+  const auto* vmm = pool.vmm.load(std::memory_order_acquire);
+  return vmm != nullptr &&
+         gpumem::detail::c_api_vmm_is_live(vmm, reinterpret_cast<const void*>(addr));
 }
 
 std::string hex(std::uintptr_t value) {
@@ -121,7 +112,8 @@ void require_device_stream(platform& p, int device, std::uintptr_t stream, const
                                    what);
 }
 
-bool free_recorded(pool_body& body, void* ptr, std::size_t size, gpumem::stream_handle stream) {
+bool free_recorded(pool_body& body, gpumem::memory_resource& owner, void* ptr, std::size_t size,
+                   gpumem::stream_handle stream) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   std::unique_lock lock(body.recorded_mutex);
   auto it = body.recorded.find(addr);
@@ -131,7 +123,7 @@ bool free_recorded(pool_body& body, void* ptr, std::size_t size, gpumem::stream_
   std::vector<std::uintptr_t> streams = std::move(it->second);
   body.recorded.erase(it);
   try {
-    body.front().deallocate(ptr, size, stream);
+    owner.deallocate(ptr, size, stream);
   } catch (...) {
     body.recorded.emplace(addr, std::move(streams));  // refused: nothing changed
     throw;
@@ -207,7 +199,7 @@ gpumem_status gpumem_stream_destroy(gpumem_pool* pool, void* stream) {
                 "gpumem_stream_destroy: the default stream cannot be destroyed");
   return guarded("gpumem_stream_destroy", [&] {
     const auto s = reinterpret_cast<std::uintptr_t>(stream);
-    body->front().release_stream(to_stream(stream));
+    body->release_stream(to_stream(stream));
     // Allocations recorded on the stream: its work is waited for now (no later free can
     // wait for a destroyed stream), then their records of it are dropped.
     std::unique_lock lock(body->recorded_mutex, std::defer_lock);

@@ -1,13 +1,18 @@
 // The C API's tags, sleep / wake and sharing between processes (gpumem.h) over
 // gpumem::tagged_pool.
 //
-// A pool's state (c_api_vmm_state) is made on the first call that needs it and lives until
-// the pool is destroyed (before the pool: its tag pools and shared memory go first). Tag 0
-// is the pool itself, reached through the step planner like gpumem_malloc.
+// A pool's state (c_api_vmm_state) is made by the first call that allocates in a tag, sleeps
+// tag 0, or shares (a refused call or a look-up makes none), and lives until the pool is
+// destroyed (before the pool: its tag pools and shared memory go first). Tag 0 is the pool
+// itself, reached through the step planner like gpumem_malloc. Once made, the state's
+// tagged_pool is the registry of every tag: the pool's stats, trim, stream release, report
+// and out-of-memory retry go through it (pool_body's whole-pool calls).
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
+#include <string_view>
 
 #include "gpumem/errors.hpp"
 #include "gpumem/interop/gpumem.h"
@@ -17,18 +22,39 @@
 namespace gpumem::detail {
 
 struct c_api_vmm_state {
-  explicit c_api_vmm_state(pool_base& pool) : tags(pool, pool.options()) {}
+  c_api_vmm_state(pool_base& pool, memory_resource& front) : tags(pool, pool.options(), &front) {}
   tagged_pool tags;
 };
 
 void c_api_vmm_destroy(c_api_vmm_state* state) noexcept { delete state; }
 
 bool c_api_vmm_untagged_asleep(const c_api_vmm_state* state) noexcept {
-  try {
-    return state->tags.asleep(0);
-  } catch (...) {
-    return false;
-  }
+  return state->tags.asleep(0);  // one atomic load
+}
+
+memory_resource* c_api_vmm_owner(c_api_vmm_state* state, const void* ptr) {
+  return state->tags.tag_of(ptr) != 0 ? &state->tags : nullptr;
+}
+
+bool c_api_vmm_is_live(const c_api_vmm_state* state, const void* ptr) {
+  return state->tags.is_live_tagged(ptr);
+}
+
+resource_stats c_api_vmm_stats(const c_api_vmm_state* state) { return state->tags.stats(); }
+
+std::size_t c_api_vmm_trim(c_api_vmm_state* state) { return state->tags.trim(); }
+
+void c_api_vmm_release_stream(c_api_vmm_state* state, stream_handle stream) {
+  state->tags.release_stream(stream);
+}
+
+void* c_api_vmm_after_out_of_memory(c_api_vmm_state* state, const out_of_memory& first,
+                                    const std::function<void*()>& attempt) {
+  return state->tags.after_out_of_memory(first, attempt);
+}
+
+std::string c_api_vmm_describe_tags(const c_api_vmm_state* state) {
+  return state->tags.describe_tags();
 }
 
 }  // namespace gpumem::detail
@@ -48,14 +74,34 @@ gpumem_status fail_with(gpumem_status status, const char* where, const char* wha
   }
 }
 
-// The pool's state, made now if need be. REQUIRES: parts.pool != nullptr.
+// The pool's state, made now if need be: only for a call that allocates, shares or sleeps
+// tag 0. REQUIRES: parts.pool != nullptr.
 c_api_vmm_state& state_of(const gpumem::detail::c_api_pool_parts& parts) {
   if (auto* s = parts.vmm->load(std::memory_order_acquire); s != nullptr) return *s;
   std::lock_guard lock(*parts.vmm_mutex);
   if (auto* s = parts.vmm->load(std::memory_order_acquire); s != nullptr) return *s;
-  auto* made = new c_api_vmm_state(*parts.pool);
+  auto* made = new c_api_vmm_state(*parts.pool, *parts.front);
   parts.vmm->store(made, std::memory_order_release);
   return *made;
+}
+
+// The pool's state if a call made it; nullptr otherwise (then no tag other than 0 was ever
+// allocated in, and none sleeps).
+c_api_vmm_state* existing_state(const gpumem::detail::c_api_pool_parts& parts) {
+  return parts.vmm->load(std::memory_order_acquire);
+}
+
+// The refusal of a sleep or wake of a tag that was never allocated in (a pool with no
+// state): the same as tagged_pool's, and nothing is made.
+[[noreturn]] void refuse_unknown_tag(std::uint32_t tag, const char* caller) {
+  if (tag == gpumem::tagged_pool::shared_tag)
+    throw gpumem::invalid_argument(std::string("the shared tag's memory is shared with other "
+                                               "processes and does not ") + caller);
+  throw gpumem::invalid_argument("tag " + std::to_string(tag) +
+                                 " was never allocated in, so it holds no memory and " +
+                                 (std::string_view(caller) == "wake" ? "is not asleep"
+                                                                     : "has nothing to sleep") +
+                                 "; nothing changed");
 }
 
 void fill_stats(const gpumem::resource_stats& s, gpumem_stats* out) {
@@ -77,19 +123,6 @@ void fill_stats(const gpumem::resource_stats& s, gpumem_stats* out) {
 
 namespace gpumem::detail {
 
-bool c_api_vmm_free(c_api_vmm_state* state, void* ptr, std::size_t size, void* stream,
-                    gpumem_status& result) noexcept {
-  std::uint32_t tag = 0;
-  try {
-    tag = state->tags.tag_of(ptr);
-  } catch (...) {
-    return false;
-  }
-  if (tag == 0) return false;
-  result = guarded("gpumem_free", [&] { state->tags.deallocate(ptr, size, to_stream(stream)); });
-  return true;
-}
-
 }  // namespace gpumem::detail
 
 extern "C" {
@@ -110,14 +143,8 @@ gpumem_status gpumem_allocate_tagged(gpumem_pool* pool, size_t size, size_t alig
   const auto parts = gpumem::detail::c_api_pool(pool, "gpumem_allocate_tagged");
   if (parts.pool == nullptr) return gpumem_last_status();
   return guarded("gpumem_allocate_tagged", [&] {
-    c_api_vmm_state& st = state_of(parts);
-    if (tag == 0) {
-      if (st.tags.asleep(0))
-        throw gpumem::invalid_argument("the untagged memory (tag 0) is asleep; wake it first");
-      *out = parts.front->allocate(size, alignment, to_stream(stream));
-      return;
-    }
-    *out = st.tags.allocate(size, alignment, to_stream(stream), tag);
+    // Tag 0 too: through the planner (the tags' front for tag 0), refused while it sleeps.
+    *out = state_of(parts).tags.allocate(size, alignment, to_stream(stream), tag);
   });
 }
 
@@ -128,22 +155,32 @@ gpumem_status gpumem_sleep(gpumem_pool* pool, uint32_t tag, int mode, void* stre
     return fail_with(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_sleep",
                      "mode must be 0 (offload) or 1 (discard)");
   return guarded("gpumem_sleep", [&] {
-    state_of(parts).tags.sleep(tag, mode == GPUMEM_SLEEP_OFFLOAD ? gpumem::sleep_mode::offload
-                                                                : gpumem::sleep_mode::discard,
-                               to_stream(stream));
+    c_api_vmm_state* st = tag == 0 ? &state_of(parts) : existing_state(parts);
+    if (st == nullptr) refuse_unknown_tag(tag, "sleep");
+    st->tags.sleep(tag, mode == GPUMEM_SLEEP_OFFLOAD ? gpumem::sleep_mode::offload
+                                                    : gpumem::sleep_mode::discard,
+                   to_stream(stream));
   });
 }
 
 gpumem_status gpumem_wake(gpumem_pool* pool, uint32_t tag, void* stream) {
   const auto parts = gpumem::detail::c_api_pool(pool, "gpumem_wake");
   if (parts.pool == nullptr) return gpumem_last_status();
-  return guarded("gpumem_wake", [&] { state_of(parts).tags.wake(tag, to_stream(stream)); });
+  return guarded("gpumem_wake", [&] {
+    c_api_vmm_state* st = existing_state(parts);
+    if (st == nullptr) {
+      // Tag 0 never slept: its wake is refused as tagged_pool refuses it.
+      if (tag == 0) throw gpumem::invalid_argument("tagged_pool::wake: tag 0 is not asleep");
+      refuse_unknown_tag(tag, "wake");
+    }
+    st->tags.wake(tag, to_stream(stream));
+  });
 }
 
 int gpumem_tag_asleep(gpumem_pool* pool, uint32_t tag) {
   const auto parts = gpumem::detail::c_api_pool(pool, "gpumem_tag_asleep");
   if (parts.pool == nullptr) return -1;
-  const auto* st = parts.vmm->load(std::memory_order_acquire);
+  const auto* st = existing_state(parts);
   return st != nullptr && st->tags.asleep(tag) ? 1 : 0;
 }
 
@@ -152,8 +189,12 @@ gpumem_status gpumem_tag_stats(gpumem_pool* pool, uint32_t tag, gpumem_stats* ou
     return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_tag_stats: null output pointer");
   const auto parts = gpumem::detail::c_api_pool(pool, "gpumem_tag_stats");
   if (parts.pool == nullptr) return gpumem_last_status();
-  return guarded("gpumem_tag_stats",
-                 [&] { fill_stats(state_of(parts).tags.tag_stats(tag), out); });
+  return guarded("gpumem_tag_stats", [&] {
+    if (const c_api_vmm_state* st = existing_state(parts); st != nullptr)
+      fill_stats(st->tags.tag_stats(tag), out);
+    else
+      fill_stats(tag == 0 ? parts.front->stats() : gpumem::resource_stats{}, out);
+  });
 }
 
 gpumem_status gpumem_device_memory(gpumem_pool* pool, size_t* free_bytes, size_t* total_bytes) {

@@ -161,6 +161,91 @@ TEST_F(SleepWake, RefusalsChangeNothing) {
   free_all(pool, tagged);
 }
 
+// Every tag state answers sleep and wake the same way: a tag never allocated in is refused
+// and nothing is made for it; a tag holding no page (emptied, or tag 0 unused) sleeps,
+// refuses allocations, wakes and serves again; the pool stays valid throughout.
+TEST_F(SleepWake, EveryTagStateIsOneStateMachine) {
+  vmm_page_pool untagged(sim);
+  tagged_pool pool(untagged, {});
+  const std::uint64_t ranges = calls(platform_op::reserve_range);
+  EXPECT_THROW(pool.sleep(4, sleep_mode::offload), invalid_argument);
+  EXPECT_THROW(pool.wake(4), invalid_argument);
+  EXPECT_FALSE(pool.asleep(4));
+  EXPECT_EQ(pool.tag_stats(4).allocations, 0u);
+  EXPECT_EQ(pool.tags(), std::vector<std::uint32_t>{0});
+  EXPECT_EQ(calls(platform_op::reserve_range), ranges);
+
+  pool.deallocate(pool.allocate(4096, 256, {}, 4), 4096);
+  for (std::uint32_t tag : {4u, 0u}) {
+    for (sleep_mode mode : {sleep_mode::offload, sleep_mode::discard}) {
+      pool.sleep(tag, mode);
+      EXPECT_TRUE(pool.asleep(tag));
+      EXPECT_TRUE(pool.is_valid()) << pool.validate();
+      EXPECT_THROW(pool.allocate(4096, 256, {}, tag), invalid_argument);
+      EXPECT_THROW(pool.sleep(tag, mode), invalid_argument);
+      pool.wake(tag);
+      EXPECT_FALSE(pool.asleep(tag));
+      EXPECT_THROW(pool.wake(tag), invalid_argument);
+      EXPECT_TRUE(pool.is_valid()) << pool.validate();
+      pool.deallocate(pool.allocate(4096, 256, {}, tag), 4096);
+    }
+  }
+}
+
+// The tagged pool is the registry of its tags: its stats are the sum over them, trim gives
+// back every tag's cached pages, and an allocation of any tag that needs another tag's
+// cached pages gets them; at last out of memory, the report lists the tags' holdings.
+TEST_F(SleepWake, StatsTrimAndOutOfMemoryReachEveryTag) {
+  vmm_page_pool untagged(sim);
+  tagged_pool pool(untagged, {});
+  for (std::uint32_t tag = 1; tag <= 400; ++tag) pool.deallocate(pool.allocate(4096, 256, {}, tag), 4096);
+  resource_stats sum;
+  for (std::uint32_t tag : pool.tags()) sum.reserved_bytes += pool.tag_stats(tag).reserved_bytes;
+  EXPECT_EQ(pool.stats().reserved_bytes, 400 * 2 * MiB);
+  EXPECT_EQ(pool.stats().reserved_bytes, sum.reserved_bytes);
+  EXPECT_EQ(pool.stats().live_bytes, 0u);
+  // 800 MiB of the device's 1 GiB is cached by the tags: an untagged 512 MiB gets it.
+  void* big = pool.allocate(512 * MiB, 256, {}, 0);
+  EXPECT_EQ(pool.stats().live_bytes, 512 * MiB);
+  pool.deallocate(big, 512 * MiB);
+  for (std::uint32_t tag = 1; tag <= 400; ++tag) pool.deallocate(pool.allocate(4096, 256, {}, tag), 4096);
+  // (The tags' allocations that found the device full trimmed every tag: some hold no page.)
+  const std::size_t held = pool.stats().reserved_bytes;
+  EXPECT_GE(held, 100 * 2 * MiB);
+  EXPECT_EQ(pool.trim(), held);
+  EXPECT_EQ(pool.stats().reserved_bytes, 0u);
+  // A tagged allocation takes what the untagged pool caches too.
+  big = pool.allocate(900 * MiB, 256, {}, 0);
+  pool.deallocate(big, 900 * MiB);
+  void* tagged = pool.allocate(900 * MiB, 256, {}, 9);
+  try {
+    pool.allocate(512 * MiB, 256, {}, 0);
+    ADD_FAILURE() << "a request over the device's free memory succeeded";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(e.report().find("tags: the pool holds 900.00 MiB reserved, 900.00 MiB live"),
+              std::string::npos) << e.report();
+    EXPECT_NE(e.report().find("tag 9: 900.00 MiB reserved"), std::string::npos) << e.report();
+  }
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.deallocate(tagged, 900 * MiB);
+}
+
+// A free finds its tag in the map of the tags' ranges, with tags made in any order; an
+// address no tag's range holds is the untagged pool's.
+TEST_F(SleepWake, TagOfFindsTheRangeAmongManyTags) {
+  vmm_page_pool untagged(sim);
+  tagged_pool pool(untagged, {});
+  std::vector<std::pair<void*, std::uint32_t>> all;
+  for (std::uint32_t tag : {7u, 3u, 250u, 1u, 90u, 42u, 0u, 5u})
+    all.emplace_back(pool.allocate(512, 256, {}, tag), tag);
+  for (auto& [p, tag] : all) EXPECT_EQ(pool.tag_of(p), tag);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  for (auto& [p, tag] : all) {
+    pool.deallocate(p, 512);
+    EXPECT_EQ(pool.tag_stats(tag).live_allocations, 0u);
+  }
+}
+
 TEST_F(SleepWake, FreeWhileAsleepIsAllowedAndItsPagesAreGivenBack) {
   vmm_page_pool untagged(sim);
   tagged_pool pool(untagged, {});

@@ -141,6 +141,7 @@ GPUMEM_API gpumem_status gpumem_free(gpumem_pool* pool, void* ptr, size_t size, 
  * moment, so stream-ordered reuse on the freeing stream is safe. Records die with the
  * allocation's free (a later allocation at the same address has none); a stream is
  * recorded once however often it is passed.
+ * Any live allocation of the pool may be recorded: untagged, of a tag, shared or imported.
  * Refused with GPUMEM_ERROR_INVALID_ARGUMENT, nothing recorded: a `ptr` that is not a live
  * allocation of this pool as gpumem_malloc returned it (unknown, already freed, interior;
  * guard mode does not check), and a `stream` of another device than the pool's or one
@@ -156,6 +157,7 @@ GPUMEM_API gpumem_status gpumem_free(gpumem_pool* pool, void* ptr, size_t size, 
  * (O(blocks); later records of the same allocation cost a hash lookup). */
 GPUMEM_API gpumem_status gpumem_record_stream(gpumem_pool* pool, void* ptr, void* stream);
 
+/* Every tag's memory (untagged, each tag's, shared): all the device memory the pool holds. */
 GPUMEM_API gpumem_status gpumem_pool_stats(gpumem_pool* pool, gpumem_stats* out);
 /* A named counter, for diagnosis. A CUDA call's name ("cuMemCreate", "cuMemMap",
  * "cuMemUnmap", "cuMemSetAccess", "cudaMalloc", "cudaEventQuery", ...): how many times this
@@ -184,7 +186,8 @@ GPUMEM_API gpumem_status gpumem_pool_counter(gpumem_pool* pool, const char* name
  * differs goes to the pool from the first difference on (include/gpumem/pool/
  * step_planner.hpp). With step_plan:off, it does nothing and succeeds. */
 GPUMEM_API gpumem_status gpumem_pool_mark_step(gpumem_pool* pool);
-/* Gives cached memory back to the driver; *released (may be NULL) receives the bytes. */
+/* Gives cached memory of every tag back to the driver; *released (may be NULL) receives the
+ * bytes. */
 GPUMEM_API gpumem_status gpumem_pool_trim(gpumem_pool* pool, uint64_t* released);
 /* "vmm_page_pool" or "caching_pool"; "" for NULL. The accessors below answer "" (or -1)
  * for NULL, and also for a destroyed pool, where they set the error as well. */
@@ -241,14 +244,19 @@ GPUMEM_API gpumem_status gpumem_snapshot(gpumem_pool* pool, const char* path);
  * on `stream` after it: pointers, tensors and CUDA graphs made before the sleep stay valid.
  * Refusals (nothing changes, no byte is lost):
  *  - GPUMEM_ERROR_INVALID_ARGUMENT: an allocation in a sleeping tag (tag 0: gpumem_malloc
- *    too), a sleep of a sleeping tag, a wake of a tag that does not sleep, a mode other
- *    than 0 or 1, the shared tag;
+ *    too), a sleep of a sleeping tag, a wake of a tag that does not sleep, a sleep or wake
+ *    of a tag never allocated in (nothing is made for it), a mode other than 0 or 1, the
+ *    shared tag;
  *  - GPUMEM_ERROR_NOT_SUPPORTED: tag 0 of a caching_pool (it cannot keep addresses);
  *  - GPUMEM_ERROR_OUT_OF_MEMORY from gpumem_wake: the device has no room; the offloaded
  *    bytes stay on the host and a later gpumem_wake succeeds once there is room;
  *  - GPUMEM_ERROR_CUDA: a driver call failed halfway; the tag is then partly asleep (still
  *    refusing allocations) and the same call again completes it.
- * Freeing an allocation of a sleeping tag is allowed; its pages are given back at wake. */
+ * Freeing an allocation of a sleeping tag is allowed; its pages are given back at wake.
+ * A tag that holds no page (all freed; tag 0 of a fresh pool) sleeps and wakes as any other.
+ * A tag's pool is made by its first allocation only. The pool's stats, gpumem_pool_trim,
+ * gpumem_pool_report and the retry of an allocation out of memory cover every tag (0, the
+ * others, shared); gpumem_record_stream and the free's waits cover their allocations too. */
 #define GPUMEM_SLEEP_OFFLOAD 0
 #define GPUMEM_SLEEP_DISCARD 1
 /* The tag of memory shared between processes: each allocation owns a physical handle that

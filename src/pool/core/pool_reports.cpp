@@ -1,6 +1,7 @@
 // pool_base's read side: stats, the out-of-memory report, segments and overhead for
 // snapshots, the diagnosis of a bad free, and validate().
 #include "gpumem/pool/core/pool_base.hpp"
+#include "gpumem/pool/core/segment_lookup.hpp"
 
 #include <algorithm>
 #include <bit>
@@ -263,6 +264,17 @@ std::vector<memory_segment> pool_base::segments_locked() const {
     }
   }
   return out;
+}
+
+bool is_allocated_block(const std::vector<memory_segment>& segments, std::uintptr_t address) {
+  auto seg = std::upper_bound(segments.begin(), segments.end(), address,
+                              [](std::uintptr_t a, const memory_segment& s) { return a < s.address; });
+  if (seg == segments.begin()) return false;
+  --seg;
+  if (address >= seg->address + seg->size) return false;
+  auto b = std::lower_bound(seg->blocks.begin(), seg->blocks.end(), address,
+                            [](const memory_block& x, std::uintptr_t a) { return x.address < a; });
+  return b != seg->blocks.end() && b->address == address && b->st == memory_block::state::allocated;
 }
 
 std::vector<memory_segment> pool_base::memory_segments() const {

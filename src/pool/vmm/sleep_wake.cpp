@@ -85,6 +85,12 @@ bool vmm_page_pool::sleeping_locked() const noexcept {
   return sleep_ != nullptr && !sleep_->chunks.empty();
 }
 
+// A completed sleep is asleep even when no chunk slept (the pool held no page): the state
+// is the last call's, not what the pages happen to be.
+bool vmm_page_pool::asleep_locked() const noexcept {
+  return sleep_ != nullptr && (sleep_->complete || !sleep_->chunks.empty());
+}
+
 std::size_t vmm_page_pool::sleeping_pages_locked() const noexcept {
   return sleep_ != nullptr ? sleep_->released_pages : 0;
 }
@@ -97,7 +103,7 @@ void vmm_page_pool::forget_sleeping_chunks() noexcept {
 
 bool vmm_page_pool::asleep() const {
   std::lock_guard lock(mutex_);
-  return sleeping_locked();
+  return asleep_locked();
 }
 
 std::size_t vmm_page_pool::sleeping_bytes() const {
@@ -280,7 +286,7 @@ void vmm_page_pool::wake(stream_handle stream) {
   bool freed_while_asleep = false;
   {
     std::lock_guard lock(mutex_);
-    if (!sleeping_locked()) throw invalid_argument("vmm_page_pool::wake: not asleep");
+    if (!asleep_locked()) throw invalid_argument("vmm_page_pool::wake: not asleep");
     auto& st = *sleep_;
     // Address order, so the restoring copies of adjacent chunks could merge on the stream.
     std::vector<std::uint32_t> ids;

@@ -2,25 +2,37 @@
 // and wake on its own, or be shared with other processes.
 //
 //  - Tags are placed apart by composition: tag 0 (untagged) is the pool given at
-//    construction; every other tag gets a vmm_page_pool of its own, made on the tag's first
-//    allocation, with a virtual range of its own. So two tags never share a page, and a
-//    tag's pool can release all its pages (sleep) without touching another tag's.
+//    construction (allocations reach it through `untagged_front` when one is given: a step
+//    planner in front of it); every other tag gets a vmm_page_pool of its own, made on the
+//    tag's first allocation and on nothing else (a refused call, a look-up, a sleep or a
+//    wake of a tag never allocated in makes nothing), with a virtual range of its own. So
+//    two tags never share a page, and a tag's pool can release all its pages (sleep)
+//    without touching another tag's.
+//  - The pool is the registry of its tags: stats() is the sum over every tag (0 and the
+//    shared tag included), trim() gives back the free pages of every tag, and an
+//    allocation of any tag that runs out of memory trims every tag and tries once more
+//    before it throws out_of_memory, whose report then lists what each tag holds; so does a
+//    wake that finds the device full.
 //  - allocate(bytes, alignment, stream, tag), or memory_resource::allocate under a
 //    scoped_tag (a thread's current tag; 0 outside any). deallocate finds the tag by
-//    address. Stats per tag: tag_stats(tag).
+//    address in a map of the tags' ranges (O(log tags)). Stats per tag: tag_stats(tag).
 //  - sleep(tag, mode, stream) / wake(tag, stream): vmm_page_pool::sleep / wake on the
-//    tag's pool. While a tag sleeps, an allocation in it is refused with
-//    gpumem::invalid_argument (allocations and sleep/wake of one tag exclude each other:
-//    a per-tag reader/writer gate); frees are allowed. A tag whose pool is not a
-//    vmm_page_pool (tag 0 over a caching_pool) answers gpumem::not_supported.
+//    tag's pool. A tag's state is its pool's (vmm_page_pool::asleep()): a sleep of a tag
+//    holding no page makes it asleep as any other, and its wake makes it awake. While a
+//    tag sleeps, an allocation in it is refused with gpumem::invalid_argument
+//    (allocations and sleep/wake of one tag exclude each other: a per-tag reader/writer
+//    gate); frees are allowed. A tag whose pool is not a vmm_page_pool (tag 0 over a
+//    caching_pool) answers gpumem::not_supported.
 //  - shared_tag: allocations made with this tag each own a physical handle created
 //    shareable (POSIX file descriptor), mapped in a range of their own: export_allocation
 //    gives a file descriptor another process passes to import_allocation (shared_memory.hpp).
 //
-// Invariants (validate()): every tag's pool is valid; a tag marked asleep has its pool
-// asleep or mid-way (vmm_page_pool::asleep()); stats().live_bytes == the sum over tags.
+// Invariants (validate()): every tag's pool is valid; a tag's `asleep` mark equals its
+// pool's asleep(); the range map holds exactly the ranges of the tags other than 0, each
+// naming its tag; stats().live_bytes == the sum over tags.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -28,8 +40,11 @@
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <string>
+#include <utility>
 #include <vector>
 
+#include "gpumem/errors.hpp"
 #include "gpumem/pool/core/pool_base.hpp"
 #include "gpumem/pool/vmm/shared_memory.hpp"
 #include "gpumem/pool/vmm/vmm_page_pool.hpp"
@@ -57,33 +72,67 @@ class tagged_pool final : public memory_resource {
   // Allocations of this tag are shareable between processes (one handle each).
   static constexpr std::uint32_t shared_tag = 0xffffffffu;
 
-  // Tag 0 is `untagged` (not owned: REQUIRES it outlives this object); other tags get a
-  // vmm_page_pool on untagged's platform and device with `options` (no reservation up front).
-  tagged_pool(pool_base& untagged, pool_options options);
+  // Tag 0 is `untagged` (not owned: REQUIRES it outlives this object), its allocations,
+  // frees and stats made through `untagged_front` when given (REQUIRES: it stands on
+  // `untagged` and outlives this object); other tags get a vmm_page_pool on untagged's
+  // platform and device with `options` (no reservation up front).
+  tagged_pool(pool_base& untagged, pool_options options,
+              memory_resource* untagged_front = nullptr);
   ~tagged_pool() override;
   std::string_view name() const noexcept override { return "tagged_pool"; }
   std::size_t max_alignment() const noexcept override;
-  // Summed over the tags (peaks: the sum of each tag's peak, an upper bound).
+  // Summed over every tag, 0 and the shared tag included (peaks: the sum of each tag's
+  // peak, an upper bound).
   resource_stats stats() const override;
+  // Gives the free memory of every tag back to the driver; returns the bytes released.
+  std::size_t trim();
+  // One line per tag holding memory: its reserved, live and asleep state, the largest
+  // first (at most `limit` lines, then a count of the rest).
+  std::string describe_tags(std::size_t limit = 8) const;
   std::string validate() const override;
   void release_stream(stream_handle stream) override;
 
   // Throws as memory_resource::allocate, and gpumem::invalid_argument when `tag` sleeps.
+  // Out of memory: every tag is trimmed and the allocation tried once more first.
   void* allocate(std::size_t bytes, std::size_t alignment, stream_handle stream, std::uint32_t tag);
   using memory_resource::allocate;
+  // Runs `attempt` (an allocation); when it throws out_of_memory, continues as
+  // after_out_of_memory.
+  template <class F>
+  void* with_memory_of_every_tag(F&& attempt) {
+    try {
+      return attempt();
+    } catch (const out_of_memory& first) {
+      return after_out_of_memory(first, attempt);
+    }
+  }
+  // `attempt` (an allocation) threw `first`: trims every tag and runs it once more when
+  // that released anything; the out_of_memory thrown at last carries describe_tags() after
+  // its report. For allocations made past this object too (the C API's untagged path).
+  template <class F>
+  void* after_out_of_memory(const out_of_memory& first, F&& attempt) {
+    if (trim() == 0) throw out_of_memory(first.report() + describe_tags());
+    try {
+      return attempt();
+    } catch (const out_of_memory& second) {
+      throw out_of_memory(second.report() + describe_tags());
+    }
+  }
 
-  // The tag's pool (made now for a new tag); nullptr for shared_tag.
-  pool_base* pool_of(std::uint32_t tag);
   // Which tag `ptr` (a live allocation, or any address in a tag's range) belongs to; 0 when
-  // no other tag's range holds it.
+  // no other tag's range holds it. O(log tags).
   std::uint32_t tag_of(const void* ptr) const;
+  // Whether `ptr` is the address of a live allocation of a tag other than 0: a tag's
+  // block, a shared allocation or an import.
+  bool is_live_tagged(const void* ptr) const;
   // Tags in use (0 first), shared_tag included once it holds something.
   std::vector<std::uint32_t> tags() const;
   resource_stats tag_stats(std::uint32_t tag) const;
 
-  // Throws gpumem::invalid_argument for a double sleep, a wake without sleep, shared_tag;
-  // gpumem::not_supported where the tag's pool is not a vmm_page_pool; and what
-  // vmm_page_pool::sleep / wake throw (after which the same call completes the step).
+  // Throws gpumem::invalid_argument for a double sleep, a wake without sleep, shared_tag,
+  // a tag never allocated in (0 excepted: it always exists); gpumem::not_supported where
+  // the tag's pool is not a vmm_page_pool; and what vmm_page_pool::sleep / wake throw
+  // (after which the same call completes the step). A refusal changes nothing.
   void sleep(std::uint32_t tag, sleep_mode mode, stream_handle stream = {});
   void wake(std::uint32_t tag, stream_handle stream = {});
   bool asleep(std::uint32_t tag) const;
@@ -102,20 +151,29 @@ class tagged_pool final : public memory_resource {
  private:
   struct tag_entry {
     pool_base* pool = nullptr;              // tag 0: untagged_; else owned
+    memory_resource* front = nullptr;       // what allocations, frees and stats go through
     std::unique_ptr<pool_base> owned;
     vmm_page_pool* vmm = nullptr;           // pool, when it is one
     mutable std::shared_mutex gate;         // allocations shared, sleep / wake exclusive
-    bool asleep = false;                    // guarded by gate
+    // vmm->asleep(), as of the last sleep / wake (written under the exclusive gate): read
+    // by allocations without the pool's lock.
+    std::atomic<bool> asleep{false};
   };
-  tag_entry& entry(std::uint32_t tag);      // made on first use
-  tag_entry* find(std::uint32_t tag) const;
-  vmm_page_pool& sleeper(std::uint32_t tag, tag_entry*& e, const char* caller);
+  tag_entry& entry_for_allocation(std::uint32_t tag);  // made on the tag's first allocation
+  tag_entry* find(std::uint32_t tag) const;            // never makes one
+  vmm_page_pool& sleeper(std::uint32_t tag, tag_entry*& e, const char* caller) const;
+  std::vector<std::pair<std::uint32_t, tag_entry*>> entries() const;
+  template <class F>
+  static void follow_pool(tag_entry& e, F&& step);  // a copy of tags_
 
   pool_base& untagged_;
   pool_options options_;
   shared_memory shared_;
-  mutable std::mutex tags_mutex_;  // guards the map's shape; entries never move or die
+  mutable std::mutex tags_mutex_;  // guards the maps' shape; entries never move or die
   std::map<std::uint32_t, std::unique_ptr<tag_entry>> tags_;
+  tag_entry* zero_ = nullptr;  // tags_[0]: asleep(0) is one atomic load
+  // The tags' virtual ranges (tags other than 0): range base -> (range end, tag).
+  std::map<std::uintptr_t, std::pair<std::uintptr_t, std::uint32_t>> ranges_;
 };
 
 }  // namespace gpumem

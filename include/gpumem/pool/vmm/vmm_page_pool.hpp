@@ -116,7 +116,9 @@ class vmm_page_pool final : public pool_base {
   // no byte is lost (offloaded bytes stay on the host), and the same call again completes.
   void sleep(sleep_mode mode, stream_handle stream = {});
   void wake(stream_handle stream = {});
-  // Whether any page is asleep (sleep() began and wake() has not completed).
+  // Whether the pool is asleep: a sleep() completed (even one that found no page to
+  // release) or left pages asleep, and no wake() has completed since. Exactly then wake()
+  // is accepted and sleep() is a resumption or a double sleep.
   bool asleep() const;
   // Bytes of pages released by sleep and not yet woken.
   std::size_t sleeping_bytes() const;
@@ -125,6 +127,9 @@ class vmm_page_pool final : public pool_base {
     const auto a = reinterpret_cast<std::uintptr_t>(ptr);
     return a >= va_base_ && a < va_base_ + va_pages_ * page_;
   }
+  // The pool's virtual range, reserved at construction and fixed for its lifetime.
+  std::uintptr_t range_base() const noexcept { return va_base_; }
+  std::size_t range_bytes() const noexcept { return va_pages_ * page_; }
 
  protected:
   bool grow(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
@@ -346,7 +351,8 @@ class vmm_page_pool final : public pool_base {
   // copies. A sleeping chunk stays live with its pages in the page table, its handle
   // released (reserved bytes exclude it).
   std::unique_ptr<detail::vmm_sleep_state> sleep_;
-  bool sleeping_locked() const noexcept;
+  bool sleeping_locked() const noexcept;  // some chunk sleeps (wholly or mid-way)
+  bool asleep_locked() const noexcept;    // asleep(): a sleep completed, or chunks sleep
   void forget_sleeping_chunks() noexcept;  // the destructor's: sleeping chunks are not live
   std::size_t sleeping_pages_locked() const noexcept;
   // sleep()'s and wake()'s steps (sleep_wake.cpp). REQUIRES: mutex_ held, sleep_ != null.

@@ -1,0 +1,294 @@
+// The C API's tags under hostile use, on a private sim device: sleep / wake is one state
+// machine for every tag state (never used, empty, holding pages, asleep; tag 0 included);
+// refused calls and look-ups make no tag pool; the pool's stats, trim and out-of-memory
+// retry reach every tag's memory; gpumem_record_stream works for tagged, shared and
+// imported allocations as for untagged ones; frees find their tag among many.
+#include "gpumem/interop/gpumem.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr std::size_t KiB = std::size_t{1} << 10;
+constexpr std::size_t MiB = std::size_t{1} << 20;
+constexpr std::uint32_t shared_tag = GPUMEM_TAG_SHARED;
+
+std::string last_error() { return gpumem_last_error(); }
+
+struct pool_handle {
+  explicit pool_handle(const char* config) { status = gpumem_pool_create(config, &pool); }
+  ~pool_handle() { gpumem_pool_destroy(pool); }
+  gpumem_stats stats() const {
+    gpumem_stats s{};
+    EXPECT_EQ(gpumem_pool_stats(pool, &s), GPUMEM_SUCCESS) << last_error();
+    return s;
+  }
+  gpumem_stats tag_stats(std::uint32_t tag) const {
+    gpumem_stats s{};
+    EXPECT_EQ(gpumem_tag_stats(pool, tag, &s), GPUMEM_SUCCESS) << last_error();
+    return s;
+  }
+  std::uint64_t counter(const char* name) const {
+    std::uint64_t v = 0;
+    EXPECT_EQ(gpumem_pool_counter(pool, name, &v), GPUMEM_SUCCESS) << last_error();
+    return v;
+  }
+  void* tagged(std::size_t bytes, std::uint32_t tag, void* stream = nullptr) const {
+    void* p = nullptr;
+    EXPECT_EQ(gpumem_allocate_tagged(pool, bytes, 256, stream, tag, &p), GPUMEM_SUCCESS)
+        << last_error();
+    return p;
+  }
+  gpumem_pool* pool = nullptr;
+  gpumem_status status;
+};
+
+constexpr const char* small_sim = "platform:sim,sim_capacity:256M";
+
+// A tag that held pages and freed them all holds none once asleep (sleep trims first): it
+// sleeps, refuses allocations, wakes, and then behaves as before, again and again.
+TEST(c_api_tags, a_tag_holding_no_page_sleeps_and_wakes_like_any_other) {
+  for (int mode : {GPUMEM_SLEEP_OFFLOAD, GPUMEM_SLEEP_DISCARD}) {
+    pool_handle h(small_sim);
+    ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+    void* p = h.tagged(4 * KiB, 5);
+    ASSERT_EQ(gpumem_free(h.pool, p, 4 * KiB, nullptr), GPUMEM_SUCCESS) << last_error();
+    for (int round = 0; round < 3; ++round) {
+      ASSERT_EQ(gpumem_sleep(h.pool, 5, mode, nullptr), GPUMEM_SUCCESS) << last_error();
+      EXPECT_EQ(gpumem_tag_asleep(h.pool, 5), 1);
+      void* refused = reinterpret_cast<void*>(1);
+      EXPECT_EQ(gpumem_allocate_tagged(h.pool, 4 * KiB, 256, nullptr, 5, &refused),
+                GPUMEM_ERROR_INVALID_ARGUMENT);
+      EXPECT_EQ(refused, nullptr);
+      EXPECT_NE(last_error().find("asleep"), std::string::npos) << last_error();
+      EXPECT_EQ(gpumem_sleep(h.pool, 5, mode, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+      EXPECT_NE(last_error().find("already asleep"), std::string::npos) << last_error();
+      ASSERT_EQ(gpumem_wake(h.pool, 5, nullptr), GPUMEM_SUCCESS) << last_error();
+      EXPECT_EQ(gpumem_tag_asleep(h.pool, 5), 0);
+      EXPECT_EQ(gpumem_wake(h.pool, 5, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+      p = h.tagged(4 * KiB, 5);
+      ASSERT_NE(p, nullptr);
+      ASSERT_EQ(gpumem_free(h.pool, p, 4 * KiB, nullptr), GPUMEM_SUCCESS);
+    }
+  }
+}
+
+// Tag 0 of a fresh pool holds nothing: its sleep makes gpumem_malloc refuse (saying why)
+// until its wake, and then gpumem_malloc serves again.
+TEST(c_api_tags, tag_0_holding_nothing_sleeps_refuses_untagged_allocations_and_wakes) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_wake(h.pool, 0, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);  // never slept
+  ASSERT_EQ(gpumem_sleep(h.pool, 0, GPUMEM_SLEEP_OFFLOAD, nullptr), GPUMEM_SUCCESS)
+      << last_error();
+  EXPECT_EQ(gpumem_tag_asleep(h.pool, 0), 1);
+  EXPECT_EQ(gpumem_malloc(h.pool, MiB, nullptr), nullptr);
+  EXPECT_EQ(gpumem_last_status(), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("tag 0"), std::string::npos) << last_error();
+  ASSERT_EQ(gpumem_wake(h.pool, 0, nullptr), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(gpumem_tag_asleep(h.pool, 0), 0);
+  void* p = gpumem_malloc(h.pool, MiB, nullptr);
+  ASSERT_NE(p, nullptr) << last_error();
+  EXPECT_EQ(gpumem_free(h.pool, p, MiB, nullptr), GPUMEM_SUCCESS);
+  // And again, through the tagged entry point for tag 0.
+  ASSERT_EQ(gpumem_sleep(h.pool, 0, GPUMEM_SLEEP_DISCARD, nullptr), GPUMEM_SUCCESS);
+  void* refused = nullptr;
+  EXPECT_EQ(gpumem_allocate_tagged(h.pool, MiB, 256, nullptr, 0, &refused),
+            GPUMEM_ERROR_INVALID_ARGUMENT);
+  ASSERT_EQ(gpumem_wake(h.pool, 0, nullptr), GPUMEM_SUCCESS) << last_error();
+}
+
+// A sleep, wake or look-up of a tag never allocated in is refused or answered without
+// making a tag pool: no virtual range is reserved, however many such calls come.
+TEST(c_api_tags, calls_on_tags_never_allocated_in_make_nothing) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  // Before any tag exists, and after one does.
+  for (int pass = 0; pass < 2; ++pass) {
+    if (pass == 1) ASSERT_NE(h.tagged(4 * KiB, 1), nullptr);
+    const std::uint64_t ranges = h.counter("cuMemAddressReserve");
+    for (std::uint32_t tag = 1000; tag < 1300; ++tag) {
+      EXPECT_EQ(gpumem_sleep(h.pool, tag, GPUMEM_SLEEP_OFFLOAD, nullptr),
+                GPUMEM_ERROR_INVALID_ARGUMENT);
+      EXPECT_NE(last_error().find("never allocated in"), std::string::npos) << last_error();
+      EXPECT_EQ(gpumem_wake(h.pool, tag, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+      EXPECT_NE(last_error().find("not asleep"), std::string::npos) << last_error();
+      EXPECT_EQ(gpumem_tag_asleep(h.pool, tag), 0);
+      const gpumem_stats s = h.tag_stats(tag);
+      EXPECT_EQ(s.reserved_bytes, 0u);
+      EXPECT_EQ(s.allocations, 0u);
+    }
+    EXPECT_EQ(gpumem_sleep(h.pool, shared_tag, GPUMEM_SLEEP_OFFLOAD, nullptr),
+              GPUMEM_ERROR_INVALID_ARGUMENT);
+    EXPECT_EQ(h.counter("cuMemAddressReserve"), ranges) << "a refused call reserved a range";
+  }
+  // An allocation still makes its tag.
+  void* p = h.tagged(4 * KiB, 1001);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(h.tag_stats(1001).live_allocations, 1u);
+  EXPECT_EQ(gpumem_free(h.pool, p, 4 * KiB, nullptr), GPUMEM_SUCCESS);
+}
+
+gpumem_stats sum_of_tags(const pool_handle& h, const std::vector<std::uint32_t>& tags) {
+  gpumem_stats sum{};
+  for (std::uint32_t t : tags) {
+    const gpumem_stats s = h.tag_stats(t);
+    sum.reserved_bytes += s.reserved_bytes;
+    sum.live_bytes += s.live_bytes;
+    sum.live_allocations += s.live_allocations;
+  }
+  return sum;
+}
+
+// Tags that allocated and freed keep their pages cached: the pool's stats count them, trim
+// gives them back, and an untagged allocation that needs them gets them (the tags are
+// trimmed before it runs out of memory).
+TEST(c_api_tags, pool_stats_trim_and_out_of_memory_reach_every_tag) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  std::vector<std::uint32_t> tags{0, shared_tag};
+  auto spread = [&] {
+    for (std::uint32_t t = 1; t <= 100; ++t) {
+      void* p = h.tagged(4 * KiB, t);
+      ASSERT_NE(p, nullptr);
+      ASSERT_EQ(gpumem_free(h.pool, p, 4 * KiB, nullptr), GPUMEM_SUCCESS);
+    }
+  };
+  spread();
+  for (std::uint32_t t = 1; t <= 100; ++t) tags.push_back(t);
+  void* shared = h.tagged(3 * MiB, shared_tag);
+  void* untagged = gpumem_malloc(h.pool, MiB, nullptr);
+  ASSERT_NE(untagged, nullptr);
+
+  gpumem_stats all = h.stats();
+  const gpumem_stats sum = sum_of_tags(h, tags);
+  EXPECT_GE(all.reserved_bytes, 100 * 2 * MiB);  // one page a tag at least
+  EXPECT_EQ(all.reserved_bytes, sum.reserved_bytes);
+  EXPECT_EQ(all.live_bytes, sum.live_bytes);
+  EXPECT_EQ(all.live_bytes, MiB + 3 * MiB);
+  EXPECT_EQ(all.live_allocations, 2u);
+
+  // Trim gives back every tag's cached pages.
+  std::uint64_t released = 0;
+  ASSERT_EQ(gpumem_pool_trim(h.pool, &released), GPUMEM_SUCCESS) << last_error();
+  EXPECT_GE(released, 100 * 2 * MiB);
+  for (std::uint32_t t = 1; t <= 100; ++t) EXPECT_EQ(h.tag_stats(t).reserved_bytes, 0u);
+  EXPECT_EQ(h.stats().reserved_bytes, all.reserved_bytes - released);
+
+  // Again, and this time an untagged request needs the tags' cached pages: 100 tags hold
+  // 200 MiB of the device's 256 MiB.
+  spread();
+  void* big = gpumem_malloc(h.pool, 160 * MiB, nullptr);
+  ASSERT_NE(big, nullptr) << last_error();
+  all = h.stats();
+  EXPECT_EQ(all.reserved_bytes, sum_of_tags(h, tags).reserved_bytes);
+  EXPECT_EQ(all.live_bytes, MiB + 3 * MiB + 160 * MiB);
+
+  // A tagged request that needs the untagged pool's cache gets it too.
+  ASSERT_EQ(gpumem_free(h.pool, big, 160 * MiB, nullptr), GPUMEM_SUCCESS);
+  void* tagged_big = h.tagged(160 * MiB, 7);
+  ASSERT_NE(tagged_big, nullptr);
+
+  // Out of memory with the device full of live tagged memory: the report names the tags'
+  // holdings, and nothing changed.
+  const gpumem_stats before = h.stats();
+  EXPECT_EQ(gpumem_malloc(h.pool, 200 * MiB, nullptr), nullptr);
+  EXPECT_EQ(gpumem_last_status(), GPUMEM_ERROR_OUT_OF_MEMORY);
+  EXPECT_NE(last_error().find("tags: the pool holds"), std::string::npos) << last_error();
+  EXPECT_NE(last_error().find("tag 7: 160"), std::string::npos) << last_error();
+  EXPECT_EQ(h.stats().live_bytes, before.live_bytes);
+
+  EXPECT_EQ(gpumem_free(h.pool, tagged_big, 160 * MiB, nullptr), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_free(h.pool, untagged, MiB, nullptr), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_free(h.pool, shared, 3 * MiB, nullptr), GPUMEM_SUCCESS);
+  EXPECT_EQ(h.stats().live_bytes, 0u);
+}
+
+// A wake that finds the device full of other tags' cached pages gets them: the wake trims
+// every tag and tries again, and the bytes come back.
+TEST(c_api_tags, a_wake_gets_the_free_memory_other_tags_cache) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  auto* kept = static_cast<unsigned char*>(h.tagged(100 * MiB, 1));
+  ASSERT_NE(kept, nullptr);
+  kept[0] = 0x5a;
+  kept[100 * MiB - 1] = 0xa5;
+  ASSERT_EQ(gpumem_sleep(h.pool, 1, GPUMEM_SLEEP_OFFLOAD, nullptr), GPUMEM_SUCCESS) << last_error();
+  void* other = h.tagged(200 * MiB, 2);
+  ASSERT_NE(other, nullptr);
+  ASSERT_EQ(gpumem_free(h.pool, other, 200 * MiB, nullptr), GPUMEM_SUCCESS);  // cached by tag 2
+  ASSERT_EQ(gpumem_wake(h.pool, 1, nullptr), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(kept[0], 0x5a);
+  EXPECT_EQ(kept[100 * MiB - 1], 0xa5);
+  EXPECT_EQ(gpumem_free(h.pool, kept, 100 * MiB, nullptr), GPUMEM_SUCCESS);
+}
+
+// A free on the default stream of an allocation recorded on a side stream waits for it,
+// whichever kind of allocation it is; pointers that are not live allocations are refused.
+TEST(c_api_tags, record_stream_works_for_tagged_shared_and_imported_allocations) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  void* side = nullptr;
+  ASSERT_EQ(gpumem_stream_create(h.pool, &side), GPUMEM_SUCCESS) << last_error();
+
+  void* tagged = h.tagged(MiB, 3);
+  void* shared = h.tagged(MiB, shared_tag);
+  int fd = -1;
+  ASSERT_EQ(gpumem_export(h.pool, shared, &fd), GPUMEM_SUCCESS) << last_error();
+  void* imported = nullptr;
+  ASSERT_EQ(gpumem_import(h.pool, fd, MiB, &imported), GPUMEM_SUCCESS) << last_error();
+  close(fd);
+
+  std::uint64_t waits = 0;
+  for (void* p : {tagged, imported, shared}) {
+    ASSERT_EQ(gpumem_record_stream(h.pool, p, side), GPUMEM_SUCCESS) << last_error();
+    EXPECT_EQ(gpumem_record_stream(h.pool, static_cast<char*>(p) + 4096, side),
+              GPUMEM_ERROR_INVALID_ARGUMENT);  // interior
+    EXPECT_EQ(h.stats().cross_stream_waits, waits);
+    ASSERT_EQ(gpumem_free(h.pool, p, MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+    EXPECT_EQ(h.stats().cross_stream_waits, ++waits);
+    EXPECT_EQ(gpumem_record_stream(h.pool, p, side), GPUMEM_ERROR_INVALID_ARGUMENT);  // freed
+  }
+  // A refused free of a recorded tagged allocation keeps the record.
+  tagged = h.tagged(MiB, 3);
+  ASSERT_EQ(gpumem_record_stream(h.pool, tagged, side), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_free(h.pool, tagged, 2 * MiB, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  ASSERT_EQ(gpumem_free(h.pool, tagged, MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(h.stats().cross_stream_waits, waits + 2);  // at the refused try, and now
+  EXPECT_EQ(gpumem_stream_destroy(h.pool, side), GPUMEM_SUCCESS) << last_error();
+}
+
+// With many tags, each free goes to the tag whose range holds it: untagged pointers to the
+// untagged pool, each tag's to its own, whatever the order of the tags' ranges.
+TEST(c_api_tags, frees_find_their_tag_among_many) {
+  pool_handle h("platform:sim,sim_capacity:1G");  // a page for each of 300 tags
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  struct live {
+    void* p;
+    std::uint32_t tag;
+  };
+  std::vector<live> all;
+  for (std::uint32_t t = 300; t > 0; --t) {
+    if (t % 3 == 0) {
+      all.push_back({gpumem_malloc(h.pool, 512, nullptr), 0});
+      ASSERT_NE(all.back().p, nullptr);
+    }
+    all.push_back({h.tagged(512, t), t});
+  }
+  for (const live& a : all) {
+    const std::uint64_t before = h.tag_stats(a.tag).live_allocations;
+    ASSERT_EQ(gpumem_free(h.pool, a.p, 512, nullptr), GPUMEM_SUCCESS) << last_error();
+    EXPECT_EQ(h.tag_stats(a.tag).live_allocations, before - 1) << "tag " << a.tag;
+  }
+  EXPECT_EQ(h.stats().live_allocations, 0u);
+  // A pointer no tag holds is refused, as before any tag existed.
+  int on_stack = 0;
+  EXPECT_EQ(gpumem_free(h.pool, &on_stack, 4, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+}
+
+}  // namespace
