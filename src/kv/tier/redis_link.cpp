@@ -663,6 +663,53 @@ bool whole_number(std::string_view text, long long& out) {
   return errno == 0 && end == s.c_str() + s.size() && (std::isdigit(static_cast<unsigned char>(s.back())) != 0);
 }
 
+// Why read_bulk returned null.
+struct bulk_failure {
+  redis_fault fault = redis_fault::protocol;
+  std::string text;
+};
+
+// The body of a bulk reply of `len` declared bytes and its CRLF. A value read into its
+// target (exactly its size) buffers nothing; any other is refused over the bound before a
+// byte of it is read (a declared 24 GB never reaches malloc), and its buffer is charged to
+// `budget_left`. Null with `why` set on failure.
+redisReply* read_bulk(socket_reader& in, std::size_t len, std::span<std::byte> target,
+                      const redis_store_options& options, std::size_t& budget_left,
+                      bulk_failure& why) {
+  const bool direct = !target.empty() && target.size() == len;
+  if (len > options.max_reply_bytes || (!direct && len + 1 > budget_left)) {
+    why = {redis_fault::reply_too_large, too_large(len, options)};
+    return nullptr;
+  }
+  redisReply* r = new_reply(REDIS_REPLY_STRING);
+  if (r == nullptr) {
+    why = {redis_fault::reply_too_large, "out of memory for a reply"};
+    return nullptr;
+  }
+  r->len = len;
+  char* dst = nullptr;
+  if (direct) {
+    dst = reinterpret_cast<char*>(target.data());
+  } else if (target.empty()) {
+    budget_left -= len + 1;
+    r->str = static_cast<char*>(std::malloc(len + 1));
+    if (r->str != nullptr) r->str[len] = '\0';
+    dst = r->str;
+  }
+  std::string crlf(2, '\0');
+  if (!in.bytes(dst, len) || !in.bytes(crlf.data(), 2)) {
+    freeReplyObject(r);
+    why = {in.fault(), in.error()};
+    return nullptr;
+  }
+  if (crlf != "\r\n") {
+    freeReplyObject(r);
+    why = {redis_fault::protocol, "protocol error (a bulk reply not ended by CRLF)"};
+    return nullptr;
+  }
+  return r;
+}
+
 }  // namespace
 
 bool redis_link::read_simple_replies(std::size_t count, std::vector<redis_reply>& replies,
@@ -706,39 +753,12 @@ bool redis_link::read_simple_replies(std::size_t count, std::vector<redis_reply>
       if (n == -1) {
         r = new_reply(REDIS_REPLY_NIL);
       } else {
-        const auto len = static_cast<std::size_t>(n);
-        const std::span<std::byte> target = i < into.size() ? into[i] : std::span<std::byte>{};
-        const bool direct = !target.empty() && target.size() == len;
-        // A value read into its target buffers nothing; any other is refused over the
-        // bound before a byte of it is read (a declared 24 GB never reaches malloc).
-        if (len > options_.max_reply_bytes || (!direct && len + 1 > budget_.left)) {
-          fail(redis_fault::reply_too_large, too_large(len, options_));
-          return false;
-        }
-        r = new_reply(REDIS_REPLY_STRING);
+        bulk_failure why;
+        r = read_bulk(in, static_cast<std::size_t>(n),
+                      i < into.size() ? into[i] : std::span<std::byte>{}, options_,
+                      budget_.left, why);
         if (r == nullptr) {
-          fail(redis_fault::reply_too_large, "out of memory for a reply");
-          return false;
-        }
-        r->len = len;
-        char* dst = nullptr;
-        if (direct) {
-          dst = reinterpret_cast<char*>(target.data());
-        } else if (target.empty()) {
-          budget_.left -= len + 1;
-          r->str = static_cast<char*>(std::malloc(len + 1));
-          if (r->str != nullptr) r->str[len] = '\0';
-          dst = r->str;
-        }
-        std::string crlf(2, '\0');
-        if (!in.bytes(dst, len) || !in.bytes(crlf.data(), 2)) {
-          freeReplyObject(r);
-          fail(in.fault(), in.error());
-          return false;
-        }
-        if (crlf != "\r\n") {
-          freeReplyObject(r);
-          fail(redis_fault::protocol, "protocol error (a bulk reply not ended by CRLF)");
+          fail(why.fault, why.text);
           return false;
         }
       }
