@@ -222,26 +222,27 @@ gpumem_status gpumem_pool_create(const char* config, gpumem_pool** out) {
 
 gpumem_status gpumem_pool_destroy(gpumem_pool* pool) {
   if (pool == nullptr) return GPUMEM_SUCCESS;
-  // A pool something still stands on stays: its body is their memory.
-  if (pool->state.load(std::memory_order_acquire) == handle_live) {
-    const auto& b = pool->body->borrowers;
-    const std::uint64_t caches = b.kv_caches.load(std::memory_order_acquire);
-    const std::uint64_t vseqs = b.kv_vseqs.load(std::memory_order_acquire);
-    if (caches != 0 || vseqs != 0) {
-      char text[320];
-      std::snprintf(text, sizeof text,
-                    "gpumem_pool_destroy: the pool %p still has %llu KV cache(s) and %llu "
-                    "virtually contiguous sequence set(s) built on it; destroy them first "
-                    "(gpumem_kv_destroy, gpumem_kv_vseqs_destroy). The pool stays live.",
-                    static_cast<const void*>(pool), static_cast<unsigned long long>(caches),
-                    static_cast<unsigned long long>(vseqs));
-      return fail(GPUMEM_ERROR_INVALID_ARGUMENT, text);
-    }
-  }
-  // The state changes once: of two destroys (even racing ones) only one deletes the body.
+  // The state changes once: of two destroys (even racing ones) only one owns the body, and
+  // only that one reads it.
   std::uint32_t state = handle_live;
   if (!pool->state.compare_exchange_strong(state, handle_destroyed, std::memory_order_acq_rel))
     return refuse_handle(pool, state, "gpumem_pool_destroy");
+  // A pool something still stands on stays: its body is their memory. The handle goes back
+  // to live (a call racing this refused destroy may have been refused as on a destroyed pool).
+  const auto& b = pool->body->borrowers;
+  const std::uint64_t caches = b.kv_caches.load(std::memory_order_acquire);
+  const std::uint64_t vseqs = b.kv_vseqs.load(std::memory_order_acquire);
+  if (caches != 0 || vseqs != 0) {
+    pool->state.store(handle_live, std::memory_order_release);
+    char text[320];
+    std::snprintf(text, sizeof text,
+                  "gpumem_pool_destroy: the pool %p still has %llu KV cache(s) and %llu "
+                  "virtually contiguous sequence set(s) built on it; destroy them first "
+                  "(gpumem_kv_destroy, gpumem_kv_vseqs_destroy). The pool stays live.",
+                  static_cast<const void*>(pool), static_cast<unsigned long long>(caches),
+                  static_cast<unsigned long long>(vseqs));
+    return fail(GPUMEM_ERROR_INVALID_ARGUMENT, text);
+  }
   // Destructors of pools never throw; the delete itself cannot either.
   delete pool->body;
   pool->body = nullptr;
