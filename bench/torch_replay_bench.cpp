@@ -5,8 +5,15 @@
 // and host time per event, cold (first pass) and warm (last pass); for gpumem's pools also
 // the last pass's memory-moving driver calls (replay_result::last_pass_memory_calls).
 //
+// gpumem's page pool runs twice: with the defaults (footprint:fast, a cache within its
+// budget) and with footprint:tight (pages gathered on every growth they can serve).
+//
 // Built only when libtorch is found (GPUMEM_TORCH_DIR, or python3's torch package).
-// Usage: torch_replay_bench TRACE [--passes N]
+// Usage: torch_replay_bench TRACE [--passes N] [--json FILE]
+//   --json FILE: also append the rows to FILE as a JSON array of {trace, allocator,
+//   fragmentation, ns_per_event (warm), ns_per_event_cold, last_pass_memory_calls}, which
+//   `gpumem replay --tradeoff-points FILE --tradeoff-plot OUT.svg` draws (the array is
+//   rewritten whole with each run's rows added).
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
@@ -93,12 +100,64 @@ row replay_through_c10(const gpumem::trace& t, int passes, gpumem::platform& gpu
   return r;
 }
 
-row replay_through_gpumem(const gpumem::trace& t, gpumem::memory_resource& pool, int passes) {
+row replay_through_gpumem(const gpumem::trace& t, gpumem::memory_resource& pool, int passes,
+                          const std::string& label) {
   gpumem::replay_options o;
   o.passes = passes;
   const auto res = gpumem::replay_trace(t, pool, o);
-  return {"gpumem " + res.allocator, res.peak_reserved_bytes, res.ns_per_event_cold,
+  return {"gpumem " + res.allocator + label, res.peak_reserved_bytes, res.ns_per_event_cold,
           res.ns_per_event_warm, res.oom, res.last_pass_memory_calls, true};
+}
+
+// A JSON string of `text` (trace paths and allocator names: quotes and backslashes escaped,
+// control characters dropped).
+std::string quoted(const std::string& text) {
+  std::string out = "\"";
+  for (char c : text) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (static_cast<unsigned char>(c) >= 0x20) out += c;
+  }
+  return out + "\"";
+}
+
+// Adds the rows to the JSON array in `path` (made when absent): the file's text up to its
+// closing ']', then the new objects. Rows that ran out of memory are written with
+// "oom": true and no times.
+void append_json(const std::string& path, const std::string& trace_path, const gpumem::trace& t,
+                 const std::vector<row>& rows) {
+  std::string text;
+  if (std::FILE* in = std::fopen(path.c_str(), "rb")) {
+    char buf[4096];
+    for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, in)) > 0;) text.append(buf, n);
+    std::fclose(in);
+  }
+  const auto close = text.rfind(']');
+  const bool empty = close == std::string::npos || text.find('{') == std::string::npos;
+  text = empty ? std::string("[") : text.substr(0, close);
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const row& r = rows[i];
+    char figures[256];
+    if (r.oom)
+      std::snprintf(figures, sizeof figures, "\"oom\": true");
+    else
+      std::snprintf(figures, sizeof figures,
+                    "\"fragmentation\": %.6f, \"ns_per_event\": %.1f, \"ns_per_event_cold\": %.1f",
+                    static_cast<double>(r.peak_reserved) / static_cast<double>(t.peak_live_bytes),
+                    r.warm, r.cold);
+    text += (empty && i == 0 ? "\n  " : ",\n  ");
+    text += "{\"trace\": " + quoted(trace_path) + ", \"allocator\": " + quoted(r.allocator) + ", " +
+            figures;
+    if (r.calls_counted) text += ", \"last_pass_memory_calls\": " + std::to_string(r.last_pass_calls);
+    text += "}";
+  }
+  text += "\n]\n";
+  std::FILE* out = std::fopen(path.c_str(), "wb");
+  if (out == nullptr || std::fwrite(text.data(), 1, text.size(), out) != text.size()) {
+    std::fprintf(stderr, "torch_replay_bench: cannot write %s\n", path.c_str());
+    if (out != nullptr) std::fclose(out);
+    return;
+  }
+  std::fclose(out);
 }
 
 }  // namespace
@@ -109,8 +168,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   int passes = 2;
-  for (int i = 2; i + 1 < argc; ++i)
+  std::string json_path;
+  for (int i = 2; i + 1 < argc; ++i) {
     if (!std::strcmp(argv[i], "--passes")) passes = std::max(1, std::atoi(argv[i + 1]));
+    if (!std::strcmp(argv[i], "--json")) json_path = argv[i + 1];
+  }
   const gpumem::trace t = gpumem::load_trace(argv[1]);
   std::printf("trace %s: %zu events, peak live %.2f GiB, %zu stream(s), %d passes, one process\n",
               argv[1], t.events.size(), static_cast<double>(t.peak_live_bytes) / (1 << 30),
@@ -124,12 +186,18 @@ int main(int argc, char** argv) {
   }
   {
     gpumem::vmm_page_pool pool(gpu, 0);
-    rows.push_back(replay_through_gpumem(t, pool, passes));
+    rows.push_back(replay_through_gpumem(t, pool, passes, ""));
+  }
+  {
+    gpumem::pool_options tight;
+    tight.footprint = gpumem::footprint_mode::tight;
+    gpumem::vmm_page_pool pool(gpu, 0, tight);
+    rows.push_back(replay_through_gpumem(t, pool, passes, " footprint:tight"));
   }
   {
     gpumem::runtime_resource upstream(gpu, 0);
     gpumem::caching_pool pool(upstream);
-    rows.push_back(replay_through_gpumem(t, pool, passes));
+    rows.push_back(replay_through_gpumem(t, pool, passes, ""));
   }
   std::printf("%-32s %12s %9s %12s %12s %16s\n", "allocator", "peak_res_GiB", "frag",
               "ns/ev cold", "ns/ev warm", "last-pass calls");
@@ -139,5 +207,6 @@ int main(int argc, char** argv) {
                 static_cast<double>(r.peak_reserved) / static_cast<double>(t.peak_live_bytes),
                 r.cold, r.warm, r.calls_counted ? std::to_string(r.last_pass_calls).c_str() : "-",
                 r.oom ? "  (out of memory)" : "");
+  if (!json_path.empty()) append_json(json_path, argv[1], t, rows);
   return 0;
 }

@@ -28,6 +28,7 @@
 #include "json_writer.hpp"
 #include "replay_peak.hpp"
 #include "replay_report.hpp"
+#include "tradeoff_points.hpp"
 
 namespace gpumem::cli {
 
@@ -55,8 +56,9 @@ arg_parser replay_parser() {
                     "peak reserved memory, fragmentation and speed.");
   parser.positional("trace", "trace file: PyTorch CSV (action,addr,size,stream,time_us) or "
                              "RMM log CSV, gzip'd or plain; several: each is replayed in "
-                             "turn, then a summary per allocator over them all",
-                    true, -1)
+                             "turn, then a summary per allocator over them all "
+                             "(none: only with --tradeoff-points)",
+                    false, -1)
       .option("allocator", "NAME", "runtime, driver, vmm, caching_pool, vmm_page_pool or all",
               "all", {"all", "runtime", "driver", "vmm", "caching_pool", "vmm_page_pool"})
       .option("device", "KIND", "cuda, sim, or auto (cuda when a GPU is present) (default: "
@@ -69,6 +71,13 @@ arg_parser replay_parser() {
       .option("gpu-lag", "N", "sim only: queued work completes only every N trace events, "
                               "as on a GPU running behind the CPU (0: at once)", "0")
       .option("plot", "FILE.svg", "also draw live and reserved bytes over the trace, per allocator")
+      .option("tradeoff-plot", "FILE.svg",
+              "also draw fragmentation against warm ns per event (on sim: modelled), a point "
+              "per trace and allocator, of the traces replayed and of --tradeoff-points")
+      .option("tradeoff-points", "FILE.json",
+              "points for --tradeoff-plot from a file: gpumem replay --json output, or an "
+              "array of {trace, allocator, fragmentation, ns_per_event} (GPU figures, "
+              "torch_replay_bench --json)")
       .option("snapshot", "FILE.pickle",
               "also write a PyTorch memory snapshot (torch.cuda.memory._snapshot() format) of "
               "the pool at its peak reserved memory (or its out-of-memory), with the device "
@@ -105,6 +114,8 @@ struct replay_settings {
   bool step_plan = false;
   std::size_t large_plan_bytes = 0;  // 0 unless --large-plan
   std::string plot_path;           // "" unless --plot
+  std::string tradeoff_path;       // "" unless --tradeoff-plot
+  std::vector<tradeoff_point> tradeoff_points;  // read from --tradeoff-points
   std::string snapshot_path;       // "" unless --snapshot
   std::string snapshot_allocator;
   std::size_t snapshot_events = 0;
@@ -154,22 +165,27 @@ void choose_pools(const parsed_args& args, replay_settings& s) {
 // SVG only: a path asking for another format (.png, .pdf) is refused, not written as SVG
 // under a name that says otherwise.
 void check_outputs(const parsed_args& args) {
-  if (args.has("plot")) {
-    const std::string plot_path = *args.value("plot");
+  for (const char* svg_output : {"plot", "tradeoff-plot"}) {
+    if (!args.has(svg_output)) continue;
+    const std::string plot_path = *args.value(svg_output);
     const auto dot = plot_path.rfind('.');
     const std::string ext = dot == std::string::npos ? "" : plot_path.substr(dot);
     if (ext != ".svg" && ext != ".SVG")
-      throw invalid_argument("gpumem replay --plot: '" + plot_path + "' asks for " +
+      throw invalid_argument(std::string("gpumem replay --") + svg_output + ": '" + plot_path + "' asks for " +
                              (ext.empty() ? std::string("no format") : ext.substr(1) + " output") +
                              ", which gpumem cannot draw: it writes SVG (give a path ending in "
                              ".svg; rsvg-convert or a browser turns it into PNG)");
   }
-  for (const char* output : {"plot", "snapshot"})
+  for (const char* output : {"plot", "tradeoff-plot", "snapshot"})
     if (args.has(output)) check_writable(*args.value(output), output);
 }
 
 replay_settings parse_settings(const parsed_args& args) {
   const std::vector<std::string>& paths = args.positionals();
+  if (paths.empty() && !args.has("tradeoff-points"))
+    throw usage_error("gpumem replay: give a trace (or --tradeoff-points with --tradeoff-plot)");
+  if (args.has("tradeoff-points") && !args.has("tradeoff-plot"))
+    throw usage_error("gpumem replay: --tradeoff-points is drawn by --tradeoff-plot: give both");
   if (paths.size() > 1)
     for (const char* one_only : {"plot", "snapshot", "explain"})
       if (args.has(one_only))
@@ -213,6 +229,8 @@ replay_settings parse_settings(const parsed_args& args) {
   if (s.step_plan && s.large_plan_bytes != 0)
     throw usage_error("--step-plan and --large-plan are two planners for one pool: give one");
   s.plot_path = args.value_or("plot", "");
+  s.tradeoff_path = args.value_or("tradeoff-plot", "");
+  if (args.has("tradeoff-points")) s.tradeoff_points = read_tradeoff_points(*args.value("tradeoff-points"));
   s.snapshot_path = args.value_or("snapshot", "");
   return s;
 }
@@ -270,6 +288,28 @@ void write_plot(const std::vector<replay_result>& results, const std::string& pa
   if (!s.json) std::fprintf(stderr, "plot written to %s\n", plot_path.c_str());
 }
 
+// --tradeoff-plot: the points of the traces replayed here, then those of --tradeoff-points.
+void write_tradeoff_plot(const std::vector<std::string>& replayed,
+                         const std::vector<std::vector<replay_result>>& all_results,
+                         const replay_settings& s) {
+  std::vector<tradeoff_point> points;
+  for (std::size_t i = 0; i < replayed.size(); ++i)
+    add_tradeoff_points(replayed[i], all_results[i], s.on_sim, points);
+  points.insert(points.end(), s.tradeoff_points.begin(), s.tradeoff_points.end());
+  const std::string svg = render_tradeoff_svg(
+      points, std::string("gpumem replay: fragmentation against warm ns/event") +
+                  (replayed.empty() ? "" : s.on_sim ? " (sim: modelled H200 driver time)" : " (cuda)"));
+  std::FILE* f = std::fopen(s.tradeoff_path.c_str(), "w");
+  if (f == nullptr)
+    throw invalid_argument("gpumem replay: cannot write the plot to '" + s.tradeoff_path + "'");
+  const bool written = std::fwrite(svg.data(), 1, svg.size(), f) == svg.size();
+  if (std::fclose(f) != 0 || !written)
+    throw invalid_argument("gpumem replay: writing the plot to '" + s.tradeoff_path + "' failed");
+  if (!s.json)
+    std::fprintf(stderr, "trade-off plot (%zu points) written to %s\n", points.size(),
+                 s.tradeoff_path.c_str());
+}
+
 // --snapshot: the pool at its peak reserved memory (or its out-of-memory), with the device
 // trace up to then.
 void write_snapshot(const trace& t, const replay_settings& s) {
@@ -324,7 +364,7 @@ int run_replay(int argc, char** argv) {
   const replay_settings s = parse_settings(args);
 
   std::unique_ptr<json_writer> json;
-  if (s.json) json = std::make_unique<json_writer>(std::cout);
+  if (s.json && !paths.empty()) json = std::make_unique<json_writer>(std::cout);
   if (json != nullptr && paths.size() > 1) json->begin_object().key("traces").begin_array();
   std::vector<std::vector<replay_result>> all_results;  // by trace replayed
   std::vector<std::string> replayed, failed;           // paths
@@ -361,6 +401,7 @@ int run_replay(int argc, char** argv) {
   }  // each trace
 
   if (paths.size() > 1) print_summary(replayed, all_results, json.get(), s.on_sim, s.setup.passes);
+  if (!s.tradeoff_path.empty()) write_tradeoff_plot(replayed, all_results, s);
   if (json != nullptr) {
     if (paths.size() > 1) json->member("failed_traces", failed.size()).end_object();
     std::cout << "\n";

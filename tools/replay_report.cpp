@@ -124,6 +124,13 @@ void write_result_json(json_writer& w, const trace_report& report, const replay_
   for (auto& [call, ns] : r.driver_call_ns) w.member(call, ns / 1e6);
   w.end_object();
   w.member(on_sim ? "modelled_driver_ms" : "driver_ms", r.driver_ns / 1e6);
+  if (on_sim) {
+    // Host time per event plus the modelled H200 driver time per event of the same pass.
+    w.member("modelled_driver_ns_per_event", r.driver_ns_per_event_warm);
+    w.member("modelled_driver_ns_per_event_cold", r.driver_ns_per_event_cold);
+    w.member("modelled_ns_per_event", r.ns_per_event_warm + r.driver_ns_per_event_warm);
+    w.member("modelled_ns_per_event_cold", r.ns_per_event_cold + r.driver_ns_per_event_cold);
+  }
   if (report.step_plan) {
     w.member("steps_marked", r.steps_marked);
     w.member("plans_built", r.plans_built);

@@ -7,7 +7,7 @@ namespace gpumem {
 namespace {
 
 // Descriptions hold no '|' (they are Markdown table cells) and no line breaks.
-constexpr std::array<pool_option_info, 30> table{{
+constexpr std::array<pool_option_info, 31> table{{
     {"reserve", "0 (none)",
      "Physical memory taken up front (suffixes K, M, G, T). vmm_page_pool also maps it up "
      "front, so requests within it make no driver call. Trades memory held from the start "
@@ -45,8 +45,8 @@ constexpr std::array<pool_option_info, 30> table{{
     {"huge_growth", "1G",
      "vmm_page_pool without big_chunk: a growth creating at least this many bytes takes "
      "handles of a sixteenth of it (64 MiB by default), which serve only requests of that "
-     "size or more; 0: one page per handle always. Faster large growths, against coarser "
-     "handles.",
+     "size or more (with footprint:fast, any request: the run is part of the arena's heap); "
+     "0: one page per handle always. Faster large growths, against coarser handles.",
      "huge_growth:0"},
     {"scrub", "off",
      "Zero every block (a memset on the freeing stream) at free, before any other owner can "
@@ -82,13 +82,25 @@ constexpr std::array<pool_option_info, 30> table{{
      "allocating thread does not wait for them (auto: on for a GPU, off on sim). With it on, "
      "peak memory can differ slightly from run to run; off gives the same layout every run.",
      "map_worker:off"},
+    {"footprint", "fast",
+     "vmm_page_pool: fast keeps freed blocks mapped and reuses, splits and merges them as a "
+     "cache, each arena's memory one heap that grows with new pages while the reserved bytes "
+     "stay within the budget (the smallest of limit, the device's memory less 1/32, and "
+     "set_budget): a loop that repeats settles with no driver call. A growth past the budget "
+     "gathers free pages as tight does, and large requests are then not rounded. tight "
+     "gathers scattered free pages on every growth they can serve: reserved bytes within "
+     "about 1% of the live bytes, at a map, access grant and unmap per page moved in every "
+     "step, for colocation where reserved bytes must stay low.",
+     "footprint:tight"},
     {"growth_slack", "0",
-     "vmm_page_pool: memory it may hold beyond the peak live bytes, as a fraction (0 to 1). "
+     "vmm_page_pool with footprint:tight: memory it may hold beyond the peak live bytes, "
+     "as a fraction (0 to 1). "
      "Within it, large free runs stay whole and growth takes new pages rather than "
      "remapping scattered free ones: memory traded for driver time.",
      "growth_slack:0.03"},
     {"remap_budget", "0 (off)",
-     "vmm_page_pool: the share of elapsed time it may spend gathering scattered free pages "
+     "vmm_page_pool with footprint:tight: the share of elapsed time it may spend gathering "
+     "scattered free pages "
      "(0 to 1). When gathers take more, judged in windows of at least 250 ms with no new "
      "peak of live bytes, growth_slack is raised (up to 0.1): memory spent on speed only "
      "where the workload makes the pool remap often.",
@@ -99,11 +111,13 @@ constexpr std::array<pool_option_info, 30> table{{
      "vmm_page_pool accepts it and always does the like.",
      "release_idle:on"},
     {"lifetime_hints", "on",
-     "vmm_page_pool: place large blocks whose kind piles up (a layer's saved activation, a "
+     "vmm_page_pool with footprint:tight: place large blocks whose kind piles up (a layer's "
+     "saved activation, a "
      "prefill's KV block) side by side in runs of their own, so their partial last pages "
      "are shared rather than pinned by dead temporaries. A move budget turns the hints off "
      "for good where those runs trade pages with the others every step. No effect with "
-     "reserve or guard.",
+     "reserve or guard, nor with footprint:fast (its guesses change as they learn, so a "
+     "repeated loop would place its blocks anew).",
      "lifetime_hints:off"},
     {"peer_access", "none",
      "vmm_page_pool: devices besides its own granted read/write access to every page it "

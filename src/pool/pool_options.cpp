@@ -126,6 +126,14 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
       else
         throw invalid_argument("config: map_worker must be auto, on or off, not '" +
                                std::string(value) + "'");
+    } else if (key == "footprint") {
+      if (value == "fast")
+        o.footprint = footprint_mode::fast;
+      else if (value == "tight")
+        o.footprint = footprint_mode::tight;
+      else
+        throw invalid_argument("config: footprint must be fast or tight, not '" +
+                               std::string(value) + "'");
     } else if (key == "growth_slack") {
       o.growth_slack = parse_number(value, key);
       if (!(o.growth_slack >= 0.0 && o.growth_slack <= 1.0))
@@ -218,6 +226,7 @@ std::string pool_options::to_string() const {
       << (map_worker == map_worker_mode::on    ? "on"
           : map_worker == map_worker_mode::off ? "off"
                                                : "auto")
+      << ",footprint:" << (footprint == footprint_mode::tight ? "tight" : "fast")
       << ",growth_slack:" << growth_slack << ",remap_budget:" << remap_budget
       << ",release_idle:" << (release_idle ? "on" : "off")
       << ",lifetime_hints:" << (lifetime_hints ? "on" : "off") << ",peer_access:";

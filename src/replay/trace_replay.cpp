@@ -288,6 +288,7 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
   op_counts calls_at_pass{};
   for (int pass = 0; pass < options.passes && !r.oom; ++pass) {
     calls_at_pass = meter.all_calls();
+    const op_counts ns_at_pass = meter.all_ns();
     const std::uint64_t allocs_before = r.allocs;
     const auto start = std::chrono::steady_clock::now();
     const std::uint64_t events = run.run_pass(pass);
@@ -296,6 +297,13 @@ replay_result replay_trace(const trace& t, memory_resource& resource, const repl
     const double per_event = events == 0 ? 0 : ns / static_cast<double>(events);
     if (pass == 0) r.ns_per_event_cold = per_event;
     r.ns_per_event_warm = per_event;
+    const op_counts ns_after = meter.all_ns();
+    std::uint64_t pass_driver_ns = 0;
+    for (std::size_t i = 0; i < platform_op_count; ++i) pass_driver_ns += ns_after[i] - ns_at_pass[i];
+    const double driver_per_event =
+        events == 0 ? 0 : static_cast<double>(pass_driver_ns) / static_cast<double>(events);
+    if (pass == 0) r.driver_ns_per_event_cold = driver_per_event;
+    r.driver_ns_per_event_warm = driver_per_event;
     if (options.passes > 1) r.last_pass_allocs = r.allocs - allocs_before;
     run.free_live();
   }

@@ -92,7 +92,7 @@ expect_rc 2 "--budget 8Q"
 expect_err "invalid value '8Q' for --budget"
 
 # Output paths are checked before any replay runs.
-for opt in plot:svg snapshot:pickle; do
+for opt in plot:svg tradeoff-plot:svg snapshot:pickle; do
   out="$tmp/no/such/dir/out.${opt#*:}" opt=${opt%%:*}
   run "$gpumem" replay "$good" --device sim --allocator vmm_page_pool --"$opt" "$out"
   expect_rc 1 "--$opt into a missing directory"
@@ -107,6 +107,39 @@ expect_err "asks for png output, which gpumem cannot draw"
 run "$gpumem" replay "$good" --device sim --allocator vmm_page_pool --plot "$tmp/p.svg"
 expect_rc 0 "--plot into a writable place"
 grep -q "<svg" "$tmp/p.svg" || fail "no plot written"
+
+# The trade-off plot: its format, its points file (malformed, missing, of another shape),
+# the points alone without a plot to draw them, and no trace at all.
+run "$gpumem" replay "$good" --device sim --allocator vmm_page_pool --tradeoff-plot "$tmp/t.png"
+expect_rc 1 "--tradeoff-plot t.png"
+expect_err "asks for png output, which gpumem cannot draw"
+printf '[{"trace": "a", "allocator": "x", "fragmentation": 1.1,' > "$tmp/cut.json"
+run "$gpumem" replay --tradeoff-points "$tmp/cut.json" --tradeoff-plot "$tmp/t.svg"
+expect_rc 1 "--tradeoff-points with cut JSON"
+expect_err "cut.json: not valid JSON at byte"
+[ ! -e "$tmp/t.svg" ] || fail "a plot was drawn from a bad points file"
+run "$gpumem" replay --tradeoff-points "$tmp/none.json" --tradeoff-plot "$tmp/t.svg"
+expect_rc 1 "--tradeoff-points missing"
+expect_err "cannot read '$tmp/none.json'"
+printf '{"summary": []}' > "$tmp/shape.json"
+run "$gpumem" replay --tradeoff-points "$tmp/shape.json" --tradeoff-plot "$tmp/t.svg"
+expect_rc 1 "--tradeoff-points of another shape"
+expect_err "expected gpumem replay --json output"
+run "$gpumem" replay --tradeoff-points "$tmp/shape.json"
+expect_rc 2 "--tradeoff-points without --tradeoff-plot"
+expect_err "give both"
+run "$gpumem" replay
+expect_rc 2 "replay without a trace"
+expect_err "give a trace"
+"$gpumem" replay "$good" --device sim --allocator all --passes 2 --json > "$tmp/r.json"
+printf '[{"trace": "g", "allocator": "pytorch c10", "fragmentation": 1.5, "ns_per_event": 579}]' > "$tmp/gpu.json"
+run "$gpumem" replay --tradeoff-points "$tmp/r.json" --tradeoff-plot "$tmp/t.svg"
+expect_rc 0 "--tradeoff-points from replay JSON"
+[ "$(grep -c '<title>' "$tmp/t.svg")" = 5 ] || fail "expected a point per allocator"
+run "$gpumem" replay "$good" --device sim --allocator caching_pool --tradeoff-points "$tmp/gpu.json" \
+  --tradeoff-plot "$tmp/t.svg"
+expect_rc 0 "--tradeoff-plot of a replay and a points file"
+[ "$(grep -c '<title>' "$tmp/t.svg")" = 2 ] || fail "expected the replay's point and the file's"
 
 # GPUMEM_DEVICE as gpumem info reads it; --device wins.
 run env GPUMEM_DEVICE=bogus "$gpumem" replay "$good"

@@ -240,6 +240,7 @@ TEST(pool_stress, vmm_page_pool_lifetime_hints) {
   {
     pool_options o;
     o.lifetime_hints = true;
+    o.footprint = footprint_mode::tight;  // the hints guess only there
     vmm_page_pool pool(sim, 0, o);
     const auto r = run_stress(sim, ops_of(pool), repeating_size);
     expect_clean(r, pool.stats(), pool.validate());

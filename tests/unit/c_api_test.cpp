@@ -423,18 +423,26 @@ TEST(c_api, counters_name_driver_calls_and_pages) {
   EXPECT_EQ(remap_ns, 0u);
   EXPECT_EQ(slack, 0u);
   EXPECT_EQ(raises, 0u);
-  // Lifetime hints (on by default): guessing, and nothing guessed long-lived from one
-  // request (a key's first two requests never are) nor moved.
+  // Lifetime hints (on by default, with footprint:tight): guessing, and nothing guessed
+  // long-lived from one request (a key's first two requests never are) nor moved. Off with
+  // the default footprint:fast.
   uint64_t long_lived = 1, moved = 1, active = 0;
-  EXPECT_EQ(gpumem_pool_counter(h.pool, "long_lived_allocations", &long_lived), GPUMEM_SUCCESS);
-  EXPECT_EQ(gpumem_pool_counter(h.pool, "long_lived_pages_moved", &moved), GPUMEM_SUCCESS);
   EXPECT_EQ(gpumem_pool_counter(h.pool, "lifetime_hints_active", &active), GPUMEM_SUCCESS);
+  EXPECT_EQ(active, 0u);
+  pool_handle tight("platform:sim,sim_capacity:256M,footprint:tight");
+  ASSERT_EQ(tight.status, GPUMEM_SUCCESS) << last_error();
+  void* in_tight = gpumem_malloc(tight.pool, 5 * MiB, nullptr);
+  ASSERT_NE(in_tight, nullptr);
+  EXPECT_EQ(gpumem_pool_counter(tight.pool, "long_lived_allocations", &long_lived), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_pool_counter(tight.pool, "long_lived_pages_moved", &moved), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_pool_counter(tight.pool, "lifetime_hints_active", &active), GPUMEM_SUCCESS);
   uint64_t handed = 1;
-  EXPECT_EQ(gpumem_pool_counter(h.pool, "long_lived_bytes_handed_over", &handed), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_pool_counter(tight.pool, "long_lived_bytes_handed_over", &handed), GPUMEM_SUCCESS);
   EXPECT_EQ(handed, 0u);
   EXPECT_EQ(long_lived, 0u);
   EXPECT_EQ(moved, 0u);
   EXPECT_EQ(active, 1u);
+  EXPECT_EQ(gpumem_free(tight.pool, in_tight, 5 * MiB, nullptr), GPUMEM_SUCCESS);
   pool_handle no_hints("platform:sim,sim_capacity:256M,lifetime_hints:off");
   ASSERT_EQ(no_hints.status, GPUMEM_SUCCESS) << last_error();
   EXPECT_EQ(gpumem_pool_counter(no_hints.pool, "lifetime_hints_active", &active), GPUMEM_SUCCESS);

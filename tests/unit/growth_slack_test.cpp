@@ -24,7 +24,7 @@ using gpumem_test::MiB;
 using gpumem_test::overlaps;
 
 pool_options slack(double f) {
-  pool_options o;
+  pool_options o = gpumem_test::tight_footprint();
   o.growth_slack = f;
   return o;
 }
@@ -64,7 +64,7 @@ void free_all(vmm_page_pool& pool, const freed_run& r) {
 }
 
 TEST_F(GrowthSlack, WithoutItA4MiBRequestSplitsTheFreeRun) {
-  vmm_page_pool pool(sim);
+  vmm_page_pool pool(sim, 0, gpumem_test::tight_footprint());
   const freed_run r = free_a_run_then_ask_for_4_mib(pool);
   EXPECT_TRUE(overlaps(r.small, 4 * MiB, r.run, 64 * MiB));
   EXPECT_EQ(pool.stats().reserved_bytes, 66 * MiB);  // no growth
@@ -128,7 +128,7 @@ growth_outcome ask_for_32_mib_between_two_freed_runs(vmm_page_pool& pool) {
 }
 
 TEST_F(GrowthSlack, WithoutItAGrowthGathersTheScatteredRuns) {
-  vmm_page_pool pool(sim);
+  vmm_page_pool pool(sim, 0, gpumem_test::tight_footprint());
   const growth_outcome out = ask_for_32_mib_between_two_freed_runs(pool);
   EXPECT_EQ(out.pages_reclaimed, 16u);  // both runs' pages remapped
   EXPECT_EQ(out.reserved, 36 * MiB);

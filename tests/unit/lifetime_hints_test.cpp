@@ -240,7 +240,7 @@ std::vector<void*> prefill(vmm_page_pool& pool, int layers) {
 }
 
 pool_options with_hints() {
-  pool_options o;
+  pool_options o = gpumem_test::tight_footprint();
   o.lifetime_hints = true;
   return o;
 }
@@ -258,7 +258,7 @@ TEST_F(LifetimeHints, KeptBlocksLieSideBySideAndShareTheirPages) {
   constexpr int layers = 16;
   std::size_t reserved_on = 0, reserved_off = 0;
   for (bool on : {true, false}) {
-    pool_options o;
+    pool_options o = gpumem_test::tight_footprint();
     o.lifetime_hints = on;
     vmm_page_pool pool(sim, 0, o);
     void* w = pool.allocate(weights);
@@ -329,7 +329,7 @@ traced replay_with_hints(const trace& t, bool hints) {
   sim_options so;
   so.capacity = 24 * gpumem_test::GiB;
   sim_platform sim(so);
-  pool_options o;
+  pool_options o = gpumem_test::tight_footprint();
   o.lifetime_hints = hints;
   traced out;
   vmm_page_pool pool(sim, 0, o);

@@ -26,7 +26,7 @@ using gpumem_test::MiB;
 using gpumem_test::overlaps;
 
 pool_options with_worker() {
-  pool_options o;
+  pool_options o = gpumem_test::tight_footprint();
   o.map_worker = map_worker_mode::on;
   return o;
 }
@@ -223,7 +223,7 @@ TEST_F(MapWorker, SimDefaultsToUnmappingOnTheAllocatingThread) {
     SCOPED_TRACE(worker ? "map_worker:on" : "defaults");
     gated_platform gated(sim);
     gated.open();
-    vmm_page_pool pool(gated, 0, worker ? with_worker() : pool_options{});
+    vmm_page_pool pool(gated, 0, worker ? with_worker() : gpumem_test::tight_footprint());
     std::vector<void*> blocks;
     void* big = remap_once(pool, blocks);
     pool.trim();  // waits for the worker

@@ -19,12 +19,22 @@
 #include "gpumem/backend/memory_resource.hpp"
 #include "gpumem/errors.hpp"
 #include "gpumem/platform/sim_platform.hpp"
+#include "gpumem/pool/pool_options.hpp"
 
 namespace gpumem_test {
 
 inline constexpr std::size_t KiB = 1024;
 inline constexpr std::size_t MiB = 1024 * KiB;
 inline constexpr std::size_t GiB = 1024 * MiB;
+
+// Options of a vmm_page_pool that gathers free pages on every growth they can serve
+// (footprint:tight), for the tests of the gather and of what tunes it (growth slack, remap
+// budget, lifetime hints, the map worker).
+inline gpumem::pool_options tight_footprint() {
+  gpumem::pool_options o;
+  o.footprint = gpumem::footprint_mode::tight;
+  return o;
+}
 
 // A 1 GiB sim device with 2 MiB pages. Pools are built inside each test body, so they are
 // destroyed before TearDown checks that the device holds nothing any more.

@@ -120,7 +120,7 @@ budget_outcome replay_train_llama(const trace& t, double remap_budget, int passe
   so.capacity = 24 * GiB;
   so.latency = sim_latency::model;  // gathers take (modelled) time on the trace clock
   sim_platform sim(so);
-  pool_options o;
+  pool_options o = gpumem_test::tight_footprint();
   o.remap_budget = remap_budget;
   o.lifetime_hints = false;
   budget_outcome out;

@@ -239,7 +239,9 @@ TEST_F(SmallClasses, ASmallMissGrowsFromKeptPagesAndLeavesTheCachedBlocks) {
 // As above, with a free run of the large arena instead: its page is gathered, and the
 // cached blocks stay.
 TEST_F(SmallClasses, ASmallMissGathersAFreePageAndLeavesTheCachedBlocks) {
-  vmm_page_pool pool(sim, 0, with_classes(4));
+  pool_options o = with_classes(4);
+  o.footprint = footprint_mode::tight;  // footprint:fast makes a page instead, within its budget
+  vmm_page_pool pool(sim, 0, o);
   four_quarters page(pool, [&] {
     pool.deallocate(pool.allocate(4 * MiB), 4 * MiB);  // two free pages, mapped, large arena
   });

@@ -476,7 +476,7 @@ TEST_F(StepPlanner, ARegionTakenAgainAfterADetourMapsOnlyThePagesItLost) {
 TEST_F(StepPlanner, AnEvaluationWhileGradientsLiveRunsInTheRegionsFreeMemory) {
   // The region (~63 MiB) counts as a huge request, as a training step's does with the
   // default huge_growth (1 GiB): taken again, it grows its old free run in place.
-  vmm_page_pool pool(sim, 0, pool_options::parse("huge_growth:32M"));
+  vmm_page_pool pool(sim, 0, pool_options::parse("footprint:tight,huge_growth:32M"));
   step_planner planner(pool);
   tensors grads;
   auto train_step = [&](const std::function<void()>& after_optimizer) {

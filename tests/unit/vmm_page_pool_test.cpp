@@ -111,8 +111,9 @@ TEST_F(VmmPagePool, GrowthCreatesExactlyTheMissingPagesAndGrantsAccessOnce) {
 TEST_F(VmmPagePool, AHugeGrowthsHandlesServeOnlyRequestsThatCoverOne) {
   // huge_growth:128M: 8 MiB (4-page) handles; thread_cache:off: frees reach the arena.
   for (const bool big_handles : {true, false}) {
-    vmm_page_pool pool(sim, 0, pool_options::parse(big_handles ? "huge_growth:128M,thread_cache:off"
-                                                               : "huge_growth:0,thread_cache:off"));
+    // footprint:tight: a huge growth's handles make a run of their own there.
+    vmm_page_pool pool(sim, 0, pool_options::parse(big_handles ? "footprint:tight,huge_growth:128M,thread_cache:off"
+                                                               : "footprint:tight,huge_growth:0,thread_cache:off"));
     void* huge = pool.allocate(130 * MiB);  // 65 pages
     EXPECT_EQ(pool.page_counts().handles, big_handles ? 17u : 65u);
     pool.deallocate(huge, 130 * MiB);
@@ -285,7 +286,7 @@ TEST_F(VmmPagePool, BytesSurviveWhileTheBlockLives) {
 // unmapped out of cached blocks elsewhere, with no new physical memory, and the bytes of
 // live blocks are untouched by the remapping around them.
 TEST_F(VmmPagePool, ReclaimAndRemapServesABiggerRequestWithoutNewMemory) {
-  vmm_page_pool pool(sim);
+  vmm_page_pool pool(sim, 0, gpumem_test::tight_footprint());  // gathers on growth
   std::vector<void*> blocks;
   for (int i = 0; i < 16; ++i) {
     blocks.push_back(pool.allocate(4 * MiB));
@@ -362,7 +363,7 @@ TEST_F(VmmPagePool, AFreeRunHoldingHalfARequestGrowsInPlace) {
 }
 
 TEST_F(VmmPagePool, ASmallRunDoesNotTakeTheAddressSpaceALargeFreeRunGrowsInto) {
-  vmm_page_pool pool(sim);
+  vmm_page_pool pool(sim, 0, gpumem_test::tight_footprint());  // gathers on growth
   void* a = pool.allocate(8 * MiB);
   pool.deallocate(a, 8 * MiB);
   // The small arena needs a page: the free run's top page is reclaimed for it. Mapped
@@ -383,7 +384,7 @@ TEST_F(VmmPagePool, ASmallRunDoesNotTakeTheAddressSpaceALargeFreeRunGrowsInto) {
 
 TEST_F(VmmPagePool, AGatherTakesTheLeastRecentlyFreedPagesFirst) {
   // No thread cache: blocks reach the arena in the order they are freed.
-  vmm_page_pool pool(sim, 0, pool_options::parse("thread_cache:off"));
+  vmm_page_pool pool(sim, 0, pool_options::parse("footprint:tight,thread_cache:off"));
   void* older = pool.allocate(8 * MiB);    // 4 pages
   void* fence1 = pool.allocate(2 * MiB);   // live: the runs cannot grow in place
   void* newer = pool.allocate(10 * MiB);   // 5 pages, the bigger run
@@ -446,7 +447,7 @@ TEST_F(VmmPagePool, AnotherStreamWaitsForTheFreeingStreamsEvent) {
 // address stays mapped until s1's work is done — instead of creating memory. Another
 // stream never gets those pages before the event completes.
 TEST_F(VmmPagePool, SameStreamRemapsFreedPagesWithoutWaiting) {
-  vmm_page_pool pool(sim);
+  vmm_page_pool pool(sim, 0, gpumem_test::tight_footprint());  // gathers on growth
   const stream_handle s1 = make_stream(), s2 = make_stream();
   sim.hold_events(true);
   void* a = pool.allocate(8 * MiB, default_alignment, s1);

@@ -18,6 +18,10 @@ namespace gpumem {
 
 enum class cross_stream_policy { event, wait, wait_before_growth };
 enum class map_worker_mode { automatic, on, off };
+// vmm_page_pool: when it moves pages (the footprint option). fast: a cache while growing
+// stays within the budget, pages gathered only past it; tight: pages gathered on every
+// growth that free pages can serve, reserved bytes held near the live bytes.
+enum class footprint_mode { fast, tight };
 
 struct pool_options {
   std::size_t reserve_bytes = 0;
@@ -40,6 +44,7 @@ struct pool_options {
   double remap_budget = 0.0;
   bool release_idle = false;
   bool lifetime_hints = true;
+  footprint_mode footprint = footprint_mode::fast;
   // vmm_page_pool: devices granted access to the pool's pages besides its own (bit d:
   // device d), or every device that can reach them (peer_access_all).
   std::uint64_t peer_access = 0;

@@ -155,6 +155,11 @@ struct replay_result {
   std::uint64_t last_pass_allocs = 0;
   double driver_ns = 0;                // driver time: modelled on sim, measured through a
                                        // timed_platform (on the GPU), else 0
+  // driver_ns of the first and of the last pass, per event of that pass. On sim (calls
+  // modelled, not waited for) ns_per_event + this is the pass's modelled time per event;
+  // on the GPU ns_per_event includes it already.
+  double driver_ns_per_event_cold = 0;
+  double driver_ns_per_event_warm = 0;
   bool oom = false;
   std::uint64_t oom_event = 0;         // event index where it happened
   std::string oom_message;

@@ -38,7 +38,7 @@ inline std::size_t pool_base::block_size_for(std::size_t bytes,
       const std::size_t step = std::size_t{1} << (octave - std::countr_zero(n));
       return ((units + step - 1) & ~(step - 1)) * unit;
     }
-  } else if (const std::size_t g = options_.round_large; g > unit) {
+  } else if (const std::size_t g = options_.round_large; g > unit && large_rounding_) {
     // Up to whole units of g only when that loses less than half of one. The loss is
     // certain while the block lives; a tail left sharing its unit with the next block costs
     // nothing while both live, and no more than the loss would when the next one dies

@@ -24,8 +24,10 @@ namespace gpumem {
 //    whole). Within the slack new pages are made instead, and a large free run is kept
 //    whole for its own size (split_limit): extending it there undid what the slack
 //    bought (sim, train_llama: 375 -> 1,313 maps a pass).
-// Extending any free block made fragmentation worse on both shared traces (sim,
-// 1.043-1.062 on infer). With half the request in the run, least recently freed pages
+// footprint:fast extends any free block at the top of its run (it makes new pages either
+// way, and the extension needs only the pages the block lacks: sim, 45 traces, 1.236
+// against 1.291 geomean with the two cases alone). In footprint:tight, extending any free
+// block made fragmentation worse on both shared traces (sim, 1.043-1.062 on infer). With half the request in the run, least recently freed pages
 // gathered first and small runs kept at the top of the address space (place_run), tight
 // pools remapped 11-71% fewer pages on sim, fragmentation within 0.001 (docs/RESULTS.md).
 vmm_page_pool::extension vmm_page_pool::find_extension(const growth_request& g,
@@ -37,7 +39,7 @@ vmm_page_pool::extension vmm_page_pool::find_extension(const growth_request& g,
     const bool tail = b->size < page_ && b->prev != nullptr &&
                       b->prev->st == detail::block::state::allocated;
     const bool half_run = (g.huge || g.tight) && 2 * b->size >= g.size;
-    if (!tail && !half_run) continue;
+    if (!tail && !half_run && !fast()) continue;
     // The tail must be this stream's: the arena hands a block only to its own stream
     // (another stream's, even if known complete, would leave the grown run unusable:
     // allocation fails, cached memory is released and the request is refused anyway).
@@ -60,14 +62,12 @@ vmm_page_pool::extension vmm_page_pool::find_extension(const growth_request& g,
   return best;
 }
 
-bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
-                                 std::size_t alignment, stream_handle stream, growth kind) {
-  const std::size_t pad = alignment > arena.unit() ? alignment - arena.unit() : 0;
-  const std::size_t pages = (size + pad + page_ - 1) / page_;
-  // Old mappings whose work is done give their address space back first.
+// Old mappings whose work is done give their address space back first; then whether a
+// free virtual run of `pages` pages exists (checked before anything else, so a failure
+// leaves nothing behind), after the map worker's queued unmaps if need be.
+bool vmm_page_pool::address_space_for(std::size_t pages) {
   retire_completed(false);
   va_exhausted_ = false;
-  // Enough virtual address space first, so a failure leaves nothing behind.
   auto va_fits = [&] {
     return std::any_of(va_free_.begin(), va_free_.end(), [&](const auto& r) { return r.second >= pages; });
   };
@@ -75,12 +75,30 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
     worker_->drain();  // old mappings on their way out hold address space
     collect_worker();
   }
-  if (!va_fits()) {
-    va_exhausted_ = true;
-    return false;
-  }
-  const growth_request g{arena, arena_id, size, pad, pages, stream,
-                         split_limit(size) == static_cast<std::size_t>(-1),
+  va_exhausted_ = !va_fits();
+  return !va_exhausted_;
+}
+
+// Tight: free pages are gathered before new ones are made. footprint:fast, only where new
+// pages would take the reserved bytes past the budget (and large requests are then not
+// rounded); footprint:tight, wherever no growth slack is left.
+bool vmm_page_pool::growth_is_tight(std::size_t size, std::size_t pages, stream_handle stream) {
+  // Pages the pool holds unmapped (a reservation up front, pages kept after a gather) are
+  // reserved already: only the pages still missing would raise the reserved bytes.
+  const std::size_t held = spare_pages_for(stream.value);
+  const std::size_t missing = pages > held ? pages - held : 0;
+  const bool over_budget = reserved_locked() + missing * page_ > budget_locked();
+  set_large_rounding(!over_budget);
+  return fast() ? over_budget : split_limit(size) == static_cast<std::size_t>(-1);
+}
+
+bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
+                                 std::size_t alignment, stream_handle stream, growth kind) {
+  const std::size_t pad = alignment > arena.unit() ? alignment - arena.unit() : 0;
+  const std::size_t pages = (size + pad + page_ - 1) / page_;
+  if (!address_space_for(pages)) return false;
+  const bool tight = growth_is_tight(size, pages, stream);
+  const growth_request g{arena, arena_id, size, pad, pages, stream, tight,
                          options_.huge_growth_bytes != 0 && size >= options_.huge_growth_bytes};
   bool retiring_after_run = false;  // a half run's next page still retiring (map worker)
   extension ext = find_extension(g, retiring_after_run);
@@ -99,7 +117,13 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
   const bool may_create = kind == growth::any;  // held_pages_only: kept and gathered pages
   if (have < wanted && may_create && !g.tight && create_chunks(wanted - have, handle_sizes::growth))
     have = spare_pages_for(stream.value);
-  if (have < wanted) {
+  // footprint:fast within the budget gathers only where new pages cannot be had (the
+  // device is full), or for the small arena from a reservation up front (memory held so
+  // that requests within it create nothing); a growth limited to held pages otherwise
+  // takes kept ones alone.
+  const bool reserved_up_front = options_.reserve_bytes != 0 || options_.reserve_fraction > 0;
+  const bool may_gather = g.tight || !fast() || kind == growth::any || reserved_up_front;
+  if (have < wanted && may_gather) {
     reclaim(wanted - have, false, &stream, ext.block_end, arena_id);
     // Counted again: a reclaimed chunk may still be retiring for another stream.
     have = spare_pages_for(stream.value);
@@ -129,10 +153,13 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
   }
   // A run holding a huge growth's handles, for a request that covers one, is kept for such
   // requests (the constructor's restrict_segment); pages that extend a block join its run.
+  // Not in footprint:fast, which moves pages only past its budget: there the run is part
+  // of its arena's heap, so the heap stays one segment whose blocks merge across runs
+  // (sim, 45 traces: the worst warm pass 23% -> 8.8% of its allocations in driver calls).
   std::uint32_t segment = 0;
   if (run_extends)
     segment = ext.segment;
-  else if (arena_id != small_arena && huge_chunk_pages() > 1 &&
+  else if (arena_id != small_arena && huge_chunk_pages() > 1 && !fast() &&
            size >= huge_chunk_pages() * page_ &&
            std::any_of(chosen.begin(), chosen.end(), [&](std::uint32_t id) { return chunks_[id].pages > 1; }))
     segment = detail::whole_chunk_segment;
@@ -231,11 +258,13 @@ std::size_t vmm_page_pool::place_run(const growth_request& g, const extension& e
     if (run == va_free_.end()) run = std::find_if(va_free_.begin(), va_free_.end(), fits);
   }
   if (run == va_free_.end()) return no_page;
-  // A fresh run of the small arena, in a tight pool: at the top of the highest address
-  // space that fits, away from the large runs (which grow in place upwards). At the
-  // lowest address it took the page right above a large free run (often the page just
-  // reclaimed from that run's top) and left the run nowhere to grow.
-  const bool at_top = g.tight && g.arena_id == small_arena && ext.first_page == no_page;
+  // A fresh run of the small arena, in a tight pool or footprint:fast: at the top of the
+  // highest address space that fits, away from the large runs (which grow in place
+  // upwards). At the lowest address it took the page right above a large free run (often
+  // the page just reclaimed from that run's top) and left the run nowhere to grow. In
+  // footprint:fast each arena's runs so stay one contiguous heap (the small arena's
+  // growing downwards from the top), whose blocks merge across the runs.
+  const bool at_top = (g.tight || fast()) && g.arena_id == small_arena && ext.first_page == no_page;
   if (at_top)
     for (auto it = std::next(run); it != va_free_.end(); ++it)
       if (it->second >= covered) run = it;

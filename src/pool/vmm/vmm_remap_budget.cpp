@@ -9,7 +9,7 @@ namespace gpumem {
 std::size_t vmm_page_pool::split_limit(std::size_t size) const {
   constexpr std::size_t any = static_cast<std::size_t>(-1);
   const double slack = slack_now();
-  if (slack <= 0.0 || options_.guard) return any;
+  if (fast() || slack <= 0.0 || options_.guard) return any;
   const std::size_t pages = (size + page_ - 1) / page_;
   const double budget = static_cast<double>(peak_live_so_far()) * (1.0 + slack);
   if (static_cast<double>(reserved_locked() + pages * page_) > budget) return any;

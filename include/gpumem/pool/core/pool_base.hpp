@@ -323,6 +323,11 @@ class pool_base : public memory_resource {
   }
 
   void set_alignment_limit(std::size_t limit) noexcept { alignment_limit_ = limit; }
+  // Whether large requests are rounded up (pool_options::round_large; on by default). A
+  // pool short of memory turns it off: the rounding costs up to 1/round_waste_share of the
+  // live bytes, more than a cap a little above them leaves. REQUIRES: mutex_ held (large
+  // requests read it under the lock).
+  void set_large_rounding(bool on) noexcept { large_rounding_ = on; }
   // From now on, large requests guessed long-lived (src/pool/core/lifetime_hints.hpp) go to the
   // long arena, in 512-byte units (their tails share pages with the next long-lived block),
   // and the large arena may take the long arena's free blocks before it grows. The
@@ -417,6 +422,7 @@ class pool_base : public memory_resource {
   // just over half a unit past a multiple cannot waste more than that share). `mine` (may be null) is the
   // calling thread's cache, whose unpublished bytes count too.
   static constexpr std::size_t round_waste_share = 32;
+  bool large_rounding_ = true;  // set_large_rounding; guarded by mutex_
   std::size_t block_size_for(std::size_t bytes, const detail::thread_cache* mine) const noexcept;
   // Whether small requests are rounded to size classes: pool_options::small_classes, while
   // the thread caches are on. The classes serve the caches; with the caches off

@@ -122,6 +122,14 @@ class vmm_page_pool final : public pool_base {
   bool asleep() const;
   // Bytes of pages released by sleep and not yet woken.
   std::size_t sleeping_bytes() const;
+  // The budget (footprint:fast): the reserved bytes up to which a growth takes new pages
+  // rather than gathering free ones. The smallest of the limit (pool_options::limit), the
+  // device's memory less a budget_headroom_share-th, and the bytes given here (0: none, the
+  // default). A budget below the reserved bytes gives the cached free pages back at once
+  // (trim), and later growths gather until the reserved bytes fit it again.
+  void set_budget(std::size_t bytes);
+  std::size_t budget() const;
+  static constexpr std::size_t budget_headroom_share = 32;
   // Whether `ptr` lies in this pool's virtual range.
   bool owns(const void* ptr) const noexcept {
     const auto a = reinterpret_cast<std::uintptr_t>(ptr);
@@ -315,7 +323,17 @@ class vmm_page_pool final : public pool_base {
   // Releases the chunks from `first_new` on that are spare (a failed growth's new ones).
   void release_new_chunks(std::size_t first_new);
 
+  std::size_t budget_locked() const noexcept;
+  // Whether a growth of `pages` pages for a block of `size` gathers free pages before it
+  // makes new ones (vmm_growth.cpp); sets the large requests' rounding for the budget.
+  bool growth_is_tight(std::size_t size, std::size_t pages, stream_handle stream);
+  // Whether the virtual range has a free run of `pages` pages for a growth (vmm_growth.cpp);
+  // sets va_exhausted_ when not.
+  bool address_space_for(std::size_t pages);
+  bool fast() const noexcept { return options_.footprint == footprint_mode::fast; }
+
   std::size_t page_ = 0;
+  std::size_t budget_set_ = 0;  // set_budget's bytes (0: none)
   std::uintptr_t va_base_ = 0;
   std::size_t va_pages_ = 0;
   std::vector<std::uint32_t> page_table_;  // per VA page: the chunk mapped there, or no_chunk
