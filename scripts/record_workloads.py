@@ -340,16 +340,29 @@ def lstm_varlen(torch, rng):
         opt.zero_grad(set_to_none=True)
 
 
+def vit_encoder(torch, d=768, layers=8):
+    """A ViT-style encoder on the GPU: 16x16 patches embedded to width d, `layers` pre-norm
+    transformer layers (d / 64 heads), mean-pooled into a 1000-class head. Any image side
+    that is a multiple of 16 serves (the token count follows it). Returns (parameters,
+    forward: images -> logits)."""
+    nn = torch.nn
+    layer = nn.TransformerEncoderLayer(d_model=d, nhead=d // 64, dim_feedforward=4 * d,
+                                       batch_first=True, norm_first=True)
+    body = nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=False).cuda()
+    patch, head = nn.Conv2d(3, d, 16, stride=16).cuda(), nn.Linear(d, 1000).cuda()
+    params = list(body.parameters()) + list(patch.parameters()) + list(head.parameters())
+
+    def forward(x):
+        return head(body(patch(x).flatten(2).transpose(1, 2)).mean(1))
+
+    return params, forward
+
+
 def vit_accum(torch, rng):
     """A ViT-style encoder trained in fp16 with a GradScaler, gradients accumulated over four
     micro-batches of random size per optimizer step."""
     nn = torch.nn
-    d = 768
-    layer = nn.TransformerEncoderLayer(d_model=d, nhead=12, dim_feedforward=4 * d,
-                                       batch_first=True, norm_first=True)
-    body = nn.TransformerEncoder(layer, num_layers=8, enable_nested_tensor=False).cuda()
-    patch, head = nn.Conv2d(3, d, 16, stride=16).cuda(), nn.Linear(d, 1000).cuda()
-    params = list(body.parameters()) + list(patch.parameters()) + list(head.parameters())
+    params, vit = vit_encoder(torch)
     opt = torch.optim.AdamW(params, lr=1e-4)
     scaler = torch.amp.GradScaler("cuda")
     for _ in range(8):
@@ -358,8 +371,7 @@ def vit_accum(torch, rng):
             x = torch.randn(batch, 3, 224, 224, device="cuda")
             y = torch.randint(0, 1000, (batch,), device="cuda")
             with torch.autocast("cuda", dtype=torch.float16):
-                tokens = patch(x).flatten(2).transpose(1, 2)
-                loss = nn.functional.cross_entropy(head(body(tokens).mean(1)), y) / 4
+                loss = nn.functional.cross_entropy(vit(x), y) / 4
             scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
@@ -393,19 +405,18 @@ def recsys_sparse(torch, rng):
         dense_opt.zero_grad(set_to_none=True)
 
 
-def fsdp_layers(torch, rng):
-    """FSDP-style training on one GPU: each layer's parameters are one flat fp32 buffer,
-    gathered into a bf16 copy just before the layer runs and dropped after it (gathered again
-    in backward, under checkpointing), its gradient one flat buffer; ten layers of five
-    widths, batch and sequence length varying per step."""
+FSDP_WIDTH = 2048
+
+
+def fsdp_stack(torch, d=FSDP_WIDTH, widths=(4096, 5632, 8192, 6144, 3072) * 2):
+    """An FSDP-style layer stack: layer i's parameters are one flat fp32 buffer (two
+    matrices d x widths[i] and a norm weight), gathered into a bf16 copy just before the
+    layer runs and dropped after it, again in backward (checkpointed), as FSDP all-gathers
+    and frees. Returns (the flat parameters, forward: bf16 (batch, seq, d) -> same)."""
     nn, F = torch.nn, torch.nn.functional
     from torch.utils.checkpoint import checkpoint
 
-    d, widths = 2048, [4096, 5632, 8192, 6144, 3072]
-    flats = [nn.Parameter(torch.randn(2 * d * w + d, device="cuda") * 0.02)
-             for w in widths * 2]
-    shapes = widths * 2
-    opt = torch.optim.AdamW(flats, lr=1e-4)
+    flats = [nn.Parameter(torch.randn(2 * d * w + d, device="cuda") * 0.02) for w in widths]
 
     def layer(x, flat, w):
         full = flat.to(torch.bfloat16)  # the all-gather
@@ -413,12 +424,25 @@ def fsdp_layers(torch, rng):
         h = F.layer_norm(x, (d,), weight=full[2 * d * w:])
         return x + F.gelu(h @ w1) @ w2
 
+    def forward(x):
+        for flat, w in zip(flats, widths):
+            x = checkpoint(layer, x, flat, w, use_reentrant=False)
+        return x
+
+    return flats, forward
+
+
+def fsdp_layers(torch, rng):
+    """FSDP-style training on one GPU: each layer's parameters are one flat fp32 buffer,
+    gathered into a bf16 copy just before the layer runs and dropped after it (gathered again
+    in backward, under checkpointing), its gradient one flat buffer; ten layers of five
+    widths, batch and sequence length varying per step."""
+    flats, stack = fsdp_stack(torch)
+    opt = torch.optim.AdamW(flats, lr=1e-4)
     for _ in range(12):
         batch, seq = rng.choice([2, 4, 8]), rng.choice([256, 512, 1024])
-        x = torch.randn(batch, seq, d, device="cuda", dtype=torch.bfloat16)
-        for flat, w in zip(flats, shapes):
-            x = checkpoint(layer, x, flat, w, use_reentrant=False)
-        x.float().pow(2).mean().backward()
+        x = torch.randn(batch, seq, FSDP_WIDTH, device="cuda", dtype=torch.bfloat16)
+        stack(x).float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
