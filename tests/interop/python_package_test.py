@@ -229,12 +229,23 @@ class PoolTest(unittest.TestCase):
         self.assertGreaterEqual(c["cuMemMap"], 1)
         self.assertGreater(c["cuMemMap.ns"], 0)
         self.assertGreaterEqual(c["driver_ns"], c["cuMemMap.ns"] + c["cuMemSetAccess.ns"])
-        # Lifetime hints are on by default; one request is never guessed long-lived.
-        self.assertEqual(c["lifetime_hints_active"], 1)
+        # Lifetime hints serve footprint:tight alone (the default, footprint:fast, places a
+        # repeated loop's blocks where the last pass did); one request is never guessed
+        # long-lived.
+        self.assertEqual(c["lifetime_hints_active"], 0)
         self.assertEqual(c["long_lived_allocations"], 0)
         with self.assertRaises(gpumem.InvalidArgumentError):
             self.pool.counter("no_such_counter")
         self.pool.free(a, 3 * MiB)
+        tight = gpumem.Pool("limit:64M,footprint:tight", allocator="vmm_page_pool", platform="sim")
+        try:
+            b = tight.malloc(3 * MiB)
+            c = tight.counters()
+            self.assertEqual(c["lifetime_hints_active"], 1)
+            self.assertEqual(c["long_lived_allocations"], 0)
+            tight.free(b, 3 * MiB)
+        finally:
+            tight.close()
 
     def test_mark_step_serves_equal_steps_from_a_plan(self):
         for _ in range(5):
