@@ -7,9 +7,12 @@
 //
 // gpumem's page pool runs twice: with the defaults (footprint:fast, a cache within its
 // budget) and with footprint:tight (pages gathered on every growth they can serve).
+// c10 reads PYTORCH_CUDA_ALLOC_CONF when it starts: with expandable_segments:True its row is
+// named "pytorch c10 expandable segments"; --c10-only replays through c10 alone (a second
+// run under that setting, beside the first's rows).
 //
 // Built only when libtorch is found (GPUMEM_TORCH_DIR, or python3's torch package).
-// Usage: torch_replay_bench TRACE [--passes N] [--json FILE]
+// Usage: torch_replay_bench TRACE [--passes N] [--json FILE] [--c10-only]
 //   --json FILE: also append the rows to FILE as a JSON array of {trace, allocator,
 //   fragmentation, ns_per_event (warm), ns_per_event_cold, last_pass_memory_calls}, which
 //   `gpumem replay --tradeoff-points FILE --tradeoff-plot OUT.svg` draws (the array is
@@ -22,6 +25,7 @@
 #include <cstdint>
 #include <exception>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -67,7 +71,9 @@ row replay_through_c10(const gpumem::trace& t, int passes, gpumem::platform& gpu
     streams[i] = reinterpret_cast<cudaStream_t>(s.value().value);
   }
   alloc::resetPeakStats(0);
-  row r{"pytorch c10 caching allocator"};
+  const char* conf = std::getenv("PYTORCH_CUDA_ALLOC_CONF");
+  const bool expandable = conf != nullptr && std::strstr(conf, "expandable_segments:True") != nullptr;
+  row r{expandable ? "pytorch c10 expandable segments" : "pytorch c10 caching allocator"};
   std::vector<void*> ptrs(t.allocs, nullptr);
   for (int pass = 0; pass < passes && !r.oom; ++pass) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -164,12 +170,15 @@ void append_json(const std::string& path, const std::string& trace_path, const g
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: torch_replay_bench TRACE [--passes N]\n");
+    std::fprintf(stderr, "usage: torch_replay_bench TRACE [--passes N] [--json FILE] [--c10-only]\n");
     return 2;
   }
   int passes = 2;
   std::string json_path;
-  for (int i = 2; i + 1 < argc; ++i) {
+  bool c10_only = false;
+  for (int i = 2; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--c10-only")) c10_only = true;
+    if (i + 1 >= argc) continue;
     if (!std::strcmp(argv[i], "--passes")) passes = std::max(1, std::atoi(argv[i + 1]));
     if (!std::strcmp(argv[i], "--json")) json_path = argv[i + 1];
   }
@@ -184,20 +193,22 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {  // c10's own refusal: say it, keep gpumem's rows
     std::printf("pytorch c10 caching allocator: failed: %s\n", e.what());
   }
-  {
-    gpumem::vmm_page_pool pool(gpu, 0);
-    rows.push_back(replay_through_gpumem(t, pool, passes, ""));
-  }
-  {
-    gpumem::pool_options tight;
-    tight.footprint = gpumem::footprint_mode::tight;
-    gpumem::vmm_page_pool pool(gpu, 0, tight);
-    rows.push_back(replay_through_gpumem(t, pool, passes, " footprint:tight"));
-  }
-  {
-    gpumem::runtime_resource upstream(gpu, 0);
-    gpumem::caching_pool pool(upstream);
-    rows.push_back(replay_through_gpumem(t, pool, passes, ""));
+  if (!c10_only) {
+    {
+      gpumem::vmm_page_pool pool(gpu, 0);
+      rows.push_back(replay_through_gpumem(t, pool, passes, ""));
+    }
+    {
+      gpumem::pool_options tight;
+      tight.footprint = gpumem::footprint_mode::tight;
+      gpumem::vmm_page_pool pool(gpu, 0, tight);
+      rows.push_back(replay_through_gpumem(t, pool, passes, " footprint:tight"));
+    }
+    {
+      gpumem::runtime_resource upstream(gpu, 0);
+      gpumem::caching_pool pool(upstream);
+      rows.push_back(replay_through_gpumem(t, pool, passes, ""));
+    }
   }
   std::printf("%-32s %12s %9s %12s %12s %16s\n", "allocator", "peak_res_GiB", "frag",
               "ns/ev cold", "ns/ev warm", "last-pass calls");
