@@ -112,8 +112,9 @@ def run_trial(command, timeout_s, env=None):
         return OOM, last_json(p.stdout), tail
     how = ("killed by signal %d" % -p.returncode) if p.returncode < 0 \
         else "exit status %d" % p.returncode
-    raise TrialError(batch, "%s (neither fitted, 0, nor out of memory, %d); stderr:\n%s"
-                     % (how, OOM_EXIT, tail))
+    last = tail.splitlines()[-1] if tail else "(no output on stderr)"
+    raise TrialError(batch, "%s, neither 0 (fitted) nor %d (out of memory): %s\nstderr:\n%s"
+                     % (how, OOM_EXIT, last, tail))
 
 
 class _command(list):

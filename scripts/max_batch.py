@@ -132,7 +132,13 @@ def trial_main(a):
 
         gpumem.torch.enable(gpumem_conf(a.cap_bytes, a.gpumem_conf))
     total = torch.cuda.mem_get_info(0)[1]
-    torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_bytes / total), 0)
+    try:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_bytes / total), 0)
+    except RuntimeError as e:
+        if a.allocator != "gpumem":
+            raise
+        # The pluggable route may refuse the fraction; the pool's limit holds the cap.
+        sys.stderr.write("set_per_process_memory_fraction under gpumem: %s\n" % e)
     build, _ = WORKLOADS[a.workload]
     cycle_s, t_cycle, done = [], None, 0
     try:
@@ -363,22 +369,28 @@ def driver_main(a):
     pairs = [(w, al) for w in a.workloads for al in a.allocators]
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         results = list(pool.map(lambda p: search_one(a, p[0], p[1], log), pairs))
+    write_results(a, info, results, timed=False)  # kept should the timed runs be cut short
     # Timed runs one at a time (no other process on the GPU), the allocators alternating.
     for r in results:
         if r.get("max_batch"):
             time_one(a, r, log)
+    rows = write_results(a, info, results, timed=True)
+    sys.stdout.write(markdown(rows, a.cap_bytes))
+    return 1 if any(r.get("error") for r in rows) else 0
+
+
+def write_results(a, info, results, timed):
+    """DIR/max_batch.json and DIR/max_batch.md of the results so far; returns the rows."""
     rows = summarize(results, a.allocators)
-    out = {"device": info["device"], "torch": info["torch"], "total_bytes": total,
+    out = {"device": info["device"], "torch": info["torch"], "total_bytes": info["total_bytes"],
            "cap_bytes": a.cap_bytes, "steps": a.steps, "timed_cycles": a.timed_cycles,
-           "gpumem_conf": gpumem_conf(a.cap_bytes, a.gpumem_conf),
+           "timed": timed, "gpumem_conf": gpumem_conf(a.cap_bytes, a.gpumem_conf),
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": rows}
     with open(os.path.join(a.out, "max_batch.json"), "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1)
-    table = markdown(rows, a.cap_bytes)
     with open(os.path.join(a.out, "max_batch.md"), "w", encoding="utf-8") as f:
-        f.write(table)
-    sys.stdout.write(table)
-    return 1 if any(r.get("error") for r in rows) else 0
+        f.write(markdown(rows, a.cap_bytes))
+    return rows
 
 
 def parse(argv):
