@@ -2,7 +2,8 @@
 # On a GPU machine with PyTorch: builds the plug-in and libgpumem_torch_native.so (gpumem as
 # PyTorch's own CUDAAllocator), runs the PyTorch tests on that route (the native allocator's
 # own test, graphs, MemPool, out-of-memory, one step, HF Trainer), then the graph-trees
-# benchmark. Logs and results go to $OUT (default ./gpu-native-out).
+# benchmark and the CUDA IPC share benchmark. Logs and results go to $OUT (default
+# ./gpu-native-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-native-out}
@@ -23,3 +24,4 @@ done
 cd ../..
 cat "$OUT/compat.jsonl"
 [ "${BENCH:-1}" = 1 ] && timeout 400 python3 scripts/graph_trees_bench.py --repeats 3 --steps 150 --json "$OUT/graph_trees.json" 2>&1 | tail -14
+[ "${BENCH:-1}" = 1 ] && timeout 300 python3 scripts/ipc_share_bench.py --gib 4 --repeats 3 --json "$OUT/ipc_share.json" 2>&1 | tail -6

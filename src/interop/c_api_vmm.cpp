@@ -7,10 +7,14 @@
 // itself, reached through the step planner like gpumem_malloc. Once made, the state's
 // tagged_pool is the registry of every tag: the pool's stats, trim, stream release, report
 // and out-of-memory retry go through it (pool_body's whole-pool calls).
+#include <unistd.h>
+
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -224,6 +228,43 @@ gpumem_status gpumem_import(gpumem_pool* pool, int fd, size_t size, void** ptr_o
   if (parts.pool == nullptr) return gpumem_last_status();
   return guarded("gpumem_import",
                  [&] { *ptr_out = state_of(parts).tags.import_allocation(fd, size); });
+}
+
+gpumem_status gpumem_export_pages(gpumem_pool* pool, void* ptr, size_t size, int* fds_out,
+                                  size_t* bytes_out, size_t capacity, size_t* count_out,
+                                  size_t* offset_out) {
+  if (count_out == nullptr || offset_out == nullptr || (capacity != 0 && (fds_out == nullptr || bytes_out == nullptr)))
+    return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_export_pages: null output pointer");
+  *count_out = 0;
+  *offset_out = 0;
+  const auto parts = gpumem::detail::c_api_pool(pool, "gpumem_export_pages");
+  if (parts.pool == nullptr) return gpumem_last_status();
+  return guarded("gpumem_export_pages", [&] {
+    auto out = state_of(parts).tags.export_pages(ptr, size);
+    *count_out = out.fds.size();
+    if (out.fds.size() > capacity) {
+      for (const int fd : out.fds) ::close(fd);
+      throw gpumem::invalid_argument("gpumem_export_pages: the range has " +
+                                     std::to_string(out.fds.size()) + " handles, room for " +
+                                     std::to_string(capacity));
+    }
+    std::copy(out.fds.begin(), out.fds.end(), fds_out);
+    std::copy(out.bytes.begin(), out.bytes.end(), bytes_out);
+    *offset_out = out.offset;
+  });
+}
+
+gpumem_status gpumem_import_pages(gpumem_pool* pool, const int* fds, const size_t* bytes,
+                                  size_t count, void** ptr_out) {
+  if (ptr_out == nullptr || (count != 0 && (fds == nullptr || bytes == nullptr)))
+    return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_import_pages: null pointer");
+  *ptr_out = nullptr;
+  const auto parts = gpumem::detail::c_api_pool(pool, "gpumem_import_pages");
+  if (parts.pool == nullptr) return gpumem_last_status();
+  return guarded("gpumem_import_pages", [&] {
+    *ptr_out = state_of(parts).tags.import_pages(std::span<const int>(fds, count),
+                                                 std::span<const std::size_t>(bytes, count));
+  });
 }
 
 gpumem_status gpumem_send_fd(int socket, int fd, uint64_t size) {

@@ -153,10 +153,12 @@ class gpumem_cuda_allocator final : public cca::CUDAAllocator {
       a = std::move(it->second);
       live_.erase(it);
     }
-    if (a.custom)
+    if (a.custom) {
       a.custom->raw_delete(ptr);
-    else
+    } else {
+      gpumem_torch_ipc_forget(ptr);  // descriptors of a CUDA IPC share, if any
       gpumem_torch_free(ptr, static_cast<ssize_t>(a.size), a.device, a.stream);
+    }
     trace(c10::cuda::CUDACachingAllocator::TraceEntry::FREE_COMPLETED, a.device, ptr, a.size,
           a.stream, a.pool);
   }
@@ -461,14 +463,61 @@ class gpumem_cuda_allocator final : public cca::CUDAAllocator {
   }
 
   // --- IPC -------------------------------------------------------------------------------------
+  // The handle of PyTorch's expandable segments (torch_ipc.cpp): torch.multiprocessing and
+  // reduce_tensor send it, and a process running gpumem or PyTorch's own allocator opens it.
+  // PyTorch keeps the exporter's storage alive until every importer lets go (its reference
+  // counting); the descriptors close when the allocation is freed.
   cca::ShareableHandle shareIpcHandle(void* ptr) override {
-    TORCH_CHECK(false, "gpumem: CUDA IPC of an allocation (", ptr,
-                ") through torch.multiprocessing is not supported by the gpumem allocator; "
-                "share it with gpumem.ipc (a file descriptor over a Unix socket)");
+    live_allocation a;
+    {
+      std::lock_guard lock(live_mutex_);
+      auto it = live_.find(ptr);
+      TORCH_CHECK(it != live_.end(), "gpumem: CUDA IPC of ", ptr,
+                  ", which is not an allocation gpumem handed out");
+      a = it->second;
+    }
+    TORCH_CHECK(!a.custom, "gpumem: CUDA IPC of an allocation of a MemPool with its own "
+                           "allocator is that allocator's to share");
+    std::string handle(256, '\0');
+    std::size_t length = 0, offset = 0;
+    int s = gpumem_torch_ipc_share(a.device, ptr, a.size, handle.data(), handle.size(), &length,
+                                   &offset);
+    if (s != GPUMEM_SUCCESS && length > handle.size()) {
+      handle.resize(length);
+      s = gpumem_torch_ipc_share(a.device, ptr, a.size, handle.data(), handle.size(), &length,
+                                 &offset);
+    }
+    TORCH_CHECK(s == GPUMEM_SUCCESS, "gpumem: CUDA IPC of ", ptr, ": ", gpumem_last_error());
+    handle.resize(length);
+    return {static_cast<std::ptrdiff_t>(offset), std::move(handle)};
   }
-  std::shared_ptr<void> getIpcDevPtr(std::string) override {
-    TORCH_CHECK(false, "gpumem: opening a CUDA IPC handle is not supported by the gpumem "
-                       "allocator; use gpumem.ipc");
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    std::lock_guard lock(ipc_mutex_);
+    if (auto it = opened_.find(handle); it != opened_.end())
+      if (auto sp = it->second.lock()) return sp;
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    void* base = nullptr;
+    std::size_t mapped = 0;
+    TORCH_CHECK(gpumem_torch_ipc_open(device, handle.data(), handle.size(), &base, &mapped) ==
+                    GPUMEM_SUCCESS,
+                "gpumem: opening a CUDA IPC handle: ", gpumem_last_error());
+    // The mapping goes when the last tensor over it does (PyTorch's rebuilt storages hold
+    // this pointer), after the device finishes the work queued on it.
+    std::shared_ptr<void> sp(base, [this, handle, device, mapped](void* p) {
+      {
+        std::lock_guard lock(ipc_mutex_);
+        auto it = opened_.find(handle);
+        if (it != opened_.end() && it->second.expired()) opened_.erase(it);
+      }
+      c10::cuda::CUDAGuard guard(device);
+      if (cudaDeviceSynchronize() != cudaSuccess) (void)cudaGetLastError();
+      if (gpumem_free(gpumem_torch_pool(device), p, mapped, nullptr) != GPUMEM_SUCCESS)
+        std::fprintf(stderr, "gpumem_torch_native: unmapping an IPC import: %s\n",
+                     gpumem_last_error());
+    });
+    opened_[handle] = sp;
+    return sp;
   }
 
   // --- peers ------------------------------------------------------------------------------------
@@ -613,6 +662,10 @@ class gpumem_cuda_allocator final : public cca::CUDAAllocator {
 
   std::mutex pools_mutex_;
   std::unordered_map<c10::MempoolId_t, pool_record, id_hash> pools_;
+
+  // CUDA IPC handles opened here, by handle: one mapping per handle while tensors use it.
+  std::mutex ipc_mutex_;
+  std::unordered_map<std::string, std::weak_ptr<void>> opened_;
 
   std::mutex routes_mutex_;
   std::vector<route> routes_;

@@ -173,7 +173,9 @@ std::string pool_config(int device) {
            !names_key(conf_text, "sim_no_peer"))
     config = "platform:cuda,";  // GPUMEM_CONF's sim_* keys imply sim: not contradicted
   const char* allocator = std::getenv("GPUMEM_ALLOCATOR");
-  config += "allocator:";
+  // Pages exportable, so CUDA IPC (the native allocator's shareIpcHandle) works on any
+  // tensor, as with PyTorch's expandable segments; GPUMEM_CONF may say shareable:off.
+  config += "shareable:on,allocator:";
   config += allocator != nullptr && *allocator != '\0' ? allocator : "vmm_page_pool";
   if (!conf_text.empty()) {
     config += ',';

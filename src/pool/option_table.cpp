@@ -7,7 +7,7 @@ namespace gpumem {
 namespace {
 
 // Descriptions hold no '|' (they are Markdown table cells) and no line breaks.
-constexpr std::array<pool_option_info, 31> table{{
+constexpr std::array<pool_option_info, 32> table{{
     {"reserve", "0 (none)",
      "Physical memory taken up front (suffixes K, M, G, T). vmm_page_pool also maps it up "
      "front, so requests within it make no driver call. Trades memory held from the start "
@@ -52,6 +52,11 @@ constexpr std::array<pool_option_info, 31> table{{
      "Zero every block (a memset on the freeing stream) at free, before any other owner can "
      "get it. Costs a memset per free.",
      "scrub:on"},
+    {"shareable", "off",
+     "vmm_page_pool: create physical pages exportable (POSIX file descriptor handles), so any "
+     "live allocation's pages can be mapped by another process (gpumem_export_pages; "
+     "PyTorch's CUDA IPC under the native allocator). The PyTorch plug-in turns it on.",
+     "shareable:on"},
     {"guard", "off",
      "vmm_page_pool debug mode: every allocation gets pages of its own ending at an unmapped "
      "guard page, so an overrun faults at once. Costs a page or more per allocation, and "

@@ -154,7 +154,7 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
         throw invalid_argument("config: big_chunk must be a whole number of pages up to 4096");
       o.big_chunk_pages = static_cast<std::size_t>(n);
     } else if (key == "scrub" || key == "guard" || key == "thread_cache" || key == "release_idle" ||
-               key == "lifetime_hints") {
+               key == "lifetime_hints" || key == "shareable") {
       bool on = false;
       if (value == "on" || value == "true" || value == "1")
         on = true;
@@ -163,6 +163,7 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
                                std::string(value) + "'");
       (key == "scrub"          ? o.scrub
        : key == "guard"        ? o.guard
+       : key == "shareable"    ? o.shareable
        : key == "thread_cache" ? o.thread_cache
        : key == "release_idle" ? o.release_idle
                                : o.lifetime_hints) = on;
@@ -220,6 +221,7 @@ std::string pool_options::to_string() const {
       << ",va_reserve:" << va_reserve_bytes << ",big_chunk:" << big_chunk_pages
       << ",huge_growth:" << huge_growth_bytes
       << ",scrub:" << (scrub ? "on" : "off") << ",guard:" << (guard ? "on" : "off")
+      << ",shareable:" << (shareable ? "on" : "off")
       << ",thread_cache:" << (thread_cache ? "on" : "off") << ",round_large:" << round_large
       << ",small_classes:" << small_classes << ",small_cache:" << small_cache
       << ",map_worker:"

@@ -4,8 +4,9 @@ subclass): unchanged torch.cuda calls answer from gpumem. Statistics with PyTorc
 back to the driver (mem_get_info shows it), set_per_process_memory_fraction as a cap,
 _record_memory_history / _snapshot / _dump_snapshot with the timeline memory_viz draws,
 out-of-memory observers, torch.compile(mode="reduce-overhead") with CUDA graph trees on,
-torch.cuda.MemPool over gpumem, and MemPool(CUDAPluggableAllocator(...)) over a library that
-maps with cuMemCreate / cuMemMap, paused and resumed as vLLM's sleep mode does.
+torch.cuda.MemPool over gpumem, MemPool(CUDAPluggableAllocator(...)) over a library that
+maps with cuMemCreate / cuMemMap, paused and resumed as vLLM's sleep mode does, and CUDA IPC
+(reduce_tensor, torch.multiprocessing) to processes running gpumem or PyTorch's own allocator.
 
 Run by ctest with PYTHONPATH=python and GPUMEM_LIB=<libgpumem_torch.so> (the native library
 beside it). Exits 77 (skipped) without torch, without a CUDA device, or where the native
@@ -246,6 +247,73 @@ class GraphsAndPools(unittest.TestCase):
                         "(vLLM sleep mode / torch_memory_saver pattern) under gpumem", ok,
                         "released %d MiB, free +%d MiB" % (released // MiB, (free1 - free0) // MiB))
         self.assertTrue(ok)
+
+
+class CudaIpc(unittest.TestCase):
+    """A tensor gpumem allocated, through reduce_tensor and torch.multiprocessing, opened by
+    a process running gpumem and by one running PyTorch's own allocator."""
+
+    def _share_with(self, consumer_args, size=64 * MiB):
+        t = torch.arange(size // 4, dtype=torch.float32, device="cuda") % 1000
+        expected = float(t.double().sum())
+        from torch.multiprocessing.reductions import reduce_tensor
+        func, args = reduce_tensor(t)
+        payload = pickle.dumps((func, args, expected))
+        env = dict(os.environ)
+        if not consumer_args:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        here = os.path.dirname(os.path.abspath(__file__))
+        proc = subprocess.run([sys.executable, os.path.join(here, "torch_ipc_consumer.py")]
+                              + consumer_args, input=payload, capture_output=True, env=env,
+                              timeout=120)
+        torch.cuda.synchronize()
+        out = proc.stdout.decode().strip().splitlines()
+        got = __import__("json").loads(out[-1]) if proc.returncode == 0 and out else None
+        seen = float(t[0]) == 1.0  # the consumer's write, in place (t[0] was 0)
+        return got, seen, proc.stderr.decode()[-600:]
+
+    def test_reduce_tensor_to_a_gpumem_process(self):
+        got, seen, err = self._share_with(["gpumem"])
+        ok = got is not None and got["ok"] and seen and got["backend"] == "gpumem"
+        _results.record("CUDA IPC: reduce_tensor -> rebuild in a gpumem process", ok,
+                        "bytes checked, write seen" if ok else err)
+        self.assertTrue(ok, err)
+
+    def test_reduce_tensor_to_a_native_process(self):
+        got, seen, err = self._share_with([])
+        ok = got is not None and got["ok"] and seen and got["backend"] == "native"
+        _results.record("CUDA IPC: reduce_tensor -> rebuild under PyTorch's own allocator", ok,
+                        "bytes checked, write seen" if ok else err)
+        self.assertTrue(ok, err)
+
+    def test_multiprocessing_queue_and_the_exporter_keeps_memory_for_the_importer(self):
+        ctx = torch.multiprocessing.get_context("spawn")
+        q_in, q_out = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=_queue_consumer, args=(q_in, q_out))
+        p.start()
+        t = torch.full((16 * MiB // 4,), 3.0, device="cuda")
+        q_in.put(t)
+        # The exporter lets go of its tensor at once: PyTorch's reference counting keeps the
+        # memory until the importer drops its own.
+        del t
+        _settle()
+        torch.cuda.empty_cache()
+        filler = torch.zeros(64 * MiB // 4, device="cuda")  # would reuse freed memory
+        q_in.put("check")
+        result = q_out.get(timeout=120)
+        p.join(60)
+        del filler
+        ok = result == 3.0 * (16 * MiB // 4) and p.exitcode == 0
+        _results.record("CUDA IPC: torch.multiprocessing Queue to a spawned process; the "
+                        "exporter frees first", ok, "sum %r, exit %r" % (result, p.exitcode))
+        self.assertTrue(ok)
+
+
+def _queue_consumer(q_in, q_out):
+    t = q_in.get(timeout=120)
+    q_in.get(timeout=120)  # the exporter has freed its tensor and reused memory meanwhile
+    q_out.put(float(t.double().sum()))
+    del t
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@
 // tested here, in C++, because gpumem_torch_malloc reports failure by throwing: a C++
 // exception cannot cross ctypes (python_package_test.py covers the rest).
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <sys/types.h>
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -261,6 +263,124 @@ TEST(TorchPlugin, GraphPoolBytesCountInReservedAndItsPeak) {
   EXPECT_EQ(c.requested_bytes, before.requested_bytes);
   // The peak keeps the bytes the graph held: sampled at its capture.
   EXPECT_GE(c.reserved_bytes_peak, before.reserved_bytes + 4 * MiB);
+}
+
+// CUDA IPC handles (the native allocator's shareIpcHandle / getIpcDevPtr): a live tensor's
+// pages are shared in PyTorch's expandable-segment format and opened through pidfd_getfd.
+// In one process here (a process may always take its own descriptors); across processes
+// on the GPU (tests/interop/torch_native_allocator_test.py).
+int open_descriptors() {
+  int n = 0;
+  for (int fd = 0; fd < 4096; ++fd) n += ::fcntl(fd, F_GETFD) != -1 ? 1 : 0;
+  return n;
+}
+
+TEST(TorchPlugin, IpcHandleOpensTheSameBytesAndBadHandlesAreRefused) {
+  const ssize_t size = 3 * MiB + 4096;
+  void* p = gpumem_torch_malloc(size, 0, nullptr);
+  ASSERT_NE(p, nullptr);
+  auto* bytes = static_cast<unsigned char*>(p);
+  for (ssize_t i = 0; i < size; ++i) bytes[i] = static_cast<unsigned char>(i * 13 + 1);
+  const int fds_before = open_descriptors();
+  std::string handle(8, '\0');
+  std::size_t length = 0, offset = 0;
+  // Too little room: the length comes back, nothing is written.
+  ASSERT_EQ(gpumem_torch_ipc_share(0, p, size, handle.data(), handle.size(), &length, &offset),
+            GPUMEM_ERROR_INVALID_ARGUMENT);
+  ASSERT_GT(length, handle.size());
+  handle.resize(length);
+  ASSERT_EQ(gpumem_torch_ipc_share(0, p, size, handle.data(), handle.size(), &length, &offset),
+            GPUMEM_SUCCESS)
+      << gpumem_last_error();
+  EXPECT_EQ(handle[0], 2);
+  EXPECT_EQ(handle[1], 'e');
+  // Shared again: the same handle, no new descriptors.
+  std::string again(length, '\0');
+  const int fds_shared = open_descriptors();
+  ASSERT_EQ(gpumem_torch_ipc_share(0, p, size, again.data(), again.size(), &length, &offset),
+            GPUMEM_SUCCESS);
+  EXPECT_EQ(again, handle);
+  EXPECT_EQ(open_descriptors(), fds_shared);
+
+  void* base = nullptr;
+  std::size_t mapped = 0;
+  ASSERT_EQ(gpumem_torch_ipc_open(0, handle.data(), handle.size(), &base, &mapped), GPUMEM_SUCCESS)
+      << gpumem_last_error();
+  ASSERT_GE(mapped, offset + static_cast<std::size_t>(size));
+  const auto* seen = static_cast<const unsigned char*>(base) + offset;
+  EXPECT_EQ(std::memcmp(seen, p, static_cast<std::size_t>(size)), 0);
+  bytes[5] = 0xee;  // the same memory, not a copy
+  EXPECT_EQ(seen[5], 0xee);
+
+  // The same handle with a size per handle ('g', gpumem's format for unequal handles).
+  {
+    std::string sized = handle;
+    sized[1] = 'g';
+    std::size_t handles = 0;
+    std::memcpy(&handles, handle.data() + 2 + 2 * sizeof(std::size_t), sizeof handles);
+    std::size_t segment = 0;
+    std::memcpy(&segment, handle.data() + 2 + sizeof(std::size_t), sizeof segment);
+    for (std::size_t i = 0; i < handles; ++i) {
+      const std::uint64_t v = segment;
+      sized.append(reinterpret_cast<const char*>(&v), sizeof v);
+    }
+    void* base2 = nullptr;
+    std::size_t mapped2 = 0;
+    ASSERT_EQ(gpumem_torch_ipc_open(0, sized.data(), sized.size(), &base2, &mapped2), GPUMEM_SUCCESS)
+        << gpumem_last_error();
+    EXPECT_EQ(mapped2, mapped);
+    EXPECT_EQ(static_cast<const unsigned char*>(base2)[offset + 5], 0xee);
+    gpumem_pool* pool = gpumem_torch_pool(0);
+    EXPECT_EQ(gpumem_free(pool, base2, mapped2, nullptr), GPUMEM_SUCCESS) << gpumem_last_error();
+  }
+
+  // Bad handles: refused with the reason, nothing mapped.
+  const gpumem_stats st = stats_of(0);
+  auto refused = [&](std::string h, const char* why) {
+    void* b = reinterpret_cast<void*>(1);
+    std::size_t m = 1;
+    EXPECT_EQ(gpumem_torch_ipc_open(0, h.data(), h.size(), &b, &m), GPUMEM_ERROR_INVALID_ARGUMENT)
+        << why;
+    EXPECT_EQ(b, nullptr) << why;
+    EXPECT_EQ(m, 0u) << why;
+  };
+  refused("", "empty");
+  refused(handle.substr(0, handle.size() - 1), "cut short");
+  refused(handle + "x", "a byte too many");
+  std::string h = handle;
+  h[0] = 1;
+  refused(h, "another version");
+  h = handle;
+  h[1] = 'c';
+  refused(h, "a cudaMalloc handle");
+  h = handle;
+  const std::size_t huge = std::size_t{1} << 40;
+  std::memcpy(h.data() + 2 + 2 * sizeof(std::size_t), &huge, sizeof huge);
+  refused(h, "a count past the bytes");
+  h = handle;
+  const pid_t nobody = 0x3fffffff;  // past pid_max
+  std::memcpy(h.data() + 2, &nobody, sizeof nobody);
+  refused(h, "an exporter that does not exist");
+  h = handle;
+  const int not_open = 4000;
+  std::memcpy(h.data() + 2 + sizeof(pid_t) + (sizeof(std::size_t) - sizeof(pid_t)) + 2 * sizeof(std::size_t),
+              &not_open, sizeof not_open);
+  refused(h, "a descriptor the exporter does not hold");
+  EXPECT_EQ(stats_of(0).reserved_bytes, st.reserved_bytes);
+
+  gpumem_pool* pool = gpumem_torch_pool(0);
+  EXPECT_EQ(gpumem_free(pool, base, mapped, nullptr), GPUMEM_SUCCESS) << gpumem_last_error();
+  EXPECT_EQ(open_descriptors(), fds_shared);  // the opener's mappings hold no descriptor
+  gpumem_torch_ipc_forget(p);  // the free's duty: the exporter's descriptors close
+  EXPECT_EQ(open_descriptors(), fds_before);
+  gpumem_torch_free(p, size, 0, nullptr);
+
+  // Memory that is not a live allocation of the pool is not shared.
+  std::size_t len = 0, off = 0;
+  char buf[256];
+  int local = 0;
+  EXPECT_NE(gpumem_torch_ipc_share(0, &local, 64, buf, sizeof buf, &len, &off), GPUMEM_SUCCESS);
+  EXPECT_EQ(len, 0u);
 }
 
 }  // namespace

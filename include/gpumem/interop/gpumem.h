@@ -298,6 +298,24 @@ GPUMEM_API gpumem_status gpumem_device_memory(gpumem_pool* pool, size_t* free_by
  * there and that device is granted access. */
 GPUMEM_API gpumem_status gpumem_export(gpumem_pool* pool, void* ptr, int* fd_out);
 GPUMEM_API gpumem_status gpumem_import(gpumem_pool* pool, int fd, size_t size, void** ptr_out);
+/* Any live allocation, not only GPUMEM_TAG_SHARED's, in a pool created with shareable:on
+ * (its pages are made exportable): gpumem_export_pages gives one new close-on-exec file
+ * descriptor per physical handle under [ptr, ptr + size), in address order, with each
+ * handle's bytes, and *offset_out, where ptr lies from the first handle's start. `capacity`
+ * is the room in fds_out and bytes_out; *count_out is set to the number of handles, and when
+ * it exceeds `capacity` nothing is exported (GPUMEM_ERROR_INVALID_ARGUMENT): call again with
+ * room. The descriptors are the caller's to close. The exporter keeps the allocation live
+ * while another process may map it: its pages go back to its pool at free. Refused with
+ * GPUMEM_ERROR_INVALID_ARGUMENT for a range not mapped by the pool, an import, a tag
+ * asleep; GPUMEM_ERROR_NOT_SUPPORTED for a pool without shareable:on.
+ * gpumem_import_pages maps the handles side by side in a range of this pool's (the
+ * descriptors stay the caller's): the memory at *ptr_out + offset is the exporter's ptr.
+ * Free it with gpumem_free(pool, *ptr_out, sum of the bytes, stream). */
+GPUMEM_API gpumem_status gpumem_export_pages(gpumem_pool* pool, void* ptr, size_t size,
+                                             int* fds_out, size_t* bytes_out, size_t capacity,
+                                             size_t* count_out, size_t* offset_out);
+GPUMEM_API gpumem_status gpumem_import_pages(gpumem_pool* pool, const int* fds,
+                                             const size_t* bytes, size_t count, void** ptr_out);
 /* Sends `fd` with `size` over a connected Unix domain socket; receives them. A message
  * that is not gpumem_send_fd's (short, cut, with no or several descriptors) is refused
  * with GPUMEM_ERROR_INVALID_ARGUMENT, every descriptor it carried closed. */

@@ -89,6 +89,28 @@ GPUMEM_API size_t gpumem_torch_history(gpumem_torch_event* out, size_t capacity)
 /* 1 while recording. */
 GPUMEM_API int gpumem_torch_recording(void);
 
+/* CUDA IPC of the plug-in's memory (src/interop/torch_ipc.cpp), for the native allocator's
+ * shareIpcHandle / getIpcDevPtr. gpumem_torch_ipc_share writes a handle for the live
+ * allocation `ptr` of `size` bytes of device `device`'s pool (created with shareable:on, as
+ * the plug-in's pools are), in PyTorch's expandable-segment format: the physical handles
+ * under it as the exporter's descriptors, which the opener takes with pidfd_getfd.
+ * *length_out is the handle's length (when it exceeds `capacity`, nothing is written and
+ * GPUMEM_ERROR_INVALID_ARGUMENT is returned: call again with room); *offset_out is where
+ * ptr lies from the start of the memory the handle maps. The descriptors stay open until
+ * gpumem_torch_ipc_forget(ptr), which the freeing of the allocation calls; sharing `ptr`
+ * again gives the same handle.
+ * gpumem_torch_ipc_open maps a handle (gpumem's, or PyTorch's own allocator's expandable
+ * segment) in device `device`'s pool: *base_out, *mapped_out bytes, freed with
+ * gpumem_free(gpumem_torch_pool(device), base, mapped, stream). Refused with
+ * GPUMEM_ERROR_INVALID_ARGUMENT, mapping nothing, for bytes that are not such a handle, an
+ * exporter that is gone or has closed the descriptors, or one this process may not take
+ * descriptors from (ptrace rules). */
+GPUMEM_API int gpumem_torch_ipc_share(int device, void* ptr, size_t size, char* handle_out,
+                                      size_t capacity, size_t* length_out, size_t* offset_out);
+GPUMEM_API void gpumem_torch_ipc_forget(void* ptr);
+GPUMEM_API int gpumem_torch_ipc_open(int device, const char* handle, size_t length,
+                                     void** base_out, size_t* mapped_out);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -35,6 +35,9 @@ struct pool_options {
   std::size_t huge_growth_bytes = std::size_t{1} << 30;
   bool scrub = false;
   bool guard = false;
+  // vmm_page_pool: physical pages created exportable (POSIX file descriptor handles), so
+  // any live allocation's pages can go to another process (export_pages).
+  bool shareable = false;
   bool thread_cache = true;
   std::size_t round_large = 0;
   unsigned small_classes = 4;

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <iterator>
+#include <limits>
 
 #include "gpumem/errors.hpp"
 #include "gpumem/platform/status_error.hpp"
@@ -41,29 +42,46 @@ shared_memory::shared_memory(platform& platform, int device) : platform_(platfor
 }
 
 shared_memory::~shared_memory() {
-  for (auto& [va, e] : entries_) {
-    (void)platform_.unmap(va, e.mapped);
-    (void)platform_.release_physical(e.handle);
-    (void)platform_.free_range(va, e.mapped);
-  }
+  for (auto& [va, e] : entries_) drop(va, e);
 }
 
-void* shared_memory::map_new(physical_handle handle, std::size_t mapped, const char* caller) {
+void shared_memory::drop(std::uintptr_t va, const entry& e) noexcept {
+  std::size_t at = 0;
+  for (const piece& p : e.pieces) {
+    (void)platform_.unmap(va + at, p.bytes);
+    at += p.bytes;
+  }
+  for (const piece& p : e.pieces) (void)platform_.release_physical(p.handle);
+  (void)platform_.free_range(va, e.mapped);
+}
+
+void* shared_memory::map_new(const std::vector<piece>& pieces, std::size_t mapped,
+                             const char* caller) {
+  auto release_all = [&] {
+    for (const piece& p : pieces) (void)platform_.release_physical(p.handle);
+  };
   auto range = platform_.reserve_range(mapped, page_);
   if (!range) {
-    (void)platform_.release_physical(handle);
+    release_all();
     throw_for(range.error(), std::string(caller) + ": reserve a virtual range");
   }
   const std::uintptr_t va = range.value();
-  if (auto s = platform_.map(va, mapped, handle, 0); !s) {
-    (void)platform_.free_range(va, mapped);
-    (void)platform_.release_physical(handle);
-    throw_for(s, std::string(caller) + ": map");
+  std::size_t at = 0;
+  for (const piece& p : pieces) {
+    if (auto s = platform_.map(va + at, p.bytes, p.handle, 0); !s) {
+      for (std::size_t back = 0, i = 0; back < at; back += pieces[i++].bytes)
+        (void)platform_.unmap(va + back, pieces[i].bytes);
+      (void)platform_.free_range(va, mapped);
+      release_all();
+      throw_for(s, std::string(caller) + ": map");
+    }
+    at += p.bytes;
   }
   if (auto s = platform_.set_access(device_, va, mapped); !s) {
-    (void)platform_.unmap(va, mapped);
+    for (std::size_t back = 0, i = 0; back < mapped; back += pieces[i++].bytes)
+      (void)platform_.unmap(va + back, pieces[i].bytes);
     (void)platform_.free_range(va, mapped);
-    (void)platform_.release_physical(handle);
+    release_all();
     throw_for(s, std::string(caller) + ": grant access");
   }
   return reinterpret_cast<void*>(va);
@@ -71,12 +89,17 @@ void* shared_memory::map_new(physical_handle handle, std::size_t mapped, const c
 
 void* shared_memory::allocate(std::size_t bytes) {
   if (bytes == 0) throw invalid_argument("shared_memory::allocate: 0 bytes");
+  if (bytes > std::numeric_limits<std::size_t>::max() - page_)
+    throw invalid_argument("shared_memory::allocate: " + std::to_string(bytes) +
+                           " bytes cannot be rounded to pages");
   const std::size_t mapped = (bytes + page_ - 1) / page_ * page_;
   std::lock_guard lock(mutex_);
   auto h = platform_.create_shareable_physical(device_, mapped);
   if (!h) throw_for(h.error(), "shared_memory::allocate: create shareable memory");
-  void* p = map_new(h.value(), mapped, "shared_memory::allocate");
-  entries_.emplace(reinterpret_cast<std::uintptr_t>(p), entry{bytes, mapped, h.value(), false});
+  std::vector<piece> pieces{piece{h.value(), mapped}};
+  void* p = map_new(pieces, mapped, "shared_memory::allocate");
+  entries_.emplace(reinterpret_cast<std::uintptr_t>(p),
+                   entry{bytes, mapped, std::move(pieces), false});
   stats_.live_bytes += bytes;
   stats_.live_allocations += 1;
   stats_.allocations += 1;
@@ -95,19 +118,54 @@ int shared_memory::export_fd(void* ptr) {
   if (it->second.imported)
     throw invalid_argument("shared_memory::export: an imported allocation is exported by "
                            "the process that made it");
-  auto fd = platform_.export_handle(it->second.handle);
+  auto fd = platform_.export_handle(it->second.pieces.front().handle);
   if (!fd) throw_for(fd.error(), "shared_memory::export");
   return fd.value();
 }
 
 void* shared_memory::import(int fd, std::size_t bytes) {
   if (bytes == 0) throw invalid_argument("shared_memory::import: 0 bytes");
+  if (bytes > std::numeric_limits<std::size_t>::max() - page_)
+    throw invalid_argument("shared_memory::import: " + std::to_string(bytes) +
+                           " bytes cannot be rounded to pages");
   const std::size_t mapped = (bytes + page_ - 1) / page_ * page_;
   std::lock_guard lock(mutex_);
   auto h = platform_.import_handle(device_, fd, mapped);
   if (!h) throw_for(h.error(), "shared_memory::import");
-  void* p = map_new(h.value(), mapped, "shared_memory::import");
-  entries_.emplace(reinterpret_cast<std::uintptr_t>(p), entry{bytes, mapped, h.value(), true});
+  std::vector<piece> pieces{piece{h.value(), mapped}};
+  void* p = map_new(pieces, mapped, "shared_memory::import");
+  entries_.emplace(reinterpret_cast<std::uintptr_t>(p), entry{bytes, mapped, std::move(pieces), true});
+  imported_bytes_ += mapped;
+  return p;
+}
+
+void* shared_memory::import_pieces(std::span<const int> fds, std::span<const std::size_t> bytes) {
+  if (fds.empty() || fds.size() != bytes.size())
+    throw invalid_argument("shared_memory::import_pieces: " + std::to_string(fds.size()) +
+                           " descriptors for " + std::to_string(bytes.size()) + " sizes");
+  std::size_t mapped = 0;
+  for (const std::size_t b : bytes) {
+    if (b == 0 || b % page_ != 0)
+      throw invalid_argument("shared_memory::import_pieces: a piece of " + std::to_string(b) +
+                             " bytes is not a whole number of " + std::to_string(page_) +
+                             "-byte pages");
+    if (b > std::numeric_limits<std::size_t>::max() - mapped)
+      throw invalid_argument("shared_memory::import_pieces: the pieces' sizes overflow");
+    mapped += b;
+  }
+  std::lock_guard lock(mutex_);
+  std::vector<piece> pieces;
+  pieces.reserve(fds.size());
+  for (std::size_t i = 0; i < fds.size(); ++i) {
+    auto h = platform_.import_handle(device_, fds[i], bytes[i]);
+    if (!h) {
+      for (const piece& p : pieces) (void)platform_.release_physical(p.handle);
+      throw_for(h.error(), "shared_memory::import_pieces: piece " + std::to_string(i));
+    }
+    pieces.push_back(piece{h.value(), bytes[i]});
+  }
+  void* p = map_new(pieces, mapped, "shared_memory::import_pieces");
+  entries_.emplace(reinterpret_cast<std::uintptr_t>(p), entry{mapped, mapped, std::move(pieces), true});
   imported_bytes_ += mapped;
   return p;
 }
@@ -125,10 +183,16 @@ void shared_memory::release(void* ptr, std::size_t bytes, stream_handle stream) 
   entry& e = it->second;
   if (auto s = platform_.stream_synchronize(stream); !s)
     throw_cuda_error(s, "shared_memory::release: wait for the freeing stream");
-  if (auto s = platform_.unmap(va, e.mapped); !s) throw_cuda_error(s, "shared_memory::release: unmap");
-  // Unmapped: from here on the entry goes whatever the driver says (a handle it refuses to
-  // release, or a range it refuses to free, cannot be used again anyway).
-  (void)platform_.release_physical(e.handle);
+  // Each piece is its own mapping, unmapped alone (a driver may refuse one unmap over
+  // several mappings). The first piece's failure changes nothing.
+  if (auto s = platform_.unmap(va, e.pieces.front().bytes); !s)
+    throw_cuda_error(s, "shared_memory::release: unmap");
+  // From here on the entry goes whatever the driver says (a mapping it refuses to unmap, a
+  // handle it refuses to release, or a range it refuses to free, cannot be used again).
+  std::size_t at = e.pieces.front().bytes;
+  for (std::size_t i = 1; i < e.pieces.size(); at += e.pieces[i++].bytes)
+    (void)platform_.unmap(va + at, e.pieces[i].bytes);
+  for (const piece& p : e.pieces) (void)platform_.release_physical(p.handle);
   (void)platform_.free_range(va, e.mapped);
   if (e.imported) {
     imported_bytes_ -= e.mapped;
@@ -167,6 +231,10 @@ std::string shared_memory::validate() const {
   std::size_t live = 0, reserved = 0, imported = 0;
   for (auto& [va, e] : entries_) {
     if (e.mapped % page_ != 0 || e.requested > e.mapped) return "a shared entry's size is wrong";
+    std::size_t sum = 0;
+    for (const piece& p : e.pieces) sum += p.bytes;
+    if (e.pieces.empty() || sum != e.mapped || (!e.imported && e.pieces.size() != 1))
+      return "a shared entry's pieces do not tile it";
     (e.imported ? imported : reserved) += e.mapped;
     if (!e.imported) live += e.requested;
   }

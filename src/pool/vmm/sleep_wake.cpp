@@ -336,7 +336,7 @@ void vmm_page_pool::wake_chunk_locked(std::uint32_t id, stream_handle stream) {
                           format_bytes(sleeping_pages_locked() * page_) +
                           " still asleep; the offloaded bytes stay on the host, wake again "
                           "once memory is free");
-    auto h = p.create_physical(device(), bytes);
+    auto h = create_handle(bytes);
     if (!h) {
       if (h.error().kind == failure_kind::out_of_memory)
         throw out_of_memory("gpumem: vmm_page_pool::wake: device " + std::to_string(device()) +

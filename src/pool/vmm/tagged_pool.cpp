@@ -1,6 +1,8 @@
 // tagged_pool: see gpumem/pool/vmm/tagged_pool.hpp.
 #include "gpumem/pool/vmm/tagged_pool.hpp"
 
+#include <limits>
+
 #include <algorithm>
 #include <sstream>
 
@@ -131,6 +133,32 @@ void tagged_pool::do_deallocate(void* ptr, std::size_t bytes, stream_handle stre
 int tagged_pool::export_allocation(void* ptr) { return shared_.export_fd(ptr); }
 
 void* tagged_pool::import_allocation(int fd, std::size_t bytes) { return shared_.import(fd, bytes); }
+
+vmm_page_pool::page_export tagged_pool::export_pages(const void* ptr, std::size_t bytes) {
+  const std::uint32_t tag = tag_of(ptr);
+  if (tag == shared_tag) {
+    if (shared_.is_import(ptr))
+      throw invalid_argument("tagged_pool::export_pages: an import is exported by the process "
+                             "that made it");
+    vmm_page_pool::page_export out;
+    out.fds.push_back(shared_.export_fd(const_cast<void*>(ptr)));
+    const std::size_t page = shared_.page_size();
+    if (bytes == 0 || bytes > std::numeric_limits<std::size_t>::max() - page)
+      throw invalid_argument("tagged_pool::export_pages: " + std::to_string(bytes) + " bytes");
+    out.bytes.push_back((bytes + page - 1) / page * page);
+    return out;
+  }
+  const tag_entry* e = find(tag);
+  if (e == nullptr || e->vmm == nullptr)
+    throw not_supported("tagged_pool::export_pages: tag " + tag_name(tag) +
+                        "'s pool has no pages to export (not a vmm_page_pool)");
+  std::shared_lock gate(e->gate);  // no sleep starts while the handles are exported
+  return e->vmm->export_pages(ptr, bytes);
+}
+
+void* tagged_pool::import_pages(std::span<const int> fds, std::span<const std::size_t> bytes) {
+  return shared_.import_pieces(fds, bytes);
+}
 
 std::vector<std::uint32_t> tagged_pool::tags() const {
   std::vector<std::uint32_t> out;

@@ -219,7 +219,7 @@ bool vmm_page_pool::create_chunks(std::size_t pages, handle_sizes sizes) {
   }
   for (std::size_t left = pages; left > 0;) {
     const std::size_t n = left >= big ? big : 1;
-    auto h = device_platform().create_physical(device(), n * page_);
+    auto h = create_handle(n * page_);
     if (!h) {
       undo();
       if (h.error().kind == failure_kind::out_of_memory) return false;
@@ -232,6 +232,11 @@ bool vmm_page_pool::create_chunks(std::size_t pages, handle_sizes sizes) {
     left -= n;
   }
   return true;
+}
+
+result<physical_handle> vmm_page_pool::create_handle(std::size_t bytes) {
+  return options_.shareable ? device_platform().create_shareable_physical(device(), bytes)
+                            : device_platform().create_physical(device(), bytes);
 }
 
 void vmm_page_pool::va_insert(std::size_t first, std::size_t count) {

@@ -9,8 +9,9 @@
 // free its allocation while an importer still reads it, and an importer that exits or is
 // killed without closing takes nothing of the exporter's.
 //
-// Invariants (validate()): every entry's range is reserved and mapped over its whole size
-// with one handle; live_bytes == sum of the requested sizes of own allocations;
+// Invariants (validate()): every entry's range is reserved and mapped over its whole size,
+// an own allocation with one handle, an import with one handle per exported piece, side by
+// side; live_bytes == sum of the requested sizes of own allocations;
 // reserved_bytes == sum of their page-rounded sizes (imports are another process's
 // memory and count in imported_bytes only).
 #pragma once
@@ -19,7 +20,9 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "gpumem/backend/memory_resource.hpp"
 
@@ -43,6 +46,12 @@ class shared_memory {
   // exported memory, memory on a device this one cannot reach; gpumem::cuda_error
   // otherwise. A peer's memory is mapped and this device granted access.
   void* import(int fd, std::size_t bytes);
+  // Maps, side by side in one range, the pieces another process exported as `fds` with
+  // sizes `bytes` (vmm_page_pool::export_pages; the fds stay the caller's): the start of
+  // the range, released with release(ptr, sum of bytes). Throws gpumem::invalid_argument,
+  // mapping nothing, for no piece, counts that differ, a size that is not a multiple of the
+  // page or does not match its piece, a sum that overflows, or a fd import() refuses.
+  void* import_pieces(std::span<const int> fds, std::span<const std::size_t> bytes);
   // Frees an own allocation or unmaps an import (`bytes` as given at allocate / import),
   // once the work queued on `stream` is done: the mapping goes at once, so kernels still
   // reading it would fault. Throws gpumem::invalid_argument, changing nothing, for an unknown
@@ -55,15 +64,24 @@ class shared_memory {
   std::size_t imported_bytes() const;
   std::string validate() const;
   int device() const noexcept { return device_; }
+  std::size_t page_size() const noexcept { return page_; }
 
  private:
+  struct piece {
+    physical_handle handle{};
+    std::size_t bytes = 0;  // mapped, a multiple of the page
+  };
   struct entry {
     std::size_t requested = 0;
-    std::size_t mapped = 0;  // page-rounded
-    physical_handle handle{};
+    std::size_t mapped = 0;  // page-rounded: the pieces' sum
+    std::vector<piece> pieces;  // side by side from the entry's address
     bool imported = false;
   };
-  void* map_new(physical_handle handle, std::size_t mapped, const char* caller);
+  // Reserves a range for `pieces`, maps them side by side and grants access; on failure
+  // releases every handle of `pieces` and throws.
+  void* map_new(const std::vector<piece>& pieces, std::size_t mapped, const char* caller);
+  // Unmaps an entry's range, releases its handles and the range; never throws.
+  void drop(std::uintptr_t va, const entry& e) noexcept;
 
   platform& platform_;
   int device_;

@@ -142,6 +142,13 @@ class tagged_pool final : public memory_resource {
   // by deallocate.
   int export_allocation(void* ptr);
   void* import_allocation(int fd, std::size_t bytes);
+  // The physical pages under [ptr, ptr + bytes) of a live allocation of any tag, for
+  // another process (vmm_page_pool::export_pages; a shared allocation is one piece); the
+  // importer maps them with import_pages, freed (unmapped) by deallocate with the pieces'
+  // sum. Throws as vmm_page_pool::export_pages; gpumem::invalid_argument for an import or
+  // a tag that sleeps, gpumem::not_supported for a tag whose pool has no pages to export.
+  vmm_page_pool::page_export export_pages(const void* ptr, std::size_t bytes);
+  void* import_pages(std::span<const int> fds, std::span<const std::size_t> bytes);
   shared_memory& sharing() noexcept { return shared_; }
 
  protected:

@@ -135,6 +135,21 @@ class vmm_page_pool final : public pool_base {
     const auto a = reinterpret_cast<std::uintptr_t>(ptr);
     return a >= va_base_ && a < va_base_ + va_pages_ * page_;
   }
+  // The physical pages under [ptr, ptr + bytes), which lies in one live allocation, for
+  // another process (src/pool/vmm/vmm_export.cpp): a new close-on-exec file descriptor per
+  // handle, in address order (the handles are mapped side by side), and `offset`, where
+  // ptr lies from the first handle's start. The importer maps the handles in that order
+  // (shared_memory::import_pieces). The handles stay the pool's: the exporter keeps the
+  // allocation live while another process may still use them. Throws
+  // gpumem::invalid_argument, exporting nothing, for a range that is not in one live
+  // allocation, or that sleeps; gpumem::not_supported for a pool without
+  // pool_options::shareable; gpumem::cuda_error when the driver refuses.
+  struct page_export {
+    std::vector<int> fds;
+    std::vector<std::size_t> bytes;  // each handle's size, a multiple of page_size()
+    std::size_t offset = 0;
+  };
+  page_export export_pages(const void* ptr, std::size_t bytes);
   // The pool's virtual range, reserved at construction and fixed for its lifetime.
   std::uintptr_t range_base() const noexcept { return va_base_; }
   std::size_t range_bytes() const noexcept { return va_pages_ * page_; }
@@ -320,6 +335,8 @@ class vmm_page_pool final : public pool_base {
   // Maps `chosen` side by side from `first`, with one access grant; on failure undoes it
   // (chunks back to spare_, but stranded ones) and returns the failure.
   status map_chosen(std::span<const std::uint32_t> chosen, std::size_t first, std::size_t covered);
+  // A new physical handle of `bytes`: exportable with pool_options::shareable.
+  result<physical_handle> create_handle(std::size_t bytes);
   // Releases the chunks from `first_new` on that are spare (a failed growth's new ones).
   void release_new_chunks(std::size_t first_new);
 

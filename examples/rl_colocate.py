@@ -1,0 +1,905 @@
+#!/usr/bin/env python3
+"""RL post-training on one GPU (GRPO-shaped): a trainer and a generator take turns on the
+device; gpumem's tags sleep the idle side, and the generator reads the trainer's weights
+without a copy (docs/RL_COLOCATE.md).
+
+    python examples/rl_colocate.py --json $OUT/rl.json          # every layout, faults, capacity
+    python examples/rl_colocate.py --layout one --iters 20
+    python examples/rl_colocate.py --layout two --faults
+    python examples/rl_colocate.py --find-max-batch --layout baseline --cap-gib 14
+
+Each iteration: the generator makes a batch of rollouts (Hugging Face generate, greedy, over
+gpumem.hf.GpumemCache(attention="contiguous") in the gpumem layouts, transformers' own
+cache in the baseline), the rollouts get random rewards, the trainer takes one AdamW step
+on a GRPO policy-gradient loss (group-normalised advantages, activation checkpointing), and
+the generator gets the new weights. The policy is a Llama-shaped model with random weights
+(bf16, ~1.1B parameters by default; no network).
+
+Layouts (--layout):
+  one       one process. The generator is the trainer's model itself: no weight sync.
+            Gradients and AdamW states live in tag "train", offloaded during generation;
+            generate's memory lives in tag "rollout", discarded during training.
+  two       two processes (gpumem.colocate). The trainer's weights live in one allocation
+            of the shared tag, mapped by the generator through gpumem.ipc (one descriptor,
+            no copy); after each step the trainer records a CUDA interprocess event, which
+            the generator waits on before it reads the weights. Each process sleeps its
+            idle tag ("train" offload, "rollout" discard).
+  baseline  two processes under PyTorch's own allocator, as frameworks do it today: the
+            weights copied in buckets through torch.multiprocessing.reductions.reduce_tensor
+            (CUDA IPC; verl's pattern), the idle side's tensors moved to pinned host memory
+            and back, torch.cuda.empty_cache() after each move.
+  all       (default) each layout in a fresh process, then the faults, then the capacity
+            search, one JSON document of all of it.
+
+Measured per iteration: generate, train, weight sync, sleep and wake times; bytes moved by
+sleep and wake against a pinned host<->device copy measured in the same process; open
+descriptors, resident host memory and reserved GPU memory of each process and the device
+memory in use; logits of the generator against the trainer's on a fixed batch after each
+sync; the loss. --faults (layout two): the generator killed with SIGKILL mid-iteration (the
+trainer goes on; descriptors and device memory back to where they were), and a wake with
+no room (out-of-memory error, the bytes still on the host). --find-max-batch: the largest
+rollout batch that runs 2 iterations under a device memory cap, each try a fresh process,
+the rest of the device held by a ballast process.
+
+Needs torch with CUDA, transformers and the gpumem plug-in (GPUMEM_LIB or a built tree).
+"""
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+
+from gpumem import colocate  # noqa: E402  (no torch needed)
+
+GiB = 1 << 30
+MODELS = {
+    # ~1.1B parameters: Llama-3.2-1B's shape with a 32k vocabulary, untied head.
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, vocab_size=32000),
+    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=4, vocab_size=1024),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layout", choices=["one", "two", "baseline", "all"], default="all")
+    p.add_argument("--model", choices=sorted(MODELS), default="1b")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--batch", type=int, default=16, help="rollouts per iteration")
+    p.add_argument("--group", type=int, default=4, help="rollouts per prompt (GRPO group)")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bucket-mib", type=int, default=512, help="baseline: weight sync bucket")
+    p.add_argument("--faults", action="store_true", help="layout two: kill / no-room checks")
+    p.add_argument("--find-max-batch", action="store_true")
+    p.add_argument("--cap-gib", type=float, default=14.0, help="capacity: device memory cap")
+    p.add_argument("--capacity-layouts", default="one,baseline")
+    p.add_argument("--capacity-tries", type=int, default=5)
+    p.add_argument("--capacity-start", type=int, default=64, help="first batch tried")
+    p.add_argument("--no-capacity", action="store_true", help="--layout all: skip capacity")
+    p.add_argument("--json", help="write the measurements here")
+    # Internal: the roles of child processes.
+    p.add_argument("--role", choices=["main", "generator", "baseline-generator", "ballast"],
+                   default="main", help=argparse.SUPPRESS)
+    p.add_argument("--channel-fd", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--ballast-bytes", type=int, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.batch % a.group:
+        p.error("--batch must be a multiple of --group")
+    return a
+
+
+def forward_args(a, **override):
+    """The model and loop flags, for a child process."""
+    d = dict(model=a.model, iters=a.iters, batch=a.batch, group=a.group, prompt_len=a.prompt_len,
+             gen_len=a.gen_len, lr=a.lr, seed=a.seed, bucket_mib=a.bucket_mib)
+    d.update(override)
+    out = []
+    for k, v in d.items():
+        out += ["--" + k.replace("_", "-"), str(v)]
+    return out
+
+
+# --- shared by every process that runs torch -------------------------------------------------
+
+def setup_torch(use_gpumem):
+    """torch, and gpumem.torch enabled (before any CUDA allocation) when use_gpumem."""
+    gt = None
+    if use_gpumem:
+        import gpumem.torch as gt  # noqa: F811
+        gt.enable()
+    import torch
+    if not torch.cuda.is_available():
+        raise SystemExit("rl_colocate: needs a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return torch, gt
+
+
+def build_model(torch, a):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(**MODELS[a.model], max_position_embeddings=a.prompt_len + a.gen_len + 8,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(a.seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.to(torch.bfloat16)
+
+
+def set_param(torch, model, name, tensor, requires_grad):
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    module._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=requires_grad)
+
+
+def to_bytes(torch, t):
+    buf = io.BytesIO()
+    torch.save(t.detach().cpu(), buf)
+    return buf.getvalue()
+
+
+def from_bytes(torch, b):
+    return torch.load(io.BytesIO(b), weights_only=True)
+
+
+def fixed_batch(torch, a, vocab):
+    g = torch.Generator().manual_seed(12345)
+    return torch.randint(3, vocab, (2, 16), generator=g).cuda()
+
+
+def prompts_for(torch, a, vocab, iteration):
+    g = torch.Generator().manual_seed(a.seed * 1000003 + iteration)
+    base = torch.randint(3, vocab, (a.batch // a.group, a.prompt_len), generator=g)
+    return base.repeat_interleave(a.group, dim=0)  # each prompt for its group, side by side
+
+
+def rewards_for(torch, a, iteration):
+    g = torch.Generator().manual_seed(a.seed * 7919 + iteration + 1)
+    return torch.randn(a.batch, generator=g)
+
+
+def logits_of(torch, model, batch):
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=batch, use_cache=False).logits.float()
+    model.train(was)
+    return out
+
+
+def generate(torch, a, model, prompts, use_gpumem):
+    """Greedy rollouts [batch, prompt + gen] of the prompts; gpumem's cache in the gpumem
+    layouts (released at once), transformers' default cache in the baseline."""
+    model.eval()
+    prompts = prompts.cuda()
+    kwargs = dict(attention_mask=torch.ones_like(prompts), max_new_tokens=a.gen_len,
+                  min_new_tokens=a.gen_len, do_sample=False, pad_token_id=0, use_cache=True)
+    with torch.no_grad():
+        if use_gpumem:
+            from gpumem.hf import GpumemCache
+            cache = GpumemCache(model.config, attention="contiguous",
+                                max_sequence_tokens=a.prompt_len + a.gen_len + 8)
+            try:
+                out = model.generate(prompts, past_key_values=cache, **kwargs)
+            finally:
+                cache.release()
+                del cache
+        else:
+            out = model.generate(prompts, **kwargs)
+    return out
+
+
+def grpo_loss(torch, a, model, seqs, rewards):
+    """Policy gradient with group-normalised advantages (GRPO, on-policy: ratio 1, no KL)."""
+    keep = seqs.shape[1] - a.prompt_len + 1
+    logits = model(input_ids=seqs, use_cache=False, logits_to_keep=keep).logits[:, :-1].float()
+    targets = seqs[:, a.prompt_len:]
+    logp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    r = rewards.cuda().view(-1, a.group)
+    adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1, 1)
+    return -(adv * logp).mean()
+
+
+def make_trainer(torch, a, model):
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=a.lr)
+
+
+def train_step(torch, a, model, opt, seqs, rewards):
+    model.train()
+    loss = grpo_loss(torch, a, model, seqs, rewards)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # the gradients stay where they are (their tag)
+    value = float(loss)
+    del loss
+    return value
+
+
+def sync(torch):
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def pinned_bandwidth(torch, nbytes=1 * GiB):
+    """Pinned host<->device copy bandwidth (bytes/s), in this process, now."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out = {}
+    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
+        dst.copy_(src, non_blocking=True)
+        t = sync(torch)
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        out[name] = 3 * nbytes / (sync(torch) - t)
+    del dev, host
+    return out
+
+
+def counts(torch, gt):
+    """Descriptors, resident host memory, this process's reserved GPU memory, device used."""
+    free, total = torch.cuda.mem_get_info()
+    reserved = gt.memory_reserved() if gt is not None else torch.cuda.memory_reserved()
+    return {"fds": colocate.open_fds(), "rss": colocate.rss_bytes(), "reserved": int(reserved),
+            "device_used": int(total - free)}
+
+
+def tag_bytes(gt, tag):
+    try:
+        return int(gt.tag_stats(tag)["reserved_bytes"])
+    except Exception:  # pylint: disable=broad-except  (a tag never allocated in)
+        return 0
+
+
+def crc_of(torch, t):
+    return zlib.crc32(to_bytes(torch, t.to(torch.int64)))
+
+
+def preallocate_grads(torch, model):
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def safe_wake(gt, tag):
+    import gpumem
+    try:
+        gt.wake(tag)
+    except gpumem.InvalidArgumentError:
+        pass  # not asleep, or never allocated in
+
+
+# --- layout one --------------------------------------------------------------------------------
+
+def run_one(a):
+    torch, gt = setup_torch(True)
+    bw = pinned_bandwidth(torch)
+    with gt.tag("weights"):
+        model = build_model(torch, a)
+    vocab = model.config.vocab_size
+    batch = fixed_batch(torch, a, vocab)
+    with gt.tag("train"):
+        opt = make_trainer(torch, a, model)
+        preallocate_grads(torch, model)
+    rows = []
+    for it in range(a.iters):
+        row = {"iteration": it}
+        reference = logits_of(torch, model, batch)  # the trainer's, before the generator runs
+        t = sync(torch)
+        gt.sleep("train", "offload")
+        gt.empty_cache()  # the backward's untagged blocks (autograd's thread)
+        row["sleep_s"] = sync(torch) - t
+        t = sync(torch)
+        safe_wake(gt, "rollout")
+        row["wake_s"] = sync(torch) - t
+        row["sync_s"] = 0.0  # the generator reads the trainer's tensors themselves
+        with gt.tag("rollout"):
+            seen = logits_of(torch, model, batch)
+            row["logits_equal"] = bool(torch.equal(seen, reference))
+            row["logits_max_diff"] = float((seen - reference).abs().max())
+            t = sync(torch)
+            seqs = generate(torch, a, model, prompts_for(torch, a, vocab, it), True)
+            row["generate_s"] = sync(torch) - t
+        row["tokens_crc"] = crc_of(torch, seqs)
+        del seen, reference
+        t = sync(torch)
+        gt.sleep("rollout", "discard")
+        row["sleep_s"] += sync(torch) - t
+        t = sync(torch)
+        gt.wake("train")
+        row["wake_s"] += sync(torch) - t
+        row["moved_bytes"] = tag_bytes(gt, "train")
+        t = sync(torch)
+        with gt.tag("train"):
+            row["loss"] = train_step(torch, a, model, opt, seqs, rewards_for(torch, a, it))
+        row["train_s"] = sync(torch) - t
+        del seqs
+        row["trainer"] = counts(torch, gt)
+        rows.append(row)
+        print(json.dumps({"layout": "one", **row}), flush=True)
+    return {"layout": "one", "pinned": bw, "iterations": rows,
+            "parameters": sum(p.numel() for p in model.parameters())}
+
+
+# --- layout two ----------------------------------------------------------------------------------
+
+class GpumemTrainer:
+    """The trainer of layout two: weights in one shared allocation, gradients and AdamW
+    states in tag "train" (offloaded while the generator works), an interprocess event
+    recorded after each step (trainer_iteration's protocol)."""
+
+    def __init__(self, torch, gt, a):
+        self.torch, self.gt, self.a = torch, gt, a
+        model = build_model(torch, a)
+        named = list(model.named_parameters())
+        self.offsets, total = colocate.flat_layout(
+            [(n, p.numel() * p.element_size()) for n, p in named])
+        with gt.tag("shared"):
+            self.flat = torch.empty(total // 2, dtype=torch.bfloat16, device="cuda")
+        for n, p in named:
+            off = self.offsets[n] // 2
+            view = self.flat[off:off + p.numel()].view(p.shape)
+            view.copy_(p.data)
+            set_param(torch, model, n, view, True)
+        self.shapes = {n: list(p.shape) for n, p in named}
+        del named, p
+        gt.empty_cache()
+        self.model = model
+        self.vocab = model.config.vocab_size
+        self.batch = fixed_batch(torch, a, self.vocab)
+        with gt.tag("train"):
+            self.opt = make_trainer(torch, a, model)
+            preallocate_grads(torch, model)
+        self.event = torch.cuda.Event(interprocess=True)
+        self.event.record()
+        self.reference = logits_of(torch, model, self.batch)
+        self.last = {}
+        self.losses = []
+
+    def share(self, channel):
+        """Sends the weights (one descriptor) and the event to a new generator."""
+        import gpumem.ipc as ipc
+        h = ipc.share(self.flat)
+        try:
+            meta = {"size": h.size, "dtype": h.dtype, "shape": list(h.shape), "device": h.device,
+                    "offsets": self.offsets, "shapes": self.shapes}
+            channel.call("weights", meta, bytes(self.event.ipc_handle()), fds=[h.fd]).close()
+        finally:
+            h.close()
+
+    def sleep(self):
+        t = sync(self.torch)
+        self.gt.sleep("train", "offload")
+        self.gt.empty_cache()
+        self.last["trainer_sleep_s"] = sync(self.torch) - t
+
+    def wake(self):
+        t = sync(self.torch)
+        self.gt.wake("train")
+        self.last["trainer_wake_s"] = sync(self.torch) - t
+
+    def request(self, iteration):
+        self.iteration = iteration
+        return {"iteration": iteration}, to_bytes(self.torch, prompts_for(
+            self.torch, self.a, self.vocab, iteration))
+
+    def train(self, reply):
+        torch = self.torch
+        seen = from_bytes(torch, reply.payload[:reply.meta["logits_bytes"]]).cuda()
+        seqs = from_bytes(torch, reply.payload[reply.meta["logits_bytes"]:]).cuda()
+        self.last["logits_equal"] = bool(torch.equal(seen, self.reference))
+        self.last["logits_max_diff"] = float((seen - self.reference).abs().max())
+        self.last["tokens_crc"] = crc_of(torch, seqs)
+        with self.gt.tag("train"):
+            loss = train_step(torch, self.a, self.model, self.opt, seqs,
+                              rewards_for(torch, self.a, self.iteration))
+        self.losses.append(loss)
+        return loss
+
+    def publish(self):
+        self.reference = logits_of(self.torch, self.model, self.batch)
+        self.event.record()  # the generator's stream waits on this before reading
+
+
+def generator_main(a):
+    """Layout two's generator: maps the trainer's weights, waits on its event, generates
+    with its memory in tag "rollout" (discarded between requests)."""
+    torch, gt = setup_torch(True)
+    import gpumem.ipc as ipc
+    model = build_model(torch, a)
+    model.eval()
+    state = {"event": None, "flat": None}
+    batch = fixed_batch(torch, a, model.config.vocab_size)
+
+    def on_weights(msg, channel):
+        m = msg.meta
+        handle = ipc.Handle(msg.take_fd(), m["size"], m["dtype"], m["shape"], m["device"])
+        try:
+            flat = ipc.open(handle)
+        finally:
+            handle.close()
+        for name, off in m["offsets"].items():
+            n = 1
+            for d in m["shapes"][name]:
+                n *= d
+            view = flat[off // 2:off // 2 + n].view(m["shapes"][name])
+            set_param(torch, model, name, view, False)
+        state["flat"] = flat
+        state["event"] = torch.cuda.Event.from_ipc_handle(torch.cuda.current_device(),
+                                                         msg.payload)
+        gt.empty_cache()  # the parameters built before the mapping
+        return {"mapped_bytes": m["size"]}, b""
+
+    def on_generate(msg, channel):
+        channel.send("progress", {"stage": "generating"})
+        row = {}
+        t = sync(torch)
+        safe_wake(gt, "rollout")
+        row["generator_wake_s"] = sync(torch) - t
+        t = sync(torch)
+        torch.cuda.current_stream().wait_event(state["event"])
+        row["sync_s"] = sync(torch) - t
+        with gt.tag("rollout"):
+            logits = logits_of(torch, model, batch)
+            t = sync(torch)
+            seqs = generate(torch, a, model, from_bytes(torch, msg.payload), True)
+            row["generate_s"] = sync(torch) - t
+        lb = to_bytes(torch, logits)
+        payload = lb + to_bytes(torch, seqs)
+        del logits, seqs
+        t = sync(torch)
+        gt.sleep("rollout", "discard")
+        row["generator_sleep_s"] = sync(torch) - t
+        row["logits_bytes"] = len(lb)
+        row["generator"] = counts(torch, gt)
+        return row, payload
+
+    channel = colocate.Channel.from_fd(a.channel_fd)
+    colocate.serve(channel, {"weights": on_weights, "generate": on_generate})
+    channel.close()
+    return 0
+
+
+def spawn_generator(a, role):
+    argv = [sys.executable, os.path.abspath(__file__), "--role", role, "--channel-fd", "{fd}"]
+    return colocate.Peer.spawn(argv + forward_args(a))
+
+
+def two_process_loop(torch, gt, a, trainer, peer, layout):
+    rows = []
+    for it in range(a.iters):
+        trainer.last = {}
+        loss, meta, timings = colocate.trainer_iteration(trainer, peer.channel, it)
+        row = {"iteration": it, "loss": loss, **timings, **trainer.last,
+               **{k: v for k, v in meta.items() if k != "logits_bytes"}}
+        row["sleep_s"] = row.get("trainer_sleep_s", 0) + row.get("generator_sleep_s", 0)
+        row["wake_s"] = row.get("trainer_wake_s", 0) + row.get("generator_wake_s", 0)
+        row["moved_bytes"] = trainer.moved_bytes() if hasattr(trainer, "moved_bytes") \
+            else tag_bytes(gt, "train")
+        row["trainer"] = counts(torch, gt)
+        rows.append(row)
+        print(json.dumps({"layout": layout, **row}), flush=True)
+    return rows
+
+
+def run_two(a):
+    torch, gt = setup_torch(True)
+    bw = pinned_bandwidth(torch)
+    trainer = GpumemTrainer(torch, gt, a)
+    alone = counts(torch, gt)
+    peer = spawn_generator(a, "generator")
+    trainer.share(peer.channel)
+    rows = two_process_loop(torch, gt, a, trainer, peer, "two")
+    result = {"layout": "two", "pinned": bw, "iterations": rows,
+              "parameters": sum(p.numel() for p in trainer.model.parameters())}
+    if a.faults:
+        result["faults"] = faults(torch, gt, a, trainer, peer, alone)
+    else:
+        peer.stop()
+    return result
+
+
+def faults(torch, gt, a, trainer, peer, alone):
+    """The generator killed mid-iteration, then a wake with no room (see the module text)."""
+    import gpumem
+    out = {}
+    try:
+        colocate.trainer_iteration(trainer, peer.channel, a.iters,
+                                   progress=lambda msg: peer.kill())
+        out["kill"] = {"error": "the iteration finished: the generator was not killed"}
+    except colocate.PeerClosed:
+        status = peer.proc.returncode
+        torch.cuda.synchronize()
+        time.sleep(1.0)  # the driver reclaims the dead process's memory
+        after = counts(torch, gt)
+        # The trainer goes on: one more step on the last rollouts' shape, alone.
+        seqs = torch.cat([prompts_for(torch, a, trainer.vocab, 0).cuda(),
+                          torch.full((a.batch, a.gen_len), 5, device="cuda")], 1)
+        with gt.tag("train"):
+            loss = train_step(torch, a, trainer.model, trainer.opt, seqs,
+                              rewards_for(torch, a, 0))
+        trainer.publish()
+        peer2 = spawn_generator(a, "generator")
+        trainer.share(peer2.channel)
+        loss2, meta2, _ = colocate.trainer_iteration(trainer, peer2.channel, a.iters + 1)
+        stop = peer2.stop()
+        torch.cuda.synchronize()
+        time.sleep(1.0)
+        end = counts(torch, gt)
+        out["kill"] = {"exit_status": status, "trainer_alone_before": alone,
+                       "trainer_after_kill": after, "trainer_after_restart_and_stop": end,
+                       "fds_leaked": after["fds"] - alone["fds"],
+                       "fds_after_stop_over_alone": end["fds"] - alone["fds"],
+                       # Both trainer alone, after training steps: a killed generator leaves
+                       # no more behind than a stopped one.
+                       "device_used_after_kill_over_after_stop":
+                           after["device_used"] - end["device_used"],
+                       "trainer_step_after_kill_loss": loss, "new_generator_loss": loss2,
+                       "new_generator_logits_equal": trainer.last.get("logits_equal"),
+                       "new_generator_stop_status": stop}
+    # A wake with no room: the train tag asleep, the device filled, wake refused.
+    probe = [t.detach().float().sum().item() for t in list(trainer.opt.state.values())[0].values()
+             if torch.is_tensor(t) and t.is_cuda]
+    gt.sleep("train", "offload")
+    gt.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    ballast = torch.empty(max(free - 256 * (1 << 20), 0), dtype=torch.uint8, device="cuda")
+    try:
+        gt.wake("train")
+        out["no_room"] = {"error": "the wake succeeded with %d bytes free" % (256 << 20)}
+    except gpumem.OutOfMemoryError as e:
+        still = gt.pool().asleep("train")
+        del ballast
+        gt.empty_cache()
+        gt.wake("train")
+        again = [t.detach().float().sum().item()
+                 for t in list(trainer.opt.state.values())[0].values()
+                 if torch.is_tensor(t) and t.is_cuda]
+        out["no_room"] = {"error_type": type(e).__name__, "message": str(e).split("\n")[0],
+                          "tag_still_asleep": still, "bytes_restored_after": again == probe}
+    return out
+
+
+# --- baseline --------------------------------------------------------------------------------
+
+class PinnedOffload:
+    """Moves a set of tensors to pinned host memory and back (the tensors' .data), the
+    device memory given back with torch.cuda.empty_cache(); the pinned buffers are kept."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.host = {}
+
+    def out(self, tensors):
+        torch = self.torch
+        for i, t in enumerate(tensors):
+            h = self.host.get(i)
+            if h is None or h.shape != t.shape:
+                h = self.host[i] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            h.copy_(t.data, non_blocking=True)
+        torch.cuda.synchronize()
+        for t in tensors:
+            t.data = torch.empty(0, dtype=t.dtype, device="cuda")
+        torch.cuda.empty_cache()
+
+    def back(self, tensors):
+        torch = self.torch
+        for i, t in enumerate(tensors):
+            t.data = self.host[i].to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+
+    def bytes(self):
+        return sum(h.numel() * h.element_size() for h in self.host.values())
+
+
+class BaselineTrainer:
+    """Layout "baseline": PyTorch's allocator; gradients and AdamW states to pinned host
+    memory while the generator works; weights sent in buckets through reduce_tensor."""
+
+    def __init__(self, torch, a):
+        self.torch, self.a = torch, a
+        self.model = build_model(torch, a)
+        self.vocab = self.model.config.vocab_size
+        self.batch = fixed_batch(torch, a, self.vocab)
+        self.opt = make_trainer(torch, a, self.model)
+        preallocate_grads(torch, self.model)
+        self.offload = PinnedOffload(torch)
+        self.reference = logits_of(torch, self.model, self.batch)
+        self.last = {}
+        self.channel = None
+
+    def idle_tensors(self):
+        ts = [p.grad for p in self.model.parameters() if p.grad is not None]
+        for st in self.opt.state.values():
+            ts += [v for v in st.values() if self.torch.is_tensor(v) and v.is_cuda]
+        return ts
+
+    def moved_bytes(self):
+        return self.offload.bytes()
+
+    def sleep(self):
+        t = sync(self.torch)
+        self.offload.out(self.idle_tensors())
+        self.last["trainer_sleep_s"] = sync(self.torch) - t
+
+    def wake(self):
+        t = sync(self.torch)
+        self.offload.back(self.idle_tensors())
+        self.last["trainer_wake_s"] = sync(self.torch) - t
+
+    def send_weights(self, channel):
+        """verl's pattern: parameters packed into buckets, each shared by reduce_tensor
+        (CUDA IPC), copied by the generator into its own parameters, acknowledged."""
+        import pickle
+        from torch.multiprocessing.reductions import reduce_tensor
+        torch = self.torch
+        limit = self.a.bucket_mib << 20
+        named = [(n, p) for n, p in self.model.named_parameters()]
+        i = 0
+        while i < len(named):
+            group, size = [], 0
+            while i < len(named) and (not group or size + named[i][1].numel() * 2 <= limit):
+                group.append(named[i])
+                size += named[i][1].numel() * 2
+                i += 1
+            bucket = torch.cat([p.data.reshape(-1) for _, p in group])
+            meta = {"names": [n for n, _ in group], "numels": [p.numel() for _, p in group]}
+            channel.call("bucket", meta, pickle.dumps(reduce_tensor(bucket))).close()
+            del bucket
+        torch.cuda.ipc_collect()
+
+    def request(self, iteration):
+        self.iteration = iteration
+        t = sync(self.torch)
+        self.channel.call("wake").close()
+        self.last["generator_wake_s"] = sync(self.torch) - t
+        t = sync(self.torch)
+        self.send_weights(self.channel)
+        self.last["sync_s"] = sync(self.torch) - t
+        return {"iteration": iteration}, to_bytes(self.torch, prompts_for(
+            self.torch, self.a, self.vocab, iteration))
+
+    train = GpumemTrainer.train
+
+    def publish(self):
+        self.reference = logits_of(self.torch, self.model, self.batch)
+
+
+class _NoTag:
+    def tag(self, name):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+def baseline_generator_main(a):
+    torch, _ = setup_torch(False)
+    import pickle
+    import torch.multiprocessing  # noqa: F401  (CUDA IPC rebuilds)
+    model = build_model(torch, a)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = dict(model.named_parameters())
+    offload = PinnedOffload(torch)
+    weights = list(params.values())
+    batch = fixed_batch(torch, a, model.config.vocab_size)
+    state = {"asleep": False}
+
+    def on_wake(msg, channel):
+        if state["asleep"]:
+            offload.back(weights)
+            state["asleep"] = False
+        return {}, b""
+
+    def on_bucket(msg, channel):
+        fn, args = pickle.loads(msg.payload)
+        bucket = fn(*args)
+        off = 0
+        for name, n in zip(msg.meta["names"], msg.meta["numels"]):
+            params[name].data.view(-1).copy_(bucket[off:off + n])
+            off += n
+        torch.cuda.synchronize()
+        del bucket
+        return {}, b""
+
+    def on_generate(msg, channel):
+        channel.send("progress", {"stage": "generating"})
+        row = {}
+        logits = logits_of(torch, model, batch)
+        t = sync(torch)
+        seqs = generate(torch, a, model, from_bytes(torch, msg.payload), False)
+        row["generate_s"] = sync(torch) - t
+        lb = to_bytes(torch, logits)
+        payload = lb + to_bytes(torch, seqs)
+        del logits, seqs
+        t = sync(torch)
+        offload.out(weights)  # the weights to the host, the KV cache's blocks freed
+        state["asleep"] = True
+        row["generator_sleep_s"] = sync(torch) - t
+        row["logits_bytes"] = len(lb)
+        row["generator"] = counts(torch, None)
+        return row, payload
+
+    channel = colocate.Channel.from_fd(a.channel_fd)
+    colocate.serve(channel, {"wake": on_wake, "bucket": on_bucket, "generate": on_generate})
+    channel.close()
+    return 0
+
+
+def run_baseline(a):
+    torch, _ = setup_torch(False)
+    bw = pinned_bandwidth(torch)
+    trainer = BaselineTrainer(torch, a)
+    trainer.gt = _NoTag()
+    peer = spawn_generator(a, "baseline-generator")
+    trainer.channel = peer.channel
+    rows = two_process_loop(torch, None, a, trainer, peer, "baseline")
+    for r in rows:  # the generator's weights move too
+        r["moved_bytes"] += sum(p.numel() * 2 for p in trainer.model.parameters())
+    peer.stop()
+    return {"layout": "baseline", "pinned": bw, "iterations": rows,
+            "parameters": sum(p.numel() for p in trainer.model.parameters())}
+
+
+# --- summaries, capacity and the driver ---------------------------------------------------------
+
+def summarize(result, skip=1):
+    rows = result["iterations"][skip:] or result["iterations"]
+    bw = result["pinned"]
+
+    def mean(key):
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    moved = mean("moved_bytes") or 0
+    pinned_s = moved / bw["d2h"] + moved / bw["h2d"]
+    sw = (mean("sleep_s") or 0) + (mean("wake_s") or 0)
+    s = {k + "_mean": mean(k) for k in ("generate_s", "train_s", "sync_s", "sleep_s", "wake_s")}
+    s.update(moved_bytes=moved, pinned_copy_s=pinned_s,
+             sleep_wake_over_pinned=sw / pinned_s if pinned_s else None,
+             logits_equal_all=all(r.get("logits_equal") for r in result["iterations"]),
+             logits_max_diff=max(r.get("logits_max_diff") or 0 for r in result["iterations"]),
+             losses=[r["loss"] for r in result["iterations"]])
+    for side in ("trainer", "generator"):
+        series = [r[side] for r in result["iterations"] if side in r]
+        if series:
+            s[side + "_growth"] = {k: series[-1][k] - series[skip if len(series) > skip else 0][k]
+                                   for k in series[0]}
+    return s
+
+
+def run_child(a, layout, extra=(), timeout=None):
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    cmd = [sys.executable, os.path.abspath(__file__), "--layout", layout, "--json", path] + \
+        forward_args(a) + list(extra)
+    try:
+        proc = subprocess.run(cmd, timeout=timeout)
+        ok = proc.returncode == 0
+        out = json.load(open(path)) if ok and os.path.getsize(path) else None
+    except subprocess.TimeoutExpired:
+        ok, out = False, None
+    finally:
+        os.unlink(path)
+    return ok, out
+
+
+def ballast_main(a):
+    import torch
+    t = torch.empty(a.ballast_bytes, dtype=torch.uint8, device="cuda")
+    print("ready", flush=True)
+    sys.stdin.read()  # held until the driver closes stdin
+    del t
+    return 0
+
+
+def find_max_batch(a):
+    """Largest rollout batch (a multiple of --group) that runs 2 iterations of each layout
+    with --cap-gib of device memory free; each try a fresh process."""
+    import torch
+    cap = int(a.cap_gib * GiB)
+    free, total = torch.cuda.mem_get_info()
+    ballast = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", "ballast",
+                                "--ballast-bytes", str(max(free - cap, 0))],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert ballast.stdout.readline().strip() == "ready"
+    results = {"cap_bytes": cap, "device_total": total, "free_during_search":
+               torch.cuda.mem_get_info()[0]}
+    try:
+        for layout in a.capacity_layouts.split(","):
+            tries = []
+
+            def fits(b):
+                ok, _ = run_child(a, layout, ["--iters", "2", "--batch", str(b)], timeout=300)
+                tries.append([b, ok])
+                return ok
+
+            lo, hi, b = 0, None, a.capacity_start
+            while len(tries) < a.capacity_tries:
+                if hi is None:
+                    if fits(b):
+                        lo, b = b, b * 2
+                    else:
+                        hi = b
+                else:
+                    mid = (lo + hi) // 2 // a.group * a.group
+                    if mid <= lo:
+                        break
+                    if fits(mid):
+                        lo = mid
+                    else:
+                        hi = mid
+            results[layout] = {"max_batch": lo, "first_failing": hi, "tries": tries}
+    finally:
+        ballast.stdin.close()
+        ballast.wait()
+    if "baseline" in results and results["baseline"]["max_batch"]:
+        for layout in ("one", "two"):
+            if layout in results:
+                results[layout]["over_baseline"] = \
+                    results[layout]["max_batch"] / results["baseline"]["max_batch"]
+    return results
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.role == "generator":
+        return generator_main(a)
+    if a.role == "baseline-generator":
+        return baseline_generator_main(a)
+    if a.role == "ballast":
+        return ballast_main(a)
+    if a.find_max_batch and a.layout != "all":
+        a.capacity_layouts = a.layout
+        out = {"capacity": find_max_batch(a)}
+    elif a.layout == "all":
+        out = {"date": time.strftime("%Y-%m-%d"), "args": vars(a), "layouts": {}}
+        for layout in ("baseline", "one", "two"):
+            ok, r = run_child(a, layout, ["--faults"] if layout == "two" else [])
+            if not ok:
+                out["layouts"][layout] = {"error": "the %s run failed (see its stderr)" % layout}
+                continue
+            out["layouts"][layout] = r
+        base = out["layouts"].get("baseline", {}).get("summary", {}).get("losses")
+        for layout in ("one", "two"):
+            s = out["layouts"].get(layout, {}).get("summary")
+            if s and base:
+                s["losses_equal_baseline"] = s["losses"] == base
+                s["losses_max_diff_baseline"] = max(abs(x - y) for x, y in zip(s["losses"], base))
+        if not a.no_capacity:
+            out["capacity"] = find_max_batch(a)
+    else:
+        import torch
+        runner = {"one": run_one, "two": run_two, "baseline": run_baseline}[a.layout]
+        out = runner(a)
+        out["summary"] = summarize(out)
+        out["device"] = torch.cuda.get_device_name()
+        out["torch"] = torch.__version__
+        import transformers
+        out["transformers"] = transformers.__version__
+    text = json.dumps(out, indent=1, default=str)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text)
+    if a.role == "main" and (a.layout == "all" or a.find_max_batch):
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
