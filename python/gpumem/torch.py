@@ -560,6 +560,18 @@ def max_memory_reserved(device=None):
     return _counts(device).reserved_bytes_peak
 
 
+def set_per_process_memory_fraction(fraction, device=None):
+    """The device pool's budget becomes `fraction` of the device's memory (1: none): short
+    of it, the pool gathers its free pages rather than growing. torch.cuda's own function
+    does this under the native route; under the pluggable one, call this."""
+    fraction = float(fraction)
+    if not 0.0 <= fraction <= 1.0:
+        raise gpumem.InvalidArgumentError(gpumem.ERROR_INVALID_ARGUMENT,
+                                          "the fraction %r is not in [0, 1]" % fraction)
+    lib = gpumem.load()
+    gpumem._check(lib, lib.gpumem_torch_set_memory_fraction(_device_index(device), fraction))
+
+
 def reset_peak_memory_stats(device=None):
     """Peaks restart from the current values (torch.cuda.reset_peak_memory_stats())."""
     lib = gpumem.load()

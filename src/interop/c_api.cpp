@@ -313,6 +313,22 @@ gpumem_status gpumem_pool_trim(gpumem_pool* pool, uint64_t* released) {
   });
 }
 
+gpumem_status gpumem_pool_set_budget(gpumem_pool* pool, uint64_t bytes, uint64_t* budget_out) {
+  pool_body* body = live_body(pool, "gpumem_pool_set_budget");
+  if (body == nullptr) return last_error_status;
+  return guarded("gpumem_pool_set_budget", [&] {
+    auto* pages = dynamic_cast<gpumem::vmm_page_pool*>(body->pool.get());
+    if (pages == nullptr)
+      throw gpumem::invalid_argument("gpumem_pool_set_budget: a budget is a vmm_page_pool's "
+                                     "(allocator:vmm_page_pool)");
+    if (bytes > std::numeric_limits<std::size_t>::max())
+      throw gpumem::invalid_argument("gpumem_pool_set_budget: " + std::to_string(bytes) +
+                                     " bytes do not fit this machine's size_t");
+    pages->set_budget(static_cast<std::size_t>(bytes));
+    if (budget_out != nullptr) *budget_out = pages->budget();
+  });
+}
+
 // The four accessors below answer "" (or -1) for NULL without an error, as documented;
 // for a destroyed pool they answer the same and set the error.
 

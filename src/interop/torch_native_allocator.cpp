@@ -183,6 +183,10 @@ class gpumem_cuda_allocator final : public cca::CUDAAllocator {
     TORCH_CHECK(fraction >= 0.0 && fraction <= 1.0, "invalid fraction:", fraction,
                 ". Please set within [0, 1].");
     fraction_[device].store(fraction);
+    // The pool's budget too: short of it, the pool gathers free pages rather than growing
+    // (the cap above still refuses what would pass it).
+    TORCH_CHECK(gpumem_torch_set_memory_fraction(device, fraction) == GPUMEM_SUCCESS,
+                "gpumem: set_per_process_memory_fraction: ", gpumem_last_error());
   }
 
   // --- cache -------------------------------------------------------------------------------

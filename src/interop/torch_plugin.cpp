@@ -415,6 +415,25 @@ GPUMEM_API int gpumem_torch_record_stream_on(int device, void* ptr, void* stream
 // The device's pool (created now if needed), for the C API and ctypes; NULL on failure.
 GPUMEM_API gpumem_pool* gpumem_torch_pool(int device) { return pool_for(device); }
 
+// set_per_process_memory_fraction: the pool's budget becomes that share of the device
+// (1 or more: none), so a pool short of it gathers free pages rather than growing.
+GPUMEM_API int gpumem_torch_set_memory_fraction(int device, double fraction) {
+  if (!(fraction >= 0.0 && fraction <= 1.0)) return GPUMEM_ERROR_INVALID_ARGUMENT;
+  gpumem_pool* pool = pool_for(device);
+  if (pool == nullptr) return gpumem_last_status();
+  size_t free_bytes = 0, total = 0;
+  if (const gpumem_status s = gpumem_device_memory(pool, &free_bytes, &total); s != GPUMEM_SUCCESS)
+    return s;
+  const auto bytes = fraction >= 1.0 ? uint64_t{0}
+                                     : static_cast<uint64_t>(fraction * static_cast<double>(total));
+  // A fraction of 0 allows nothing: the smallest budget, one byte.
+  const gpumem_status s = gpumem_pool_set_budget(pool, fraction >= 1.0 ? 0 : std::max<uint64_t>(bytes, 1), nullptr);
+  // Other allocators have no budget: the native allocator's cap still holds there.
+  return s == GPUMEM_ERROR_INVALID_ARGUMENT && std::string_view(gpumem_pool_allocator(pool)) != "vmm_page_pool"
+             ? GPUMEM_SUCCESS
+             : s;
+}
+
 // Has the device's pool been created (by an allocation or gpumem_torch_pool)?
 GPUMEM_API int gpumem_torch_pool_exists(int device) {
   return device >= 0 && device < max_devices &&

@@ -893,3 +893,23 @@ TEST(c_api, record_stream_accepts_planned_allocations) {
   EXPECT_GT(planned, 0u) << "some steps ran on the plan";
   EXPECT_EQ(gpumem_stream_destroy(h.pool, s1), GPUMEM_SUCCESS) << last_error();
 }
+
+// The budget through the C API: the smallest of the bytes set, the limit and the device's
+// memory less headroom; 0 removes it; another allocator has none.
+TEST(c_api, pool_budget_is_set_and_read_back_and_only_a_page_pool_has_one) {
+  gpumem_pool* pool = nullptr;
+  ASSERT_EQ(gpumem_pool_create("platform:sim,sim_capacity:256M,limit:128M", &pool), GPUMEM_SUCCESS);
+  uint64_t budget = 0;
+  ASSERT_EQ(gpumem_pool_set_budget(pool, 64 << 20, &budget), GPUMEM_SUCCESS) << gpumem_last_error();
+  EXPECT_EQ(budget, uint64_t{64} << 20);
+  ASSERT_EQ(gpumem_pool_set_budget(pool, uint64_t{1} << 40, &budget), GPUMEM_SUCCESS);
+  EXPECT_EQ(budget, uint64_t{128} << 20);  // the limit is smaller
+  ASSERT_EQ(gpumem_pool_set_budget(pool, 0, &budget), GPUMEM_SUCCESS);
+  EXPECT_EQ(budget, uint64_t{128} << 20);
+  EXPECT_EQ(gpumem_pool_set_budget(nullptr, 1, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  gpumem_pool_destroy(pool);
+  ASSERT_EQ(gpumem_pool_create("platform:sim,allocator:caching_pool", &pool), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_pool_set_budget(pool, 1 << 20, &budget), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(gpumem_last_error()).find("vmm_page_pool"), std::string::npos);
+  gpumem_pool_destroy(pool);
+}

@@ -189,6 +189,14 @@ GPUMEM_API gpumem_status gpumem_pool_mark_step(gpumem_pool* pool);
 /* Gives cached memory of every tag back to the driver; *released (may be NULL) receives the
  * bytes. */
 GPUMEM_API gpumem_status gpumem_pool_trim(gpumem_pool* pool, uint64_t* released);
+/* The budget of a vmm_page_pool (footprint:fast): the reserved bytes up to which it grows
+ * with new pages rather than gathering free ones; the smallest of this, `limit` and the
+ * device's memory less headroom (0: none set). A budget below what the pool holds gives the
+ * cached pages back at once. Tags other than 0 keep their own pools: the budget is tag 0's.
+ * GPUMEM_ERROR_INVALID_ARGUMENT for another allocator. *budget_out (may be NULL) receives
+ * the budget in force. The PyTorch plug-in sets it from set_per_process_memory_fraction. */
+GPUMEM_API gpumem_status gpumem_pool_set_budget(gpumem_pool* pool, uint64_t bytes,
+                                                uint64_t* budget_out);
 /* "vmm_page_pool" or "caching_pool"; "" for NULL. The accessors below answer "" (or -1)
  * for NULL, and also for a destroyed pool, where they set the error as well. */
 GPUMEM_API const char* gpumem_pool_allocator(gpumem_pool* pool);

@@ -78,6 +78,10 @@ GPUMEM_API int gpumem_torch_oom_is_torch_type(void);
 GPUMEM_API int gpumem_torch_memory_counts(int device, gpumem_torch_counts* out);
 /* Peaks (requested bytes, allocations, reserved bytes) restart from the current values. */
 GPUMEM_API int gpumem_torch_reset_peak(int device);
+/* torch.cuda.set_per_process_memory_fraction(fraction, device): the device pool's budget
+ * becomes fraction of the device's memory (gpumem_pool_set_budget; 1: none), so the pool
+ * gathers free pages before it would pass it. GPUMEM_ERROR_INVALID_ARGUMENT outside [0, 1]. */
+GPUMEM_API int gpumem_torch_set_memory_fraction(int device, double fraction);
 
 /* enabled != 0: starts recording anew (the ring emptied) keeping the last max_entries
  * events (1 .. 2^26; else GPUMEM_ERROR_INVALID_ARGUMENT); 0: stops, keeping what was
