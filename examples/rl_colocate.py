@@ -18,7 +18,8 @@ the generator gets the new weights. The policy is a Llama-shaped model with rand
 Layouts (--layout):
   one       one process. The generator is the trainer's model itself: no weight sync.
             Gradients and AdamW states live in tag "train", offloaded during generation;
-            generate's memory lives in tag "rollout", discarded during training.
+            generate's memory, the KV cache included, lives in tag "rollout", discarded
+            during training.
   two       two processes (gpumem.colocate). The trainer's weights live in one allocation
             of the shared tag, mapped by the generator through gpumem.ipc (one descriptor,
             no copy); after each step the trainer records a CUDA interprocess event, which
@@ -33,9 +34,11 @@ Layouts (--layout):
 
 Measured per iteration: generate, train, weight sync, sleep and wake times; bytes moved by
 sleep and wake against a pinned host<->device copy measured in the same process; open
-descriptors, resident host memory and reserved GPU memory of each process and the device
-memory in use; logits of the generator against the trainer's on a fixed batch after each
-sync; the loss. --faults (layout two): the generator killed with SIGKILL mid-iteration (the
+descriptors, resident host memory, reserved GPU memory and pinned host bytes held for
+offload of each process and the device memory in use; logits of the generator against the
+trainer's on a fixed batch after each sync; the loss. At the end of the gpumem layouts, the
+pinned host memory of the offload tags is given back (gpumem.torch.release_host) and
+checked to drop to 0. --faults (layout two): the generator killed with SIGKILL mid-iteration (the
 trainer goes on; descriptors and device memory back to where they were), and a wake with
 no room (out-of-memory error, the bytes still on the host). --find-max-batch: the largest
 rollout batch that runs 2 iterations under a device memory cap, each try a fresh process,
@@ -183,7 +186,8 @@ def logits_of(torch, model, batch):
 
 def generate(torch, a, model, prompts, use_gpumem):
     """Greedy rollouts [batch, prompt + gen] of the prompts; gpumem's cache in the gpumem
-    layouts (released at once), transformers' default cache in the baseline."""
+    layouts (released at once; its pages are tag "rollout"'s, so the tag's discard sleep
+    gives them back), transformers' default cache in the baseline."""
     model.eval()
     prompts = prompts.cuda()
     kwargs = dict(attention_mask=torch.ones_like(prompts), max_new_tokens=a.gen_len,
@@ -191,7 +195,7 @@ def generate(torch, a, model, prompts, use_gpumem):
     with torch.no_grad():
         if use_gpumem:
             from gpumem.hf import GpumemCache
-            cache = GpumemCache(model.config, attention="contiguous",
+            cache = GpumemCache(model.config, attention="contiguous", tag="rollout",
                                 max_sequence_tokens=a.prompt_len + a.gen_len + 8)
             try:
                 out = model.generate(prompts, past_key_values=cache, **kwargs)
@@ -251,12 +255,35 @@ def pinned_bandwidth(torch, nbytes=1 * GiB):
     return out
 
 
-def counts(torch, gt):
-    """Descriptors, resident host memory, this process's reserved GPU memory, device used."""
+SLEEPING_TAGS = ("train", "rollout")
+
+
+def host_bytes_held(gt):
+    """Pinned host bytes gpumem holds for this process's offload sleeps (every tag that
+    sleeps): one block per tag, kept from sleep to sleep until release_host."""
+    return sum(int(gt.host_bytes(tag)) for tag in SLEEPING_TAGS)
+
+
+def counts(torch, gt, host_bytes=0):
+    """Descriptors, resident host memory, this process's reserved GPU memory, device used,
+    and the pinned host bytes held for offload (gpumem's, or `host_bytes` for the
+    baseline's own buffers)."""
     free, total = torch.cuda.mem_get_info()
     reserved = gt.memory_reserved() if gt is not None else torch.cuda.memory_reserved()
     return {"fds": colocate.open_fds(), "rss": colocate.rss_bytes(), "reserved": int(reserved),
-            "device_used": int(total - free)}
+            "device_used": int(total - free),
+            "host_bytes": host_bytes_held(gt) if gt is not None else int(host_bytes)}
+
+
+def release_host(gt):
+    """Gives back the pinned host memory of every sleeping tag (both awake now) and
+    reports whether it dropped to 0."""
+    before = host_bytes_held(gt)
+    released = sum(int(gt.release_host(tag)) for tag in SLEEPING_TAGS
+                   if gt.tag_stats(tag)["allocations"])
+    after = host_bytes_held(gt)
+    return {"host_bytes_before": before, "released_bytes": released, "host_bytes_after": after,
+            "dropped_to_zero": after == 0 and released == before}
 
 
 def tag_bytes(gt, tag):
@@ -332,7 +359,7 @@ def run_one(a):
         row["trainer"] = counts(torch, gt)
         rows.append(row)
         print(json.dumps({"layout": "one", **row}), flush=True)
-    return {"layout": "one", "pinned": bw, "iterations": rows,
+    return {"layout": "one", "pinned": bw, "iterations": rows, "host_release": release_host(gt),
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
@@ -491,7 +518,7 @@ def two_process_loop(torch, gt, a, trainer, peer, layout):
         row["wake_s"] = row.get("trainer_wake_s", 0) + row.get("generator_wake_s", 0)
         row["moved_bytes"] = trainer.moved_bytes() if hasattr(trainer, "moved_bytes") \
             else tag_bytes(gt, "train")
-        row["trainer"] = counts(torch, gt)
+        row["trainer"] = counts(torch, gt, trainer.moved_bytes() if gt is None else 0)
         rows.append(row)
         print(json.dumps({"layout": layout, **row}), flush=True)
     return rows
@@ -511,6 +538,7 @@ def run_two(a):
         result["faults"] = faults(torch, gt, a, trainer, peer, alone)
     else:
         peer.stop()
+    result["host_release"] = release_host(gt)
     return result
 
 
@@ -732,7 +760,7 @@ def baseline_generator_main(a):
         state["asleep"] = True
         row["generator_sleep_s"] = sync(torch) - t
         row["logits_bytes"] = len(lb)
-        row["generator"] = counts(torch, None)
+        row["generator"] = counts(torch, None, offload.bytes())
         return row, payload
 
     channel = colocate.Channel.from_fd(a.channel_fd)

@@ -198,6 +198,8 @@ def _declare(lib):
         "gpumem_wake": (c.c_int, [pool_p, c.c_uint32, c.c_void_p]),
         "gpumem_tag_asleep": (c.c_int, [pool_p, c.c_uint32]),
         "gpumem_tag_stats": (c.c_int, [pool_p, c.c_uint32, c.POINTER(Stats)]),
+        "gpumem_tag_host_bytes": (c.c_int, [pool_p, c.c_uint32, c.POINTER(c.c_uint64)]),
+        "gpumem_release_host": (c.c_int, [pool_p, c.c_uint32, c.POINTER(c.c_uint64)]),
         "gpumem_device_memory": (c.c_int, [pool_p, c.POINTER(c.c_size_t),
                                            c.POINTER(c.c_size_t)]),
         "gpumem_export": (c.c_int, [pool_p, c.c_void_p, c.POINTER(c.c_int)]),
@@ -562,6 +564,25 @@ class Pool:
         s = Stats()
         _check(self._lib, self._lib.gpumem_tag_stats(self.handle, tag_id(tag), ctypes.byref(s)))
         return s.as_dict()
+
+    def host_bytes(self, tag):
+        """Pinned host bytes `tag` holds for its offload sleeps: its pages' copy while it
+        sleeps, and after wake the same block kept for the next sleep (flat across sleep /
+        wake cycles of one size). 0 for a tag never used."""
+        out = ctypes.c_uint64()
+        _check(self._lib, self._lib.gpumem_tag_host_bytes(self.handle, tag_id(tag),
+                                                          ctypes.byref(out)))
+        return out.value
+
+    def release_host(self, tag):
+        """Gives the pinned host memory of `tag`'s offload sleeps back to the system now;
+        returns its bytes (0 when none was held). The next offload sleep gets new memory.
+        InvalidArgumentError while the tag sleeps with offload (its bytes live there: wake
+        it first), for the shared tag and for a tag never allocated in."""
+        out = ctypes.c_uint64()
+        _check(self._lib, self._lib.gpumem_release_host(self.handle, tag_id(tag),
+                                                        ctypes.byref(out)))
+        return out.value
 
     def device_memory(self):
         """(free, total) bytes of the pool's device, as the driver reports them."""

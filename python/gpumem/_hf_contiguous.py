@@ -27,7 +27,8 @@ from gpumem._kv_views import SequenceView, _to_torch, _torch_dtype
 class ContiguousRows:
     """The rows of a batch in one growing virtual range (see the module text)."""
 
-    def __init__(self, layout, rows, tokens, *, max_tokens, pool=None, device=0, stream=None):
+    def __init__(self, layout, rows, tokens, *, max_tokens, pool=None, device=0, stream=None,
+                 tag=None):
         if rows < 1:
             raise ValueError("gpumem.hf: a batch of %d rows" % rows)
         self.rows = rows
@@ -37,7 +38,7 @@ class ContiguousRows:
         batch_layout = gkv.Layout(layout.layers, rows * layout.kv_heads, layout.head_dim,
                                   layout.dtype, layout.block_tokens)
         self._vs = gkv.VirtualSequences(batch_layout, max_sequence_tokens=max_tokens,
-                                        pool=pool, device=device, stream=stream)
+                                        pool=pool, device=device, stream=stream, tag=tag)
         self._seq = None
         try:
             self._seq = self._vs.add(tokens)

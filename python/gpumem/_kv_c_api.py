@@ -118,6 +118,8 @@ def _lib(lib=None):
         u64p = c.POINTER(c.c_uint64)
         i32p = c.POINTER(c.c_int32)
         sigs = {
+            "gpumem_set_current_tag": (c.c_uint32, [c.c_uint32]),
+            "gpumem_current_tag": (c.c_uint32, []),
             "gpumem_kv_config_init": (None, [c.POINTER(_Config)]),
             "gpumem_kv_create": (c.c_int, [p, c.POINTER(_Config), c.POINTER(h)]),
             "gpumem_kv_destroy": (None, [h]),
@@ -210,6 +212,19 @@ class Layout:
     def __repr__(self):
         return ("Layout(layers=%d, kv_heads=%d, head_dim=%d, dtype=%r, block_tokens=%d)"
                 % (self.layers, self.kv_heads, self.head_dim, self.dtype, self.block_tokens))
+
+
+def _in_tag(lib, tag, create):
+    """create() with `tag` (a name or an int, see gpumem.tag_id) as this thread's current
+    tag in `lib`, restored after; None: the current tag as it is. A KV cache or sequence
+    set takes its pages from the tag current at its creation (gpumem_kv.h)."""
+    if tag is None:
+        return create()
+    previous = lib.gpumem_set_current_tag(gpumem.tag_id(tag))
+    try:
+        return create()
+    finally:
+        lib.gpumem_set_current_tag(previous)
 
 
 def _default_pool(device):

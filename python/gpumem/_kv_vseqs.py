@@ -9,7 +9,7 @@ import weakref
 import gpumem
 from gpumem import InvalidArgumentError, _check
 from gpumem._kv_c_api import (DTYPES, _TYPESTR, Layout, _Layout, _c_int, _c_size,
-                              _declare_lock, _declared, _default_pool, _lib)
+                              _declare_lock, _declared, _default_pool, _in_tag, _lib)
 from gpumem._kv_views import SequenceView, _to_torch, _torch_dtype
 
 
@@ -74,10 +74,13 @@ class VirtualSequences:
     sdpa_views(seq, layer) -> the same as [1, kv_heads, tokens, head_dim].
     A view keeps nothing mapped by itself: free(seq) refuses (InvalidArgumentError) while a
     view of seq made here is alive, so no view ever points at an unmapped or reused range;
-    free(seq, force=True) frees anyway (a kernel reading a view afterwards faults)."""
+    free(seq, force=True) frees anyway (a kernel reading a view afterwards faults).
+    tag: the tag whose pages the sequences take (a name or an int; None: the thread's
+    current tag now), as gpumem.kv.KVCache's."""
 
     def __init__(self, layout=None, *, layers=None, kv_heads=None, head_dim=None, dtype="bf16",
-                 max_sequence_tokens=4096, pool=None, device=0, stream=None, lib=None):
+                 max_sequence_tokens=4096, pool=None, device=0, stream=None, lib=None,
+                 tag=None):
         if layout is None:
             layout = Layout(layers, kv_heads, head_dim, dtype)
         self.layout = layout
@@ -88,9 +91,9 @@ class VirtualSequences:
         self._stream = gpumem._stream_value(stream)
         handle = ctypes.c_void_p()
         c = layout._c()
-        _check(self._lib, self._lib.gpumem_kv_vseqs_create(
-            pool.handle, ctypes.byref(c), _c_size(max_sequence_tokens, "max_sequence_tokens"),
-            self._stream, ctypes.byref(handle)))
+        tokens = _c_size(max_sequence_tokens, "max_sequence_tokens")
+        _check(self._lib, _in_tag(self._lib, tag, lambda: self._lib.gpumem_kv_vseqs_create(
+            pool.handle, ctypes.byref(c), tokens, self._stream, ctypes.byref(handle))))
         self._owner = _VseqsOwner(self._lib, handle, pool)
         self._views = {}  # seq -> weakref.WeakSet of SequenceView
 

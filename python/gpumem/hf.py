@@ -33,6 +33,12 @@ nothing gathered; the range grows by pages (by at least 1/32 of what it holds, s
 decode step rarely maps one) and is reserved for max_sequence_tokens (default: the config's max_position_embeddings). Rows do
 not share prompt blocks there: beam search and batch changes copy rows; crop() works.
 
+The cache's memory is the tag's that was current when it was made (`with
+gpumem.torch.tag("rollout"): cache = GpumemCache(...)`), or `tag=`: its pages come from
+that tag's own pages, made at the first update, so they count in the tag's stats and a
+sleep of the tag gives them back. release() returns every page to the tag (the tag's
+sleep is refused while the cache holds pages); the cache is usable again after it.
+
 Checked at the first update, with a clear error: the model's layers, KV heads, head_dim
 and dtype against the cache's layout (when one was given), and the interface of the
 installed transformers (a Cache with `layers`).
@@ -144,13 +150,15 @@ class GpumemCache(_Base):
     share_prompt_rows: equal prompt rows share blocks (see the module text).
     attention: "gather" (any attention implementation), "paged" (the Triton decode
         through register_paged_attention()) or "contiguous" (the rows in one virtually
-        contiguous range, read as strided views; see the module text)."""
+        contiguous range, read as strided views; see the module text).
+    tag: the tag whose pages hold the keys and values (a name or an int, gpumem.tag_id);
+        None: the thread's current tag now (see the module text)."""
 
     is_compileable = False
 
     def __init__(self, config=None, *, layout=None, kv_cache=None, dtype=None, block_tokens=16,
                  max_blocks=0, pool=None, device=None, scrub=False, max_sequence_tokens=0,
-                 share_prompt_rows=True, attention="gather"):
+                 share_prompt_rows=True, attention="gather", tag=None):
         _require()
         if layout is None and kv_cache is None and config is None:
             raise ValueError("gpumem.hf.GpumemCache: give the model's config, a layout or "
@@ -169,8 +177,11 @@ class GpumemCache(_Base):
         self._layout = layout
         self._dtype_given = dtype is not None or kv_cache is not None
         self._kv = kv_cache
+        # The storage is made at the first update: under the tag current now.
+        self._tag = gpumem.tag_id(tag) if tag is not None else gkv._lib().gpumem_current_tag()
         self._kv_args = dict(max_blocks=max_blocks, pool=pool, scrub=scrub,
-                             max_sequence_tokens=max_sequence_tokens, prefix_caching=False)
+                             max_sequence_tokens=max_sequence_tokens, prefix_caching=False,
+                             tag=self._tag)
         self._device = device
         self._share = share_prompt_rows
         self._attention = attention
@@ -312,7 +323,8 @@ class GpumemCache(_Base):
         self._step = None
 
     def release(self):
-        """Frees every sequence and gives the pages back to the pool."""
+        """Frees every sequence and gives every page back to the pool (the cache's tag's,
+        whose sleep then releases them); the cache can be used again."""
         self.reset()
         if self._kv is not None:
             self._kv.shrink(drop_cached=True)
@@ -453,7 +465,7 @@ class GpumemCache(_Base):
             device = self._device if self._device is not None else key_states.device.index or 0
             self._rows = ContiguousRows(
                 self._layout, batch, tokens, max_tokens=self._max_tokens, pool=self._pool,
-                device=device,
+                tag=self._tag, device=device,
                 stream=torch.cuda.current_stream(key_states.device).cuda_stream)
             self._length = 0
         elif batch != self._rows.rows:
@@ -492,7 +504,7 @@ class GpumemCache(_Base):
             return
         old = self._rows
         new = ContiguousRows(self._layout, len(sources), old.length,
-                             max_tokens=self._max_tokens, pool=self._pool,
+                             max_tokens=self._max_tokens, pool=self._pool, tag=self._tag,
                              device=old._views[0][0].device.index,
                              stream=torch.cuda.current_stream(old._views[0][0].device)
                              .cuda_stream)

@@ -49,7 +49,7 @@ from gpumem import InvalidArgumentError, _check
 from gpumem._kv_c_api import (DTYPES, NOT_RESIDENT, Layout, dtype_code, _DTYPE_BYTES,  # noqa: F401
                               _DTYPE_NAMES, _TYPESTR, _Config, _Layout, _Stats, _Storage,
                               _c_int, _c_ints, _c_size, _declare_lock, _declared,
-                              _default_pool, _lib)
+                              _default_pool, _in_tag, _lib)
 from gpumem._kv_views import (SequenceView, StorageView, _DL_CODES, _DL_CUDA,  # noqa: F401
                               _DLDataType, _DLDeleter, _DLDevice, _DLManagedTensor, _DLTensor,
                               _DLTENSOR_NAME, _dlpack_capsule, _dlpack_deleter,
@@ -123,12 +123,15 @@ class KVCache:
         (at least 1, so that views can be made at once); max_sequence_tokens: cap per
         sequence (0: none); prefix_caching; scrub (zero blocks on release); swap (a pinned
         host pool for swap_out/swap_in); stream: the stream of the cache's copies
-        (a torch.cuda.Stream, an int, None for the default stream)."""
+        (a torch.cuda.Stream, an int, None for the default stream).
+    tag: the tag whose pages the cache takes (a name or an int, gpumem.tag_id): they are
+        the tag's (its stats) and go back when it sleeps (the sleep is refused while the
+        cache holds pages); None: the thread's current tag now (gpumem.torch.tag)."""
 
     def __init__(self, layout=None, *, layers=None, kv_heads=None, head_dim=None, dtype="bf16",
                  block_tokens=16, pool=None, device=0, max_blocks=0, initial_blocks=1,
                  max_sequence_tokens=0, grow_pages=0, prefix_caching=True, scrub=False,
-                 swap=True, stream=None, lib=None):
+                 swap=True, stream=None, lib=None, tag=None):
         if layout is None:
             if layers is None or kv_heads is None or head_dim is None:
                 raise InvalidArgumentError(gpumem.ERROR_INVALID_ARGUMENT,
@@ -155,8 +158,8 @@ class KVCache:
         cfg.swap = 1 if swap else 0
         cfg.stream = self._stream
         handle = ctypes.c_void_p()
-        _check(self._lib, self._lib.gpumem_kv_create(pool.handle, ctypes.byref(cfg),
-                                                     ctypes.byref(handle)))
+        _check(self._lib, _in_tag(self._lib, tag, lambda: self._lib.gpumem_kv_create(
+            pool.handle, ctypes.byref(cfg), ctypes.byref(handle))))
         self._owner = _Owner(self._lib, handle, pool)
         self._generations = {}  # live sequence -> generation
         self._next_generation = 1

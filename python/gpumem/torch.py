@@ -693,3 +693,16 @@ def wake(tag_name, device=None):
 def tag_stats(tag_name, device=None):
     """Live and reserved bytes of one tag."""
     return pool(_device_index(device)).tag_stats(tag_name)
+
+
+def host_bytes(tag_name, device=None):
+    """Pinned host bytes the tag holds for its offload sleeps (gpumem.Pool.host_bytes):
+    the same block across sleep / wake cycles, until release_host()."""
+    return pool(_device_index(device)).host_bytes(tag_name)
+
+
+def release_host(tag_name, device=None):
+    """Gives the tag's pinned host memory (that of its offload sleeps) back now; returns
+    the bytes released. Raises gpumem.InvalidArgumentError while the tag sleeps with
+    offload (wake it first)."""
+    return pool(_device_index(device)).release_host(tag_name)

@@ -204,6 +204,13 @@ struct c_api_pool_parts {
 // for a null, destroyed or foreign handle.
 c_api_pool_parts c_api_pool(gpumem_pool* pool, const char* where) noexcept;
 
+// c_api_vmm.cpp, for the KV handles (c_api_kv.cpp): the page pool of the calling thread's
+// current tag (gpumem_set_current_tag) that a KV cache lends its pages from, so its memory
+// is the tag's and sleeps with it: tag 0 is the pool itself; another tag's pool is made on
+// first use. Throws gpumem::invalid_argument naming `what` where tag 0 is not a
+// vmm_page_pool, and as tagged_pool::page_pool (the shared tag, a tag asleep).
+gpumem::vmm_page_pool& c_api_current_page_pool(const c_api_pool_parts& parts, const char* what);
+
 // c_api_streams.cpp: throws gpumem::invalid_argument when `stream` (non-zero) is not a
 // stream `p` knows, or one of another device than `device` ("<what> <hex> is not ...");
 // gpumem::cuda_error when the platform fails otherwise. The null stream always passes.

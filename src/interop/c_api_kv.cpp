@@ -143,18 +143,6 @@ std::span<const gpumem::token_id> token_span(const gpumem::kv_cache& cache,
   return {reinterpret_cast<const gpumem::token_id*>(tokens), count};
 }
 
-// The handle's pool as the page pool the KV layer builds on; invalid_argument naming `what`
-// for any other allocator.
-gpumem::vmm_page_pool& page_pool_of(const gpumem::detail::c_api_pool_parts& parts,
-                                    const char* what) {
-  auto* pages = dynamic_cast<gpumem::vmm_page_pool*>(parts.pool);
-  if (pages == nullptr)
-    throw gpumem::invalid_argument(std::string(what) +
-                                   " a vmm_page_pool (allocator:vmm_page_pool), not a '" +
-                                   std::string(parts.pool->name()) + "'");
-  return *pages;
-}
-
 }  // namespace
 
 extern "C" {
@@ -177,7 +165,6 @@ gpumem_status gpumem_kv_create(gpumem_pool* pool, const gpumem_kv_config* config
   const gpumem::detail::c_api_pool_parts parts = gpumem::detail::c_api_pool(pool, where);
   if (parts.pool == nullptr) return gpumem_last_status();
   return guarded(where, [&] {
-    gpumem::vmm_page_pool* pages = &page_pool_of(parts, "the KV cache needs");
     gpumem::detail::require_device_stream(*parts.device_platform, parts.device,
                                           reinterpret_cast<std::uintptr_t>(config->stream),
                                           "no cache was made");
@@ -200,6 +187,9 @@ gpumem_status gpumem_kv_create(gpumem_pool* pool, const gpumem_kv_config* config
     c.prefix_caching = config->prefix_caching != 0;
     c.scrub = config->scrub != 0;
     c.stream = gpumem::stream_handle{reinterpret_cast<std::uintptr_t>(config->stream)};
+    // Last of the checks: a tag's pool is made by its first use, never by a refused call.
+    gpumem::vmm_page_pool* pages =
+        &gpumem::detail::c_api_current_page_pool(parts, "the KV cache needs");
     auto handle = std::make_unique<gpumem_kv_cache>(parts.borrowers->kv_caches);
     if (config->swap != 0)
       handle->host = std::make_unique<gpumem::pinned_host_pool>(*parts.device_platform, parts.device);
@@ -504,7 +494,6 @@ gpumem_status gpumem_kv_vseqs_create(gpumem_pool* pool, const gpumem_kv_layout* 
   const gpumem::detail::c_api_pool_parts parts = gpumem::detail::c_api_pool(pool, where);
   if (parts.pool == nullptr) return gpumem_last_status();
   return guarded(where, [&] {
-    gpumem::vmm_page_pool* pages = &page_pool_of(parts, "virtually contiguous sequences need");
     gpumem::detail::require_device_stream(*parts.device_platform, parts.device,
                                           reinterpret_cast<std::uintptr_t>(stream),
                                           "no sequence set was made");
@@ -516,6 +505,8 @@ gpumem_status gpumem_kv_vseqs_create(gpumem_pool* pool, const gpumem_kv_layout* 
     l.head_dim = layout->head_dim;
     l.block_tokens = layout->block_tokens;
     l.dtype = to_dtype(layout->dtype, where);
+    gpumem::vmm_page_pool* pages =
+        &gpumem::detail::c_api_current_page_pool(parts, "virtually contiguous sequences need");
     auto handle = std::make_unique<gpumem_kv_vseqs>(parts.borrowers->kv_vseqs);
     handle->seqs = std::make_unique<gpumem::kv_virtual_sequences>(
         *pages, l, max_sequence_tokens,

@@ -104,7 +104,9 @@ c_api_vmm_state* existing_state(const gpumem::detail::c_api_pool_parts& parts) {
   throw gpumem::invalid_argument("tag " + std::to_string(tag) +
                                  " was never allocated in, so it holds no memory and " +
                                  (std::string_view(caller) == "wake" ? "is not asleep"
-                                                                     : "has nothing to sleep") +
+                                  : std::string_view(caller) == "release_host"
+                                      ? "no host memory"
+                                      : "has nothing to sleep") +
                                  "; nothing changed");
 }
 
@@ -126,6 +128,17 @@ void fill_stats(const gpumem::resource_stats& s, gpumem_stats* out) {
 }  // namespace
 
 namespace gpumem::detail {
+
+vmm_page_pool& c_api_current_page_pool(const c_api_pool_parts& parts, const char* what) {
+  const std::uint32_t tag = scoped_tag::current();
+  if (tag != 0) return state_of(parts).tags.page_pool(tag);
+  auto* pages = dynamic_cast<vmm_page_pool*>(parts.pool);
+  if (pages == nullptr)
+    throw invalid_argument(std::string(what) +
+                           " a vmm_page_pool (allocator:vmm_page_pool), not a '" +
+                           std::string(parts.pool->name()) + "'");
+  return *pages;
+}
 
 }  // namespace gpumem::detail
 
@@ -198,6 +211,33 @@ gpumem_status gpumem_tag_stats(gpumem_pool* pool, uint32_t tag, gpumem_stats* ou
       fill_stats(st->tags.tag_stats(tag), out);
     else
       fill_stats(tag == 0 ? parts.front->stats() : gpumem::resource_stats{}, out);
+  });
+}
+
+gpumem_status gpumem_tag_host_bytes(gpumem_pool* pool, uint32_t tag, uint64_t* out) {
+  if (out == nullptr)
+    return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_tag_host_bytes: null output pointer");
+  *out = 0;
+  const auto parts = gpumem::detail::c_api_pool(pool, "gpumem_tag_host_bytes");
+  if (parts.pool == nullptr) return gpumem_last_status();
+  return guarded("gpumem_tag_host_bytes", [&] {
+    if (const c_api_vmm_state* st = existing_state(parts); st != nullptr)
+      *out = st->tags.host_bytes(tag);
+  });
+}
+
+gpumem_status gpumem_release_host(gpumem_pool* pool, uint32_t tag, uint64_t* released) {
+  if (released != nullptr) *released = 0;
+  const auto parts = gpumem::detail::c_api_pool(pool, "gpumem_release_host");
+  if (parts.pool == nullptr) return gpumem_last_status();
+  return guarded("gpumem_release_host", [&] {
+    c_api_vmm_state* st = existing_state(parts);
+    if (st == nullptr) {
+      if (tag == 0) return;  // tag 0 never slept: it holds no host memory
+      refuse_unknown_tag(tag, "release_host");
+    }
+    const std::size_t bytes = st->tags.release_host(tag);
+    if (released != nullptr) *released = bytes;
   });
 }
 

@@ -178,14 +178,18 @@ class RlColocateTest(unittest.TestCase):
         before_spawn = self.counts()
         peer = spawn_generator()
         self.trainer.share_weights(peer.channel)
-        trainer_counts, generator_counts = [], []
+        trainer_counts, generator_counts, host = [], [], []
         for it in range(ITERATIONS):
             meta = self.iterate(peer, it)
             trainer_counts.append(self.counts())
             generator_counts.append((meta["fds"], meta["reserved"]))
-        # Steady: nothing grows from the first iteration on, in either process.
+            host.append(self.trainer.pool.host_bytes("train"))
+        # Steady: nothing grows from the first iteration on, in either process; the
+        # offload's pinned host memory is one block of the state's size, reused.
         self.assertEqual(len(set(trainer_counts)), 1, trainer_counts)
         self.assertEqual(len(set(generator_counts)), 1, generator_counts)
+        self.assertEqual(len(set(host)), 1, host)
+        self.assertGreaterEqual(host[0], STATE_BYTES)
 
         # Killed mid-iteration: the trainer goes on, awake, its bytes intact.
         self.trainer.hold = True
@@ -205,6 +209,10 @@ class RlColocateTest(unittest.TestCase):
             self.iterate(peer, ITERATIONS + 1 + it)
         self.assertEqual(peer.stop(), 0)
         self.assertEqual(self.counts(), before_spawn)
+        # The host memory of the offload goes back when the trainer asks.
+        self.assertEqual(self.trainer.pool.host_bytes("train"), host[0])
+        self.assertEqual(self.trainer.pool.release_host("train"), host[0])
+        self.assertEqual(self.trainer.pool.host_bytes("train"), 0)
 
     def test_a_wake_with_no_room_keeps_the_bytes_on_the_host(self):
         pool = self.trainer.pool

@@ -1,7 +1,9 @@
 """gpumem's tags, sleep / wake and sharing from Python (ctypes, sim device, no PyTorch
 needed): a pattern survives sleep and wake at the same address while the device's free
 memory rises by the tag's bytes; the refusals as typed exceptions; memory shared with a
-forked process over a Unix socket; gpumem.torch.tag sets the thread's tag. The PyTorch
+forked process over a Unix socket; gpumem.torch.tag sets the thread's tag; the pinned host
+memory of offload sleeps stays flat over cycles and goes back on request; KV storage made
+under a tag takes that tag's pages and goes back with its sleep. The PyTorch
 parts (gpumem.ipc.open, gpumem.torch.sleep) run in tests/interop/torch_sleep_share_test.py."""
 import ctypes
 import os
@@ -9,6 +11,7 @@ import socket
 import sys
 
 import gpumem
+import gpumem.kv as gkv
 import gpumem.torch as gt
 
 MIB = 1 << 20
@@ -18,7 +21,73 @@ def pattern(n, seed):
     return bytes((i * 131 + seed * 17) & 0xFF for i in range(n))
 
 
+def refused(call, what):
+    try:
+        call()
+    except gpumem.InvalidArgumentError as e:
+        assert what in str(e), e
+    else:
+        raise AssertionError("refusal expected: " + what)
+
+
+def host_memory_of_offload():
+    with gpumem.Pool("sim_capacity:256M") as pool:
+        p = pool.malloc_tagged(8 * MIB, "train")
+        ctypes.memmove(p, pattern(4096, 5), 4096)
+        assert pool.host_bytes("train") == 0
+        held = None
+        for _ in range(20):
+            pool.sleep("train", "offload")
+            held = held or pool.host_bytes("train")
+            pool.wake("train")
+            assert pool.host_bytes("train") == held, (pool.host_bytes("train"), held)
+        assert held >= 8 * MIB, held
+        pool.sleep("train", "offload")
+        refused(lambda: pool.release_host("train"), "wake it first")
+        assert pool.host_bytes("train") == held
+        pool.wake("train")
+        pool.stream_synchronize()
+        assert ctypes.string_at(p, 4096) == pattern(4096, 5)
+        refused(lambda: pool.release_host("never-used"), "never allocated in")
+        assert pool.release_host("train") == held
+        assert pool.host_bytes("train") == 0
+        assert pool.release_host("train") == 0
+        pool.free(p, 8 * MIB)
+
+
+def kv_storage_in_a_tag():
+    layout = dict(layers=2, kv_heads=2, head_dim=64, dtype="bf16")  # 1 KiB a token
+    with gpumem.Pool("sim_capacity:256M") as pool:
+        with gt.tag("rollout"):  # the current tag at creation decides; growth stays there
+            vs = gkv.VirtualSequences(max_sequence_tokens=16384, pool=pool, **layout)
+        seq = vs.add(4096)
+        vs.append(seq, 4096)
+        assert pool.tag_stats("rollout")["reserved_bytes"] == 8 * MIB
+        assert pool.tag_stats(0)["reserved_bytes"] == 0
+        refused(lambda: pool.sleep("rollout", "discard"), "lent out")
+        vs.free(seq)
+        vs.close()
+        del vs
+        free_before, _ = pool.device_memory()
+        pool.sleep("rollout", "discard")
+        assert pool.device_memory()[0] - free_before == 8 * MIB
+        refused(lambda: gkv.VirtualSequences(pool=pool, tag="rollout", **layout), "asleep")
+        pool.wake("rollout")
+        # tag= names the tag without a scope; a paged KVCache follows it the same way.
+        cache = gkv.KVCache(pool=pool, tag="kv-paged", initial_blocks=4, **layout)
+        assert pool.tag_stats("kv-paged")["reserved_bytes"] > 0
+        assert pool.tag_stats(0)["reserved_bytes"] == 0
+        refused(lambda: pool.sleep("kv-paged", "discard"), "lent out")
+        cache.close()
+        del cache
+        pool.sleep("kv-paged", "discard")
+        assert pool.tag_stats("kv-paged")["reserved_bytes"] == 0
+        pool.wake("kv-paged")
+
+
 def main():
+    host_memory_of_offload()
+    kv_storage_in_a_tag()
     lib = gpumem.load()
     with gpumem.Pool("sim_capacity:256M") as pool:
         size = 6 * MIB + 100

@@ -2,8 +2,11 @@
 // machine for every tag state (never used, empty, holding pages, asleep; tag 0 included);
 // refused calls and look-ups make no tag pool; the pool's stats, trim and out-of-memory
 // retry reach every tag's memory; gpumem_record_stream works for tagged, shared and
-// imported allocations as for untagged ones; frees find their tag among many.
+// imported allocations as for untagged ones; frees find their tag among many; the host
+// memory of offload sleeps stays flat and goes back on request; KV storage made under a
+// tag is the tag's and sleeps with it.
 #include "gpumem/interop/gpumem.h"
+#include "gpumem/interop/gpumem_kv.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -289,6 +292,96 @@ TEST(c_api_tags, frees_find_their_tag_among_many) {
   // A pointer no tag holds is refused, as before any tag existed.
   int on_stack = 0;
   EXPECT_EQ(gpumem_free(h.pool, &on_stack, 4, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+}
+
+std::uint64_t host_bytes(const pool_handle& h, std::uint32_t tag) {
+  std::uint64_t out = ~std::uint64_t{0};
+  EXPECT_EQ(gpumem_tag_host_bytes(h.pool, tag, &out), GPUMEM_SUCCESS) << last_error();
+  return out;
+}
+
+// 20 offload cycles hold one host block of the tag's size; gpumem_release_host gives it
+// back, refused while the tag sleeps with offload (its bytes live there), for the shared
+// tag and for a tag never allocated in (which it does not make).
+TEST(c_api_tags, offload_host_memory_stays_flat_and_is_released_on_request) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  void* p = h.tagged(6 * MiB, 2);
+  static_cast<unsigned char*>(p)[12345] = 0x5a;
+  EXPECT_EQ(host_bytes(h, 2), 0u);
+  EXPECT_EQ(host_bytes(h, 9), 0u);
+  std::uint64_t held = 0;
+  for (int cycle = 0; cycle < 20; ++cycle) {
+    ASSERT_EQ(gpumem_sleep(h.pool, 2, GPUMEM_SLEEP_OFFLOAD, nullptr), GPUMEM_SUCCESS) << last_error();
+    if (cycle == 0) held = host_bytes(h, 2);
+    EXPECT_EQ(host_bytes(h, 2), held);
+    ASSERT_EQ(gpumem_wake(h.pool, 2, nullptr), GPUMEM_SUCCESS) << last_error();
+    EXPECT_EQ(host_bytes(h, 2), held) << "cycle " << cycle;
+  }
+  EXPECT_GE(held, 6 * MiB);
+  EXPECT_EQ(static_cast<unsigned char*>(p)[12345], 0x5a);
+
+  std::uint64_t released = 1;
+  ASSERT_EQ(gpumem_sleep(h.pool, 2, GPUMEM_SLEEP_OFFLOAD, nullptr), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_release_host(h.pool, 2, &released), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("wake it first"), std::string::npos) << last_error();
+  EXPECT_EQ(released, 0u);
+  EXPECT_EQ(host_bytes(h, 2), held);
+  ASSERT_EQ(gpumem_wake(h.pool, 2, nullptr), GPUMEM_SUCCESS);
+  EXPECT_EQ(static_cast<unsigned char*>(p)[12345], 0x5a);
+  EXPECT_EQ(gpumem_release_host(h.pool, shared_tag, &released), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(gpumem_release_host(h.pool, 9, &released), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("never allocated in"), std::string::npos) << last_error();
+  EXPECT_EQ(h.tag_stats(9).allocations, 0u);
+
+  ASSERT_EQ(gpumem_release_host(h.pool, 2, &released), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(released, held);
+  EXPECT_EQ(host_bytes(h, 2), 0u);
+  ASSERT_EQ(gpumem_release_host(h.pool, 2, nullptr), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_tag_host_bytes(h.pool, 2, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  ASSERT_EQ(gpumem_free(h.pool, p, 6 * MiB, nullptr), GPUMEM_SUCCESS);
+}
+
+// A sequence set (the storage of GpumemCache(attention="contiguous")) made while a tag is
+// the thread's current one takes its pages from that tag: they count in the tag's stats,
+// not tag 0's; the tag's sleep is refused while the set holds them; once it is destroyed the
+// tag's sleep gives them back to the device; a set made in a tag asleep is refused.
+TEST(c_api_tags, kv_storage_made_under_a_tag_is_the_tags_and_sleeps_with_it) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  const gpumem_kv_layout layout{2, 2, 64, 16, GPUMEM_KV_BF16, 0};  // 1 KiB a token
+  const std::uint32_t previous = gpumem_set_current_tag(4);
+  gpumem_kv_vseqs* vs = nullptr;
+  ASSERT_EQ(gpumem_kv_vseqs_create(h.pool, &layout, 16384, nullptr, &vs), GPUMEM_SUCCESS)
+      << last_error();
+  gpumem_set_current_tag(previous);  // growth stays in the set's tag whatever is current
+  std::uint64_t seq = 0;
+  ASSERT_EQ(gpumem_kv_vseqs_add(vs, 4096, &seq), GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(gpumem_kv_vseqs_append(vs, seq, 4096), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(h.tag_stats(4).reserved_bytes, 8 * MiB);
+  EXPECT_EQ(h.tag_stats(0).reserved_bytes, 0u);
+  EXPECT_EQ(gpumem_sleep(h.pool, 4, GPUMEM_SLEEP_DISCARD, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("lent out"), std::string::npos) << last_error();
+  EXPECT_EQ(gpumem_tag_asleep(h.pool, 4), 0);
+  gpumem_kv_vseqs_destroy(vs);
+  size_t free_before = 0, free_after = 0;
+  ASSERT_EQ(gpumem_device_memory(h.pool, &free_before, nullptr), GPUMEM_SUCCESS);
+  ASSERT_EQ(gpumem_sleep(h.pool, 4, GPUMEM_SLEEP_DISCARD, nullptr), GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(gpumem_device_memory(h.pool, &free_after, nullptr), GPUMEM_SUCCESS);
+  EXPECT_EQ(free_after - free_before, 8 * MiB);
+  EXPECT_EQ(h.tag_stats(4).reserved_bytes, 0u);
+
+  gpumem_set_current_tag(4);
+  gpumem_kv_vseqs* refused = reinterpret_cast<gpumem_kv_vseqs*>(1);
+  EXPECT_EQ(gpumem_kv_vseqs_create(h.pool, &layout, 16384, nullptr, &refused),
+            GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(refused, nullptr);
+  EXPECT_NE(last_error().find("asleep"), std::string::npos) << last_error();
+  gpumem_set_current_tag(shared_tag);
+  EXPECT_EQ(gpumem_kv_vseqs_create(h.pool, &layout, 16384, nullptr, &refused),
+            GPUMEM_ERROR_INVALID_ARGUMENT);
+  gpumem_set_current_tag(previous);
+  ASSERT_EQ(gpumem_wake(h.pool, 4, nullptr), GPUMEM_SUCCESS) << last_error();
 }
 
 }  // namespace

@@ -458,6 +458,104 @@ INSTANTIATE_TEST_SUITE_P(
 
 // --- sharing ------------------------------------------------------------------------------
 
+// The pinned host memory of offload sleeps: one block, reused by every sleep of up to its
+// size (also across streams), replaced (not added to) by a larger sleep, so the host bytes
+// held stay flat over many cycles; release_host gives it back on request, is refused while
+// the offloaded bytes live there, and the next sleep gets a new block.
+TEST_F(SleepWake, OffloadHostMemoryStaysFlatAndIsReleasedOnRequest) {
+  vmm_page_pool untagged(sim);
+  tagged_pool pool(untagged, {});
+  std::vector<allocation> tagged{{pool.allocate(3 * MiB, 256, {}, 1), 3 * MiB, 1},
+                                 {pool.allocate(1000, 256, {}, 1), 1000, 2}};
+  for (auto& a : tagged) write_pattern(a.p, a.bytes, a.seed);
+  const stream_handle other = make_stream();
+  EXPECT_EQ(pool.host_bytes(1), 0u);
+  pool.sleep(1, sleep_mode::offload);
+  const std::size_t first = pool.host_bytes(1);
+  EXPECT_GE(first, pool.tag_stats(1).live_bytes);
+  pool.wake(1);
+  EXPECT_EQ(pool.host_bytes(1), first);  // kept for the next sleep
+  // The tag grows (optimizer states made by the first step): the larger block replaces
+  // the first one.
+  void* grown = pool.allocate(4 * MiB, 256, {}, 1);
+  write_pattern(grown, 4 * MiB, 9);
+  pool.sleep(1, sleep_mode::offload);
+  const std::size_t held = pool.host_bytes(1);
+  EXPECT_GE(held, first + 4 * MiB);
+  pool.wake(1);
+  EXPECT_EQ(sim.live_objects().host_allocations, 1u);
+  for (int cycle = 0; cycle < 20; ++cycle) {
+    const stream_handle s = cycle % 2 == 0 ? stream_handle{} : other;
+    pool.sleep(1, sleep_mode::offload, s);
+    EXPECT_EQ(pool.host_bytes(1), held) << "cycle " << cycle;
+    pool.wake(1, cycle % 3 == 0 ? other : s);
+    EXPECT_EQ(pool.host_bytes(1), held) << "cycle " << cycle;
+    EXPECT_EQ(sim.live_objects().host_allocations, 1u) << "cycle " << cycle;
+  }
+  ASSERT_TRUE(sim.stream_synchronize(other).ok());
+  expect_patterns(tagged);
+  EXPECT_TRUE(has_pattern(grown, 4 * MiB, 9));
+
+  // Refused while the offloaded bytes live there; nothing changes.
+  pool.sleep(1, sleep_mode::offload);
+  EXPECT_THROW(pool.release_host(1), invalid_argument);
+  EXPECT_EQ(pool.host_bytes(1), held);
+  pool.wake(1);
+  expect_patterns(tagged);
+  EXPECT_THROW(pool.release_host(tagged_pool::shared_tag), invalid_argument);
+  EXPECT_THROW(pool.release_host(7), invalid_argument);  // never allocated in: nothing made
+  EXPECT_EQ(pool.tags(), (std::vector<std::uint32_t>{0, 1}));
+
+  EXPECT_EQ(pool.release_host(1), held);
+  EXPECT_EQ(pool.host_bytes(1), 0u);
+  EXPECT_EQ(sim.live_objects().host_allocations, 0u);
+  EXPECT_EQ(pool.release_host(1), 0u);
+  EXPECT_EQ(pool.release_host(0), 0u);  // tag 0 never slept
+
+  // The next sleep gets a new block; a discard sleep holds no bytes there and may release it.
+  pool.sleep(1, sleep_mode::offload);
+  EXPECT_EQ(pool.host_bytes(1), held);
+  pool.wake(1);
+  expect_patterns(tagged);
+  EXPECT_TRUE(has_pattern(grown, 4 * MiB, 9));
+  pool.sleep(1, sleep_mode::discard);
+  EXPECT_EQ(pool.release_host(1), held);
+  pool.wake(1);
+  EXPECT_EQ(sim.live_objects().host_allocations, 0u);
+  pool.deallocate(grown, 4 * MiB);
+  free_all(pool, tagged);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
+// A borrower that maps pages itself (a KV cache) takes them from a tag's own pool: they
+// count in the tag's stats, the tag's sleep is refused while they are lent, and once they
+// are returned the sleep gives them back; nothing is lent from a tag asleep.
+TEST_F(SleepWake, PagesLentFromATagAreTheTagsAndSleepWithIt) {
+  vmm_page_pool untagged(sim);
+  tagged_pool pool(untagged, {});
+  EXPECT_THROW(pool.page_pool(tagged_pool::shared_tag), invalid_argument);
+  vmm_page_pool& pages = pool.page_pool(3);
+  EXPECT_EQ(&pool.page_pool(3), &pages);
+  EXPECT_NE(&pages, &untagged);
+  std::vector<physical_handle> lent = pages.lend_pages(4);
+  EXPECT_EQ(pool.tag_stats(3).reserved_bytes, 4 * pages.page_size());
+  EXPECT_EQ(pool.tag_stats(0).reserved_bytes, 0u);
+  EXPECT_THROW(pool.sleep(3, sleep_mode::discard), invalid_argument);
+  EXPECT_FALSE(pool.asleep(3));
+  pages.return_pages(lent);
+  const std::size_t used = sim.used_bytes(0);
+  pool.sleep(3, sleep_mode::discard);
+  EXPECT_EQ(sim.used_bytes(0), used - 4 * pages.page_size());
+  EXPECT_EQ(pool.tag_stats(3).reserved_bytes, 0u);
+  EXPECT_THROW(pages.lend_pages(1), invalid_argument);
+  EXPECT_THROW(pool.page_pool(3), invalid_argument);
+  EXPECT_EQ(sim.used_bytes(0), used - 4 * pages.page_size());
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.wake(3);
+  pages.return_pages(pages.lend_pages(1));
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
 TEST_F(SleepWake, SharedMemoryExportImportAndBadInput) {
   shared_memory shared(sim, 0);
   void* p = shared.allocate(3 * MiB);  // 4 MiB of pages

@@ -286,6 +286,18 @@ GPUMEM_API gpumem_status gpumem_wake(gpumem_pool* pool, uint32_t tag, void* stre
 GPUMEM_API int gpumem_tag_asleep(gpumem_pool* pool, uint32_t tag);
 /* Stats of one tag (all zero for a tag never used). */
 GPUMEM_API gpumem_status gpumem_tag_stats(gpumem_pool* pool, uint32_t tag, gpumem_stats* out);
+/* Pinned host memory a tag holds for its offload sleeps: the copy of its pages while it
+ * sleeps, and after gpumem_wake the same block, kept for the next sleep (pinned memory is
+ * slow to get). Sleeps of up to the same size reuse it, so it does not grow across sleep /
+ * wake cycles; a larger sleep replaces it. gpumem_tag_host_bytes writes its bytes to *out
+ * (0 for a tag never used). gpumem_release_host gives it back to the system now and
+ * writes the bytes released to *released (may be NULL; 0 when none was held); the next
+ * offload sleep gets new memory. Refused with GPUMEM_ERROR_INVALID_ARGUMENT, nothing
+ * released: a tag asleep with offload (its bytes live there: wake it first), a tag never
+ * allocated in, the shared tag; GPUMEM_ERROR_NOT_SUPPORTED: tag 0 of a caching_pool.
+ * A tag asleep with discard holds no bytes there and may release it. */
+GPUMEM_API gpumem_status gpumem_tag_host_bytes(gpumem_pool* pool, uint32_t tag, uint64_t* out);
+GPUMEM_API gpumem_status gpumem_release_host(gpumem_pool* pool, uint32_t tag, uint64_t* released);
 /* The pool's device memory as the driver reports it (cudaMemGetInfo). */
 GPUMEM_API gpumem_status gpumem_device_memory(gpumem_pool* pool, size_t* free_bytes,
                                               size_t* total_bytes);

@@ -8,7 +8,14 @@
  *
  * The pool must be a vmm_page_pool (the C API's default allocator): the cache borrows
  * whole physical pages from it, so the cache and the pool's other allocations share one
- * budget (its limit, the device). The cache must be destroyed before its pool:
+ * budget (its limit, the device). The pages come from the tag that is the calling
+ * thread's current tag at create (gpumem_set_current_tag; gpumem.torch.tag in Python):
+ * tag 0, the pool itself, by default; another tag's own pages otherwise, so the cache's
+ * memory is the tag's (its stats) and goes back with it: a gpumem_sleep of the tag is
+ * refused while the cache holds pages (destroy it first, then the sleep gives its pages
+ * back); a create or growth in a tag asleep, or in the shared tag, is refused with
+ * GPUMEM_ERROR_INVALID_ARGUMENT. Sequence sets (gpumem_kv_vseqs_create) do the same.
+ * The cache must be destroyed before its pool:
  * gpumem_pool_destroy refuses a pool that caches or sequence sets still stand on
  * (GPUMEM_ERROR_INVALID_ARGUMENT, the pool left live). The stream is checked at create.
  *

@@ -16,7 +16,9 @@
 //  - released_pages == sum of the pages of chunks in phase released;
 //  - every chunk with a record is live and keeps its pages in the page table;
 //  - host_offset names, for every chunk the current sleep copied, where its bytes are in
-//    `host` (offload only), until a wake completes and gives `host` back.
+//    `host` (offload only), until a wake completes and gives `host` back;
+//  - `staging` holds at most one segment (the block of the last offload sleep, kept for
+//    the next one), so host memory stays flat across sleep / wake cycles of one size.
 #include <algorithm>
 #include <map>
 #include <memory>
@@ -79,6 +81,22 @@ class stream_events {
   std::size_t made_ = 0;
 };
 
+// A block of `bytes` from `staging`, which then holds that block's segment only: the
+// cached one when it is large enough and free for `stream`, else a new one in its place.
+void* take_staging_block(pinned_host_pool& staging, std::size_t bytes, stream_handle stream) {
+  const std::size_t held = staging.stats().reserved_bytes;
+  if (held < bytes) staging.trim();  // too small to reuse: give it back before the new one
+  void* block = staging.allocate(bytes, stream);  // throws out_of_memory: nothing changed
+  if (held >= bytes && staging.stats().reserved_bytes > held) {
+    // The cached segment still waits for another stream's copies: wait for them (trim
+    // does) and keep one segment.
+    staging.deallocate(block, bytes, stream);
+    staging.trim();
+    block = staging.allocate(bytes, stream);
+  }
+  return block;
+}
+
 }  // namespace
 
 bool vmm_page_pool::sleeping_locked() const noexcept {
@@ -111,6 +129,33 @@ std::size_t vmm_page_pool::sleeping_bytes() const {
   return sleeping_pages_locked() * page_;
 }
 
+std::size_t vmm_page_pool::host_bytes() const {
+  std::lock_guard lock(mutex_);
+  return sleep_ != nullptr && sleep_->staging != nullptr ? sleep_->staging->stats().reserved_bytes
+                                                         : 0;
+}
+
+std::size_t vmm_page_pool::release_host() {
+  std::lock_guard lock(mutex_);
+  if (sleep_ == nullptr || sleep_->staging == nullptr) return 0;
+  auto& st = *sleep_;
+  if (asleep_locked() && st.mode == sleep_mode::offload)
+    throw invalid_argument("vmm_page_pool::release_host: the pool sleeps with offload and its " +
+                           format_bytes(sleeping_pages_locked() * page_) +
+                           " live in that host memory; wake it first");
+  if (st.host != nullptr) {  // left by a sleep that failed before any page slept
+    st.staging->deallocate(st.host, st.host_bytes, stream_handle{});
+    st.host = nullptr;
+    st.host_bytes = 0;
+    st.host_offset.clear();
+  }
+  const std::size_t held = st.staging->stats().reserved_bytes;
+  st.staging->trim();  // waits for the copies of the last wake
+  const std::size_t released = held - st.staging->stats().reserved_bytes;
+  if (st.staging->stats().reserved_bytes == 0) st.staging.reset();
+  return released;
+}
+
 void vmm_page_pool::sleep(sleep_mode mode, stream_handle stream) {
   using phase = detail::vmm_sleep_state::phase;
   check_stream(stream, "vmm_page_pool::sleep");
@@ -131,6 +176,9 @@ void vmm_page_pool::sleep(sleep_mode mode, stream_handle stream) {
   const std::uint64_t frees = stats().deallocations;
 
   std::lock_guard lock(mutex_);
+  if (counts_.lent_pages != 0)  // lent between the check above and here
+    throw invalid_argument("vmm_page_pool::sleep: " + std::to_string(counts_.lent_pages) +
+                           " pages are lent out (a KV cache maps them); return them first");
   retire_completed(true);  // no old mapping of a remapped page is left
   if (sleep_ == nullptr) sleep_ = std::make_unique<detail::vmm_sleep_state>();
   auto& st = *sleep_;
@@ -189,7 +237,7 @@ void vmm_page_pool::stage_host_copy_locked(std::span<const std::uint32_t> ids, b
       st.host_offset[id] = total;
       total += chunks_[id].pages * page_;
     }
-    st.host = st.staging->allocate(total, stream);  // throws out_of_memory: nothing changed
+    st.host = take_staging_block(*st.staging, total, stream);
     st.host_bytes = total;
   }
 }

@@ -270,8 +270,9 @@ vmm_page_pool& tagged_pool::sleeper(std::uint32_t tag, tag_entry*& e, const char
   if (e == nullptr)
     throw invalid_argument(std::string("tagged_pool::") + caller + ": tag " + tag_name(tag) +
                            " was never allocated in, so it holds no memory and " +
-                           (std::string_view(caller) == "wake" ? "is not asleep"
-                                                               : "has nothing to sleep") +
+                           (std::string_view(caller) == "wake"           ? "is not asleep"
+                            : std::string_view(caller) == "release_host" ? "no host memory"
+                                                                         : "has nothing to sleep") +
                            "; nothing changed");
   if (e->vmm == nullptr)
     throw not_supported(std::string("tagged_pool::") + caller + ": tag " + tag_name(tag) +
@@ -322,6 +323,33 @@ void tagged_pool::wake(std::uint32_t tag, stream_handle stream) {
 bool tagged_pool::asleep(std::uint32_t tag) const {
   const tag_entry* e = tag == 0 ? zero_ : find(tag);
   return e != nullptr && e->asleep.load(std::memory_order_relaxed);
+}
+
+std::size_t tagged_pool::host_bytes(std::uint32_t tag) const {
+  const tag_entry* e = tag == shared_tag ? nullptr : find(tag);
+  return e != nullptr && e->vmm != nullptr ? e->vmm->host_bytes() : 0;
+}
+
+std::size_t tagged_pool::release_host(std::uint32_t tag) {
+  tag_entry* e = nullptr;
+  vmm_page_pool& pool = sleeper(tag, e, "release_host");
+  std::unique_lock gate(e->gate);  // no sleep or wake of the tag meanwhile
+  return pool.release_host();
+}
+
+vmm_page_pool& tagged_pool::page_pool(std::uint32_t tag) {
+  if (tag == shared_tag)
+    throw invalid_argument("tagged_pool::page_pool: the shared tag's memory is one handle per "
+                           "allocation; it lends no pages");
+  tag_entry& e = entry_for_allocation(tag);
+  if (e.vmm == nullptr)
+    throw not_supported("tagged_pool::page_pool: tag " + tag_name(tag) + " is served by a " +
+                        std::string(e.pool->name()) + ", which has no pages to lend "
+                        "(use allocator vmm_page_pool)");
+  if (e.asleep.load(std::memory_order_relaxed))
+    throw invalid_argument("tagged_pool::page_pool: tag " + tag_name(tag) +
+                           " is asleep; wake it before placing memory in it");
+  return *e.vmm;
 }
 
 }  // namespace gpumem

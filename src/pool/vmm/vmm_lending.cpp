@@ -9,6 +9,9 @@ namespace gpumem {
 std::vector<physical_handle> vmm_page_pool::lend_pages(std::size_t pages) {
   std::unique_lock lock(mutex_);
   std::vector<physical_handle> out;
+  if (asleep_locked())
+    throw invalid_argument("vmm_page_pool::lend_pages: the pool is asleep (its tag sleeps); "
+                           "wake it before lending its pages");
   if (pages == 0) return out;
   out.reserve(pages);
   lent_.reserve(lent_.size() + pages);

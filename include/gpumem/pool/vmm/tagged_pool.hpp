@@ -136,6 +136,20 @@ class tagged_pool final : public memory_resource {
   void sleep(std::uint32_t tag, sleep_mode mode, stream_handle stream = {});
   void wake(std::uint32_t tag, stream_handle stream = {});
   bool asleep(std::uint32_t tag) const;
+  // Pinned host memory held for the tag's offload sleeps (vmm_page_pool::host_bytes): 0
+  // for a tag never allocated in or whose pool is not a vmm_page_pool. release_host gives
+  // it back and returns its bytes (vmm_page_pool::release_host). Throws as sleep for
+  // shared_tag, a tag never allocated in, a pool that is not a vmm_page_pool; and
+  // gpumem::invalid_argument while the tag sleeps with offload (its bytes live there).
+  std::size_t host_bytes(std::uint32_t tag) const;
+  std::size_t release_host(std::uint32_t tag);
+
+  // The page pool of `tag` for a borrower that maps pages itself (a KV cache's lend_pages,
+  // in the tag's own range of pages: the tag's sleep is then refused until they are
+  // returned). Made on the tag's first use as by an allocation. Throws
+  // gpumem::invalid_argument for shared_tag or a tag asleep; gpumem::not_supported for
+  // tag 0 over a pool that is not a vmm_page_pool.
+  vmm_page_pool& page_pool(std::uint32_t tag);
 
   // Sharing between processes (shared_memory.hpp): export a live allocation of shared_tag,
   // import another process's into a range of this process; an import is freed (unmapped)

@@ -92,7 +92,8 @@ class vmm_page_pool final : public pool_base {
   void release_stream(stream_handle stream) override;
 
   // Lends `pages` one-page physical handles (all or nothing). Throws gpumem::out_of_memory
-  // (with the pool's report) when neither kept, reclaimable nor new pages suffice.
+  // (with the pool's report) when neither kept, reclaimable nor new pages suffice, and
+  // gpumem::invalid_argument while the pool is asleep (lending nothing).
   // REQUIRES: the borrower unmaps them before returning them or destroying the pool.
   std::vector<physical_handle> lend_pages(std::size_t pages);
   // Takes lent handles back as spare pages. Throws gpumem::invalid_argument, taking none
@@ -130,6 +131,15 @@ class vmm_page_pool final : public pool_base {
   void set_budget(std::size_t bytes);
   std::size_t budget() const;
   static constexpr std::size_t budget_headroom_share = 32;
+  // Pinned host memory that offload sleeps hold: the copy of the sleeping pages, and
+  // between sleeps the same block kept for the next one (pinned memory is slow to get).
+  // Repeated sleeps of up to the same size reuse that block, so it does not grow; a larger
+  // sleep replaces it. release_host() gives it back to the driver and returns its bytes
+  // (0 when none is held); the next offload sleep gets a new block. Throws
+  // gpumem::invalid_argument, changing nothing, while offloaded bytes live there (an
+  // offload sleep, whole or partial, not yet woken); a discard sleep holds none.
+  std::size_t host_bytes() const;
+  std::size_t release_host();
   // Whether `ptr` lies in this pool's virtual range.
   bool owns(const void* ptr) const noexcept {
     const auto a = reinterpret_cast<std::uintptr_t>(ptr);
