@@ -73,6 +73,12 @@ std::string pool_body::memory_report(std::size_t bytes) const {
   return pool->memory_report(bytes) + (v != nullptr ? c_api_vmm_describe_tags(v) : std::string());
 }
 
+std::vector<std::pair<std::uint32_t, const gpumem::pool_base*>> pool_body::tag_pools() const {
+  const auto* v = vmm.load(std::memory_order_acquire);
+  if (v == nullptr) return {};
+  return c_api_vmm_tag_pools(v);
+}
+
 void* pool_body::allocate_untagged(std::size_t bytes, std::size_t alignment,
                                    gpumem::stream_handle stream) {
   auto attempt = [&] { return front().allocate(bytes, alignment, stream); };

@@ -84,6 +84,8 @@ void c_api_vmm_release_stream(c_api_vmm_state* state, gpumem::stream_handle stre
 void* c_api_vmm_after_out_of_memory(c_api_vmm_state* state, const gpumem::out_of_memory& first,
                                     const std::function<void*()>& attempt);
 std::string c_api_vmm_describe_tags(const c_api_vmm_state* state);
+std::vector<std::pair<std::uint32_t, const gpumem::pool_base*>> c_api_vmm_tag_pools(
+    const c_api_vmm_state* state);
 
 // How many live handles of each kind stand on one pool (pool_body::borrowers).
 struct c_api_borrowers {
@@ -142,6 +144,9 @@ struct pool_body {
   std::size_t trim();
   void release_stream(gpumem::stream_handle stream);
   std::string memory_report(std::size_t bytes) const;
+  // The pools of the tags other than 0 (none before a tag is used), for the reports that
+  // look at pools one by one: gpumem_pool_explain and gpumem_snapshot.
+  std::vector<std::pair<std::uint32_t, const gpumem::pool_base*>> tag_pools() const;
   // An untagged allocation through front(); out of memory, every tag's free memory is
   // given back and it is tried once more.
   void* allocate_untagged(std::size_t bytes, std::size_t alignment, gpumem::stream_handle stream);

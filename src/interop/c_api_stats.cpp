@@ -1,6 +1,7 @@
 // The C API's stats, counters, reports and snapshots (gpumem_pool_stats,
 // gpumem_pool_counter, gpumem_pool_report, gpumem_pool_explain, gpumem_snapshot) over the
-// pool layer.
+// pool layer. Stats, the report, the explanation and the snapshot cover every tag; the
+// counters are tag 0's pool's (the pool's own mechanisms: step plan, gathers, hints).
 #include "gpumem/interop/gpumem.h"
 #include "interop/c_api_internal.hpp"
 
@@ -11,6 +12,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "gpumem/errors.hpp"
 #include "gpumem/platform.hpp"
@@ -132,7 +134,12 @@ size_t gpumem_pool_explain(gpumem_pool* pool, char* buf, size_t capacity) {
   std::string text;
   pool_body* body = live_body(pool, "gpumem_pool_explain");
   if (body == nullptr) return 0;
-  if (guarded("gpumem_pool_explain", [&] { text = gpumem::explain_overhead(*body->pool).to_string(); }) !=
+  if (guarded("gpumem_pool_explain", [&] {
+        text = gpumem::explain_overhead(*body->pool).to_string();
+        for (const auto& [tag, tag_pool] : body->tag_pools())
+          text += "tag " + std::to_string(tag) + ":\n" +
+                  gpumem::explain_overhead(*tag_pool).to_string();
+      }) !=
       GPUMEM_SUCCESS)
     return 0;
   return copy_text(text, buf, capacity);
@@ -145,8 +152,12 @@ gpumem_status gpumem_snapshot(gpumem_pool* pool, const char* path) {
     return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_snapshot: empty path");
 #ifdef GPUMEM_C_API_HAS_SNAPSHOT
   // No event recorder is attached to C API pools: segments and blocks, no device trace.
-  return guarded("gpumem_snapshot",
-                 [&] { gpumem::write_memory_snapshot(*body->pool, nullptr, std::string(path), body->planner.get()); });
+  return guarded("gpumem_snapshot", [&] {
+    std::vector<gpumem::snapshot_part> parts;
+    for (const auto& [tag, tag_pool] : body->tag_pools()) parts.push_back({tag_pool, tag});
+    gpumem::write_memory_snapshot(*body->pool, nullptr, std::string(path), body->planner.get(),
+                                  parts);
+  });
 #else
   return c_api_fail(GPUMEM_ERROR_NOT_SUPPORTED,
               "gpumem_snapshot: this build has no PyTorch snapshot exporter "

@@ -61,6 +61,11 @@ std::string c_api_vmm_describe_tags(const c_api_vmm_state* state) {
   return state->tags.describe_tags();
 }
 
+std::vector<std::pair<std::uint32_t, const gpumem::pool_base*>> c_api_vmm_tag_pools(
+    const c_api_vmm_state* state) {
+  return state->tags.tag_pools();
+}
+
 }  // namespace gpumem::detail
 
 namespace {

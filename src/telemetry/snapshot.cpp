@@ -125,10 +125,10 @@ void write_blocks(pickle_writer& w, const memory_segment& seg, const trace_copy&
   w.end_list();
 }
 
-void write_segments(pickle_writer& w, const pool_base& pool,
-                    const std::vector<memory_segment>& segments, const trace_copy& copy) {
-  const alloc_events alloc_event = live_allocation_events(copy);
-  w.begin_list();
+// The segments of one pool, `tag` its segment_pool_id's first half, as list items.
+void write_segment_items(pickle_writer& w, const pool_base& pool,
+                         const std::vector<memory_segment>& segments, const trace_copy& copy,
+                         const alloc_events& alloc_event, std::uint32_t tag) {
   for (const memory_segment& seg : segments) {
     std::size_t allocated = 0, requested = 0;
     for (const memory_block& b : seg.blocks)
@@ -146,7 +146,7 @@ void write_segments(pickle_writer& w, const pool_base& pool,
     w.item("stream", 0);
     w.item("segment_type", seg.small ? "small" : "large");
     w.str("segment_pool_id");
-    w.tuple2(0, 0);
+    w.tuple2(tag, 0);
     w.item("is_expandable", seg.expandable);
     w.str("frames");
     write_frames(w, nullptr, nullptr);
@@ -154,6 +154,19 @@ void write_segments(pickle_writer& w, const pool_base& pool,
     write_blocks(w, seg, copy, alloc_event);
     w.end_dict();
   }
+}
+
+void write_segments(pickle_writer& w, const pool_base& pool,
+                    const std::vector<memory_segment>& segments, const trace_copy& copy,
+                    std::span<const snapshot_part> parts,
+                    const std::vector<std::vector<memory_segment>>& part_segments) {
+  const alloc_events alloc_event = live_allocation_events(copy);
+  const trace_copy none;
+  const alloc_events no_events;
+  w.begin_list();
+  write_segment_items(w, pool, segments, copy, alloc_event, 0);
+  for (std::size_t i = 0; i < parts.size(); ++i)
+    write_segment_items(w, *parts[i].pool, part_segments[i], none, no_events, parts[i].tag);
   w.end_list();
 }
 
@@ -225,7 +238,10 @@ void write_gpumem_figures(pickle_writer& w, const pool_base& pool, const event_r
 }  // namespace
 
 std::string memory_snapshot_pickle(const pool_base& pool, const event_recorder* trace,
-                                   const step_planner* plan) {
+                                   const step_planner* plan, std::span<const snapshot_part> parts) {
+  std::vector<std::vector<memory_segment>> part_segments(parts.size());
+  for (std::size_t i = 0; i < parts.size(); ++i)
+    parts[i].pool->inspect([&](const std::vector<memory_segment>& s) { part_segments[i] = s; });
   std::vector<memory_segment> segments;
   trace_copy copy;
   // One consistent moment: no pool operation (and so no recorder event) runs in between.
@@ -242,7 +258,7 @@ std::string memory_snapshot_pickle(const pool_base& pool, const event_recorder* 
   pickle_writer w(out);
   w.begin_dict();
   w.str("segments");
-  write_segments(w, pool, segments, copy);
+  write_segments(w, pool, segments, copy, parts, part_segments);
   w.str("device_traces");
   write_device_traces(w, pool, trace, copy);
   w.str("allocator_settings");
@@ -261,8 +277,9 @@ void write_memory_snapshot(const pool_base& pool, const event_recorder* trace, s
 }
 
 void write_memory_snapshot(const pool_base& pool, const event_recorder* trace,
-                           const std::string& path, const step_planner* plan) {
-  const std::string bytes = memory_snapshot_pickle(pool, trace, plan);
+                           const std::string& path, const step_planner* plan,
+                           std::span<const snapshot_part> parts) {
+  const std::string bytes = memory_snapshot_pickle(pool, trace, plan, parts);
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   if (!f) throw invalid_argument("write_memory_snapshot: cannot open '" + path + "' for writing");
   f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));

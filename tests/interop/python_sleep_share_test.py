@@ -85,7 +85,36 @@ def kv_storage_in_a_tag():
         pool.wake("kv-paged")
 
 
+def reports_cover_every_tag():
+    """gpumem_pool_explain and gpumem_snapshot show a tag's memory, not only tag 0's."""
+    import pickle
+    import tempfile
+
+    with gpumem.Pool("sim_capacity:256M") as pool:
+        p0 = pool.malloc(4 * MIB)
+        t = pool.malloc_tagged(6 * MIB, "rollout")
+        tag = gpumem.tag_id("rollout")
+        text = pool.explain()
+        assert ("tag %d:" % tag) in text, text
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "s.pickle")
+            pool.snapshot(path)
+            with open(path, "rb") as f:
+                snap = pickle.load(f)
+        by_pool = {}
+        for seg in snap["segments"]:
+            by_pool.setdefault(seg["segment_pool_id"], []).append(seg)
+        assert set(by_pool) == {(0, 0), (tag, 0)}, sorted(by_pool)
+        tagged = sum(b["size"] for seg in by_pool[(tag, 0)] for b in seg["blocks"]
+                     if b["state"] == "active_allocated")
+        assert tagged >= 6 * MIB, tagged
+        assert any(b["address"] == t for seg in by_pool[(tag, 0)] for b in seg["blocks"])
+        pool.free(t, 6 * MIB)
+        pool.free(p0, 4 * MIB)
+
+
 def main():
+    reports_cover_every_tag()
     host_memory_of_offload()
     kv_storage_in_a_tag()
     lib = gpumem.load()

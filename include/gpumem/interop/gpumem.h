@@ -213,8 +213,9 @@ GPUMEM_API size_t gpumem_pool_report(gpumem_pool* pool, size_t size, char* buf,
 /* Where the pool's reserved bytes go now, one part a line (include/gpumem/pool/
  * overhead.hpp): requested, rounding (and the request sizes whose rounding costs most),
  * freed blocks held unmerged, free bytes sharing a page with live blocks, free whole
- * pages, pages kept unmapped. Written to buf as gpumem_pool_report does; returns the full
- * length (0 with the error set for a bad pool). */
+ * pages, pages kept unmapped; then each tag other than 0, under a "tag N:" line. Written to
+ * buf as gpumem_pool_report does; returns the full length (0 with the error set for a bad
+ * pool). */
 GPUMEM_API size_t gpumem_pool_explain(gpumem_pool* pool, char* buf, size_t capacity);
 
 /* A stream on the pool's device and platform (cudaStreamCreate on cuda; a sim stream on
@@ -233,7 +234,7 @@ GPUMEM_API gpumem_status gpumem_stream_synchronize(gpumem_pool* pool, void* stre
 GPUMEM_API gpumem_status gpumem_stream_device(gpumem_pool* pool, void* stream, int* device);
 
 /* Writes a PyTorch memory snapshot (the pickle torch.cuda.memory._dump_snapshot writes)
- * of the pool to `path`. GPUMEM_ERROR_NOT_SUPPORTED when this build has no snapshot
+ * of the pool to `path`: every tag's segments, a tag's with segment_pool_id (tag, 0). GPUMEM_ERROR_NOT_SUPPORTED when this build has no snapshot
  * exporter. */
 GPUMEM_API gpumem_status gpumem_snapshot(gpumem_pool* pool, const char* path);
 

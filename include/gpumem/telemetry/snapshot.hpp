@@ -21,10 +21,14 @@
 //    entry; read under the pool's mutex with the segments, so replaying it backwards from
 //    the segments (as the viewer does) is consistent;
 //  - segments and segment events say stream 0 (gpumem segments are not tied to a stream),
-//    alloc and free events carry their real stream.
+//    alloc and free events carry their real stream;
+//  - the pools of other tags (snapshot_part) follow with their own segments, each with
+//    segment_pool_id (tag, 0), so the viewer tells them apart; the main pool's are (0, 0).
 #pragma once
 
+#include <cstdint>
 #include <iosfwd>
+#include <span>
 #include <string>
 
 namespace gpumem {
@@ -33,16 +37,24 @@ class pool_base;
 class event_recorder;
 class step_planner;
 
+// Another pool whose segments the snapshot shows beside the main pool's: a tag's.
+struct snapshot_part {
+  const pool_base* pool = nullptr;
+  std::uint32_t tag = 0;
+};
+
 // The snapshot as pickle bytes. `trace` may be nullptr (no device trace; the viewer's
 // segment views still work). REQUIRES: `trace`, if given, records `pool` (or nothing).
 // With `plan` (a step planner in front of `pool`), its region shows as the planned
 // allocations live in it, each a block of its own.
 std::string memory_snapshot_pickle(const pool_base& pool, const event_recorder* trace,
-                                   const step_planner* plan = nullptr);
+                                   const step_planner* plan = nullptr,
+                                   std::span<const snapshot_part> parts = {});
 void write_memory_snapshot(const pool_base& pool, const event_recorder* trace, std::ostream& out,
                            const step_planner* plan = nullptr);
 // Writes the file; throws gpumem::invalid_argument naming the path when it cannot.
 void write_memory_snapshot(const pool_base& pool, const event_recorder* trace,
-                           const std::string& path, const step_planner* plan = nullptr);
+                           const std::string& path, const step_planner* plan = nullptr,
+                           std::span<const snapshot_part> parts = {});
 
 }  // namespace gpumem

@@ -168,6 +168,13 @@ std::vector<std::uint32_t> tagged_pool::tags() const {
   return out;
 }
 
+std::vector<std::pair<std::uint32_t, const pool_base*>> tagged_pool::tag_pools() const {
+  std::vector<std::pair<std::uint32_t, const pool_base*>> out;
+  for (auto& [tag, e] : entries())
+    if (tag != 0) out.emplace_back(tag, e->pool);
+  return out;
+}
+
 resource_stats tagged_pool::tag_stats(std::uint32_t tag) const {
   if (tag == shared_tag) return shared_.stats();
   const tag_entry* e = find(tag);

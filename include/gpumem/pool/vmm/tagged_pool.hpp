@@ -128,6 +128,9 @@ class tagged_pool final : public memory_resource {
   // Tags in use (0 first), shared_tag included once it holds something.
   std::vector<std::uint32_t> tags() const;
   resource_stats tag_stats(std::uint32_t tag) const;
+  // The pools of the tags other than 0, by tag (shared_tag has none), for whole-pool
+  // reports: the pointers live as long as this object.
+  std::vector<std::pair<std::uint32_t, const pool_base*>> tag_pools() const;
 
   // Throws gpumem::invalid_argument for a double sleep, a wake without sleep, shared_tag,
   // a tag never allocated in (0 excepted: it always exists); gpumem::not_supported where
