@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -91,6 +92,14 @@ std::vector<std::pair<std::uint32_t, const gpumem::pool_base*>> c_api_vmm_tag_po
 struct c_api_borrowers {
   std::atomic<std::uint64_t> kv_caches{0};
   std::atomic<std::uint64_t> kv_vseqs{0};
+  // The streams live KV caches work on (one entry a cache): gpumem_stream_destroy refuses
+  // them, as the cache would queue its copies on a destroyed stream.
+  std::mutex streams_mutex;
+  std::multiset<std::uintptr_t> kv_streams;
+  bool stream_in_use(std::uintptr_t stream) {
+    std::lock_guard lock(streams_mutex);
+    return kv_streams.contains(stream);
+  }
 };
 
 // What a handle serves while it is live. It owns, in declaration order, a private sim

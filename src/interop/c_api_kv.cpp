@@ -45,10 +45,31 @@ class pool_borrow {
   std::atomic<std::uint64_t>* count_;
 };
 
+// Names its stream among the pool's streams in use by KV caches for as long as it lives.
+class stream_borrow {
+ public:
+  stream_borrow(gpumem::detail::c_api_borrowers& b, void* stream) : b_(&b) {
+    std::lock_guard lock(b_->streams_mutex);
+    it_ = b_->kv_streams.insert(reinterpret_cast<std::uintptr_t>(stream));
+  }
+  ~stream_borrow() {
+    std::lock_guard lock(b_->streams_mutex);
+    b_->kv_streams.erase(it_);
+  }
+  stream_borrow(const stream_borrow&) = delete;
+  stream_borrow& operator=(const stream_borrow&) = delete;
+
+ private:
+  gpumem::detail::c_api_borrowers* b_;
+  std::multiset<std::uintptr_t>::iterator it_;
+};
+
 // Members in this order: the borrow ends last, after the cache gave its pages back.
 struct gpumem_kv_cache {
-  explicit gpumem_kv_cache(std::atomic<std::uint64_t>& count) : borrow(count) {}
+  gpumem_kv_cache(gpumem::detail::c_api_borrowers& b, void* stream)
+      : borrow(b.kv_caches), stream_use(b, stream) {}
   pool_borrow borrow;
+  stream_borrow stream_use;
   std::unique_ptr<gpumem::pinned_host_pool> host;
   std::unique_ptr<gpumem::kv_cache> cache;
   void* stream = nullptr;
@@ -190,7 +211,7 @@ gpumem_status gpumem_kv_create(gpumem_pool* pool, const gpumem_kv_config* config
     // Last of the checks: a tag's pool is made by its first use, never by a refused call.
     gpumem::vmm_page_pool* pages =
         &gpumem::detail::c_api_current_page_pool(parts, "the KV cache needs");
-    auto handle = std::make_unique<gpumem_kv_cache>(parts.borrowers->kv_caches);
+    auto handle = std::make_unique<gpumem_kv_cache>(*parts.borrowers, config->stream);
     if (config->swap != 0)
       handle->host = std::make_unique<gpumem::pinned_host_pool>(*parts.device_platform, parts.device);
     handle->cache = std::make_unique<gpumem::kv_cache>(*pages, c, handle->host.get());

@@ -197,6 +197,10 @@ gpumem_status gpumem_stream_destroy(gpumem_pool* pool, void* stream) {
   if (stream == nullptr)
     return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT,
                 "gpumem_stream_destroy: the default stream cannot be destroyed");
+  if (body->borrowers.stream_in_use(reinterpret_cast<std::uintptr_t>(stream)))
+    return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT,
+                      "gpumem_stream_destroy: a KV cache of this pool works on the stream; "
+                      "destroy the cache first");
   return guarded("gpumem_stream_destroy", [&] {
     const auto s = reinterpret_cast<std::uintptr_t>(stream);
     body->release_stream(to_stream(stream));

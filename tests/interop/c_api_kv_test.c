@@ -520,6 +520,11 @@ static void streams_and_reserved_fields_checked_at_create(void) {
     CHECK(gpumem_kv_fork(kv, a, &child) == GPUMEM_SUCCESS);
     CHECK(gpumem_kv_append(kv, child, t, 1) == GPUMEM_SUCCESS); /* copy on write */
     CHECK(gpumem_kv_synchronize(kv) == GPUMEM_SUCCESS);
+    /* The cache's stream cannot go while the cache lives; nothing changes. */
+    CHECK(gpumem_stream_destroy(pool, stream) == GPUMEM_ERROR_INVALID_ARGUMENT);
+    CHECK(strstr(gpumem_last_error(), "KV cache") != NULL);
+    CHECK(gpumem_kv_append(kv, child, t, 1) == GPUMEM_SUCCESS);
+    CHECK(gpumem_kv_synchronize(kv) == GPUMEM_SUCCESS);
     gpumem_kv_destroy(kv);
   }
   CHECK(gpumem_stream_destroy(pool, stream) == GPUMEM_SUCCESS);

@@ -223,7 +223,9 @@ GPUMEM_API size_t gpumem_pool_explain(gpumem_pool* pool, char* buf, size_t capac
  * first, so memory freed on it becomes reusable by every stream. A stream made here and
  * not destroyed by gpumem_stream_destroy is destroyed with the pool (gpumem_pool_destroy
  * waits for its work first): do not use it after the pool, and destroy it only through
- * the pool that made it (never cudaStreamDestroy: the pool would destroy it again). */
+ * the pool that made it (never cudaStreamDestroy: the pool would destroy it again).
+ * A stream a live KV cache of the pool works on (gpumem_kv_config.stream) is refused with
+ * GPUMEM_ERROR_INVALID_ARGUMENT until the cache is destroyed. */
 GPUMEM_API gpumem_status gpumem_stream_create(gpumem_pool* pool, void** out);
 GPUMEM_API gpumem_status gpumem_stream_destroy(gpumem_pool* pool, void* stream);
 /* Waits for the stream's work. */
