@@ -142,6 +142,24 @@ TEST_F(PageExport, BadInputIsRefusedAndExportsNothing) {
   pool.deallocate(p, 2 * MiB);
 }
 
+// A platform that refuses shareable memory (sim: its first creation answers
+// not_supported): a shareable pool still serves, with plain pages from then on, and says
+// not_supported when asked to export them.
+TEST_F(PageExport, APlatformRefusingSharingServesWithPlainPages) {
+  vmm_page_pool pool(sim, 0, shareable());
+  sim.inject_fault(platform_op::create_physical, sim_fault{1, false, 0.0, failure_kind::not_supported});
+  void* p = pool.allocate(3 * MiB);
+  sim.clear_faults();
+  fill(p, 3 * MiB, 2);
+  EXPECT_TRUE(same(p, 3 * MiB, 2));
+  EXPECT_THROW(pool.export_pages(p, 3 * MiB), not_supported);
+  void* q = pool.allocate(8 * MiB);  // later growths take plain pages too
+  EXPECT_THROW(pool.export_pages(q, 8 * MiB), not_supported);
+  pool.deallocate(q, 8 * MiB);
+  pool.deallocate(p, 3 * MiB);
+  EXPECT_EQ(pool.validate(), "");
+}
+
 // A tag that sleeps has no pages to export; the shared tag exports its one handle.
 TEST_F(PageExport, TagsAsleepAreRefusedAndTheSharedTagExportsOnePiece) {
   vmm_page_pool untagged(sim, 0, shareable());

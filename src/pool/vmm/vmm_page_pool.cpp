@@ -235,8 +235,14 @@ bool vmm_page_pool::create_chunks(std::size_t pages, handle_sizes sizes) {
 }
 
 result<physical_handle> vmm_page_pool::create_handle(std::size_t bytes) {
-  return options_.shareable ? device_platform().create_shareable_physical(device(), bytes)
-                            : device_platform().create_physical(device(), bytes);
+  if (options_.shareable && !shareable_refused_) {
+    auto h = device_platform().create_shareable_physical(device(), bytes);
+    if (h || (h.error().kind != failure_kind::not_supported &&
+              h.error().kind != failure_kind::invalid_value))
+      return h;
+    shareable_refused_ = true;
+  }
+  return device_platform().create_physical(device(), bytes);
 }
 
 void vmm_page_pool::va_insert(std::size_t first, std::size_t count) {

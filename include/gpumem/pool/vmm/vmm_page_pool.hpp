@@ -345,8 +345,11 @@ class vmm_page_pool final : public pool_base {
   // Maps `chosen` side by side from `first`, with one access grant; on failure undoes it
   // (chunks back to spare_, but stranded ones) and returns the failure.
   status map_chosen(std::span<const std::uint32_t> chosen, std::size_t first, std::size_t covered);
-  // A new physical handle of `bytes`: exportable with pool_options::shareable.
+  // A new physical handle of `bytes`: exportable with pool_options::shareable while the
+  // platform makes such handles (after it answers not_supported or invalid_value, plain
+  // ones: the pool keeps working, export_pages of those pages says not_supported).
   result<physical_handle> create_handle(std::size_t bytes);
+  bool shareable_refused_ = false;
   // Releases the chunks from `first_new` on that are spare (a failed growth's new ones).
   void release_new_chunks(std::size_t first_new);
 
