@@ -41,7 +41,9 @@ def replay(gpumem, traces, allocator, config=None):
         calls = sum(n for k, n in r["last_pass_driver_calls"].items() if k in MOVING)
         out[name] = {"frag": r["fragmentation"], "calls": calls, "allocs": r["last_pass_allocs"],
                      "pct": 100.0 * calls / max(1, r["last_pass_allocs"]), "oom": r["oom"],
-                     "peak_live": r["peak_live_bytes"], "peak_reserved": r["peak_reserved_bytes"]}
+                     "peak_live": r["peak_live_bytes"], "peak_reserved": r["peak_reserved_bytes"],
+                     "ns_warm": r["modelled_driver_ns_per_event"],
+                     "ns_cold": r["modelled_driver_ns_per_event_cold"]}
     return out
 
 
