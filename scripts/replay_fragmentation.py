@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Fragmentation and warm-pass driver calls of the page pool over every trace, on sim.
 
-Replays each trace in data/, data/workloads/ and shared/traces/ twice (`gpumem replay
+Replays each trace in data/ and data/workloads/ (and --shared DIR's) twice (`gpumem replay
 --passes 2 --json`) with the defaults, optionally footprint:tight and caching_pool (the
 c10-like model), and each trace alone under a cap (`limit:` at --cap times its peak live
 bytes). Prints a row per trace (fragmentation, warm memory-moving calls as a share of the
 pass's allocations) and the geomeans, as docs/PAGE_POOL.md reports them.
 
   scripts/replay_fragmentation.py build/tools/gpumem [--config K:V,...] [--tight] [--c10]
-      [--cap 1.03] [--traces GLOB ...] [--json OUT]
+      [--cap 1.03] [--shared /work/shared/traces] [--traces FILE ...] [--json OUT]
 """
 import argparse
 import glob
@@ -23,6 +23,15 @@ MOVING = ("cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAcce
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def trace_name(path):
+    """The trace's file name; a trace outside data/ is named by its folder too (a shared
+    folder may hold a trace of the same name as data/'s)."""
+    name = os.path.basename(path).removesuffix(".csv.gz")
+    parent = os.path.abspath(os.path.dirname(path))
+    inside = parent.startswith(os.path.join(ROOT, "data"))
+    return name if inside else f"{os.path.basename(parent)}/{name}"
+
+
 def replay(gpumem, traces, allocator, config=None):
     cmd = [gpumem, "replay", *traces, "--device", "sim", "--allocator", allocator,
            "--passes", "2", "--json"]
@@ -33,7 +42,7 @@ def replay(gpumem, traces, allocator, config=None):
         doc = {"traces": [doc]}
     out = {}
     for t in doc["traces"]:
-        name = os.path.basename(t["trace"]).removesuffix(".csv.gz")
+        name = trace_name(t["trace"])
         if "error" in t:
             out[name] = {"error": t["error"]}
             continue
@@ -66,12 +75,14 @@ def main():
     ap.add_argument("--tight", action="store_true", help="also footprint:tight")
     ap.add_argument("--c10", action="store_true", help="also caching_pool")
     ap.add_argument("--cap", type=float, default=0.0, help="also each trace under limit: cap x peak")
+    ap.add_argument("--shared", help="also the traces in this folder")
     ap.add_argument("--traces", nargs="*")
     ap.add_argument("--json", help="write every row here")
     a = ap.parse_args()
     traces = a.traces or sorted(glob.glob(f"{ROOT}/data/*.csv.gz") +
-                                glob.glob(f"{ROOT}/data/workloads/*.csv.gz") +
-                                glob.glob("/work/shared/traces/*.csv.gz"))
+                                glob.glob(f"{ROOT}/data/workloads/*.csv.gz"))
+    if a.shared:
+        traces += sorted(glob.glob(f"{a.shared}/*.csv.gz"))
     cfg = a.config
     runs = {"fast": replay(a.gpumem, traces, "vmm_page_pool", cfg)}
     if a.tight:
@@ -82,7 +93,7 @@ def main():
     if a.cap:
         capped = {}
         for tr in traces:
-            name = os.path.basename(tr).removesuffix(".csv.gz")
+            name = trace_name(tr)
             peak = runs["fast"][name].get("peak_live", 0)
             limit = f"limit:{int(peak * a.cap)}"
             capped.update(replay(a.gpumem, [tr], "vmm_page_pool",
@@ -90,9 +101,9 @@ def main():
         runs["capped"] = capped
     names = list(runs["fast"])
     cols = list(runs)
-    print("trace".ljust(26) + "".join(f"{c + ' frag':>12}{c + ' %':>9}" for c in cols))
+    print("trace".ljust(28) + "".join(f"{c + ' frag':>12}{c + ' %':>9}" for c in cols))
     for n in names:
-        line = n.ljust(26)
+        line = n.ljust(28)
         for c in cols:
             r = runs[c].get(n, {"error": "missing"})
             if "error" in r:
