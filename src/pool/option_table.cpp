@@ -91,11 +91,11 @@ constexpr std::array<pool_option_info, 32> table{{
      "vmm_page_pool: fast keeps freed blocks mapped and reuses, splits and merges them as a "
      "cache, each arena's memory one heap that grows with new pages while the reserved bytes "
      "stay within the budget (the smallest of limit, the device's memory less 1/32, and "
-     "set_budget): a loop that repeats settles with no driver call. A growth past the budget "
-     "gathers free pages as tight does, and large requests are then not rounded. tight "
-     "gathers scattered free pages on every growth they can serve: reserved bytes within "
-     "about 1% of the live bytes, at a map, access grant and unmap per page moved in every "
-     "step, for colocation where reserved bytes must stay low.",
+     "set_budget): a loop that repeats settles with no driver call. A growth into the last "
+     "32nd of the budget gathers free pages as tight does, and large requests are then not "
+     "rounded. tight gathers scattered free pages on every growth they can serve: reserved "
+     "bytes within about 1% of the live bytes, at a map, access grant and unmap per page "
+     "moved in every step, for colocation where reserved bytes must stay low.",
      "footprint:tight"},
     {"growth_slack", "0",
      "vmm_page_pool with footprint:tight: memory it may hold beyond the peak live bytes, "

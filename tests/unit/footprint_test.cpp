@@ -1,8 +1,9 @@
 // vmm_page_pool's footprint (sim, 1 GiB, 2 MiB pages). footprint:fast (the default) is a
 // cache while growing stays within the budget: a request no free block holds gets new
-// pages, freed blocks stay mapped, and a repeat makes no driver call. Past the budget
-// (limit, the device less 1/32, or set_budget) it gathers free pages as footprint:tight
-// does on every growth, and does not round large requests to whole pages.
+// pages, freed blocks stay mapped, and a repeat makes no driver call. From the last
+// budget_margin_share-th of the budget on (the budget: limit, the device less 1/32, or
+// set_budget) it gathers free pages as footprint:tight does on every growth, and does not
+// round large requests to whole pages.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -136,6 +137,19 @@ TEST_F(Footprint, FastGathersWhereNewPagesWouldPassTheBudget) {
   check_and_free(pool, h);
 }
 
+TEST_F(Footprint, FastGathersWhereNewPagesWouldReachTheBudgetsMargin) {
+  // 82 MiB: the 16 MiB request's new pages (80 MiB reserved) stay within the budget but
+  // pass its last 32nd (79.4 MiB): a cache that filled the budget first would hold it.
+  static_assert(vmm_page_pool::budget_margin_share == 32);
+  vmm_page_pool pool(sim);
+  pool.set_budget(82 * MiB);
+  holes h = make_holes_then_ask_16_mib(pool);
+  EXPECT_EQ(pool.page_counts().pages_reclaimed, 8u);  // the request's pages, from the holes
+  EXPECT_EQ(pool.stats().reserved_bytes, 64 * MiB);
+  EXPECT_EQ(pool.stats().peak_reserved_bytes, 64 * MiB);
+  check_and_free(pool, h);
+}
+
 TEST_F(Footprint, ABudgetBelowTheReservedBytesGivesCachedMemoryBack) {
   vmm_page_pool pool(sim);
   void* keep = pool.allocate(8 * MiB);
@@ -159,16 +173,18 @@ std::size_t block_size(const vmm_page_pool& pool, const void* ptr) {
   return 0;
 }
 
-TEST_F(Footprint, PastTheBudgetLargeRequestsAreNotRoundedToWholePages) {
+TEST_F(Footprint, InTheBudgetsMarginLargeRequestsAreNotRoundedToWholePages) {
   // 7.5 MiB: its tail is over half a page, so within the budget it takes 8 MiB (round_large,
   // the page by default, with 640 MiB live the loss is within 1/32 of them).
   constexpr std::size_t odd = 7 * MiB + MiB / 2;
   for (const bool short_of_memory : {false, true}) {
     vmm_page_pool pool(sim);
-    if (short_of_memory) pool.set_budget(640 * MiB);
+    // 664 MiB: 640 MiB live stay short of its last 32nd (643.25 MiB); the first 7.5 MiB
+    // block, sized before its growth, passes it.
+    if (short_of_memory) pool.set_budget(664 * MiB);
     std::vector<void*> live;
     for (int i = 0; i < 10; ++i) live.push_back(pool.allocate(64 * MiB));
-    void* first = pool.allocate(odd);  // grows past the budget when short of memory
+    void* first = pool.allocate(odd);  // grows into the budget's margin when short of memory
     void* second = pool.allocate(odd);
     EXPECT_EQ(block_size(pool, first), 8 * MiB);
     EXPECT_EQ(block_size(pool, second), short_of_memory ? odd : 8 * MiB) << short_of_memory;

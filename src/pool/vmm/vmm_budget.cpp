@@ -1,7 +1,8 @@
-// vmm_page_pool: the budget (footprint:fast), the reserved bytes up to which the pool is a
-// cache: a request no free block holds maps new pages, and freed blocks stay mapped for the
-// requests after them, so a loop that repeats settles with no driver call. Past the
-// budget a growth gathers free pages instead (as footprint:tight does on every growth).
+// vmm_page_pool: the budget (footprint:fast), the reserved bytes up to whose last
+// budget_margin_share-th the pool is a cache: a request no free block holds maps new pages,
+// and freed blocks stay mapped for the requests after them, so a loop that repeats settles
+// with no driver call. From there on a growth gathers free pages instead (as
+// footprint:tight does on every growth).
 #include <algorithm>
 #include <mutex>
 

@@ -123,14 +123,16 @@ class vmm_page_pool final : public pool_base {
   bool asleep() const;
   // Bytes of pages released by sleep and not yet woken.
   std::size_t sleeping_bytes() const;
-  // The budget (footprint:fast): the reserved bytes up to which a growth takes new pages
-  // rather than gathering free ones. The smallest of the limit (pool_options::limit), the
-  // device's memory less a budget_headroom_share-th, and the bytes given here (0: none, the
-  // default). A budget below the reserved bytes gives the cached free pages back at once
-  // (trim), and later growths gather until the reserved bytes fit it again.
+  // The budget (footprint:fast): the reserved bytes near which a growth gathers free pages
+  // rather than taking new ones: from the budget less a budget_margin_share-th on. The
+  // budget is the smallest of the limit (pool_options::limit), the device's memory less a
+  // budget_headroom_share-th, and the bytes given here (0: none, the default). A budget
+  // below the reserved bytes gives the cached free pages back at once (trim), and later
+  // growths gather until the reserved bytes fit it again.
   void set_budget(std::size_t bytes);
   std::size_t budget() const;
   static constexpr std::size_t budget_headroom_share = 32;
+  static constexpr std::size_t budget_margin_share = 32;
   // Pinned host memory that offload sleeps hold: the copy of the sleeping pages, and
   // between sleeps the same block kept for the next one (pinned memory is slow to get).
   // Repeated sleeps of up to the same size reuse that block, so it does not grow; a larger
