@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-$PWD/gpu-validate-out}; mkdir -p "$OUT"
 T0=$SECONDS
 TD=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')
-(cd $TD && tar czf $OUT/torchinc.tgz include/c10 include/torch/headeronly include/torch/csrc/cuda include/ATen/cuda 2>&1 | tail -2)
+H=include  # torch's header folders, relative to the torch package
+(cd "$TD" && tar czf "$OUT/torchinc.tgz" $H/c10 $H/torch/headeronly $H/torch/csrc/cuda $H/ATen/cuda 2>&1 | tail -2)
 echo "ptrace_scope $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null) uid $(id -u)"
 BENCH=0 OUT=$OUT TESTS="torch_native_allocator_test torch_graph_test torch_mempool_test" timeout 330 ./scripts/gpu-native.sh 2>&1 | tail -45
 export PYTHONPATH=$PWD/python GPUMEM_LIB=$PWD/build-gpu/src/interop/libgpumem_torch.so PYTHONDONTWRITEBYTECODE=1
