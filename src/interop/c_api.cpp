@@ -82,13 +82,16 @@ std::vector<std::pair<std::uint32_t, const gpumem::pool_base*>> pool_body::tag_p
 void* pool_body::allocate_untagged(std::size_t bytes, std::size_t alignment,
                                    gpumem::stream_handle stream) {
   auto attempt = [&] { return front().allocate(bytes, alignment, stream); };
-  try {
-    return attempt();
-  } catch (const gpumem::out_of_memory& first) {
-    auto* v = vmm.load(std::memory_order_acquire);
-    if (v == nullptr) throw;  // no other tag holds memory
-    return c_api_vmm_after_out_of_memory(v, first, attempt);
-  }
+  auto* v = vmm.load(std::memory_order_acquire);
+  if (v == nullptr) return attempt();  // no other tag holds memory, tag 0 never slept
+  // Tag 0's gate held shared: a gpumem_sleep(0) waits for the allocation or refuses it.
+  return c_api_vmm_while_untagged_awake(v, [&]() -> void* {
+    try {
+      return attempt();
+    } catch (const gpumem::out_of_memory& first) {
+      return c_api_vmm_after_out_of_memory(v, first, attempt);
+    }
+  });
 }
 
 }  // namespace gpumem::detail

@@ -85,6 +85,7 @@ void c_api_vmm_release_stream(c_api_vmm_state* state, gpumem::stream_handle stre
 void* c_api_vmm_after_out_of_memory(c_api_vmm_state* state, const gpumem::out_of_memory& first,
                                     const std::function<void*()>& attempt);
 std::string c_api_vmm_describe_tags(const c_api_vmm_state* state);
+void* c_api_vmm_while_untagged_awake(c_api_vmm_state* state, const std::function<void*()>& attempt);
 std::vector<std::pair<std::uint32_t, const gpumem::pool_base*>> c_api_vmm_tag_pools(
     const c_api_vmm_state* state);
 

@@ -57,6 +57,11 @@ void* c_api_vmm_after_out_of_memory(c_api_vmm_state* state, const out_of_memory&
   return state->tags.after_out_of_memory(first, attempt);
 }
 
+void* c_api_vmm_while_untagged_awake(c_api_vmm_state* state,
+                                     const std::function<void*()>& attempt) {
+  return state->tags.while_awake(0, attempt);
+}
+
 std::string c_api_vmm_describe_tags(const c_api_vmm_state* state) {
   return state->tags.describe_tags();
 }

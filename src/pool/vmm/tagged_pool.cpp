@@ -100,6 +100,16 @@ void* tagged_pool::allocate(std::size_t bytes, std::size_t alignment, stream_han
   return with_memory_of_every_tag([&] { return e.front->allocate(bytes, alignment, stream); });
 }
 
+void* tagged_pool::while_awake(std::uint32_t tag, const std::function<void*()>& attempt) {
+  tag_entry* e = tag == 0 ? zero_ : find(tag);
+  if (e == nullptr) return attempt();
+  std::shared_lock gate(e->gate);
+  if (e->asleep.load(std::memory_order_relaxed))
+    throw invalid_argument("tagged_pool::allocate: tag " + tag_name(tag) +
+                           " is asleep; wake it before allocating in it");
+  return attempt();
+}
+
 void* tagged_pool::do_allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) {
   return allocate(bytes, alignment, stream, scoped_tag::current());
 }

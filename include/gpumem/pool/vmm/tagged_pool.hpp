@@ -106,6 +106,11 @@ class tagged_pool final : public memory_resource {
       return after_out_of_memory(first, attempt);
     }
   }
+  // Runs `attempt`, an allocation in `tag`'s pool made past this object (the C API's
+  // untagged path goes through its step planner), with the tag's gate held shared: no
+  // sleep of the tag starts meanwhile. Throws gpumem::invalid_argument, running nothing,
+  // while the tag sleeps; a tag never used runs it as is.
+  void* while_awake(std::uint32_t tag, const std::function<void*()>& attempt);
   // `attempt` (an allocation) threw `first`: trims every tag and runs it once more when
   // that released anything; the out_of_memory thrown at last carries describe_tags() after
   // its report. For allocations made past this object too (the C API's untagged path).
