@@ -235,6 +235,17 @@ def train_step(torch, a, model, opt, seqs, rewards):
     return value
 
 
+def rollout_reply(torch, a, model, batch, msg, row, gpumem_cache):
+    """A generator's answer to "generate": its logits on the fixed batch, then the rollouts
+    of the prompts in msg.payload (generate_s in row); (logits bytes, whole payload)."""
+    logits = logits_of(torch, model, batch)
+    t = sync(torch)
+    seqs = generate(torch, a, model, from_bytes(torch, msg.payload), gpumem_cache)
+    row["generate_s"] = sync(torch) - t
+    lb = to_bytes(torch, logits)
+    return lb, lb + to_bytes(torch, seqs)
+
+
 def sync(torch):
     torch.cuda.synchronize()
     return time.perf_counter()
@@ -482,13 +493,7 @@ def generator_main(a):
         torch.cuda.current_stream().wait_event(state["event"])
         row["sync_s"] = sync(torch) - t
         with gt.tag("rollout"):
-            logits = logits_of(torch, model, batch)
-            t = sync(torch)
-            seqs = generate(torch, a, model, from_bytes(torch, msg.payload), True)
-            row["generate_s"] = sync(torch) - t
-        lb = to_bytes(torch, logits)
-        payload = lb + to_bytes(torch, seqs)
-        del logits, seqs
+            lb, payload = rollout_reply(torch, a, model, batch, msg, row, True)
         t = sync(torch)
         gt.sleep("rollout", "discard")
         row["generator_sleep_s"] = sync(torch) - t
@@ -748,13 +753,7 @@ def baseline_generator_main(a):
     def on_generate(msg, channel):
         channel.send("progress", {"stage": "generating"})
         row = {}
-        logits = logits_of(torch, model, batch)
-        t = sync(torch)
-        seqs = generate(torch, a, model, from_bytes(torch, msg.payload), False)
-        row["generate_s"] = sync(torch) - t
-        lb = to_bytes(torch, logits)
-        payload = lb + to_bytes(torch, seqs)
-        del logits, seqs
+        lb, payload = rollout_reply(torch, a, model, batch, msg, row, False)
         t = sync(torch)
         offload.out(weights)  # the weights to the host, the KV cache's blocks freed
         state["asleep"] = True

@@ -411,7 +411,27 @@ def _sleep_mode(mode):
     return mode
 
 
-class Pool:
+class _Closing:
+    """close() by `with` and at garbage collection (where a failure is swallowed: nothing
+    can be raised there)."""
+
+    def close(self):
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # pylint: disable=broad-except
+            pass
+
+
+class Pool(_Closing):
     """A gpumem pool (gpumem_pool_create). `config` is a GPUMEM_CONF string; allocator,
     device and platform, when given, are added to it as the C API's keys. A pool serves one
     device: make one per GPU (device=N); its pointers and streams are that device's, and
@@ -448,18 +468,6 @@ class Pool:
         if self._handle is not None:
             _check(self._lib, self._lib.gpumem_pool_destroy(self._handle))
             self._handle = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def malloc(self, size, stream=None, alignment=256):
         """Device address (int) of `size` bytes usable in order on `stream`."""

@@ -65,7 +65,7 @@ def _check_kind(kind):
         _refuse("message kind %r is not a name of 1..64 characters [a-z0-9_.-]" % (kind,))
 
 
-class Message:
+class Message(gpumem._Closing):  # pylint: disable=protected-access
     """A received message: kind, meta (a dict), payload (bytes) and fds (owned)."""
 
     def __init__(self, kind, meta, payload, fds):
@@ -87,18 +87,6 @@ class Message:
             if fd >= 0:
                 os.close(fd)
                 self.fds[i] = -1
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # pylint: disable=broad-except
-            pass
 
 
 class Channel:

@@ -23,7 +23,7 @@ import gpumem
 __all__ = ["Handle", "share", "open"]
 
 
-class Handle:
+class Handle(gpumem._Closing):  # pylint: disable=protected-access
     """What a consumer needs: the exported descriptor, the byte size, the tensor's dtype,
     shape and device index. `fd` is owned by the handle (closed by close())."""
 
@@ -39,12 +39,6 @@ class Handle:
         if self.fd is not None and self.fd >= 0:
             os.close(self.fd)
         self.fd = -1
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # pylint: disable=broad-except
-            pass
 
     def _meta(self):
         return json.dumps([self.size, str(self.dtype).replace("torch.", ""),
