@@ -353,6 +353,8 @@ def run_one(a):
             t = sync(torch)
             seqs = generate(torch, a, model, prompts_for(torch, a, vocab, it), True)
             row["generate_s"] = sync(torch) - t
+        # The rollouts leave the tag that sleeps next: a sleeping tag's addresses are unmapped.
+        seqs = seqs.clone()
         row["tokens_crc"] = crc_of(torch, seqs)
         del seen, reference
         t = sync(torch)
@@ -654,6 +656,7 @@ class BaselineTrainer:
         self.offload = PinnedOffload(torch)
         self.reference = logits_of(torch, self.model, self.batch)
         self.last = {}
+        self.losses = []
         self.channel = None
 
     def idle_tensors(self):

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU call that checks the newest GPU paths first: torch's headers copied to $OUT (to build
 # the native allocator against them elsewhere), the native allocator built and its tests run
-# (statistics, graphs, MemPool, CUDA IPC), then examples/rl_colocate.py without the capacity
-# search in the time left of CALL_SECONDS (default 450). Logs and results go to $OUT.
+# (statistics, graphs, MemPool, CUDA IPC), then examples/rl_colocate.py (RL_ARGS, default:
+# without the
+# capacity search) in the time left of CALL_SECONDS (default 450). Logs and results go to $OUT.
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-$PWD/gpu-validate-out}; mkdir -p "$OUT"
 T0=$SECONDS
@@ -14,4 +15,4 @@ BENCH=0 OUT=$OUT TESTS="torch_native_allocator_test torch_graph_test torch_mempo
 export PYTHONPATH=$PWD/python GPUMEM_LIB=$PWD/build-gpu/src/interop/libgpumem_torch.so PYTHONDONTWRITEBYTECODE=1
 LEFT=$((${CALL_SECONDS:-450} - (SECONDS - T0)))
 echo "rl: $LEFT s left"
-[ $LEFT -gt 60 ] && { timeout $LEFT python3 examples/rl_colocate.py --no-capacity --json $OUT/rl.json >$OUT/rl.log 2>&1; echo "rl exit $?"; tail -30 $OUT/rl.log; }
+[ $LEFT -gt 60 ] && { timeout $LEFT python3 examples/rl_colocate.py ${RL_ARGS:---no-capacity} --json $OUT/rl.json >$OUT/rl.log 2>&1; echo "rl exit $?"; tail -30 $OUT/rl.log; }

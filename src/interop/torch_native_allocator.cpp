@@ -112,6 +112,10 @@ void delete_data(void* ptr);
 
 class gpumem_cuda_allocator final : public cca::CUDAAllocator {
  public:
+  gpumem_cuda_allocator() {
+    for (auto& f : fraction_) f.store(1.0);
+  }
+
   // --- c10::Allocator ---------------------------------------------------------------
   c10::DataPtr allocate(std::size_t nbytes) override {
     c10::DeviceIndex device = 0;
@@ -310,7 +314,7 @@ class gpumem_cuda_allocator final : public cca::CUDAAllocator {
     trackers_.push_back(std::move(tracker));
     has_trackers_.store(true);
   }
-  cca::SnapshotInfo snapshot(c10::MempoolId_t mempool_id) override {
+  cca::SnapshotInfo snapshot(c10::MempoolId_t mempool_id, bool include_traces) override {
     cca::SnapshotInfo info;
     {
       // One segment per live allocation: gpumem's pages are not PyTorch's segments, and a
@@ -343,6 +347,7 @@ class gpumem_cuda_allocator final : public cca::CUDAAllocator {
     }
     std::lock_guard lock(history_mutex_);
     info.device_traces.resize(std::max(device_count_, 1));
+    if (!include_traces) return info;
     for (const cca::TraceEntry& e : history_)
       if (e.device_ >= 0 && e.device_ < static_cast<int>(info.device_traces.size()))
         info.device_traces[e.device_].push_back(e);
@@ -654,11 +659,7 @@ class gpumem_cuda_allocator final : public cca::CUDAAllocator {
   std::atomic<bool> initialized_{false};
   bool enabled_ = true;
   int device_count_ = 0;
-  std::array<std::atomic<double>, max_devices> fraction_ = [] {
-    std::array<std::atomic<double>, max_devices> a;
-    for (auto& f : a) f.store(1.0);
-    return a;
-  }();
+  std::array<std::atomic<double>, max_devices> fraction_;  // 1.0 each, set by the constructor
   std::array<std::atomic<std::int64_t>, max_devices> reserved_base_{};
 
   std::mutex live_mutex_;
