@@ -2,8 +2,8 @@
 # One GPU call that checks the newest GPU paths first: torch's headers copied to $OUT (to build
 # the native allocator against them elsewhere), the native allocator built and its tests run
 # (statistics, graphs, MemPool, CUDA IPC), then examples/rl_colocate.py (RL_ARGS, default:
-# without the
-# capacity search) in the time left of CALL_SECONDS (default 450). Logs and results go to $OUT.
+# without the capacity search) in the time left of CALL_SECONDS (default 450). Logs and
+# results go to $OUT.
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-$PWD/gpu-validate-out}; mkdir -p "$OUT"
 T0=$SECONDS
