@@ -144,7 +144,7 @@ def _install_native(torch, lib):
              "CUDAPluggableAllocator (rebuild gpumem to get the native one)" % (built_for, running))
         return None
     try:
-        native = ctypes.CDLL(native_path, mode=ctypes.RTLD_GLOBAL)
+        native = ctypes.CDLL(native_path, mode=ctypes.RTLD_LOCAL)
     except OSError as e:
         _say("the native PyTorch allocator could not be loaded (%s); using "
              "CUDAPluggableAllocator" % e)

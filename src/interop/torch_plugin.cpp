@@ -297,6 +297,16 @@ static void* allocate_in_current_tag(gpumem_pool* pool, size_t size, void* strea
   return gpumem_allocate_tagged(pool, size, 256, stream, tag, &ptr) == GPUMEM_SUCCESS ? ptr : nullptr;
 }
 
+namespace {
+// A request larger than the whole device: gpumem refuses it as an invalid argument, PyTorch's
+// callers expect the out-of-memory cudaMalloc gives (torch.OutOfMemoryError).
+bool larger_than_device(gpumem_pool* pool, size_t size) {
+  size_t free_bytes = 0, total = 0;
+  return gpumem_last_status() == GPUMEM_ERROR_INVALID_ARGUMENT &&
+         gpumem_device_memory(pool, &free_bytes, &total) == GPUMEM_SUCCESS && size > total;
+}
+}  // namespace
+
 GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
   if (size == 0) return nullptr;  // PyTorch's own allocator returns null for empty tensors
   std::string why;
@@ -323,7 +333,8 @@ GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
     return ptr;
   } else {
     why = gpumem_last_error();
-    out_of_memory = gpumem_last_status() == GPUMEM_ERROR_OUT_OF_MEMORY;
+    out_of_memory = gpumem_last_status() == GPUMEM_ERROR_OUT_OF_MEMORY ||
+                    larger_than_device(pool, static_cast<size_t>(size));
     if (out_of_memory)
       record(GPUMEM_TORCH_EVENT_OOM, device, nullptr, static_cast<std::uint64_t>(size), stream);
     if (out_of_memory) why = "CUDA out of memory. " + why;

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -105,6 +106,22 @@ TEST(TorchPlugin, AnOutOfMemoryThrowsPyTorchsPhraseAndTheFullReportAndKeepsThePo
   gpumem_torch_free(held, 40 * MiB, 0, nullptr);
   EXPECT_EQ(stats_of(0).live_bytes, 0u);
   EXPECT_EQ(gpumem_torch_failures(), failures + 1);
+}
+
+TEST(TorchPlugin, ARequestLargerThanTheDeviceIsAnOutOfMemoryAsCudaMallocGives) {
+  size_t free_bytes = 0, total = 0;
+  ASSERT_EQ(gpumem_device_memory(gpumem_torch_pool(0), &free_bytes, &total), GPUMEM_SUCCESS);
+  const unsigned long long failures = gpumem_torch_failures();
+  const failure f = failure_of(static_cast<ssize_t>(2 * total), 0);
+  EXPECT_EQ(f.type, out_of_memory_type);
+  EXPECT_EQ(f.what.rfind("CUDA out of memory. ", 0), 0u) << f.what;
+  EXPECT_NE(f.what.find("total memory"), std::string::npos) << f.what;
+  EXPECT_EQ(gpumem_torch_failures(), failures + 1);
+  // The largest size a caller can pass is refused the same way.
+  EXPECT_EQ(failure_of(std::numeric_limits<ssize_t>::max(), 0).type, out_of_memory_type);
+  void* p = gpumem_torch_malloc(MiB, 0, nullptr);  // the pool serves on
+  EXPECT_NE(p, nullptr);
+  gpumem_torch_free(p, MiB, 0, nullptr);
 }
 
 TEST(TorchPlugin, ANegativeSizeOrADeviceWithoutAPoolThrowsWithTheReason) {
