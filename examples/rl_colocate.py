@@ -340,11 +340,13 @@ def run_one(a):
         reference = logits_of(torch, model, batch)  # the trainer's, before the generator runs
         t = sync(torch)
         gt.sleep("train", "offload")
+        row["train_sleep_s"] = sync(torch) - t
         gt.empty_cache()  # the backward's untagged blocks (autograd's thread)
         row["sleep_s"] = sync(torch) - t
+        row["empty_cache_s"] = row["sleep_s"] - row["train_sleep_s"]
         t = sync(torch)
         safe_wake(gt, "rollout")
-        row["wake_s"] = sync(torch) - t
+        row["wake_s"] = row["rollout_wake_s"] = sync(torch) - t
         row["sync_s"] = 0.0  # the generator reads the trainer's tensors themselves
         with gt.tag("rollout"):
             seen = logits_of(torch, model, batch)
@@ -359,10 +361,12 @@ def run_one(a):
         del seen, reference
         t = sync(torch)
         gt.sleep("rollout", "discard")
-        row["sleep_s"] += sync(torch) - t
+        row["rollout_sleep_s"] = sync(torch) - t
+        row["sleep_s"] += row["rollout_sleep_s"]
         t = sync(torch)
         gt.wake("train")
-        row["wake_s"] += sync(torch) - t
+        row["train_wake_s"] = sync(torch) - t
+        row["wake_s"] += row["train_wake_s"]
         row["moved_bytes"] = tag_bytes(gt, "train")
         t = sync(torch)
         with gt.tag("train"):
@@ -788,20 +792,38 @@ def run_baseline(a):
 
 # --- summaries, capacity and the driver ---------------------------------------------------------
 
-def summarize(result, skip=1):
+# Iterations that warm up: the first step creates AdamW's states, so the second sleep is the
+# first to offload them (and takes the pinned host block the later ones reuse).
+WARM_UP = 2
+
+
+def summarize(result, skip=WARM_UP):
     rows = result["iterations"][skip:] or result["iterations"]
     bw = result["pinned"]
 
+    def values(key):
+        return [r[key] for r in rows if r.get(key) is not None]
+
     def mean(key):
-        vals = [r[key] for r in rows if r.get(key) is not None]
+        vals = values(key)
         return sum(vals) / len(vals) if vals else None
+
+    def median(key):
+        vals = sorted(values(key))
+        return vals[len(vals) // 2] if vals else None
 
     moved = mean("moved_bytes") or 0
     pinned_s = moved / bw["d2h"] + moved / bw["h2d"]
-    sw = (mean("sleep_s") or 0) + (mean("wake_s") or 0)
-    s = {k + "_mean": mean(k) for k in ("generate_s", "train_s", "sync_s", "sleep_s", "wake_s")}
-    s.update(moved_bytes=moved, pinned_copy_s=pinned_s,
-             sleep_wake_over_pinned=sw / pinned_s if pinned_s else None,
+    per_iteration = [r["sleep_s"] + r["wake_s"] for r in rows]
+    ratios = sorted(x / pinned_s for x in per_iteration) if pinned_s else []
+    keys = ("generate_s", "train_s", "sync_s", "sleep_s", "wake_s", "train_sleep_s",
+            "train_wake_s", "rollout_sleep_s", "rollout_wake_s", "empty_cache_s",
+            "trainer_sleep_s", "trainer_wake_s", "generator_sleep_s", "generator_wake_s")
+    s = {k + "_mean": mean(k) for k in keys if values(k)}
+    s.update({k + "_median": median(k) for k in keys if values(k)})
+    s.update(moved_bytes=moved, pinned_copy_s=pinned_s, iterations_summarized=len(rows),
+             sleep_wake_over_pinned=ratios[len(ratios) // 2] if ratios else None,
+             sleep_wake_over_pinned_range=[ratios[0], ratios[-1]] if ratios else None,
              logits_equal_all=all(r.get("logits_equal") for r in result["iterations"]),
              logits_max_diff=max(r.get("logits_max_diff") or 0 for r in result["iterations"]),
              losses=[r["loss"] for r in result["iterations"]])

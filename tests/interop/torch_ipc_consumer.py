@@ -15,10 +15,10 @@ if len(sys.argv) > 1 and sys.argv[1] == "gpumem":
     import gpumem.torch
 
     gpumem.torch.enable()
-else:
-    # PyTorch's own allocator opens an expandable-segment handle once its own handle type
-    # is set, which its first allocation does (run with expandable_segments:True).
-    torch.empty(1, device="cuda")
+# A first allocation before the timed open, on either side: it creates the CUDA context and
+# the allocator's state (gpumem's pool; PyTorch's own allocator sets its handle type then,
+# which it needs to open an expandable-segment handle, with expandable_segments:True).
+torch.empty(1, device="cuda")
 
 
 def main():
