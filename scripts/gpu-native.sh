@@ -16,7 +16,7 @@ cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release -DGPUMEM_BUILD_TESTS=OF
 { date -u; nvidia-smi -L; python3 -c 'import torch; print("torch", torch.__version__)'; cat $BUILD/src/interop/libgpumem_torch_native.torch; } | tee "$OUT/torch_info.txt"
 export PYTHONPATH=$PWD/python GPUMEM_LIB=$PWD/$BUILD/src/interop/libgpumem_torch.so \
   PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 GPUMEM_COMPAT_JSON="$OUT/compat.jsonl" \
-  GPUMEM_TORCH_ROUTE=native
+  GPUMEM_TORCH_ROUTE=native GPUMEM_EXPECTED_OOM=torch.OutOfMemoryError  # the native build's type
 cd tests/interop
 for t in ${TESTS:-torch_native_allocator_test torch_graph_test torch_mempool_test torch_oom_test torch_hf_trainer_test}; do
   timeout 300 python3 $t.py >"$OUT/$t.log" 2>&1; echo "$t exit $?"; grep -E "^(FAIL|ERROR)|Error|skipped" "$OUT/$t.log" | head -8

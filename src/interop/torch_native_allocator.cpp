@@ -599,6 +599,7 @@ class gpumem_cuda_allocator final : public cca::CUDAAllocator {
         return p;
       gpumem_torch_free(p, static_cast<ssize_t>(nbytes), device, stream);
       if (attempt == 1) {
+        (void)gpumem_torch_empty_cache();  // the refused request's pages leave the cap too
         gpumem_torch_counts now{};
         (void)gpumem_torch_memory_counts(device, &now);
         notify_out_of_memory(device, nbytes, stream);
