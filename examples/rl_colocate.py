@@ -879,6 +879,7 @@ def find_max_batch(a):
             def fits(b):
                 ok, _ = run_child(a, layout, ["--iters", "2", "--batch", str(b)], timeout=300)
                 tries.append([b, ok])
+                print(json.dumps({"capacity": layout, "batch": b, "fits": ok}), flush=True)
                 return ok
 
             lo, hi, b = 0, None, a.capacity_start
