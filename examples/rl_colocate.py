@@ -297,11 +297,10 @@ def release_host(gt):
             "dropped_to_zero": after == 0 and released == before}
 
 
-def tag_bytes(gt, tag):
-    try:
-        return int(gt.tag_stats(tag)["reserved_bytes"])
-    except Exception:  # pylint: disable=broad-except  (a tag never allocated in)
-        return 0
+def offloaded_bytes(gt):
+    """The bytes tag "train"'s offload sleep copies each way: its pinned host block, which
+    holds the copy of every page the sleep kept (free pages are given back uncopied)."""
+    return int(gt.host_bytes("train"))
 
 
 def crc_of(torch, t):
@@ -367,7 +366,7 @@ def run_one(a):
         gt.wake("train")
         row["train_wake_s"] = sync(torch) - t
         row["wake_s"] += row["train_wake_s"]
-        row["moved_bytes"] = tag_bytes(gt, "train")
+        row["moved_bytes"] = offloaded_bytes(gt)
         t = sync(torch)
         with gt.tag("train"):
             row["loss"] = train_step(torch, a, model, opt, seqs, rewards_for(torch, a, it))
@@ -528,7 +527,7 @@ def two_process_loop(torch, gt, a, trainer, peer, layout):
         row["sleep_s"] = row.get("trainer_sleep_s", 0) + row.get("generator_sleep_s", 0)
         row["wake_s"] = row.get("trainer_wake_s", 0) + row.get("generator_wake_s", 0)
         row["moved_bytes"] = trainer.moved_bytes() if hasattr(trainer, "moved_bytes") \
-            else tag_bytes(gt, "train")
+            else offloaded_bytes(gt)
         row["trainer"] = counts(torch, gt, trainer.moved_bytes() if gt is None else 0)
         rows.append(row)
         print(json.dumps({"layout": layout, **row}), flush=True)

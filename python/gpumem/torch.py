@@ -120,10 +120,10 @@ def _install_native(torch, lib):
     """Makes gpumem PyTorch's own CUDA allocator (libgpumem_torch_native.so, a subclass of
     c10's CUDAAllocator) when that library was built for the running torch; returns a
     description of the route, or None after one line on stderr saying why the pluggable
-    route serves instead. GPUMEM_TORCH_ROUTE chooses: "native" (the native allocator where
-    it was built, with -DGPUMEM_TORCH_NATIVE=ON, and matches this torch; else the pluggable
-    route) or "pluggable" (the default)."""
-    wanted = os.environ.get("GPUMEM_TORCH_ROUTE", "pluggable")
+    route serves instead. GPUMEM_TORCH_ROUTE chooses: "native" (the default: the native
+    allocator where it was built, which a build against an installed torch does, and matches
+    this torch; else the pluggable route) or "pluggable"."""
+    wanted = os.environ.get("GPUMEM_TORCH_ROUTE", "native")
     if wanted not in ("native", "pluggable"):
         raise ValueError("gpumem.torch.enable: GPUMEM_TORCH_ROUTE must be 'native' or "
                          "'pluggable', not %r" % (wanted,))
