@@ -192,6 +192,7 @@ def _declare(lib):
         "gpumem_snapshot": (c.c_int, [pool_p, c.c_char_p]),
         "gpumem_set_current_tag": (c.c_uint32, [c.c_uint32]),
         "gpumem_current_tag": (c.c_uint32, []),
+        "gpumem_name_tag": (c.c_int, [c.c_uint32, c.c_char_p]),
         "gpumem_allocate_tagged": (c.c_int, [pool_p, c.c_size_t, c.c_size_t, c.c_void_p,
                                              c.c_uint32, c.POINTER(c.c_void_p)]),
         "gpumem_sleep": (c.c_int, [pool_p, c.c_uint32, c.c_int, c.c_void_p]),
@@ -246,6 +247,7 @@ def load(path=None):
                 continue
             _declare(lib)
             _lib, _lib_path = lib, resolved
+            _name_tags(lib)
             return lib
         raise OSError("gpumem: cannot load %s; tried: %s. Build it (target gpumem_torch) "
                       "or set GPUMEM_LIB." % (LIBRARY_NAME, "; ".join(tried)))
@@ -380,6 +382,7 @@ def _stream_value(stream):
 # Tags (gpumem.h): 0 is untagged; SHARED_TAG holds memory shared between processes.
 SHARED_TAG = 0xFFFFFFFF
 SLEEP_MODES = {"offload": 0, "discard": 1}
+MAX_TAG_NAME = 64  # gpumem_name_tag's limit
 _tag_ids = {"shared": SHARED_TAG}
 _tag_lock = threading.Lock()
 
@@ -387,7 +390,9 @@ _tag_lock = threading.Lock()
 def tag_id(tag):
     """A tag as the C API's integer: an int as is (0 .. 2**32-1), a name ("weights", "kv")
     the same number every time in this process (names are numbered from 1 in the order
-    first seen; "shared" is SHARED_TAG)."""
+    first seen; "shared" is SHARED_TAG). The library knows a name from its first use, so
+    reports and errors show "weights (1)". A name is 1 to 64 characters of printable
+    ASCII; another raises ValueError and gets no number."""
     if isinstance(tag, str):
         _text(tag, "tag name")
         with _tag_lock:
@@ -396,9 +401,23 @@ def tag_id(tag):
                 n = 1
                 while n in used:
                     n += 1
+                if not 1 <= len(tag) <= MAX_TAG_NAME or \
+                        any(not " " <= ch <= "~" for ch in tag):
+                    raise ValueError("gpumem: a tag name has 1 to %d characters of printable "
+                                     "ASCII, not %r" % (MAX_TAG_NAME, tag))
+                if _lib is not None:
+                    _check(_lib, _lib.gpumem_name_tag(n, tag.encode()))
                 _tag_ids[tag] = n
             return _tag_ids[tag]
     return _unsigned(tag, "tag", 32)
+
+
+def _name_tags(lib):
+    """Gives a library loaded after tags were named those names."""
+    with _tag_lock:
+        for name, n in _tag_ids.items():
+            if n != SHARED_TAG:
+                lib.gpumem_name_tag(n, name.encode())
 
 
 def _sleep_mode(mode):

@@ -19,6 +19,7 @@
 #include "gpumem/platform/timed_platform.hpp"
 #include "gpumem/pool.hpp"
 #include "gpumem/pool/core/overhead.hpp"
+#include "gpumem/pool/vmm/tagged_pool.hpp"
 // The telemetry layer's PyTorch snapshot writer, where this tree has it (it is built in
 // the same library, so the header's presence means the function's).
 #if __has_include("gpumem/telemetry/snapshot.hpp")
@@ -137,7 +138,7 @@ size_t gpumem_pool_explain(gpumem_pool* pool, char* buf, size_t capacity) {
   if (guarded("gpumem_pool_explain", [&] {
         text = gpumem::explain_overhead(*body->pool).to_string();
         for (const auto& [tag, tag_pool] : body->tag_pools())
-          text += "tag " + std::to_string(tag) + ":\n" +
+          text += "tag " + gpumem::tag_label(tag) + ":\n" +
                   gpumem::explain_overhead(*tag_pool).to_string();
       }) !=
       GPUMEM_SUCCESS)

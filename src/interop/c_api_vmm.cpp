@@ -111,7 +111,7 @@ c_api_vmm_state* existing_state(const gpumem::detail::c_api_pool_parts& parts) {
   if (tag == gpumem::tagged_pool::shared_tag)
     throw gpumem::invalid_argument(std::string("the shared tag's memory is shared with other "
                                                "processes and does not ") + caller);
-  throw gpumem::invalid_argument("tag " + std::to_string(tag) +
+  throw gpumem::invalid_argument("tag " + gpumem::tag_label(tag) +
                                  " was never allocated in, so it holds no memory and " +
                                  (std::string_view(caller) == "wake" ? "is not asleep"
                                   : std::string_view(caller) == "release_host"
@@ -161,6 +161,11 @@ uint32_t gpumem_set_current_tag(uint32_t tag) {
 }
 
 uint32_t gpumem_current_tag(void) { return gpumem::scoped_tag::current(); }
+
+gpumem_status gpumem_name_tag(uint32_t tag, const char* name) {
+  if (name == nullptr) return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_name_tag: null name");
+  return guarded("gpumem_name_tag", [&] { gpumem::set_tag_name(tag, name); });
+}
 
 gpumem_status gpumem_allocate_tagged(gpumem_pool* pool, size_t size, size_t alignment,
                                      void* stream, uint32_t tag, void** out) {

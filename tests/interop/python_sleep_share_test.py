@@ -3,7 +3,7 @@ needed): a pattern survives sleep and wake at the same address while the device'
 memory rises by the tag's bytes; the refusals as typed exceptions; memory shared with a
 forked process over a Unix socket; gpumem.torch.tag sets the thread's tag; the pinned host
 memory of offload sleeps stays flat over cycles and goes back on request; KV storage made
-under a tag takes that tag's pages and goes back with its sleep. The PyTorch
+under a tag takes that tag's pages and goes back with its sleep; tags are shown by name. The PyTorch
 parts (gpumem.ipc.open, gpumem.torch.sleep) run in tests/interop/torch_sleep_share_test.py."""
 import ctypes
 import os
@@ -95,7 +95,7 @@ def reports_cover_every_tag():
         t = pool.malloc_tagged(6 * MIB, "rollout")
         tag = gpumem.tag_id("rollout")
         text = pool.explain()
-        assert ("tag %d:" % tag) in text, text
+        assert ("tag rollout (%d):" % tag) in text, text
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "s.pickle")
             pool.snapshot(path)
@@ -113,8 +113,30 @@ def reports_cover_every_tag():
         pool.free(p0, 4 * MIB)
 
 
+def tags_are_shown_by_name():
+    """A tag's name reaches the library with its number: refusals name it; a name the
+    library could not show (empty, too long, not printable ASCII) is refused up front."""
+    with gpumem.Pool("sim_capacity:256M") as pool:
+        p = pool.malloc_tagged(MIB, "policy")
+        n = gpumem.tag_id("policy")
+        pool.free(p, MIB)
+        pool.sleep("policy", "discard")
+        refused(lambda: pool.malloc_tagged(MIB, "policy"), "tag policy (%d) is asleep" % n)
+        pool.wake("policy")
+    for bad in ("", "x" * (gpumem.MAX_TAG_NAME + 1), "caf\u00e9", "a\tb"):
+        try:
+            gpumem.tag_id(bad)
+        except ValueError as e:
+            assert "printable ASCII" in str(e), e
+        else:
+            raise AssertionError("tag name %r accepted" % bad)
+        assert bad not in gpumem._tag_ids  # pylint: disable=protected-access
+    assert gpumem.tag_id("x" * gpumem.MAX_TAG_NAME) > 0
+
+
 def main():
     reports_cover_every_tag()
+    tags_are_shown_by_name()
     host_memory_of_offload()
     kv_storage_in_a_tag()
     lib = gpumem.load()

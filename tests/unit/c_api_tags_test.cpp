@@ -113,7 +113,9 @@ TEST(c_api_tags, calls_on_tags_never_allocated_in_make_nothing) {
   ASSERT_EQ(h.status, GPUMEM_SUCCESS);
   // Before any tag exists, and after one does.
   for (int pass = 0; pass < 2; ++pass) {
-    if (pass == 1) ASSERT_NE(h.tagged(4 * KiB, 1), nullptr);
+    if (pass == 1) {
+      ASSERT_NE(h.tagged(4 * KiB, 1), nullptr);
+    }
     const std::uint64_t ranges = h.counter("cuMemAddressReserve");
     for (std::uint32_t tag = 1000; tag < 1300; ++tag) {
       EXPECT_EQ(gpumem_sleep(h.pool, tag, GPUMEM_SLEEP_OFFLOAD, nullptr),
@@ -382,6 +384,42 @@ TEST(c_api_tags, kv_storage_made_under_a_tag_is_the_tags_and_sleeps_with_it) {
             GPUMEM_ERROR_INVALID_ARGUMENT);
   gpumem_set_current_tag(previous);
   ASSERT_EQ(gpumem_wake(h.pool, 4, nullptr), GPUMEM_SUCCESS) << last_error();
+}
+
+// Names are process-wide: a named tag is shown by name in refusals and in the explanation;
+// a bad name, or a name for tag 0 or the shared tag, is refused and changes nothing.
+TEST(c_api_tags, a_named_tag_is_shown_by_name_and_bad_names_are_refused) {
+  constexpr std::uint32_t tag = 4242;
+  ASSERT_EQ(gpumem_name_tag(tag, "train"), GPUMEM_SUCCESS) << last_error();
+  pool_handle h(small_sim);
+  void* p = h.tagged(MiB, tag);
+  char text[1 << 14];
+  ASSERT_GT(gpumem_pool_explain(h.pool, text, sizeof text), 0u) << last_error();
+  EXPECT_NE(std::string(text).find("tag train (4242):"), std::string::npos) << text;
+  gpumem_free(h.pool, p, MiB, nullptr);
+  ASSERT_EQ(gpumem_sleep(h.pool, tag, GPUMEM_SLEEP_DISCARD, nullptr), GPUMEM_SUCCESS) << last_error();
+  void* refused = nullptr;
+  EXPECT_EQ(gpumem_allocate_tagged(h.pool, MiB, 256, nullptr, tag, &refused),
+            GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("tag train (4242) is asleep"), std::string::npos) << last_error();
+
+  const std::string too_long(65, 'x');
+  for (const char* bad : {"", too_long.c_str(), "a\tb", "caf\xc3\xa9"}) {
+    EXPECT_EQ(gpumem_name_tag(tag, bad), GPUMEM_ERROR_INVALID_ARGUMENT) << bad;
+    EXPECT_NE(last_error().find("gpumem_name_tag"), std::string::npos) << last_error();
+  }
+  EXPECT_EQ(gpumem_name_tag(tag, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(gpumem_name_tag(0, "untagged"), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(gpumem_name_tag(shared_tag, "weights"), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(gpumem_allocate_tagged(h.pool, MiB, 256, nullptr, tag, &refused),
+            GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("tag train (4242) is asleep"), std::string::npos) << last_error();
+  ASSERT_EQ(gpumem_name_tag(tag, std::string(64, 'y').c_str()), GPUMEM_SUCCESS);  // renames
+  ASSERT_EQ(gpumem_name_tag(tag, "policy"), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_allocate_tagged(h.pool, MiB, 256, nullptr, tag, &refused),
+            GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("tag policy (4242) is asleep"), std::string::npos) << last_error();
+  EXPECT_EQ(gpumem_wake(h.pool, tag, nullptr), GPUMEM_SUCCESS) << last_error();
 }
 
 }  // namespace

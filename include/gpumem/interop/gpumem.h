@@ -279,6 +279,11 @@ GPUMEM_API gpumem_status gpumem_snapshot(gpumem_pool* pool, const char* path);
  * tag, so `with gpumem.torch.tag(...)` tags the tensors made inside it. */
 GPUMEM_API uint32_t gpumem_set_current_tag(uint32_t tag);
 GPUMEM_API uint32_t gpumem_current_tag(void);
+/* Names a tag for messages and reports, process-wide: a named tag shows as "train (2)" in
+ * out-of-memory reports, gpumem_pool_explain and refusals. 1 to 64 bytes of printable ASCII;
+ * tag 0 and GPUMEM_TAG_SHARED keep their names. Naming a tag again renames it.
+ * GPUMEM_ERROR_INVALID_ARGUMENT (the name unchanged) otherwise. */
+GPUMEM_API gpumem_status gpumem_name_tag(uint32_t tag, const char* name);
 GPUMEM_API gpumem_status gpumem_allocate_tagged(gpumem_pool* pool, size_t size,
                                                 size_t alignment, void* stream, uint32_t tag,
                                                 void** out);

@@ -2,6 +2,8 @@
 #include "gpumem/pool/vmm/tagged_pool.hpp"
 
 #include <limits>
+#include <mutex>
+#include <unordered_map>
 
 #include <algorithm>
 #include <sstream>
@@ -14,10 +16,36 @@ namespace gpumem {
 namespace {
 thread_local std::uint32_t current_tag = 0;
 
-std::string tag_name(std::uint32_t tag) {
-  return tag == tagged_pool::shared_tag ? std::string("shared") : std::to_string(tag);
+// Written rarely (a tag's first use by name), read by messages and reports.
+std::mutex names_mutex;
+std::unordered_map<std::uint32_t, std::string>& tag_names() {
+  static auto* names = new std::unordered_map<std::uint32_t, std::string>();  // outlives every pool
+  return *names;
 }
 }  // namespace
+
+void set_tag_name(std::uint32_t tag, std::string_view name) {
+  if (tag == 0 || tag == tagged_pool::shared_tag)
+    throw invalid_argument("set_tag_name: tag " + tag_label(tag) + " keeps its own name");
+  if (name.empty() || name.size() > max_tag_name)
+    throw invalid_argument("set_tag_name: a tag name has 1 to " + std::to_string(max_tag_name) +
+                           " bytes, not " + std::to_string(name.size()));
+  for (const char c : name)
+    if (c < 0x20 || c > 0x7e)
+      throw invalid_argument("set_tag_name: a tag name holds printable ASCII only (byte " +
+                             std::to_string(static_cast<unsigned char>(c)) + " refused)");
+  std::lock_guard lock(names_mutex);
+  tag_names()[tag] = std::string(name);
+}
+
+std::string tag_label(std::uint32_t tag) {
+  if (tag == tagged_pool::shared_tag) return "shared";
+  if (tag == 0) return "0 (untagged)";
+  std::lock_guard lock(names_mutex);
+  auto it = tag_names().find(tag);
+  return it == tag_names().end() ? std::to_string(tag)
+                                 : it->second + " (" + std::to_string(tag) + ")";
+}
 
 scoped_tag::scoped_tag(std::uint32_t tag) noexcept : previous_(current_tag) { current_tag = tag; }
 scoped_tag::~scoped_tag() { current_tag = previous_; }
@@ -95,7 +123,7 @@ void* tagged_pool::allocate(std::size_t bytes, std::size_t alignment, stream_han
   tag_entry& e = entry_for_allocation(tag);
   std::shared_lock gate(e.gate);
   if (e.asleep.load(std::memory_order_relaxed))
-    throw invalid_argument("tagged_pool::allocate: tag " + tag_name(tag) +
+    throw invalid_argument("tagged_pool::allocate: tag " + tag_label(tag) +
                            " is asleep; wake it before allocating in it");
   return with_memory_of_every_tag([&] { return e.front->allocate(bytes, alignment, stream); });
 }
@@ -105,7 +133,7 @@ void* tagged_pool::while_awake(std::uint32_t tag, const std::function<void*()>& 
   if (e == nullptr) return attempt();
   std::shared_lock gate(e->gate);
   if (e->asleep.load(std::memory_order_relaxed))
-    throw invalid_argument("tagged_pool::allocate: tag " + tag_name(tag) +
+    throw invalid_argument("tagged_pool::allocate: tag " + tag_label(tag) +
                            " is asleep; wake it before allocating in it");
   return attempt();
 }
@@ -160,7 +188,7 @@ vmm_page_pool::page_export tagged_pool::export_pages(const void* ptr, std::size_
   }
   const tag_entry* e = find(tag);
   if (e == nullptr || e->vmm == nullptr)
-    throw not_supported("tagged_pool::export_pages: tag " + tag_name(tag) +
+    throw not_supported("tagged_pool::export_pages: tag " + tag_label(tag) +
                         "'s pool has no pages to export (not a vmm_page_pool)");
   std::shared_lock gate(e->gate);  // no sleep starts while the handles are exported
   return e->vmm->export_pages(ptr, bytes);
@@ -227,7 +255,7 @@ std::string tagged_pool::describe_tags(std::size_t limit) const {
   for (auto& [tag, e] : entries()) {
     const resource_stats s = e->front->stats();
     if (s.reserved_bytes != 0 || s.live_bytes != 0 || e->asleep.load(std::memory_order_relaxed))
-      held.push_back({tag_name(tag), s, e->asleep.load(std::memory_order_relaxed)});
+      held.push_back({tag_label(tag), s, e->asleep.load(std::memory_order_relaxed)});
   }
   if (const resource_stats s = shared_.stats(); s.reserved_bytes != 0)
     held.push_back({"shared", s, false});
@@ -250,11 +278,11 @@ std::string tagged_pool::describe_tags(std::size_t limit) const {
 std::string tagged_pool::validate() const {
   for (auto& [tag, e] : entries()) {
     if (std::string why = e->pool->validate(); !why.empty())
-      return "tag " + tag_name(tag) + ": " + why;
+      return "tag " + tag_label(tag) + ": " + why;
     std::shared_lock gate(e->gate);
     const bool pool_asleep = e->vmm != nullptr && e->vmm->asleep();
     if (e->asleep.load(std::memory_order_relaxed) != pool_asleep)
-      return "tag " + tag_name(tag) + " is marked " +
+      return "tag " + tag_label(tag) + " is marked " +
              (pool_asleep ? "awake but its pool is asleep" : "asleep but its pool is awake");
   }
   {
@@ -268,7 +296,7 @@ std::string tagged_pool::validate() const {
           it->second->vmm->range_base() != base ||
           base + it->second->vmm->range_bytes() != r.first)
         return "the range at " + std::to_string(base) + " does not match tag " +
-               tag_name(r.second) + "'s pool";
+               tag_label(r.second) + "'s pool";
     }
   }
   return shared_.validate();
@@ -285,14 +313,14 @@ vmm_page_pool& tagged_pool::sleeper(std::uint32_t tag, tag_entry*& e, const char
                            "does not sleep");
   e = find(tag);
   if (e == nullptr)
-    throw invalid_argument(std::string("tagged_pool::") + caller + ": tag " + tag_name(tag) +
+    throw invalid_argument(std::string("tagged_pool::") + caller + ": tag " + tag_label(tag) +
                            " was never allocated in, so it holds no memory and " +
                            (std::string_view(caller) == "wake"           ? "is not asleep"
                             : std::string_view(caller) == "release_host" ? "no host memory"
                                                                          : "has nothing to sleep") +
                            "; nothing changed");
   if (e->vmm == nullptr)
-    throw not_supported(std::string("tagged_pool::") + caller + ": tag " + tag_name(tag) +
+    throw not_supported(std::string("tagged_pool::") + caller + ": tag " + tag_label(tag) +
                         " is served by a " + std::string(e->pool->name()) +
                         ", which cannot release its pages keeping their addresses "
                         "(use allocator vmm_page_pool)");
@@ -360,11 +388,11 @@ vmm_page_pool& tagged_pool::page_pool(std::uint32_t tag) {
                            "allocation; it lends no pages");
   tag_entry& e = entry_for_allocation(tag);
   if (e.vmm == nullptr)
-    throw not_supported("tagged_pool::page_pool: tag " + tag_name(tag) + " is served by a " +
+    throw not_supported("tagged_pool::page_pool: tag " + tag_label(tag) + " is served by a " +
                         std::string(e.pool->name()) + ", which has no pages to lend "
                         "(use allocator vmm_page_pool)");
   if (e.asleep.load(std::memory_order_relaxed))
-    throw invalid_argument("tagged_pool::page_pool: tag " + tag_name(tag) +
+    throw invalid_argument("tagged_pool::page_pool: tag " + tag_label(tag) +
                            " is asleep; wake it before placing memory in it");
   return *e.vmm;
 }

@@ -41,6 +41,7 @@
 #include <mutex>
 #include <shared_mutex>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -66,6 +67,16 @@ class scoped_tag {
  private:
   std::uint32_t previous_;
 };
+
+// Names of tags, process-wide (a tag number means the same in every pool of the process):
+// messages and reports show "train (2)" for a named tag, its number otherwise. Throws
+// gpumem::invalid_argument for tag 0 or the shared tag (their names are fixed), and for a
+// name that is empty, longer than max_tag_name bytes, or holds a byte outside printable
+// ASCII; the tag keeps its name then. Naming a named tag again renames it.
+inline constexpr std::size_t max_tag_name = 64;
+void set_tag_name(std::uint32_t tag, std::string_view name);
+// "shared", "0 (untagged)", "<name> (<number>)" or "<number>".
+std::string tag_label(std::uint32_t tag);
 
 class tagged_pool final : public memory_resource {
  public:
