@@ -1,7 +1,7 @@
 // The C API's stats, counters, reports and snapshots (gpumem_pool_stats,
 // gpumem_pool_counter, gpumem_pool_report, gpumem_pool_explain, gpumem_snapshot) over the
-// pool layer. Stats, the report, the explanation and the snapshot cover every tag; the
-// counters are tag 0's pool's (the pool's own mechanisms: step plan, gathers, hints).
+// pool layer. Stats, the report, the explanation, the snapshot and the pool's counts cover
+// every tag; settings and states among the counters, and the step plan's, are tag 0's.
 #include "gpumem/interop/gpumem.h"
 #include "interop/c_api_internal.hpp"
 
@@ -80,9 +80,14 @@ gpumem_status gpumem_pool_counter(gpumem_pool* pool, const char* name, uint64_t*
       }
     }
     if (ns) throw gpumem::invalid_argument("gpumem_pool_counter: unknown CUDA call '" + std::string(call) + "'");
+    // Counts cover every tag's pool (the pool's own parts); settings and states are tag 0's.
     for (const gpumem::pool_counter& c : body->pool->counters().named)
       if (c.name == n) {
         *out = c.value;
+        if (c.summed)
+          for (const auto& [tag, tag_pool] : body->tag_pools())
+            for (const gpumem::pool_counter& t : tag_pool->counters().named)
+              if (t.name == n) *out += t.value;
         return;
       }
     if (body->planner != nullptr) {

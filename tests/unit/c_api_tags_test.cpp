@@ -177,11 +177,19 @@ TEST(c_api_tags, pool_stats_trim_and_out_of_memory_reach_every_tag) {
   EXPECT_EQ(all.live_bytes, sum.live_bytes);
   EXPECT_EQ(all.live_bytes, MiB + 3 * MiB);
   EXPECT_EQ(all.live_allocations, 2u);
+  // The pool's page counts are every tag's; its page size is one page, not a sum.
+  const std::uint64_t page = h.counter("page_size");
+  EXPECT_EQ(page, 2 * MiB);
+  EXPECT_EQ(h.counter("pages_mapped") * page + h.tag_stats(shared_tag).reserved_bytes,
+            all.reserved_bytes);
+  EXPECT_GE(h.counter("pages_created"), 100u + 1u);
+  const std::uint64_t released_pages = h.counter("pages_released");
 
   // Trim gives back every tag's cached pages.
   std::uint64_t released = 0;
   ASSERT_EQ(gpumem_pool_trim(h.pool, &released), GPUMEM_SUCCESS) << last_error();
   EXPECT_GE(released, 100 * 2 * MiB);
+  EXPECT_EQ((h.counter("pages_released") - released_pages) * page, released);
   for (std::uint32_t t = 1; t <= 100; ++t) EXPECT_EQ(h.tag_stats(t).reserved_bytes, 0u);
   EXPECT_EQ(h.stats().reserved_bytes, all.reserved_bytes - released);
 

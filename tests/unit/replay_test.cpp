@@ -332,7 +332,7 @@ TEST(LoadTrace, AFileThatIsNoTraceIsRefusedAfterABoundedRead) {
 TEST(LoadTrace, AFifoIsReadWithinTheLimitWhateverItHolds) {
   // A FIFO fed without end, as a pickle (read whole before it is unpickled) and as CSV
   // text: each refused at the limit, naming the file and the limit.
-  for (const std::string head : {std::string("\x80\x02"), std::string("action,addr,size,stream,time_us\n")}) {
+  for (const std::string& head : {std::string("\x80\x02"), std::string("action,addr,size,stream,time_us\n")}) {
     const temp_file fifo("endless.fifo");
     ASSERT_EQ(::mkfifo(fifo.path.c_str(), 0600), 0);
     std::thread writer([&] {

@@ -172,7 +172,8 @@ GPUMEM_API gpumem_status gpumem_pool_stats(gpumem_pool* pool, gpumem_stats* out)
  * "long_lived_pages_moved" (pages gathered out of their runs for other blocks),
  * "lifetime_hints_active" (1 while the hints guess, 0 when off or stopped by their move
  * budget) and "long_lived_bytes_handed_over" (once stopped, free bytes of those runs given
- * to the other large blocks).
+ * to the other large blocks). With tags, these counts are summed over every tag's pool;
+ * "page_size", "growth_slack_permille" and "lifetime_hints_active" are tag 0's.
  * With step_plan:on also "plan_marks", "plans_built", "planned_steps", "steps_left_plan",
  * "steps_rejoined", "planned_allocations", "plan_region_failures", "plan_region_takes",
  * "plan_regions_handed_over", "plan_region_bytes", "plan_lower_bound", "planned_per_step".

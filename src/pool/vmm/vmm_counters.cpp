@@ -15,7 +15,7 @@ pool_counters vmm_page_pool::counters() const {
   r.pages_created = c.pages_created;
   r.pages_reclaimed = c.pages_reclaimed;
   r.pages_released = c.pages_released;
-  r.named = {{"page_size", c.page_size},
+  r.named = {{"page_size", c.page_size, false},
              {"pages_mapped", c.mapped_pages},
              {"pages_spare", c.spare_pages},
              {"physical_handles", c.handles},
@@ -23,11 +23,12 @@ pool_counters vmm_page_pool::counters() const {
              {"pages_reclaimed", c.pages_reclaimed},
              {"pages_released", c.pages_released},
              {"remap_ns", c.remap_ns},
-             {"growth_slack_permille", static_cast<std::uint64_t>(c.growth_slack * 1000.0 + 0.5)},
+             {"growth_slack_permille", static_cast<std::uint64_t>(c.growth_slack * 1000.0 + 0.5),
+              false},
              {"slack_raises", c.slack_raises},
              {"long_lived_allocations", c.long_lived_allocations},
              {"long_lived_pages_moved", c.long_lived_pages_moved},
-             {"lifetime_hints_active", c.lifetime_hints_active ? 1u : 0u},
+             {"lifetime_hints_active", c.lifetime_hints_active ? 1u : 0u, false},
              {"long_lived_bytes_handed_over", c.long_lived_bytes_handed_over}};
   return r;
 }

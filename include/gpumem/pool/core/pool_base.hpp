@@ -118,6 +118,9 @@ struct memory_segment {
 struct pool_counter {
   std::string_view name;  // a literal: valid for the program's lifetime
   std::uint64_t value = 0;
+  // A count (pages, calls, bytes, time): a pool made of several (tags) reports the sum of
+  // its parts'. Otherwise a setting or state (page size, slack, on/off): the main part's.
+  bool summed = true;
 };
 struct pool_counters {
   bool has_pages = false;
