@@ -89,6 +89,9 @@ def parse_args(argv=None):
     p.add_argument("--capacity-layouts", default="one,baseline")
     p.add_argument("--capacity-tries", type=int, default=5)
     p.add_argument("--capacity-start", type=int, default=64, help="first batch tried")
+    p.add_argument("--capacity-bounds", metavar="LAYOUT:FITS:FAILS", action="append",
+                   default=[], help="capacity: bisect LAYOUT between a batch known to fit and "
+                   "one known not to (from an earlier search; repeatable)")
     p.add_argument("--no-capacity", action="store_true", help="--layout all: skip capacity")
     p.add_argument("--json", help="write the measurements here")
     # Internal: the roles of child processes.
@@ -859,6 +862,21 @@ def ballast_main(a):
     return 0
 
 
+def known_bounds(a, layout):
+    """(largest batch known to fit, smallest known not to, first batch to try) for the
+    capacity search of `layout`: --capacity-bounds's, else (0, None, --capacity-start)."""
+    for spec in a.capacity_bounds:
+        name, _, rest = spec.partition(":")
+        fits, _, fails = rest.partition(":")
+        if name == layout:
+            lo, hi = int(fits), int(fails)
+            if not 0 <= lo < hi or lo % a.group or hi % a.group:
+                raise SystemExit("rl_colocate: --capacity-bounds %s: want FITS < FAILS, both "
+                                 "multiples of --group" % spec)
+            return lo, hi, None
+    return 0, None, a.capacity_start
+
+
 def find_max_batch(a):
     """Largest rollout batch (a multiple of --group) that runs 2 iterations of each layout
     with --cap-gib of device memory free; each try a fresh process."""
@@ -881,7 +899,7 @@ def find_max_batch(a):
                 print(json.dumps({"capacity": layout, "batch": b, "fits": ok}), flush=True)
                 return ok
 
-            lo, hi, b = 0, None, a.capacity_start
+            lo, hi, b = known_bounds(a, layout)
             while len(tries) < a.capacity_tries:
                 if hi is None:
                     if fits(b):
@@ -896,7 +914,9 @@ def find_max_batch(a):
                         lo = mid
                     else:
                         hi = mid
-            results[layout] = {"max_batch": lo, "first_failing": hi, "tries": tries}
+            given = known_bounds(a, layout)
+            results[layout] = {"max_batch": lo, "first_failing": hi, "tries": tries,
+                               "given_bounds": list(given[:2]) if given[2] is None else None}
     finally:
         ballast.stdin.close()
         ballast.wait()
