@@ -193,6 +193,7 @@ def _declare(lib):
         "gpumem_set_current_tag": (c.c_uint32, [c.c_uint32]),
         "gpumem_current_tag": (c.c_uint32, []),
         "gpumem_name_tag": (c.c_int, [c.c_uint32, c.c_char_p]),
+        "gpumem_set_process_tag": (c.c_uint32, [c.c_uint32]),
         "gpumem_allocate_tagged": (c.c_int, [pool_p, c.c_size_t, c.c_size_t, c.c_void_p,
                                              c.c_uint32, c.POINTER(c.c_void_p)]),
         "gpumem_sleep": (c.c_int, [pool_p, c.c_uint32, c.c_int, c.c_void_p]),

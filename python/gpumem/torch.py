@@ -642,18 +642,31 @@ class tag:  # pylint: disable=invalid-name
     """`with gpumem.torch.tag("weights"): model = build()` places the tensors allocated
     inside (by this thread, through the plug-in) in the tag's own pages, so they can sleep
     and wake together (sleep, wake) or, for the tag "shared", be shared with other
-    processes (gpumem.ipc). Untagged allocations keep tag 0. Nests."""
+    processes (gpumem.ipc). Untagged allocations keep tag 0. Nests.
 
-    def __init__(self, name):
+    `all_threads=True` also makes it the process tag for the block: threads that never
+    chose a tag, autograd's backward thread among them, allocate in it too, so
+    `with tag("train", all_threads=True): loss.backward()` keeps the backward's memory in
+    "train". Blocks with all_threads must not overlap across threads."""
+
+    def __init__(self, name, all_threads=False):
         self.id = gpumem.tag_id(name)
+        self.all_threads = bool(all_threads)
         self._previous = None
+        self._previous_process = None
 
     def __enter__(self):
-        self._previous = gpumem.load().gpumem_set_current_tag(self.id)
+        lib = gpumem.load()
+        if self.all_threads:
+            self._previous_process = lib.gpumem_set_process_tag(self.id)
+        self._previous = lib.gpumem_set_current_tag(self.id)
         return self
 
     def __exit__(self, *exc):
-        gpumem.load().gpumem_set_current_tag(self._previous)
+        lib = gpumem.load()
+        lib.gpumem_set_current_tag(self._previous)
+        if self.all_threads:
+            lib.gpumem_set_process_tag(self._previous_process)
         return False
 
 

@@ -162,6 +162,8 @@ uint32_t gpumem_set_current_tag(uint32_t tag) {
 
 uint32_t gpumem_current_tag(void) { return gpumem::scoped_tag::current(); }
 
+uint32_t gpumem_set_process_tag(uint32_t tag) { return gpumem::scoped_tag::set_process(tag); }
+
 gpumem_status gpumem_name_tag(uint32_t tag, const char* name) {
   if (name == nullptr) return c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_name_tag: null name");
   return guarded("gpumem_name_tag", [&] { gpumem::set_tag_name(tag, name); });

@@ -220,6 +220,32 @@ def main():
             assert lib.gpumem_current_tag() == gpumem.SHARED_TAG
         assert lib.gpumem_current_tag() == t.id
     assert lib.gpumem_current_tag() == 0
+
+    # all_threads=True: threads that never chose a tag (autograd's backward thread) follow
+    # it for the block; a thread that chose one keeps its own.
+    import threading
+
+    def seen_by_a_new_thread(choose=None):
+        out = []
+
+        def run():
+            if choose is not None:
+                lib.gpumem_set_current_tag(choose)
+            out.append(lib.gpumem_current_tag())
+        th = threading.Thread(target=run)
+        th.start()
+        th.join()
+        return out[0]
+
+    with gt.tag("train", all_threads=True) as t:
+        assert lib.gpumem_current_tag() == t.id
+        assert seen_by_a_new_thread() == t.id
+        assert seen_by_a_new_thread(choose=0) == 0
+        with gt.tag("kv"):
+            assert lib.gpumem_current_tag() == gpumem.tag_id("kv")
+            assert seen_by_a_new_thread() == t.id
+    assert lib.gpumem_current_tag() == 0
+    assert seen_by_a_new_thread() == 0
     print("python_sleep_share_test: ok")
     return 0
 

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -428,6 +429,41 @@ TEST(c_api_tags, a_named_tag_is_shown_by_name_and_bad_names_are_refused) {
             GPUMEM_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(last_error().find("tag policy (4242) is asleep"), std::string::npos) << last_error();
   EXPECT_EQ(gpumem_wake(h.pool, tag, nullptr), GPUMEM_SUCCESS) << last_error();
+}
+
+// A thread that never set a tag follows the process tag (autograd's backward thread under
+// gpumem.torch.tag(..., all_threads=True)); a thread that set one, 0 included, keeps it.
+TEST(c_api_tags, threads_that_never_set_a_tag_follow_the_process_tag) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  const gpumem_kv_layout layout{2, 2, 64, 16, GPUMEM_KV_BF16, 0};  // 1 KiB a token
+  ASSERT_EQ(gpumem_set_process_tag(6), 0u);
+  std::uint32_t fresh_tag = 0, chosen_tag = 99;
+  gpumem_kv_vseqs* vs = nullptr;
+  gpumem_status made = GPUMEM_ERROR_INVALID_ARGUMENT;
+  std::thread fresh([&] {
+    fresh_tag = gpumem_current_tag();
+    made = gpumem_kv_vseqs_create(h.pool, &layout, 16384, nullptr, &vs);
+  });
+  fresh.join();
+  std::thread chose_untagged([&] {
+    gpumem_set_current_tag(0);
+    chosen_tag = gpumem_current_tag();
+  });
+  chose_untagged.join();
+  EXPECT_EQ(gpumem_set_process_tag(0), 6u);
+  EXPECT_EQ(fresh_tag, 6u);
+  EXPECT_EQ(chosen_tag, 0u);
+  ASSERT_EQ(made, GPUMEM_SUCCESS) << last_error();
+  std::uint64_t seq = 0;
+  ASSERT_EQ(gpumem_kv_vseqs_add(vs, 4096, &seq), GPUMEM_SUCCESS) << last_error();
+  ASSERT_EQ(gpumem_kv_vseqs_append(vs, seq, 4096), GPUMEM_SUCCESS) << last_error();
+  EXPECT_EQ(h.tag_stats(6).reserved_bytes, 8 * MiB);  // the storage is tag 6's
+  EXPECT_EQ(h.tag_stats(0).reserved_bytes, 0u);
+  gpumem_kv_vseqs_destroy(vs);
+  std::thread after([&] { fresh_tag = gpumem_current_tag(); });
+  after.join();
+  EXPECT_EQ(fresh_tag, 0u);
 }
 
 }  // namespace

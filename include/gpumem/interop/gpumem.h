@@ -280,6 +280,10 @@ GPUMEM_API gpumem_status gpumem_snapshot(gpumem_pool* pool, const char* path);
  * tag, so `with gpumem.torch.tag(...)` tags the tensors made inside it. */
 GPUMEM_API uint32_t gpumem_set_current_tag(uint32_t tag);
 GPUMEM_API uint32_t gpumem_current_tag(void);
+/* The process tag: the current tag of every thread that never set one
+ * (gpumem_set_current_tag), as threads a framework starts for the caller (autograd's
+ * backward thread). 0 initially; returns the one it replaces. */
+GPUMEM_API uint32_t gpumem_set_process_tag(uint32_t tag);
 /* Names a tag for messages and reports, process-wide: a named tag shows as "train (2)" in
  * out-of-memory reports, gpumem_pool_explain and refusals. 1 to 64 bytes of printable ASCII;
  * tag 0 and GPUMEM_TAG_SHARED keep their names. Naming a tag again renames it.

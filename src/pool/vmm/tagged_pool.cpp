@@ -1,6 +1,7 @@
 // tagged_pool: see gpumem/pool/vmm/tagged_pool.hpp.
 #include "gpumem/pool/vmm/tagged_pool.hpp"
 
+#include <atomic>
 #include <limits>
 #include <mutex>
 #include <unordered_map>
@@ -15,6 +16,8 @@ namespace gpumem {
 
 namespace {
 thread_local std::uint32_t current_tag = 0;
+thread_local bool tag_set = false;  // false: the thread follows process_tag
+std::atomic<std::uint32_t> process_tag{0};
 
 // Written rarely (a tag's first use by name), read by messages and reports.
 std::mutex names_mutex;
@@ -47,10 +50,24 @@ std::string tag_label(std::uint32_t tag) {
                                  : it->second + " (" + std::to_string(tag) + ")";
 }
 
-scoped_tag::scoped_tag(std::uint32_t tag) noexcept : previous_(current_tag) { current_tag = tag; }
-scoped_tag::~scoped_tag() { current_tag = previous_; }
-std::uint32_t scoped_tag::current() noexcept { return current_tag; }
-void scoped_tag::set_current(std::uint32_t tag) noexcept { current_tag = tag; }
+scoped_tag::scoped_tag(std::uint32_t tag) noexcept : previous_(current_tag), previous_set_(tag_set) {
+  current_tag = tag;
+  tag_set = true;
+}
+scoped_tag::~scoped_tag() {
+  current_tag = previous_;
+  tag_set = previous_set_;
+}
+std::uint32_t scoped_tag::current() noexcept {
+  return tag_set ? current_tag : process_tag.load(std::memory_order_relaxed);
+}
+void scoped_tag::set_current(std::uint32_t tag) noexcept {
+  current_tag = tag;
+  tag_set = true;
+}
+std::uint32_t scoped_tag::set_process(std::uint32_t tag) noexcept {
+  return process_tag.exchange(tag, std::memory_order_relaxed);
+}
 
 tagged_pool::tagged_pool(pool_base& untagged, pool_options options,
                          memory_resource* untagged_front)

@@ -53,7 +53,9 @@
 namespace gpumem {
 
 // The thread's current tag, for allocations made through memory_resource::allocate (and
-// so through PyTorch's allocator entry points). Nests; restores the previous tag.
+// so through PyTorch's allocator entry points). Nests; restores the previous tag. A thread
+// that never set a tag follows the process tag (0 unless set): threads a framework starts
+// for the caller, as autograd's backward thread, allocate in the tag the caller chose.
 class scoped_tag {
  public:
   explicit scoped_tag(std::uint32_t tag) noexcept;
@@ -63,9 +65,12 @@ class scoped_tag {
   static std::uint32_t current() noexcept;
   // Sets the thread's current tag without a scope (the C API's gpumem_set_current_tag).
   static void set_current(std::uint32_t tag) noexcept;
+  // Sets the process tag (gpumem_set_process_tag); returns the one it replaces.
+  static std::uint32_t set_process(std::uint32_t tag) noexcept;
 
  private:
   std::uint32_t previous_;
+  bool previous_set_;
 };
 
 // Names of tags, process-wide (a tag number means the same in every pool of the process):
