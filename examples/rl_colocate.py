@@ -84,6 +84,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bucket-mib", type=int, default=512, help="baseline: weight sync bucket")
     p.add_argument("--faults", action="store_true", help="layout two: kill / no-room checks")
+    p.add_argument("--backward-in-tag", action="store_true",
+                   help="gpumem layouts: the training step's tag is the process tag too, so "
+                   "autograd's thread allocates in it and no empty_cache() follows a sleep")
     p.add_argument("--find-max-batch", action="store_true")
     p.add_argument("--cap-gib", type=float, default=14.0, help="capacity: device memory cap")
     p.add_argument("--capacity-layouts", default="one,baseline")
@@ -113,7 +116,22 @@ def forward_args(a, **override):
     out = []
     for k, v in d.items():
         out += ["--" + k.replace("_", "-"), str(v)]
+    if a.backward_in_tag:
+        out.append("--backward-in-tag")
     return out
+
+
+def train_tag(gt, a):
+    """The scope of a training step: tag "train" for this thread, and with
+    --backward-in-tag for autograd's backward thread too."""
+    return gt.tag("train", all_threads=a.backward_in_tag)
+
+
+def drop_untagged_cache(gt, a):
+    """After the trainer's sleep: the backward's untagged blocks (autograd's thread) go
+    back, unless --backward-in-tag put them in the tag, whose sleep gave them back."""
+    if not a.backward_in_tag:
+        gt.empty_cache()
 
 
 # --- shared by every process that runs torch -------------------------------------------------
@@ -343,7 +361,7 @@ def run_one(a):
         t = sync(torch)
         gt.sleep("train", "offload")
         row["train_sleep_s"] = sync(torch) - t
-        gt.empty_cache()  # the backward's untagged blocks (autograd's thread)
+        drop_untagged_cache(gt, a)
         row["sleep_s"] = sync(torch) - t
         row["empty_cache_s"] = row["sleep_s"] - row["train_sleep_s"]
         t = sync(torch)
@@ -371,7 +389,7 @@ def run_one(a):
         row["wake_s"] += row["train_wake_s"]
         row["moved_bytes"] = offloaded_bytes(gt)
         t = sync(torch)
-        with gt.tag("train"):
+        with train_tag(gt, a):
             row["loss"] = train_step(torch, a, model, opt, seqs, rewards_for(torch, a, it))
         row["train_s"] = sync(torch) - t
         del seqs
@@ -431,7 +449,7 @@ class GpumemTrainer:
     def sleep(self):
         t = sync(self.torch)
         self.gt.sleep("train", "offload")
-        self.gt.empty_cache()
+        drop_untagged_cache(self.gt, self.a)
         self.last["trainer_sleep_s"] = sync(self.torch) - t
 
     def wake(self):
@@ -451,7 +469,7 @@ class GpumemTrainer:
         self.last["logits_equal"] = bool(torch.equal(seen, self.reference))
         self.last["logits_max_diff"] = float((seen - self.reference).abs().max())
         self.last["tokens_crc"] = crc_of(torch, seqs)
-        with self.gt.tag("train"):
+        with train_tag(self.gt, self.a):
             loss = train_step(torch, self.a, self.model, self.opt, seqs,
                               rewards_for(torch, self.a, self.iteration))
         self.losses.append(loss)
@@ -723,7 +741,7 @@ class BaselineTrainer:
 
 
 class _NoTag:
-    def tag(self, name):
+    def tag(self, name, all_threads=False):  # pylint: disable=unused-argument
         import contextlib
         return contextlib.nullcontext()
 
