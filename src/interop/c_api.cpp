@@ -287,6 +287,17 @@ void* gpumem_malloc(gpumem_pool* pool, size_t size, void* stream) {
   return ptr;
 }
 
+gpumem_status gpumem_allocate_at(gpumem_pool* pool, void* ptr, size_t size, void* stream) {
+  pool_body* body = live_body(pool, "gpumem_allocate_at");
+  if (body == nullptr) return last_error_status;
+  if (ptr == nullptr) return fail(GPUMEM_ERROR_INVALID_ARGUMENT, "gpumem_allocate_at: null pointer");
+  // Past the step planner: its region is one allocated block of the pool, so no address
+  // in it is free there; the free of this allocation is one the planner passes on.
+  if (untagged_asleep(*body, "gpumem_allocate_at")) return last_error_status;
+  return guarded("gpumem_allocate_at",
+                 [&] { (void)body->pool->allocate_at(ptr, size, to_stream(stream)); });
+}
+
 gpumem_status gpumem_free(gpumem_pool* pool, void* ptr, size_t size, void* stream) {
   pool_body* body = live_body(pool, "gpumem_free");
   if (body == nullptr) return last_error_status;

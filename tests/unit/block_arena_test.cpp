@@ -30,6 +30,50 @@ std::vector<const block*> sorted_free(const block_arena& a) {
 
 #define EXPECT_ARENA_VALID(a) EXPECT_EQ((a).validate(), "")
 
+// take_at allocates an exact range out of the free block holding it, a block cached in a
+// quick list or freed by another stream included; the parts around it stay free, and a
+// range no single free block holds is refused with nothing changed.
+TEST(BlockArena, TakeAtAllocatesAnExactRangeOfAFreeBlock) {
+  block_arena a;
+  a.add_region(base, 8 * MiB, 1, 7);
+  block* x = a.allocate(MiB, 256, 7, MiB);
+  block* y = a.allocate(MiB, 256, 7, MiB);
+  ASSERT_TRUE(x != nullptr && y != nullptr);
+  const std::uintptr_t y_addr = y->addr;
+  a.release(y, 7, 1);  // to the quick list
+  EXPECT_EQ(a.take_at(x->addr, MiB, 7, MiB), nullptr);  // allocated
+  EXPECT_EQ(a.take_at(x->addr, 2 * MiB, 7, 2 * MiB), nullptr);  // x and the free y after it
+  block* again = a.take_at(y_addr, MiB, 9, 1000);  // another stream: the caller knows it idle
+  ASSERT_NE(again, nullptr);
+  EXPECT_EQ(again->addr, y_addr);
+  EXPECT_EQ(again->size, MiB);
+  EXPECT_EQ(again->stream, 9u);
+  EXPECT_EQ(again->requested, 1000u);
+  EXPECT_ARENA_VALID(a);
+  // The middle of the free rest: free parts on both sides.
+  const std::uintptr_t mid = base + 4 * MiB;
+  block* m = a.take_at(mid + 100, 1000, 7, 1000);
+  EXPECT_EQ(m, nullptr);  // not on the arena's unit: never a block's start
+  m = a.take_at(mid, 1000, 7, 1000);
+  ASSERT_NE(m, nullptr);
+  EXPECT_EQ(m->size, a.round(1000));
+  const auto free_now = sorted_free(a);
+  ASSERT_EQ(free_now.size(), 2u);
+  EXPECT_EQ(free_now[0]->addr, y_addr + MiB);
+  EXPECT_EQ(free_now[0]->addr + free_now[0]->size, mid);
+  EXPECT_EQ(free_now[1]->addr, mid + m->size);
+  EXPECT_EQ(free_now[1]->addr + free_now[1]->size, base + 8 * MiB);
+  EXPECT_ARENA_VALID(a);
+  EXPECT_EQ(a.take_at(base + 8 * MiB, MiB, 7, MiB), nullptr);  // past the region
+  EXPECT_EQ(a.take_at(base + 7 * MiB, 2 * MiB, 7, MiB), nullptr);  // crosses its end
+  a.release(m, 7, 2);
+  a.release(again, 7, 3);
+  a.release(x, 7, 4);
+  a.flush();
+  EXPECT_EQ(sorted_free(a).size(), 1u);  // all merged back
+  EXPECT_ARENA_VALID(a);
+}
+
 TEST(BlockArena, TheUnitMustBeAPowerOfTwo) {
   // Sizes and addresses are rounded with masks.
   EXPECT_THROW(block_arena(0, 768), std::invalid_argument);

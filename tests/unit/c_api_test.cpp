@@ -702,7 +702,7 @@ TEST(c_api, racing_destroys_of_one_pool_free_it_once) {
   }
 }
 
-}  // namespace
+
 
 // gpumem_record_stream on a pointer that is no live allocation is refused, and leaves no
 // record behind for the next allocation at that address.
@@ -913,3 +913,76 @@ TEST(c_api, pool_budget_is_set_and_read_back_and_only_a_page_pool_has_one) {
   EXPECT_NE(std::string(gpumem_last_error()).find("vmm_page_pool"), std::string::npos);
   gpumem_pool_destroy(pool);
 }
+
+// gpumem_allocate_at takes back memory freed earlier at its own address (a CUDA graph
+// tree's checkpoint restored), in both pools: the bytes between neighbours, a piece of a
+// larger free block, a block another stream freed; refused where the range is live,
+// straddles a live block, was given back to the driver, or is not the pool's.
+TEST(c_api, allocate_at_takes_back_freed_memory_at_its_address) {
+  for (const char* config : {"platform:sim,sim_capacity:256M,allocator:vmm_page_pool",
+                             "platform:sim,sim_capacity:256M,allocator:caching_pool"}) {
+    SCOPED_TRACE(config);
+    pool_handle h(config);
+    ASSERT_EQ(h.status, GPUMEM_SUCCESS) << last_error();
+    void* a = gpumem_malloc(h.pool, 4 * MiB, nullptr);
+    void* b = gpumem_malloc(h.pool, 4 * MiB, nullptr);
+    void* c = gpumem_malloc(h.pool, 4 * MiB, nullptr);
+    ASSERT_TRUE(a != nullptr && b != nullptr && c != nullptr) << last_error();
+    ASSERT_EQ(gpumem_free(h.pool, b, 4 * MiB, nullptr), GPUMEM_SUCCESS);
+    const gpumem_stats before = h.stats();
+
+    // Refusals change nothing.
+    EXPECT_EQ(gpumem_allocate_at(h.pool, a, 4 * MiB, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(last_error().find("not free in one block"), std::string::npos) << last_error();
+    EXPECT_EQ(gpumem_allocate_at(h.pool, b, 8 * MiB, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+    EXPECT_EQ(gpumem_allocate_at(h.pool, nullptr, MiB, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+    EXPECT_EQ(gpumem_allocate_at(h.pool, b, 0, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+    int stack_byte = 0;
+    EXPECT_EQ(gpumem_allocate_at(h.pool, &stack_byte, 4, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+    EXPECT_EQ(gpumem_allocate_at(h.pool, b, MiB, reinterpret_cast<void*>(0x1234)),
+              GPUMEM_ERROR_INVALID_ARGUMENT);  // a stream the platform does not know
+    EXPECT_EQ(h.stats().live_bytes, before.live_bytes);
+
+    // The freed block, whole, then freed again as any allocation.
+    ASSERT_EQ(gpumem_allocate_at(h.pool, b, 4 * MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+    EXPECT_EQ(h.stats().live_bytes, 12 * MiB);
+    EXPECT_EQ(h.stats().live_allocations, 3u);
+    EXPECT_EQ(gpumem_free(h.pool, b, 4 * MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+    EXPECT_EQ(gpumem_free(h.pool, b, 4 * MiB, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+
+    // A piece in the middle of a free block, freed on a side stream first: the parts on
+    // either side stay free and serve other requests.
+    void* side = nullptr;
+    ASSERT_EQ(gpumem_stream_create(h.pool, &side), GPUMEM_SUCCESS) << last_error();
+    void* d = gpumem_malloc(h.pool, 4 * MiB, side);
+    ASSERT_NE(d, nullptr) << last_error();
+    ASSERT_EQ(gpumem_free(h.pool, d, 4 * MiB, side), GPUMEM_SUCCESS);
+    ASSERT_EQ(gpumem_stream_synchronize(h.pool, side), GPUMEM_SUCCESS);
+    void* middle = static_cast<char*>(d) + MiB;
+    ASSERT_EQ(gpumem_allocate_at(h.pool, middle, MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+    EXPECT_EQ(gpumem_allocate_at(h.pool, d, 2 * MiB, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+    ASSERT_EQ(gpumem_allocate_at(h.pool, d, MiB, nullptr), GPUMEM_SUCCESS) << last_error();
+    EXPECT_EQ(h.stats().live_bytes, 8 * MiB + 2 * MiB);
+    EXPECT_EQ(gpumem_free(h.pool, middle, MiB, nullptr), GPUMEM_SUCCESS);
+    EXPECT_EQ(gpumem_free(h.pool, d, MiB, nullptr), GPUMEM_SUCCESS);
+    EXPECT_EQ(gpumem_stream_destroy(h.pool, side), GPUMEM_SUCCESS) << last_error();
+
+    // Given back to the driver: no longer the pool's to hand out.
+    EXPECT_EQ(gpumem_free(h.pool, c, 4 * MiB, nullptr), GPUMEM_SUCCESS);
+    std::uint64_t released = 0;
+    ASSERT_EQ(gpumem_pool_trim(h.pool, &released), GPUMEM_SUCCESS);
+    EXPECT_GE(released, 4 * MiB);
+    EXPECT_EQ(gpumem_allocate_at(h.pool, c, 4 * MiB, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+    EXPECT_EQ(gpumem_free(h.pool, a, 4 * MiB, nullptr), GPUMEM_SUCCESS);
+    EXPECT_EQ(h.stats().live_bytes, 0u);
+  }
+  gpumem_pool* guarded = nullptr;
+  ASSERT_EQ(gpumem_pool_create("platform:sim,sim_capacity:256M,guard:on", &guarded), GPUMEM_SUCCESS)
+      << last_error();
+  void* p = gpumem_malloc(guarded, MiB, nullptr);
+  ASSERT_EQ(gpumem_free(guarded, p, MiB, nullptr), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_allocate_at(guarded, p, MiB, nullptr), GPUMEM_ERROR_NOT_SUPPORTED);
+  gpumem_pool_destroy(guarded);
+}
+
+}  // namespace

@@ -126,6 +126,15 @@ GPUMEM_API gpumem_status gpumem_pool_destroy(gpumem_pool* pool);
 
 /* NULL on failure (also for size 0): gpumem_last_status() / gpumem_last_error() say why. */
 GPUMEM_API void* gpumem_malloc(gpumem_pool* pool, size_t size, void* stream);
+/* Allocates `size` bytes at exactly `ptr` out of the untagged pool's free memory there, as
+ * an allocation made on `stream` (gpumem_free frees it): memory freed earlier and wanted
+ * back at its address, as restoring a CUDA graph tree's checkpoint needs. The caller knows
+ * that memory idle on every stream. GPUMEM_ERROR_INVALID_ARGUMENT, nothing changed, where
+ * the range is not wholly free in one block of the pool (allocated, given back to the
+ * driver, inside the step plan's region, another tag's, or never the pool's);
+ * GPUMEM_ERROR_NOT_SUPPORTED in guard mode. */
+GPUMEM_API gpumem_status gpumem_allocate_at(gpumem_pool* pool, void* ptr, size_t size,
+                                            void* stream);
 /* As gpumem_malloc, with an alignment (a power of two; 256 is what gpumem_malloc uses) and
  * the status returned. *out is NULL on failure. */
 GPUMEM_API gpumem_status gpumem_allocate(gpumem_pool* pool, size_t size, size_t alignment,

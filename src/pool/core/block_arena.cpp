@@ -296,6 +296,33 @@ block* block_arena::allocate(std::size_t size, std::size_t alignment, std::uintp
   return take(b, size, alignment, stream, requested);
 }
 
+block* block_arena::take_at(std::uintptr_t addr, std::size_t size, std::uintptr_t stream,
+                            std::size_t requested) {
+  size = round(size);
+  if (size == 0 || addr + size < addr || (addr & (unit_ - 1)) != 0) return nullptr;
+  flush();
+  block* b = nullptr;
+  for_each_free([&](block* c) {
+    if (b == nullptr && c->addr <= addr && addr + size <= c->addr + c->size) b = c;
+  });
+  if (b == nullptr) return nullptr;
+  erase_free(b);
+  if (addr > b->addr) {
+    block* front = cut_before(b, addr - b->addr);
+    front->stream = b->stream;
+    front->free_epoch = b->free_epoch;
+    insert_free(front);
+  }
+  if (b->size > size) insert_free(cut_after(b, b->addr + size));
+  b->st = block::state::allocated;
+  b->stream = stream;
+  b->requested = requested;
+  ++allocated_blocks_;
+  allocated_bytes_ += b->size;
+  requested_bytes_ += requested;
+  return b;
+}
+
 block* block_arena::allocate_from_other_streams(std::size_t size, std::size_t alignment,
                                                 std::uintptr_t stream, std::size_t requested,
                                                 const std::function<bool(const block&)>& usable) {

@@ -186,6 +186,14 @@ class block_arena {
   void add_region(std::uintptr_t addr, std::size_t size, std::uint32_t segment,
                   std::uintptr_t stream, std::uint64_t free_epoch = 0);
 
+  // The block [addr, addr + size) (size rounded), allocated on `stream` with `requested`
+  // recorded, out of the one free block that holds that range, whichever stream freed it
+  // (the caller knows that memory idle: a CUDA graph tree's checkpoint restored); the free
+  // parts on either side stay free. The quick lists are flushed first. nullptr, and nothing
+  // else changed, where no free block holds the whole range or `addr` is not on the unit.
+  block* take_at(std::uintptr_t addr, std::size_t size, std::uintptr_t stream,
+                 std::size_t requested);
+
   // A block of at least `size` bytes (rounded) aligned to `alignment`, on `stream`:
   // quick list first, then best fit. nullptr when nothing fits, or when the best fit is a
   // free block larger than `max_split` (left whole). `requested` is recorded. Free blocks

@@ -298,6 +298,29 @@ void* pool_base::allocate_locked(std::size_t bytes, std::size_t alignment, strea
   return reinterpret_cast<void*>(b->addr);
 }
 
+void* pool_base::allocate_at(void* ptr, std::size_t bytes, stream_handle stream) {
+  check_stream(stream, "pool_base::allocate_at");
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  if (bytes == 0) throw invalid_argument("pool_base::allocate_at: 0 bytes");
+  std::lock_guard lock(mutex_);
+  if (options_.guard) throw not_supported("pool_base::allocate_at: not available in guard mode");
+  detail::thread_cache& mine = cache_for_this_thread_locked();
+  drain_thread_caches();  // a cached block there goes back to its arena, merged
+  detail::block* b = nullptr;
+  for (std::uint32_t id = 0; id < arena_count && b == nullptr; ++id)
+    if (arenas_[id] != nullptr) b = arenas_[id]->take_at(addr, bytes, stream.value, bytes);
+  if (b == nullptr)
+    throw invalid_argument("pool_base::allocate_at: " + format_bytes(bytes) + " at " +
+                           hex_address(addr) + " are not free in one block of the '" +
+                           std::string(name()) + "' pool (allocated, given back, or never "
+                           "its memory)");
+  mine.live.insert_new(b->addr, {b, bytes});
+  mine.allocations += 1;
+  count<true, true>(mine, bytes, b->size);
+  notify(pool_event_kind::alloc, b->addr, bytes, stream.value);
+  return ptr;
+}
+
 template <bool locked>
 [[gnu::always_inline]] inline detail::block* pool_base::forget_live(detail::thread_cache& c, std::uintptr_t addr,
                                       std::size_t bytes) noexcept {

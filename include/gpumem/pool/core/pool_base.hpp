@@ -148,6 +148,14 @@ class pool_base : public memory_resource {
   // Gives cached memory back to the driver (everything not handed out, where the
   // subclass can). Returns bytes released.
   std::size_t trim();
+  // Allocates `bytes` at exactly `ptr`, out of the pool's free memory there, as an
+  // allocation of `bytes` on `stream` (freed as any other): what restoring a CUDA graph
+  // tree's checkpoint needs, where memory freed since must be allocated again at its old
+  // address. The caller knows the memory there idle on every stream. Throws
+  // gpumem::invalid_argument, changing nothing, where the range is not wholly free in one
+  // block (allocated, given back to the driver, or never the pool's), and
+  // gpumem::not_supported in guard mode.
+  void* allocate_at(void* ptr, std::size_t bytes, stream_handle stream);
   void release_stream(stream_handle stream) override;
   // Throws gpumem::invalid_argument, changing nothing, unless `stream` is one the platform
   // knows on this pool's device (the check allocate and deallocate make; `caller` names the
