@@ -90,6 +90,25 @@ void* graph_pool_allocate(graph_pool* pool, std::size_t size, void* stream) noex
   return ptr;
 }
 
+gpumem_status graph_pool_allocate_at(int device, mempool_id id, void* ptr, std::size_t size,
+                                     void* stream, bool* found) noexcept {
+  std::lock_guard lock(mutex_);
+  graph_pool* p = find_locked(device, id);
+  *found = p != nullptr;
+  if (p == nullptr) return GPUMEM_ERROR_INVALID_ARGUMENT;
+  const gpumem_status st = gpumem_allocate_at(p->pool, ptr, size, stream);
+  if (st != GPUMEM_SUCCESS) return st;
+  try {
+    owner_.emplace(ptr, p);
+  } catch (...) {
+    (void)gpumem_free(p->pool, ptr, size, stream);
+    return GPUMEM_ERROR_OUT_OF_MEMORY;
+  }
+  p->live += 1;
+  private_live_.fetch_add(1, std::memory_order_release);
+  return GPUMEM_SUCCESS;
+}
+
 bool graph_pool_free(void* ptr, std::size_t size, void* stream, gpumem_status* st) noexcept {
   if (private_live_.load(std::memory_order_acquire) == 0) return false;
   std::lock_guard lock(mutex_);

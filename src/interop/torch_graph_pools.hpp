@@ -45,6 +45,12 @@ struct graph_pool;
 graph_pool* graph_pool_for(int device, void* stream) noexcept;
 // Allocates in `pool`; nullptr with gpumem_last_error() set on failure.
 void* graph_pool_allocate(graph_pool* pool, std::size_t size, void* stream) noexcept;
+// Allocates `size` at exactly `ptr` in the private pool of (device, id), out of its free
+// memory there (a graph tree's checkpoint restored: gpumem_allocate_at). GPUMEM_SUCCESS,
+// or the failure's status (the pool's message in gpumem_last_error) with nothing changed;
+// *found false (and GPUMEM_ERROR_INVALID_ARGUMENT) when no such pool lives.
+gpumem_status graph_pool_allocate_at(int device, mempool_id id, void* ptr, std::size_t size,
+                                     void* stream, bool* found) noexcept;
 // Frees ptr if a private pool owns it: true when one did (the status of the free in *st).
 bool graph_pool_free(void* ptr, std::size_t size, void* stream, gpumem_status* st) noexcept;
 

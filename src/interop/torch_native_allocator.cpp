@@ -64,6 +64,8 @@ void gpumem_torch_begin_allocate_to_pool(int device, gpumem_torch::mempool_id id
                                          gpumem_torch::capture_filter filter);
 void gpumem_torch_end_allocate_to_pool(int device, gpumem_torch::mempool_id id);
 void gpumem_torch_release_pool(int device, gpumem_torch::mempool_id id);
+int gpumem_torch_graph_pool_allocate_at(int device, gpumem_torch::mempool_id id, void* ptr,
+                                        ssize_t size, void* stream);
 }
 
 namespace {
@@ -456,6 +458,12 @@ class gpumem_cuda_allocator final : public cca::CUDAAllocator {
       if (a.pool == id && a.device == device) state->live.emplace_back(p, a);
     return state;
   }
+  // PyTorch's contract: every allocation of the pool is freed (ptrs_freed), then every
+  // allocation of the checkpoint is made again at its address (dataptrs_allocd, with this
+  // allocator's deleter). Allocations in both stay as they are; those live now but not in
+  // the checkpoint are freed; those of the checkpoint freed since are taken back at their
+  // addresses in the graph's private pool, whose memory there is idle (PyTorch's graph
+  // trees synchronize before restoring).
   cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
                                               std::shared_ptr<cca::AllocatorState> pps) override {
     check_device(device);
@@ -463,12 +471,34 @@ class gpumem_cuda_allocator final : public cca::CUDAAllocator {
     TORCH_CHECK(state != nullptr, "gpumem: setCheckpointPoolState with a state gpumem did not make");
     std::unordered_set<void*> wanted;
     for (const auto& [p, a] : state->live) wanted.insert(p);
-    TORCH_CHECK(checkPoolLiveAllocations(device, state->id, wanted),
-                "gpumem: restoring a CUDA graph pool to a checkpoint whose live allocations "
-                "differ from the pool's is not supported (the pool cannot place an allocation "
-                "at a chosen address); run with torch._inductor.config.triton.cudagraph_trees "
-                "= False for programs whose graph trees branch");
-    return {};
+    std::vector<void*> live_now, not_wanted;
+    {
+      std::lock_guard lock(live_mutex_);
+      for (const auto& [p, a] : live_)
+        if (a.pool == state->id && a.device == device) {
+          live_now.push_back(p);
+          if (wanted.count(p) == 0) not_wanted.push_back(p);
+        }
+    }
+    for (void* p : not_wanted) free(p);
+    const std::unordered_set<void*> kept(live_now.begin(), live_now.end());
+    cca::CheckpointDelta delta;
+    delta.ptrs_freed = live_now;
+    for (const auto& [p, a] : state->live) {
+      if (kept.count(p) == 0) {
+        const int st = gpumem_torch_graph_pool_allocate_at(
+            device, {state->id.first, state->id.second}, p, static_cast<ssize_t>(a.size), a.stream);
+        TORCH_CHECK(st == GPUMEM_SUCCESS, "gpumem: restoring a CUDA graph pool to its checkpoint: ",
+                    a.size, " bytes at ", p, " cannot be allocated there again (",
+                    st == -1 ? std::string("the pool is gone") : std::string(gpumem_last_error()),
+                    "); run with torch._inductor.config.triton.cudagraph_trees = False");
+        std::lock_guard lock(live_mutex_);
+        live_.emplace(p, a);
+      }
+      delta.dataptrs_allocd.emplace_back(p, p, &delete_data,
+                                         c10::Device(c10::DeviceType::CUDA, device));
+    }
+    return delta;
   }
 
   // --- IPC -------------------------------------------------------------------------------------

@@ -511,6 +511,24 @@ GPUMEM_API void gpumem_torch_release_pool(int device, gpumem_torch::mempool_id i
   gpumem_torch::release_pool(device, id);
 }
 
+// Allocates `size` at exactly `ptr` in the private pool of (device, id): the allocator's
+// setCheckpointPoolState gives a CUDA graph tree's checkpointed allocations back their
+// addresses. GPUMEM_SUCCESS; -1 for a size under 1 or no private pool of that id on the
+// device; else the pool's status, with the reason in gpumem_last_error.
+GPUMEM_API int gpumem_torch_graph_pool_allocate_at(int device, gpumem_torch::mempool_id id,
+                                                   void* ptr, ssize_t size, void* stream) {
+  if (size <= 0) return -1;
+  bool found = false;
+  const gpumem_status st = gpumem_torch::graph_pool_allocate_at(
+      device, id, ptr, static_cast<size_t>(size), stream, &found);
+  if (!found) return -1;
+  if (st == GPUMEM_SUCCESS) {
+    count_allocation(device, nullptr, static_cast<std::uint64_t>(size));
+    record(GPUMEM_TORCH_EVENT_ALLOC, device, ptr, static_cast<std::uint64_t>(size), stream);
+  }
+  return st;
+}
+
 // Private graph pools alive now and the bytes they hold from the driver (for tests).
 GPUMEM_API void gpumem_torch_graph_pools(unsigned long long* pools,
                                          unsigned long long* reserved_bytes,

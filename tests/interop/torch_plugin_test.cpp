@@ -34,6 +34,8 @@ void gpumem_torch_end_allocate_to_pool(int device, mempool_id id);
 void gpumem_torch_release_pool(int device, mempool_id id);
 void gpumem_torch_graph_pools(unsigned long long* pools, unsigned long long* reserved_bytes,
                               unsigned long long* live_allocations);
+int gpumem_torch_graph_pool_allocate_at(int device, mempool_id id, void* ptr, ssize_t size,
+                                        void* stream);
 }
 
 namespace {
@@ -280,6 +282,42 @@ TEST(TorchPlugin, GraphPoolBytesCountInReservedAndItsPeak) {
   EXPECT_EQ(c.requested_bytes, before.requested_bytes);
   // The peak keeps the bytes the graph held: sampled at its capture.
   EXPECT_GE(c.reserved_bytes_peak, before.reserved_bytes + 4 * MiB);
+}
+
+// A CUDA graph tree's checkpoint restored (the native allocator's setCheckpointPoolState):
+// an allocation freed since the checkpoint is allocated again at its address in the graph's
+// private pool, owned by it (freed as any of its allocations); a live range, a bad size or a
+// pool that is gone is refused.
+TEST(TorchPlugin, AGraphPoolTakesBackAFreedAllocationAtItsAddress) {
+  const mempool_id id{8, 0};
+  gpumem_torch_begin_allocate_to_pool(0, id, [](CUstream_st*) { return true; });
+  void* out = gpumem_torch_malloc(4 * MiB, 0, nullptr);
+  void* scratch = gpumem_torch_malloc(2 * MiB, 0, nullptr);
+  gpumem_torch_end_allocate_to_pool(0, id);
+  ASSERT_TRUE(out != nullptr && scratch != nullptr);
+  auto live_in_graphs = [] {
+    unsigned long long pools = 0, reserved = 0, live = 0;
+    gpumem_torch_graph_pools(&pools, &reserved, &live);
+    return live;
+  };
+  ASSERT_EQ(live_in_graphs(), 2u);
+  gpumem_torch_free(out, 4 * MiB, 0, nullptr);  // a branch freed it
+  EXPECT_EQ(live_in_graphs(), 1u);
+  EXPECT_EQ(gpumem_torch_graph_pool_allocate_at(0, id, scratch, 2 * MiB, nullptr),
+            GPUMEM_ERROR_INVALID_ARGUMENT);  // live
+  EXPECT_EQ(gpumem_torch_graph_pool_allocate_at(0, id, out, 0, nullptr), -1);
+  EXPECT_EQ(gpumem_torch_graph_pool_allocate_at(0, mempool_id{9, 0}, out, 4 * MiB, nullptr), -1);
+  ASSERT_EQ(gpumem_torch_graph_pool_allocate_at(0, id, out, 4 * MiB, nullptr), GPUMEM_SUCCESS)
+      << gpumem_last_error();
+  EXPECT_EQ(live_in_graphs(), 2u);
+  gpumem_torch_free(out, 4 * MiB, 0, nullptr);  // the graph pool's, freed there
+  gpumem_torch_free(scratch, 2 * MiB, 0, nullptr);
+  EXPECT_EQ(live_in_graphs(), 0u);
+  gpumem_torch_release_pool(0, id);
+  unsigned long long pools = 0;
+  gpumem_torch_graph_pools(&pools, nullptr, nullptr);
+  EXPECT_EQ(pools, 0u);
+  EXPECT_EQ(gpumem_torch_graph_pool_allocate_at(0, id, out, 4 * MiB, nullptr), -1);  // gone
 }
 
 // CUDA IPC handles (the native allocator's shareIpcHandle / getIpcDevPtr): a live tensor's
