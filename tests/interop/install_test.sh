@@ -25,9 +25,12 @@ done
 "$prefix/bin/gpumem" --help >/dev/null || { echo "FAIL: the installed tool does not run"; exit 1; }
 # The plug-in exports the C API and its entry points only.
 if command -v nm >/dev/null; then
-  stray=$(nm -D --defined-only "$libdir/libgpumem_torch.so" | awk '{print $3}' | grep -v '^gpumem_' || true)
+  # The symbol list read whole first: `grep -q` reading nm's pipe would stop nm early
+  # (SIGPIPE, a failure under pipefail).
+  syms=$(nm -D --defined-only "$libdir/libgpumem_torch.so" | awk '{print $3}')
+  stray=$(grep -v '^gpumem_' <<<"$syms" || true)
   [ -z "$stray" ] || { echo "FAIL: libgpumem_torch.so exports more than gpumem_*: $stray"; exit 1; }
-  nm -D --defined-only "$libdir/libgpumem_torch.so" | grep -q ' gpumem_torch_malloc$' \
+  grep -qx 'gpumem_torch_malloc' <<<"$syms" \
     || { echo "FAIL: gpumem_torch_malloc not exported"; exit 1; }
 fi
 
