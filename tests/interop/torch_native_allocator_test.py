@@ -185,6 +185,38 @@ class GraphsAndPools(unittest.TestCase):
                         "two compiled functions, 4 calls each, equal to eager")
         self.assertTrue(ok)
 
+    def test_graph_trees_that_branch_restore_their_checkpoint(self):
+        # One function, then either of two (a training and an evaluation path): recording
+        # the second branch restores the tree's pool to its state after the first function
+        # (setCheckpointPoolState, allocations freed since made again at their addresses).
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                    torch.nn.Linear(256, 256)).cuda()
+        f = torch.compile(lambda x: model(x), mode="reduce-overhead")
+        g = torch.compile(lambda y: y * 2 + 1, mode="reduce-overhead")
+        h = torch.compile(lambda y: torch.tanh(y) - 1, mode="reduce-overhead")
+        x = torch.randn(32, 256, device="cuda")
+        worst = 0.0
+        with torch.no_grad():
+            for i in range(8):
+                torch.compiler.cudagraph_mark_step_begin()
+                y = f(x)
+                out = (g(y) if i % 2 == 0 else h(y)).clone()
+                eager = model(x)
+                ref = eager * 2 + 1 if i % 2 == 0 else torch.tanh(eager) - 1
+                worst = max(worst, float((out - ref).abs().max()))
+        restores = None
+        try:
+            from torch._inductor import cudagraph_trees
+            manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
+            restores = getattr(manager, "debug_checkpointing_counter", None)
+        except Exception:  # pylint: disable=broad-except  (an internal that may move)
+            pass
+        ok = worst < 1e-3 and (restores is None or restores > 0)
+        _results.record("torch.compile(mode='reduce-overhead'), a graph tree that branches", ok,
+                        "max |compiled - eager| = %.3g over 8 steps, checkpoint restores %s"
+                        % (worst, restores))
+        self.assertTrue(ok)
+
     def test_mempool_over_gpumem(self):
         pool = torch.cuda.MemPool()
         live_before = gpumem.torch.graph_pools()["live_allocations"]
