@@ -227,6 +227,17 @@ void block_arena::add_region(std::uintptr_t addr, std::size_t size, std::uint32_
   rebin(keep);
 }
 
+[[gnu::always_inline]] inline block* block_arena::hand_out(block* b, std::uintptr_t stream,
+                                                          std::size_t requested) noexcept {
+  b->st = block::state::allocated;
+  b->stream = stream;
+  b->requested = requested;
+  ++allocated_blocks_;
+  allocated_bytes_ += b->size;
+  requested_bytes_ += requested;
+  return b;
+}
+
 [[gnu::always_inline]] inline block* block_arena::take(block* b, std::size_t size, std::size_t alignment,
                          std::uintptr_t stream, std::size_t requested) {
   const std::uintptr_t aligned = align_up(b->addr, alignment);
@@ -248,13 +259,7 @@ void block_arena::add_region(std::uintptr_t addr, std::size_t size, std::uint32_
   } else {
     erase_free(b);
   }
-  b->st = block::state::allocated;
-  b->stream = stream;
-  b->requested = requested;
-  ++allocated_blocks_;
-  allocated_bytes_ += b->size;
-  requested_bytes_ += requested;
-  return b;
+  return hand_out(b, stream, requested);
 }
 
 block* block_arena::allocate(std::size_t size, std::size_t alignment, std::uintptr_t stream,
@@ -314,13 +319,7 @@ block* block_arena::take_at(std::uintptr_t addr, std::size_t size, std::uintptr_
     insert_free(front);
   }
   if (b->size > size) insert_free(cut_after(b, b->addr + size));
-  b->st = block::state::allocated;
-  b->stream = stream;
-  b->requested = requested;
-  ++allocated_blocks_;
-  allocated_bytes_ += b->size;
-  requested_bytes_ += requested;
-  return b;
+  return hand_out(b, stream, requested);
 }
 
 block* block_arena::allocate_from_other_streams(std::size_t size, std::size_t alignment,

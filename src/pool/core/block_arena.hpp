@@ -281,6 +281,9 @@ class block_arena {
   // A new record for b's first `len` bytes, linked before b, which now starts `len` later;
   // the caller sets its state and stream (b's index entry and counts are unchanged).
   block* cut_before(block* b, std::size_t len);
+  // Marks b (out of the free index already) allocated on `stream` for `requested` bytes,
+  // and counts it.
+  block* hand_out(block* b, std::uintptr_t stream, std::size_t requested) noexcept;
   // Splits b so it starts at `at` (front part returned to the free index).
   block* take(block* b, std::size_t size, std::size_t alignment, std::uintptr_t stream,
               std::size_t requested);
