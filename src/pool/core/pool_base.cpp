@@ -290,7 +290,13 @@ void* pool_base::allocate_locked(std::size_t bytes, std::size_t alignment, strea
   detail::block* b = a.allocate(size, alignment, stream.value, bytes, split_limit(size));
   if (b == nullptr) b = allocate_slow(id, size, alignment, stream, bytes);
   if (hints_ != nullptr && b->arena_id != small_arena) hints_->on_placed(hint, b);
-  // Its owner holding the pool mutex: no other thread can touch `mine` (thread_cache.hpp).
+  return hand_out_locked(mine, b, bytes, stream);
+}
+
+// Its owner holding the pool mutex: no other thread can touch `mine` (thread_cache.hpp).
+[[gnu::always_inline]] inline void* pool_base::hand_out_locked(detail::thread_cache& mine,
+                                                             detail::block* b, std::size_t bytes,
+                                                             stream_handle stream) {
   mine.live.insert_new(b->addr, {b, bytes});
   mine.allocations += 1;
   count<true, true>(mine, bytes, b->size);
@@ -314,11 +320,7 @@ void* pool_base::allocate_at(void* ptr, std::size_t bytes, stream_handle stream)
                            hex_address(addr) + " are not free in one block of the '" +
                            std::string(name()) + "' pool (allocated, given back, or never "
                            "its memory)");
-  mine.live.insert_new(b->addr, {b, bytes});
-  mine.allocations += 1;
-  count<true, true>(mine, bytes, b->size);
-  notify(pool_event_kind::alloc, b->addr, bytes, stream.value);
-  return ptr;
+  return hand_out_locked(mine, b, bytes, stream);
 }
 
 template <bool locked>

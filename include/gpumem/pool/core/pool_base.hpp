@@ -383,6 +383,10 @@ class pool_base : public memory_resource {
 
   // mine_if_known: this thread's cache when the caller found it (else it is looked up, or
   // made, under the lock).
+  // Records b, just allocated for `bytes` on `stream`, live in `mine`: counted, observed;
+  // returns its address. REQUIRES: mutex_ held.
+  void* hand_out_locked(detail::thread_cache& mine, detail::block* b, std::size_t bytes,
+                        stream_handle stream);
   void* allocate_locked(std::size_t bytes, std::size_t alignment, stream_handle stream,
                         detail::thread_cache* mine_if_known);
   void deallocate_locked(std::uintptr_t addr, std::size_t bytes, stream_handle stream);
