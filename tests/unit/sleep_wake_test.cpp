@@ -127,6 +127,73 @@ TEST_F(SleepWake, OffloadReleasesEveryPageAndWakeRestoresBytesAtTheSameAddresses
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
 }
 
+// Wake maps side-by-side released pages as one handle each up to a huge growth's handle
+// size (32 pages here) in footprint:fast: 40 one-page chunks wake with 2 handles, one map
+// and one access grant each, bytes intact at the same addresses; the merged handles go
+// back whole once their pages are free. footprint:tight wakes one handle per chunk.
+TEST_F(SleepWake, WakeMapsAdjacentPagesAsFewHandlesInFastMode) {
+  for (footprint_mode mode : {footprint_mode::fast, footprint_mode::tight}) {
+    SCOPED_TRACE(mode == footprint_mode::fast ? "fast" : "tight");
+    pool_options o;
+    o.footprint = mode;
+    vmm_page_pool untagged(sim, 0, o);
+    tagged_pool pool(untagged, o);
+    std::vector<allocation> tagged;
+    for (unsigned i = 0; i < 40; ++i) tagged.push_back({pool.allocate(2 * MiB, 256, {}, 1), 2 * MiB, i});
+    for (auto& a : tagged) write_pattern(a.p, a.bytes, a.seed);
+    const std::size_t reserved = pool.tag_stats(1).reserved_bytes;
+    ASSERT_EQ(reserved, 80 * MiB);
+    const std::size_t used = sim.used_bytes(0);
+
+    for (sleep_mode sm : {sleep_mode::offload, sleep_mode::offload, sleep_mode::discard}) {
+      pool.sleep(1, sm);
+      const auto creates = calls(platform_op::create_physical);
+      const auto maps = calls(platform_op::map);
+      const auto grants = calls(platform_op::set_access);
+      pool.wake(1);
+      const std::uint64_t handles = mode == footprint_mode::fast ? 2 : 40;
+      EXPECT_EQ(calls(platform_op::create_physical) - creates, handles);
+      EXPECT_EQ(calls(platform_op::map) - maps, handles);
+      EXPECT_EQ(calls(platform_op::set_access) - grants, handles);
+      EXPECT_EQ(sim.used_bytes(0), used);
+      EXPECT_EQ(pool.tag_stats(1).reserved_bytes, reserved);
+      if (sm == sleep_mode::offload) expect_patterns(tagged);
+      EXPECT_TRUE(pool.is_valid()) << pool.validate();
+    }
+    // Half the blocks freed: a merged handle keeps its pages while any is in use; all
+    // freed, every page goes back.
+    for (std::size_t i = 0; i < tagged.size(); i += 2) pool.deallocate(tagged[i].p, tagged[i].bytes);
+    pool.trim();
+    EXPECT_EQ(pool.tag_stats(1).reserved_bytes, mode == footprint_mode::fast ? reserved : reserved / 2);
+    EXPECT_TRUE(pool.is_valid()) << pool.validate();
+    for (std::size_t i = 1; i < tagged.size(); i += 2) pool.deallocate(tagged[i].p, tagged[i].bytes);
+    tagged.clear();
+    pool.trim();
+    EXPECT_EQ(pool.tag_stats(1).reserved_bytes, 0u);
+    EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  }
+}
+
+// A wake whose merged handle cannot be had (the device is out of memory for it) wakes the
+// pages one by one where they fit, and otherwise fails as before: bytes kept on the host.
+TEST_F(SleepWake, WakeFallsBackToOneHandlePerChunkWhenTheMergedOneFails) {
+  vmm_page_pool untagged(sim);
+  tagged_pool pool(untagged, {});
+  std::vector<allocation> tagged;
+  for (unsigned i = 0; i < 8; ++i) tagged.push_back({pool.allocate(2 * MiB, 256, {}, 1), 2 * MiB, i});
+  for (auto& a : tagged) write_pattern(a.p, a.bytes, a.seed);
+  pool.sleep(1, sleep_mode::offload);
+  const auto creates = calls(platform_op::create_physical);
+  sim.inject_fault(platform_op::create_physical, sim_fault{1, false, 0.0, failure_kind::out_of_memory});
+  pool.wake(1);
+  sim.clear_faults();
+  EXPECT_EQ(calls(platform_op::create_physical) - creates, 1u + 8u);
+  EXPECT_FALSE(pool.asleep(1));
+  expect_patterns(tagged);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  free_all(pool, tagged);
+}
+
 TEST_F(SleepWake, SleepingMemoryFaultsLikeAnIllegalAddress) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   vmm_page_pool untagged(sim);

@@ -414,6 +414,9 @@ class vmm_page_pool final : public pool_base {
   void retire_sleeping_locked(std::span<const std::uint32_t> ids);
   void release_sleeping_chunk_locked(std::uint32_t id);
   void wake_chunk_locked(std::uint32_t id, stream_handle stream);
+  std::size_t wake_run_length_locked(std::span<const std::uint32_t> order, std::size_t i,
+                                     const std::vector<bool>& alone) const;
+  bool wake_run_locked(std::span<const std::uint32_t> run, stream_handle stream);
 };
 
 }  // namespace gpumem
