@@ -313,18 +313,97 @@ TEST_F(SleepWake, TagOfFindsTheRangeAmongManyTags) {
   }
 }
 
-TEST_F(SleepWake, FreeWhileAsleepIsAllowedAndItsPagesAreGivenBack) {
+// Frees while asleep are allowed. footprint:tight gives the freed block's pages back at
+// wake; footprint:fast keeps them as cache (mapped again at wake), unless a trim while
+// asleep dropped the cache, and then wake maps only the pages in use.
+TEST_F(SleepWake, FreeWhileAsleepIsAllowedAndItsPagesAreCacheOrGivenBack) {
+  for (footprint_mode mode : {footprint_mode::fast, footprint_mode::tight})
+    for (bool trim_asleep : {false, true}) {
+      SCOPED_TRACE(std::string(mode == footprint_mode::fast ? "fast" : "tight") +
+                   (trim_asleep ? ", trimmed while asleep" : ""));
+      pool_options o;
+      o.footprint = mode;
+      vmm_page_pool untagged(sim, 0, o);
+      tagged_pool pool(untagged, o);
+      void* keep = pool.allocate(8 * MiB, 256, {}, 1);
+      void* drop = pool.allocate(8 * MiB, 256, {}, 1);
+      write_pattern(keep, 8 * MiB, 3);
+      pool.sleep(1, sleep_mode::offload);
+      pool.deallocate(drop, 8 * MiB);
+      if (trim_asleep) pool.trim();
+      EXPECT_TRUE(pool.is_valid()) << pool.validate();
+      pool.wake(1);
+      const bool cached = mode == footprint_mode::fast && !trim_asleep;
+      EXPECT_EQ(pool.tag_stats(1).reserved_bytes, cached ? 16 * MiB : 8 * MiB);
+      EXPECT_TRUE(has_pattern(keep, 8 * MiB, 3));
+      EXPECT_TRUE(pool.is_valid()) << pool.validate();
+      // The address space of dropped cache serves the tag again.
+      void* again = pool.allocate(8 * MiB, 256, {}, 1);
+      EXPECT_EQ(pool.tag_stats(1).reserved_bytes, 16 * MiB);
+      pool.deallocate(again, 8 * MiB);
+      pool.deallocate(keep, 8 * MiB);
+      EXPECT_TRUE(pool.is_valid()) << pool.validate();
+    }
+}
+
+// footprint:fast keeps free memory across a sleep as cache: released uncopied (the host
+// block holds the bytes in use only), mapped again by wake in few handles, so the same
+// work after the wake makes no driver call; tight gives it back before the sleep.
+TEST_F(SleepWake, FastSleepKeepsTheCacheAndTheWorkAfterWakeMakesNoDriverCall) {
   vmm_page_pool untagged(sim);
   tagged_pool pool(untagged, {});
-  void* keep = pool.allocate(8 * MiB, 256, {}, 1);
-  void* drop = pool.allocate(8 * MiB, 256, {}, 1);
-  write_pattern(keep, 8 * MiB, 3);
+  void* state = pool.allocate(6 * MiB, 256, {}, 1);
+  write_pattern(state, 6 * MiB, 5);
+  auto step = [&] {  // transient blocks: 20 MiB, freed at the step's end
+    void* a = pool.allocate(12 * MiB, 256, {}, 1);
+    void* b = pool.allocate(8 * MiB, 256, {}, 1);
+    pool.deallocate(b, 8 * MiB);
+    pool.deallocate(a, 12 * MiB);
+  };
+  step();
+  const std::size_t reserved = pool.tag_stats(1).reserved_bytes;
+  ASSERT_GE(reserved, 26 * MiB);
+  const std::size_t used = sim.used_bytes(0);
   pool.sleep(1, sleep_mode::offload);
-  pool.deallocate(drop, 8 * MiB);
+  EXPECT_EQ(sim.used_bytes(0), used - reserved);
+  EXPECT_EQ(pool.host_bytes(1), 6 * MiB);  // the bytes in use only
   pool.wake(1);
-  EXPECT_EQ(pool.tag_stats(1).reserved_bytes, 8 * MiB);
-  EXPECT_TRUE(has_pattern(keep, 8 * MiB, 3));
-  pool.deallocate(keep, 8 * MiB);
+  EXPECT_EQ(sim.used_bytes(0), used);
+  EXPECT_EQ(pool.tag_stats(1).reserved_bytes, reserved);
+  EXPECT_TRUE(has_pattern(state, 6 * MiB, 5));
+  const auto creates = calls(platform_op::create_physical), maps = calls(platform_op::map);
+  step();
+  EXPECT_EQ(calls(platform_op::create_physical), creates);
+  EXPECT_EQ(calls(platform_op::map), maps);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.deallocate(state, 6 * MiB);
+}
+
+// The cache wakes only where there is room: with the device nearly full, wake restores
+// the bytes in use and the cache that does not fit leaves the pool (no out-of-memory
+// error); the pool grows again on demand afterwards.
+TEST_F(SleepWake, CacheWithoutRoomAtWakeLeavesThePool) {
+  vmm_page_pool untagged(sim);
+  tagged_pool pool(untagged, {});
+  void* state = pool.allocate(6 * MiB, 256, {}, 1);
+  write_pattern(state, 6 * MiB, 9);
+  void* transient = pool.allocate(20 * MiB, 256, {}, 1);
+  pool.deallocate(transient, 20 * MiB);
+  pool.sleep(1, sleep_mode::offload);
+  const std::size_t squat = device_options().capacity - sim.used_bytes(0) - 16 * MiB;
+  void* squatter = pool.allocate(squat, 256, {}, 0);
+  pool.wake(1);
+  EXPECT_FALSE(pool.asleep(1));
+  EXPECT_TRUE(has_pattern(state, 6 * MiB, 9));
+  EXPECT_LE(pool.tag_stats(1).reserved_bytes, 16 * MiB);
+  EXPECT_GE(pool.tag_stats(1).reserved_bytes, 6 * MiB);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.deallocate(squatter, squat);
+  untagged.trim();
+  void* grown = pool.allocate(20 * MiB, 256, {}, 1);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.deallocate(grown, 20 * MiB);
+  pool.deallocate(state, 6 * MiB);
 }
 
 // The fixture's TearDown checks that the device holds nothing afterwards: no handle,

@@ -30,6 +30,7 @@
 #include "gpumem/platform/status_error.hpp"
 #include "gpumem/pool/pinned_host_pool.hpp"
 #include "gpumem/pool/vmm/vmm_page_pool.hpp"
+#include "pool/core/block_arena.hpp"
 #include "pool/vmm/sleep_state.hpp"
 
 namespace gpumem {
@@ -171,8 +172,10 @@ void vmm_page_pool::sleep(sleep_mode mode, stream_handle stream) {
       throw invalid_argument("vmm_page_pool::sleep: already asleep (wake it first)");
     resuming = sleeping_locked();
   }
-  // Free memory needs neither a copy nor a restore: give it back first.
-  if (!resuming) trim();
+  // Free memory needs no copy. footprint:tight gives it back first; footprint:fast keeps
+  // it as cache: released with the rest, uncopied, and mapped again by wake where there
+  // is room, so the work after the wake finds its memory where it left it.
+  if (!resuming && !fast()) trim();
   const std::uint64_t frees = stats().deallocations;
 
   std::lock_guard lock(mutex_);
@@ -180,13 +183,23 @@ void vmm_page_pool::sleep(sleep_mode mode, stream_handle stream) {
     throw invalid_argument("vmm_page_pool::sleep: " + std::to_string(counts_.lent_pages) +
                            " pages are lent out (a KV cache maps them); return them first");
   retire_completed(true);  // no old mapping of a remapped page is left
+  if (fast()) release_spare_locked();  // held unmapped: nothing to keep at an address
   if (sleep_ == nullptr) sleep_ = std::make_unique<detail::vmm_sleep_state>();
   auto& st = *sleep_;
   if (!resuming) {
     st.mode = mode;  // a sleep that failed halfway completes in its own mode
     st.frees_at_sleep = frees;
   }
-  const std::vector<std::uint32_t> ids = chunks_to_sleep_locked();
+  std::vector<std::uint32_t> ids = chunks_to_sleep_locked();
+  std::vector<std::uint32_t> cache;  // footprint:fast: chunks wholly under free blocks
+  if (fast()) {
+    const std::vector<bool> free = free_chunks_locked();
+    std::erase_if(ids, [&](std::uint32_t id) {
+      if (!free[id]) return false;
+      cache.push_back(id);
+      return true;
+    });
+  }
   if (st.mode == sleep_mode::offload) stage_host_copy_locked(ids, resuming, stream);
   if (st.mode == sleep_mode::offload && !ids.empty()) {
     offload_and_retire_locked(ids, stream);
@@ -195,6 +208,10 @@ void vmm_page_pool::sleep(sleep_mode mode, stream_handle stream) {
     if (auto s = device_platform().stream_synchronize(stream); !s)
       throw_cuda_error(s, "vmm_page_pool::sleep: wait for the stream");
     retire_sleeping_locked(ids);
+  }
+  if (!cache.empty()) {
+    synchronize_streams_with_free_blocks();  // work queued before their frees is done
+    retire_sleeping_locked(cache);
   }
   // Chunks an earlier, failed call left unmapped are released now.
   std::vector<std::uint32_t> left;
@@ -336,28 +353,26 @@ void vmm_page_pool::wake(stream_handle stream) {
     std::lock_guard lock(mutex_);
     if (!asleep_locked()) throw invalid_argument("vmm_page_pool::wake: not asleep");
     auto& st = *sleep_;
-    // Address order, so the restoring copies of adjacent chunks could merge on the stream.
+    // Address order, so that side-by-side chunks wake as one handle (wake_runs_locked).
     std::vector<std::uint32_t> ids;
     for (auto& [id, ph] : st.chunks) ids.push_back(id);
     std::sort(ids.begin(), ids.end(),
               [&](std::uint32_t a, std::uint32_t b) { return chunks_[a].mapped_at < chunks_[b].mapped_at; });
-    // Chunks wholly under blocks freed while asleep wake alone, so that the trim below
-    // gives them back instead of keeping them in a merged handle with live pages.
-    std::vector<bool> alone(chunks_.size(), false);
-    if (frees != st.frees_at_sleep)
-      for (const reclaim_candidate& c : reclaim_candidates(true, nullptr, 0))
-        for (std::uint32_t id : c.chunks) alone[id] = true;
-    st.complete = false;  // from here the pool is partly awake until this loop ends
-    const std::span<const std::uint32_t> order(ids);
-    for (std::size_t i = 0; i < order.size();) {
-      const std::size_t n = wake_run_length_locked(order, i, alone);
-      if (n > 1 && wake_run_locked(order.subspan(i, n), stream)) {
-        i += n;
-        continue;
-      }
-      for (const std::size_t end = i + n; i < end; ++i) wake_chunk_locked(order[i], stream);
+    // footprint:fast: the chunks wholly under free blocks are cache (free when the sleep
+    // began, or freed since), woken after the rest and only where there is room.
+    std::vector<std::uint32_t> cache;
+    if (fast()) {
+      const std::vector<bool> free = free_chunks_locked();
+      std::erase_if(ids, [&](std::uint32_t id) {
+        if (!free[id]) return false;
+        cache.push_back(id);
+        return true;
+      });
     }
-    freed_while_asleep = frees != st.frees_at_sleep;
+    st.complete = false;  // from here the pool is partly awake until this call ends
+    wake_runs_locked(ids, stream, true);
+    wake_runs_locked(cache, stream, false);
+    freed_while_asleep = !fast() && frees != st.frees_at_sleep;
     // Every chunk is awake: the host copy is free once the copies on `stream` are done.
     if (st.host != nullptr) {
       st.staging->deallocate(st.host, st.host_bytes, stream);
@@ -366,8 +381,8 @@ void vmm_page_pool::wake(stream_handle stream) {
       st.host_offset.clear();
     }
   }
-  // Blocks freed while asleep were restored with the rest: give their pages back, once
-  // the copies into them are done.
+  // footprint:tight: blocks freed while asleep were restored with the rest: give their
+  // pages back, once the copies into them are done.
   if (freed_while_asleep) {
     if (auto s = device_platform().stream_synchronize(stream); !s)
       throw_cuda_error(s, "vmm_page_pool::wake: wait for the stream");
@@ -375,22 +390,96 @@ void vmm_page_pool::wake(stream_handle stream) {
   }
 }
 
-// How many chunks from order[i] on wake as one handle (wake_run_locked): released ones
-// not marked `alone`,
-// side by side in the address space (and, after offload, in the host block), up to a huge
-// growth's handle size. footprint:fast only: a handle gives its pages back only once all
-// of them are free, and footprint:tight keeps reserved bytes low before it saves driver
-// calls. The chunks a sleep releases held live blocks when it began (the free pages went
-// back first), so a run's handle holds pages in use, not cached ones.
+// Chunk ids (indexing chunks_) wholly under free blocks of the arenas, whatever their
+// streams' work: a sleep releases them uncopied, a wake maps them back as cache.
+std::vector<bool> vmm_page_pool::free_chunks_locked() {
+  std::vector<bool> free(chunks_.size(), false);
+  for (const reclaim_candidate& c : reclaim_candidates(true, nullptr, 0))
+    for (std::uint32_t id : c.chunks) free[id] = true;
+  return free;
+}
+
+// Wakes the sleeping chunks `order` (address order), side-by-side released ones as one
+// handle (wake_run_locked). Live pages (`live`): a failure throws and leaves the rest
+// asleep. Cache: what has no room (the budget's margin, or the device says out of memory)
+// leaves the pool instead (drop_sleeping_cache_locked), so a wake needs room for the live
+// bytes only.
+void vmm_page_pool::wake_runs_locked(std::span<const std::uint32_t> order, stream_handle stream,
+                                     bool live) {
+  const std::size_t budget = budget_locked();
+  const std::size_t room = budget - budget / budget_margin_share;
+  for (std::size_t i = 0; i < order.size();) {
+    const std::size_t n = wake_run_length_locked(order, i, live);
+    const std::span<const std::uint32_t> run = order.subspan(i, n);
+    i += n;
+    if (!live) {
+      std::size_t pages = 0;
+      for (std::uint32_t id : run) pages += chunks_[id].pages;
+      if (reserved_locked() + pages * page_ > room) {
+        drop_sleeping_cache_locked(run);
+        continue;
+      }
+    }
+    if (n > 1 && wake_run_locked(run, stream, live)) continue;
+    for (std::uint32_t id : run) {
+      if (live) {
+        wake_chunk_locked(id, stream, true);
+        continue;
+      }
+      try {
+        wake_chunk_locked(id, stream, false);
+      } catch (const out_of_memory&) {
+        drop_sleeping_cache_locked(std::span<const std::uint32_t>(&id, 1));
+      }
+    }
+  }
+}
+
+// Takes the released cache chunks `ids` out of the pool while it sleeps: their pages leave
+// their free blocks and their address space is free again; no driver call (their physical
+// memory went back when they slept). Chunks not released, or not wholly free, are left.
+std::size_t vmm_page_pool::drop_sleeping_cache_locked(std::span<const std::uint32_t> ids) {
+  using phase = detail::vmm_sleep_state::phase;
+  auto& st = *sleep_;
+  std::vector<bool> drop(chunks_.size(), false);
+  for (std::uint32_t id : ids) {
+    auto it = st.chunks.find(id);
+    drop[id] = it != st.chunks.end() && it->second == phase::released;
+  }
+  std::size_t dropped = 0;
+  for (reclaim_candidate& c : reclaim_candidates(true, nullptr, 0)) {
+    // Top down: carve leaves the free piece below the range it takes.
+    detail::block* b = c.b;
+    for (auto it = c.chunks.rbegin(); it != c.chunks.rend() && b != nullptr; ++it) {
+      if (!drop[*it]) continue;
+      chunk& k = chunks_[*it];
+      const std::size_t first = k.mapped_at, pages = k.pages;
+      b = arena(c.arena_id).carve(b, page_address(first), pages * page_);
+      notify(pool_event_kind::segment_unmap, page_address(first), pages * page_);
+      std::fill_n(page_table_.begin() + static_cast<std::ptrdiff_t>(first), pages, no_chunk);
+      va_insert(first, pages);
+      st.chunks.erase(*it);
+      st.released_pages -= pages;
+      k = chunk{};
+      dropped += pages;
+    }
+  }
+  return dropped * page_;
+}
+
+// How many chunks from order[i] on wake as one handle (wake_run_locked): released ones,
+// side by side in the address space (and, restoring bytes after offload, in the host
+// block), up to a huge growth's handle size. footprint:fast only: a handle gives its pages
+// back only once all of them are free, and footprint:tight keeps reserved bytes low before
+// it saves driver calls. Live pages and cache wake in separate calls (wake()), so a run is
+// all live pages or all free ones.
 std::size_t vmm_page_pool::wake_run_length_locked(std::span<const std::uint32_t> order,
-                                                  std::size_t i,
-                                                  const std::vector<bool>& alone) const {
+                                                  std::size_t i, bool restore) const {
   using phase = detail::vmm_sleep_state::phase;
   const auto& st = *sleep_;
   const std::size_t cap = fast() ? huge_chunk_pages() : 1;
-  auto released = [&](std::uint32_t id) {
-    return st.chunks.at(id) == phase::released && !alone[id];
-  };
+  auto released = [&](std::uint32_t id) { return st.chunks.at(id) == phase::released; };
+  const bool copies = restore && st.mode == sleep_mode::offload;
   if (!released(order[i])) return 1;
   std::size_t n = 1, pages = chunks_[order[i]].pages;
   while (i + n < order.size()) {
@@ -398,8 +487,7 @@ std::size_t vmm_page_pool::wake_run_length_locked(std::span<const std::uint32_t>
     const std::uint32_t id = order[i + n];
     const chunk& c = chunks_[id];
     if (!released(id) || pages + c.pages > cap || c.mapped_at != prev.mapped_at + prev.pages) break;
-    if (st.mode == sleep_mode::offload &&
-        st.host_offset.at(id) != st.host_offset.at(order[i + n - 1]) + prev.pages * page_)
+    if (copies && st.host_offset.at(id) != st.host_offset.at(order[i + n - 1]) + prev.pages * page_)
       break;
     pages += c.pages;
     ++n;
@@ -408,12 +496,13 @@ std::size_t vmm_page_pool::wake_run_length_locked(std::span<const std::uint32_t>
 }
 
 // Wakes the released chunks `run` (wake_run_length_locked) with one new handle: one
-// create, one map, one access grant and one copy for the run instead of one of each per
-// chunk (the grant alone costs ~26-29 us per handle on the H200). The first chunk takes
-// the handle and the run's pages; the others leave the table. False, with nothing changed,
-// where the handle, its mapping, its access or its copy fails: the caller then wakes the
-// chunks one by one, and reports their errors.
-bool vmm_page_pool::wake_run_locked(std::span<const std::uint32_t> run, stream_handle stream) {
+// create, one map, one access grant and one copy (`restore`, after offload) for the run
+// instead of one of each per chunk (the grant alone costs ~26-29 us per handle on the
+// H200). The first chunk takes the handle and the run's pages; the others leave the
+// table. False, with nothing changed, where the handle, its mapping, its access or its
+// copy fails: the caller then wakes the chunks one by one, and reports their errors.
+bool vmm_page_pool::wake_run_locked(std::span<const std::uint32_t> run, stream_handle stream,
+                                    bool restore) {
   platform& p = device_platform();
   auto& st = *sleep_;
   chunk& head = chunks_[run.front()];
@@ -434,13 +523,12 @@ bool vmm_page_pool::wake_run_locked(std::span<const std::uint32_t> run, stream_h
   if (!p.map(va, bytes, fresh, 0)) return undo();
   mapped = true;
   if (!grant_access(va, bytes)) return undo();
-  if (st.mode == sleep_mode::offload &&
+  if (restore && st.mode == sleep_mode::offload &&
       !p.memcpy_async(reinterpret_cast<void*>(va),
                       static_cast<char*>(st.host) + st.host_offset.at(run.front()), bytes, stream))
     return undo();
   for (std::uint32_t id : run.subspan(1)) {
-    chunk& c = chunks_[id];
-    c = chunk{};  // not live: its pages are the head's now
+    chunks_[id] = chunk{};  // not live: its pages are the head's now
     st.chunks.erase(id);
   }
   st.chunks.erase(run.front());
@@ -456,7 +544,7 @@ bool vmm_page_pool::wake_run_locked(std::span<const std::uint32_t> run, stream_h
 // Wakes one sleeping chunk: a fresh handle for a released one (its bytes copied back on
 // `stream` after offload), the kept handle for an unmapped one; mapped and granted access
 // at its address. On failure the chunk keeps its phase.
-void vmm_page_pool::wake_chunk_locked(std::uint32_t id, stream_handle stream) {
+void vmm_page_pool::wake_chunk_locked(std::uint32_t id, stream_handle stream, bool restore) {
   using phase = detail::vmm_sleep_state::phase;
   platform& p = device_platform();
   auto& st = *sleep_;
@@ -500,7 +588,7 @@ void vmm_page_pool::wake_chunk_locked(std::uint32_t id, stream_handle stream) {
     if (ph == phase::released) (void)p.release_physical(fresh);
     throw_cuda_error(s, "vmm_page_pool::wake: grant access to the pages");
   }
-  if (ph == phase::released && st.mode == sleep_mode::offload) {
+  if (ph == phase::released && restore && st.mode == sleep_mode::offload) {
     auto* host = static_cast<char*>(st.host) + st.host_offset.at(id);
     if (auto s = p.memcpy_async(reinterpret_cast<void*>(va), host, bytes, stream); !s) {
       (void)p.unmap(va, bytes);

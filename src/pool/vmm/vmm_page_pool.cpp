@@ -262,9 +262,26 @@ void vmm_page_pool::va_insert(std::size_t first, std::size_t count) {
 }
 
 std::size_t vmm_page_pool::release_cached() {
-  if (sleeping_locked()) return 0;  // sleeping pages hold nothing; wake() trims afterwards
+  if (sleeping_locked()) {
+    // Sleeping pages hold no physical memory: the cache among them leaves the pool, so
+    // wake maps only the pages in use (footprint:tight's wake trims afterwards instead).
+    if (fast()) {
+      const std::vector<bool> free = free_chunks_locked();
+      std::vector<std::uint32_t> ids;
+      for (std::uint32_t id = 0; id < free.size(); ++id)
+        if (free[id]) ids.push_back(id);
+      drop_sleeping_cache_locked(ids);
+    }
+    return 0;
+  }
   reclaim(va_pages_, true);
   retire_completed(true);
+  return release_spare_locked();
+}
+
+// Gives every spare chunk (held, unmapped) back to the driver; one whose release fails
+// stays spare, so the pool stays consistent. Returns the bytes released.
+std::size_t vmm_page_pool::release_spare_locked() {
   std::size_t released = 0;
   std::vector<std::uint32_t> kept;
   for (std::uint32_t id : spare_) {

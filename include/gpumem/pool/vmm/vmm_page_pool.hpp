@@ -100,16 +100,21 @@ class vmm_page_pool final : public pool_base {
   // back, when one is not a handle lent by this pool.
   void return_pages(std::span<const physical_handle> handles);
 
-  // Sleep and wake (src/pool/vmm/sleep_wake.cpp). sleep() gives cached free memory back
-  // (trim), then unmaps every page still mapped and releases its physical memory to the
-  // driver, after copying its bytes to pinned host memory (offload), keeping every virtual
-  // address reserved: reserved_bytes drops to 0. wake() creates new physical pages, maps
-  // them at the same addresses, grants access and copies the offloaded bytes back on
-  // `stream`, ordered before any work queued on `stream` after it. Pointers (and CUDA
-  // graphs that captured them) stay valid across the pair.
+  // Sleep and wake (src/pool/vmm/sleep_wake.cpp). sleep() unmaps every page still mapped
+  // and releases its physical memory to the driver, after copying the bytes of pages in
+  // use to pinned host memory (offload), keeping every virtual address reserved:
+  // reserved_bytes drops to 0. wake() creates new physical pages, maps them at the same
+  // addresses, grants access and copies the offloaded bytes back on `stream`, ordered
+  // before any work queued on `stream` after it. Pointers (and CUDA graphs that captured
+  // them) stay valid across the pair. Free memory: footprint:tight gives it back before it
+  // sleeps; footprint:fast keeps it as cache, released uncopied and mapped again by wake
+  // after the pages in use, where the budget and the device have room (the rest leaves the
+  // pool), so the work after a wake does not grow the pool again.
   // REQUIRES: no allocation from this pool from sleep() until wake() returns (tagged_pool
   // refuses them); before sleep(), work using the memory is queued on `stream` or complete.
-  // Frees while asleep are allowed; wake() gives the pages of blocks freed meanwhile back.
+  // Frees while asleep are allowed: their pages are cache (fast) or given back (tight).
+  // trim() while asleep drops the sleeping cache (footprint:fast), so wake maps only the
+  // pages in use.
   // Throws gpumem::invalid_argument, changing nothing, for a double sleep, a wake without
   // sleep, guard or scrub mode, or pages lent out; gpumem::out_of_memory from wake() when
   // the device (or the limit) lacks room; gpumem::cuda_error when a driver call fails.
@@ -413,10 +418,14 @@ class vmm_page_pool final : public pool_base {
   void copy_to_host_locked(std::span<const std::uint32_t> ids, stream_handle stream);
   void retire_sleeping_locked(std::span<const std::uint32_t> ids);
   void release_sleeping_chunk_locked(std::uint32_t id);
-  void wake_chunk_locked(std::uint32_t id, stream_handle stream);
+  std::vector<bool> free_chunks_locked();
+  std::size_t release_spare_locked();
+  void wake_runs_locked(std::span<const std::uint32_t> order, stream_handle stream, bool live);
+  std::size_t drop_sleeping_cache_locked(std::span<const std::uint32_t> ids);
+  void wake_chunk_locked(std::uint32_t id, stream_handle stream, bool restore);
   std::size_t wake_run_length_locked(std::span<const std::uint32_t> order, std::size_t i,
-                                     const std::vector<bool>& alone) const;
-  bool wake_run_locked(std::span<const std::uint32_t> run, stream_handle stream);
+                                     bool restore) const;
+  bool wake_run_locked(std::span<const std::uint32_t> run, stream_handle stream, bool restore);
 };
 
 }  // namespace gpumem
