@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call that checks the newest GPU paths first: torch's headers copied to $OUT (to build
 # the native allocator against them elsewhere), the native allocator built and its tests run
-# (statistics, graphs, MemPool, CUDA IPC), then examples/rl_colocate.py (RL_ARGS, default:
+# (statistics, graphs, MemPool, CUDA IPC, sleep and sharing; TESTS overrides), then examples/rl_colocate.py (RL_ARGS, default:
 # without the capacity search) in the time left of CALL_SECONDS (default 450). Logs and
 # results go to $OUT.
 cd "$(dirname "$0")/.." || exit 2
@@ -11,7 +11,7 @@ TD=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')
 H=include  # torch's header folders, relative to the torch package
 (cd "$TD" && tar czf "$OUT/torchinc.tgz" $H/c10 $H/torch/headeronly $H/torch/csrc/cuda $H/ATen/cuda 2>&1 | tail -2)
 echo "ptrace_scope $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null) uid $(id -u)"
-BENCH=0 OUT=$OUT TESTS="torch_native_allocator_test torch_graph_test torch_mempool_test" timeout 330 ./scripts/gpu-native.sh 2>&1 | tail -45
+BENCH=0 OUT=$OUT TESTS="${TESTS:-torch_native_allocator_test torch_graph_test torch_mempool_test torch_sleep_share_test}" timeout 330 ./scripts/gpu-native.sh 2>&1 | tail -45
 export PYTHONPATH=$PWD/python GPUMEM_LIB=$PWD/build-gpu/src/interop/libgpumem_torch.so PYTHONDONTWRITEBYTECODE=1
 LEFT=$((${CALL_SECONDS:-450} - (SECONDS - T0)))
 echo "rl: $LEFT s left"
