@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One GPU call that checks the newest GPU paths first: torch's headers copied to $OUT (to build
 # the native allocator against them elsewhere), the native allocator built and its tests run
-# (statistics, graphs, MemPool, CUDA IPC, sleep and sharing; TESTS overrides), then examples/rl_colocate.py (RL_ARGS, default:
-# without the capacity search) in the time left of CALL_SECONDS (default 450). Logs and
-# results go to $OUT.
+# (statistics, graphs, MemPool, CUDA IPC, sleep and sharing; TESTS overrides the list), then
+# examples/rl_colocate.py (RL_ARGS, default: without the capacity search) in the time left of
+# CALL_SECONDS (default 450). Logs and results go to $OUT.
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-$PWD/gpu-validate-out}; mkdir -p "$OUT"
 T0=$SECONDS
