@@ -401,24 +401,34 @@ std::vector<bool> vmm_page_pool::free_chunks_locked() {
 
 // Wakes the sleeping chunks `order` (address order), side-by-side released ones as one
 // handle (wake_run_locked). Live pages (`live`): a failure throws and leaves the rest
-// asleep. Cache: what has no room (the budget's margin, or the device says out of memory)
-// leaves the pool instead (drop_sleeping_cache_locked), so a wake needs room for the live
-// bytes only.
+// asleep. Cache: what has no room leaves the pool instead (drop_sleeping_cache_locked), so
+// a wake needs room for the live bytes only. Room is within the budget's margin (where
+// footprint:fast starts to gather) and leaves the device a 32nd of its memory free: the
+// driver, other libraries and other processes allocate outside the pool, and a cache that
+// fills the device would make their next allocation fail.
 void vmm_page_pool::wake_runs_locked(std::span<const std::uint32_t> order, stream_handle stream,
                                      bool live) {
   const std::size_t budget = budget_locked();
   const std::size_t room = budget - budget / budget_margin_share;
+  std::size_t device_room = static_cast<std::size_t>(-1);
+  if (!live) {
+    if (auto info = device_platform().mem_info(device())) {
+      const std::size_t headroom = info.value().total / budget_headroom_share;
+      device_room = info.value().free > headroom ? info.value().free - headroom : 0;
+    }
+  }
   for (std::size_t i = 0; i < order.size();) {
     const std::size_t n = wake_run_length_locked(order, i, live);
     const std::span<const std::uint32_t> run = order.subspan(i, n);
     i += n;
     if (!live) {
-      std::size_t pages = 0;
-      for (std::uint32_t id : run) pages += chunks_[id].pages;
-      if (reserved_locked() + pages * page_ > room) {
+      std::size_t bytes = 0;
+      for (std::uint32_t id : run) bytes += chunks_[id].pages * page_;
+      if (reserved_locked() + bytes > room || bytes > device_room) {
         drop_sleeping_cache_locked(run);
         continue;
       }
+      device_room -= bytes;
     }
     if (n > 1 && wake_run_locked(run, stream, live)) continue;
     for (std::uint32_t id : run) {
