@@ -49,12 +49,17 @@ class SleepWake : public gpumem_test::sim_pool_test {
     std::size_t bytes;
     unsigned seed;
   };
-  // Allocations of tag 1 in sizes that give one-page and multi-page blocks, shared pages.
+  // Allocations of tag 1 in sizes that give one-page and multi-page blocks, shared pages,
+  // and free pages between them (the tag's cache).
   std::vector<allocation> fill_tag(tagged_pool& pool, std::uint32_t tag) {
     std::vector<allocation> out;
     unsigned seed = 1;
-    for (std::size_t bytes : {6 * MiB, 2 * MiB + 100, 300 * std::size_t{1024}, 20 * MiB, std::size_t{512}})
+    void* freed = nullptr;
+    for (std::size_t bytes : {6 * MiB, 2 * MiB + 100, 300 * std::size_t{1024}, 20 * MiB, std::size_t{512}}) {
       out.push_back({pool.allocate(bytes, 256, {}, tag), bytes, seed++});
+      if (bytes == 300 * std::size_t{1024}) freed = pool.allocate(8 * MiB, 256, {}, tag);
+    }
+    pool.deallocate(freed, 8 * MiB);
     for (auto& a : out) write_pattern(a.p, a.bytes, a.seed);
     return out;
   }

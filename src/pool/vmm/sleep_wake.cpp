@@ -421,7 +421,9 @@ void vmm_page_pool::wake_runs_locked(std::span<const std::uint32_t> order, strea
     const std::size_t n = wake_run_length_locked(order, i, live);
     const std::span<const std::uint32_t> run = order.subspan(i, n);
     i += n;
-    if (!live) {
+    // (A chunk an earlier, failed sleep left unmapped keeps its handle: it maps back with
+    // no new memory.)
+    if (!live && sleep_->chunks.at(run.front()) == detail::vmm_sleep_state::phase::released) {
       std::size_t bytes = 0;
       for (std::uint32_t id : run) bytes += chunks_[id].pages * page_;
       if (reserved_locked() + bytes > room || bytes > device_room) {
