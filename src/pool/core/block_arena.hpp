@@ -208,6 +208,11 @@ class block_arena {
     restricted_segment_ = segment;
     restricted_min_ = min_request;
   }
+  // With `on`, best fit takes the free block that ends the highest region (the top of a
+  // heap that grows upwards in place) only where no other free block fits, so the top's
+  // size, which says only how far the heap has grown yet, decides nothing. The tops of
+  // lower regions (below unmapped holes) are fitted as any block.
+  void keep_top_for_last(bool on) noexcept { top_last_ = on; }
   // Whether free block b may serve a request needing `need` bytes under the restriction.
   bool serves(const block& b, std::size_t need) const noexcept {
     return b.segment != restricted_segment_ || need >= restricted_min_;
@@ -327,6 +332,7 @@ class block_arena {
   std::vector<block*> all_records_;   // every record ever made, for cleanup
   std::uint32_t restricted_segment_ = 0;
   std::size_t restricted_min_ = 0;  // 0: no restriction
+  bool top_last_ = false;  // keep_top_for_last
   std::size_t free_bytes_ = 0;
   std::size_t cached_bytes_ = 0;
   std::size_t allocated_bytes_ = 0;
