@@ -668,9 +668,12 @@ bool inside_some(const std::vector<region_desc>& regions, std::uintptr_t addr, s
   return true;
 }
 
-TEST(BlockArena, RandomizedAgainstAReferenceModel) {
+// With `top_last`, the run checks keep_top_for_last too: a free block that fits (the top
+// included) is never missed.
+void randomized_against_a_reference_model(bool top_last) {
   std::mt19937_64 rng(20240611);
   block_arena a(0, 512, 64);  // a small quick-list cap exercises the automatic flush too
+  a.keep_top_for_last(top_last);
   // Regions 0 and 1 are adjacent in one segment (they link and merge), region 2 is
   // adjacent to 1 in another segment (never merges), region 3 stands apart.
   std::vector<region_desc> regions = {
@@ -798,6 +801,12 @@ TEST(BlockArena, RandomizedAgainstAReferenceModel) {
   EXPECT_EQ(a.validate(), "");
   EXPECT_EQ(a.allocated_bytes(), 0u);
   EXPECT_EQ(a.free_bytes(), region_total);
+}
+
+TEST(BlockArena, RandomizedAgainstAReferenceModel) { randomized_against_a_reference_model(false); }
+
+TEST(BlockArena, RandomizedAgainstAReferenceModelWithTheTopKeptForLast) {
+  randomized_against_a_reference_model(true);
 }
 
 }  // namespace
