@@ -5,7 +5,8 @@
 // bins per power of two, two-level bitmaps: O(1) to find the first bin that can fit, then the
 // smallest block in it, the earliest segment and then the lowest address on ties: segments
 // are numbered in the order their owner made them, so no choice depends on where the host
-// or driver placed one segment relative to another), split on allocation, merged with free address
+// or driver placed one segment relative to another; with keep_top_for_last, the highest
+// region's top only where no other block fits), split on allocation, merged with free address
 // neighbours of the same segment and stream on flush. Freed blocks first go to exact-size
 // quick lists (the hot path: no tree operations); quick lists are flushed into the merged
 // free index when a request misses, so merging happens before the pool ever grows.
