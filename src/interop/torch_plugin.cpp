@@ -302,8 +302,12 @@ namespace {
 // callers expect the out-of-memory cudaMalloc gives (torch.OutOfMemoryError).
 bool larger_than_device(gpumem_pool* pool, size_t size) {
   size_t free_bytes = 0, total = 0;
-  return gpumem_last_status() == GPUMEM_ERROR_INVALID_ARGUMENT &&
+  return gpumem_last_status() == GPUMEM_ERROR_INVALID_ARGUMENT && pool != nullptr &&
          gpumem_device_memory(pool, &free_bytes, &total) == GPUMEM_SUCCESS && size > total;
+}
+// Whether the refusal just made (gpumem_last_status) is an out-of-memory for PyTorch.
+bool refused_for_memory(gpumem_pool* pool, size_t size) {
+  return gpumem_last_status() == GPUMEM_ERROR_OUT_OF_MEMORY || larger_than_device(pool, size);
 }
 }  // namespace
 
@@ -322,8 +326,7 @@ GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
       return ptr;
     }
     why = gpumem_last_error();
-    out_of_memory = gpumem_last_status() == GPUMEM_ERROR_OUT_OF_MEMORY;
-    if (out_of_memory) why = "CUDA out of memory. " + why;
+    out_of_memory = refused_for_memory(pool_for(device), static_cast<size_t>(size));
   } else if (gpumem_pool* pool = pool_for(device); pool == nullptr) {
     why = "gpumem_torch: " + (pool_failure_.empty() ? std::string("pool creation failed")
                                                     : pool_failure_);
@@ -333,11 +336,13 @@ GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
     return ptr;
   } else {
     why = gpumem_last_error();
-    out_of_memory = gpumem_last_status() == GPUMEM_ERROR_OUT_OF_MEMORY ||
-                    larger_than_device(pool, static_cast<size_t>(size));
-    if (out_of_memory)
-      record(GPUMEM_TORCH_EVENT_OOM, device, nullptr, static_cast<std::uint64_t>(size), stream);
-    if (out_of_memory) why = "CUDA out of memory. " + why;
+    out_of_memory = refused_for_memory(pool, static_cast<size_t>(size));
+  }
+  // Out of memory, in a graph's pool or the device's: PyTorch's phrase first, and the
+  // out-of-memory observers hear of it.
+  if (out_of_memory) {
+    record(GPUMEM_TORCH_EVENT_OOM, device, nullptr, static_cast<std::uint64_t>(size), stream);
+    why = "CUDA out of memory. " + why;
   }
   failures_.fetch_add(1, std::memory_order_relaxed);
 #ifdef GPUMEM_TORCH_C10

@@ -126,6 +126,21 @@ TEST(TorchPlugin, ARequestLargerThanTheDeviceIsAnOutOfMemoryAsCudaMallocGives) {
   gpumem_torch_free(p, MiB, 0, nullptr);
 }
 
+// The same inside a graph capture (a request routed to the graph's private pool): the
+// out-of-memory type (the native allocator's observers hear of it by that type) and
+// PyTorch's phrase.
+TEST(TorchPlugin, ARequestLargerThanTheDeviceInAGraphCaptureIsAnOutOfMemoryToo) {
+  size_t free_bytes = 0, total = 0;
+  ASSERT_EQ(gpumem_device_memory(gpumem_torch_pool(0), &free_bytes, &total), GPUMEM_SUCCESS);
+  const mempool_id id{11, 0};
+  gpumem_torch_begin_allocate_to_pool(0, id, [](CUstream_st*) { return true; });
+  const failure f = failure_of(static_cast<ssize_t>(2 * total), 0);
+  gpumem_torch_end_allocate_to_pool(0, id);
+  gpumem_torch_release_pool(0, id);
+  EXPECT_EQ(f.type, out_of_memory_type);
+  EXPECT_EQ(f.what.rfind("CUDA out of memory. ", 0), 0u) << f.what;
+}
+
 TEST(TorchPlugin, ANegativeSizeOrADeviceWithoutAPoolThrowsWithTheReason) {
   const unsigned long long failures = gpumem_torch_failures();
   // None of these is an out-of-memory: a RuntimeError in Python, whatever the build.

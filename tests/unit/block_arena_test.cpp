@@ -74,6 +74,45 @@ TEST(BlockArena, TakeAtAllocatesAnExactRangeOfAFreeBlock) {
   EXPECT_ARENA_VALID(a);
 }
 
+// keep_top_for_last: best fit passes over the free block that ends the highest region (the
+// top a heap grows from) while another free block holds the request, smaller or not; the
+// top serves only what nothing else holds. A lower region's top is fitted as any block.
+// Off, the smaller top wins.
+TEST(BlockArena, TheTopKeptForLastServesOnlyWhatNoOtherFreeBlockHolds) {
+  for (const bool top_last : {false, true}) {
+    block_arena a;
+    a.keep_top_for_last(top_last);
+    a.add_region(base, 100 * MiB, 1, 7);
+    a.add_region(base - 512 * MiB, 10 * MiB, 2, 7);  // a lower region: its top is no heap top
+    block* lower = a.allocate(8 * MiB, 256, 7, 8 * MiB);
+    ASSERT_NE(lower, nullptr);
+    EXPECT_EQ(lower->addr, base - 512 * MiB) << top_last;  // the best fit, a top or not
+    block* low = a.allocate(48 * MiB, 256, 7, 48 * MiB);   // [0, 48)
+    block* mid = a.allocate(12 * MiB, 256, 7, 12 * MiB);   // [48, 60)
+    block* high = a.allocate(12 * MiB, 256, 7, 12 * MiB);  // [60, 72); the top [72, 100) free
+    ASSERT_TRUE(low != nullptr && mid != nullptr && high != nullptr);
+    a.release(low, 7, 1);
+    a.release(high, 7, 2);
+    a.flush();  // free: [0, 48) and the top [60, 100), the smaller
+    block* b = a.allocate(16 * MiB, 256, 7, 16 * MiB);
+    ASSERT_NE(b, nullptr);
+    EXPECT_EQ(b->addr, top_last ? base : base + 60 * MiB) << top_last;
+    // What no other free block holds goes to the top after all: with tops kept for last,
+    // [16, 48) is too small; without, the top [76, 100) is.
+    block* big = a.allocate(36 * MiB, 256, 7, 36 * MiB);
+    ASSERT_NE(big, nullptr);
+    EXPECT_EQ(big->addr, top_last ? base + 60 * MiB : base) << top_last;
+    EXPECT_ARENA_VALID(a);
+    a.release(b, 7, 3);
+    a.release(big, 7, 4);
+    a.release(mid, 7, 5);
+    a.release(lower, 7, 6);
+    a.flush();
+    EXPECT_EQ(sorted_free(a).size(), 2u);  // one block per region
+    EXPECT_ARENA_VALID(a);
+  }
+}
+
 TEST(BlockArena, TheUnitMustBeAPowerOfTwo) {
   // Sizes and addresses are rounded with masks.
   EXPECT_THROW(block_arena(0, 768), std::invalid_argument);
@@ -629,9 +668,12 @@ bool inside_some(const std::vector<region_desc>& regions, std::uintptr_t addr, s
   return true;
 }
 
-TEST(BlockArena, RandomizedAgainstAReferenceModel) {
+// With `top_last`, the run checks keep_top_for_last too: a free block that fits (the top
+// included) is never missed.
+void randomized_against_a_reference_model(bool top_last) {
   std::mt19937_64 rng(20240611);
   block_arena a(0, 512, 64);  // a small quick-list cap exercises the automatic flush too
+  a.keep_top_for_last(top_last);
   // Regions 0 and 1 are adjacent in one segment (they link and merge), region 2 is
   // adjacent to 1 in another segment (never merges), region 3 stands apart.
   std::vector<region_desc> regions = {
@@ -759,6 +801,12 @@ TEST(BlockArena, RandomizedAgainstAReferenceModel) {
   EXPECT_EQ(a.validate(), "");
   EXPECT_EQ(a.allocated_bytes(), 0u);
   EXPECT_EQ(a.free_bytes(), region_total);
+}
+
+TEST(BlockArena, RandomizedAgainstAReferenceModel) { randomized_against_a_reference_model(false); }
+
+TEST(BlockArena, RandomizedAgainstAReferenceModelWithTheTopKeptForLast) {
+  randomized_against_a_reference_model(true);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gpumem/errors.hpp"
@@ -125,6 +126,44 @@ TEST_F(Footprint, FastRepeatsALoopWithoutMovingOrMakingPages) {
     EXPECT_EQ(after.mapped_pages, before.mapped_pages) << "round " << round;
   }
   EXPECT_EQ(pool.stats().reserved_bytes, 80 * MiB);
+}
+
+// A loop whose first pass meets the heap's top free block smaller than a hole below it
+// (the heap has not grown to its full height yet), where its next pass meets it larger:
+// 40, 20 and 20 MiB, the 40 and the last 20 freed, then 16, 60 and 40 MiB. The top is
+// taken only where no other free block holds a request, so both passes place every block
+// at the same address and the second makes no page. (Taking the smaller top for the 16 MiB
+// block, the first pass grows for the 60 MiB one in place and reuses the hole for the
+// 40 MiB one; the second finds the top larger than the hole, puts the 16 MiB block in the
+// hole and grows for the 40 MiB one.)
+TEST_F(Footprint, FastPlacesEachPassOfALoopAsTheLastThoughTheHeapGrewMeanwhile) {
+  vmm_page_pool pool(sim);
+  std::vector<std::uintptr_t> first_pass;
+  for (int pass = 0; pass < 3; ++pass) {
+    const vmm_page_counts before = pool.page_counts();
+    std::vector<std::uintptr_t> at;
+    void* a = pool.allocate(40 * MiB);
+    void* b = pool.allocate(20 * MiB);
+    void* c = pool.allocate(20 * MiB);
+    pool.deallocate(a, 40 * MiB);
+    pool.deallocate(c, 20 * MiB);
+    void* d = pool.allocate(16 * MiB);
+    void* e = pool.allocate(60 * MiB);
+    void* f = pool.allocate(40 * MiB);
+    for (void* p : {b, d, e, f}) at.push_back(reinterpret_cast<std::uintptr_t>(p));
+    fill(f, 40 * MiB, 0x3c);
+    EXPECT_TRUE(holds(f, 40 * MiB, 0x3c));
+    for (auto [p, n] : {std::pair{b, 20 * MiB}, {d, 16 * MiB}, {e, 60 * MiB}, {f, 40 * MiB}})
+      pool.deallocate(p, n);
+    EXPECT_TRUE(pool.is_valid()) << pool.validate();
+    if (pass == 0) {
+      first_pass = at;
+      continue;
+    }
+    EXPECT_EQ(at, first_pass) << "pass " << pass;
+    EXPECT_EQ(pool.page_counts().pages_created, before.pages_created) << "pass " << pass;
+    EXPECT_EQ(pool.page_counts().mapped_pages, before.mapped_pages) << "pass " << pass;
+  }
 }
 
 TEST_F(Footprint, FastGathersWhereNewPagesWouldPassTheBudget) {

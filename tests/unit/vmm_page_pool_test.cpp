@@ -949,3 +949,28 @@ TEST_F(VmmPagePool, ConcurrentThreadsUnderALimitReclaimAndStayCorrect) {
 }
 
 }  // namespace
+
+// Handles made and given back in a loop (a growth, then a trim, as a program that empties
+// the cache every step does) reuse the table's entries: it stays as long as the most
+// handles held at once, so a long-running process's host memory does not grow with it.
+TEST_F(VmmPagePool, TheHandleTableStaysAsLongAsTheMostHandlesHeldAtOnce) {
+  for (footprint_mode mode : {footprint_mode::fast, footprint_mode::tight}) {
+    pool_options o;
+    o.footprint = mode;
+    vmm_page_pool pool(sim, 0, o);
+    std::size_t entries = 0;
+    for (int step = 0; step < 50; ++step) {
+      void* a = pool.allocate(20 * MiB);
+      void* b = pool.allocate(3 * MiB);
+      pool.deallocate(a, 20 * MiB);
+      pool.deallocate(b, 3 * MiB);
+      pool.trim();
+      const vmm_page_counts c = pool.page_counts();
+      EXPECT_EQ(c.handles, 0u);
+      if (step == 0) entries = c.handle_entries;
+      EXPECT_EQ(c.handle_entries, entries) << "step " << step;
+      ASSERT_TRUE(pool.is_valid()) << pool.validate();
+    }
+    EXPECT_GE(pool.page_counts().pages_released, 50u * 12);
+  }
+}

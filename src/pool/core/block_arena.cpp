@@ -115,24 +115,37 @@ inline block* block_arena::best_fit(const size_bins& bins, std::size_t need, boo
   int f, sb;
   size_bins::index(need, f, sb);
   const bool all_serve = any_segment || restricted_min_ == 0 || need >= restricted_min_;
+  auto better = [&](const block* b, const block* than) {
+    return than == nullptr || b->size < than->size || (b->size == than->size && earlier(*b, *than));
+  };
+  block* top = nullptr;  // the highest region's top, where it fits (top_last_)
+  std::uintptr_t highest = 0;  // the highest region end, found at the first top met
+  auto highest_end = [&] {
+    if (highest == 0)
+      region_end_.for_each([&](std::uintptr_t end, block*) { highest = std::max(highest, end); });
+    return highest;
+  };
   auto smallest = [&](block* head, bool check_fit) {
     block* best = nullptr;
     for (block* b = head; b != nullptr; b = b->bin_next) {
       if (check_fit && b->size < need) continue;
       if (!all_serve && b->segment == restricted_segment_) continue;
-      if (best == nullptr || b->size < best->size || (b->size == best->size && earlier(*b, *best)))
-        best = b;
+      if (top_last_ && b->next == nullptr && b->addr + b->size == highest_end()) {
+        top = b;
+        continue;
+      }
+      if (better(b, best)) best = b;
     }
     return best;
   };
   // Blocks in need's own bin may be smaller than need; every block above it fits, and
   // the first non-empty bin above holds the smallest of those (where a bin holds only
-  // restricted blocks, the next one up).
+  // restricted blocks, or the top kept for last, the next one up).
   if (block* b = smallest(bins.heads[f][sb], true)) return b;
   for (block* head = bins.first_above(f, sb); head != nullptr;
        head = bins.first_above(head->bin_level, head->bin_sub))
     if (block* b = smallest(head, false)) return b;
-  return nullptr;
+  return top;
 }
 
 template <class F>

@@ -5,7 +5,8 @@
 // bins per power of two, two-level bitmaps: O(1) to find the first bin that can fit, then the
 // smallest block in it, the earliest segment and then the lowest address on ties: segments
 // are numbered in the order their owner made them, so no choice depends on where the host
-// or driver placed one segment relative to another), split on allocation, merged with free address
+// or driver placed one segment relative to another; with keep_top_for_last, the highest
+// region's top only where no other block fits), split on allocation, merged with free address
 // neighbours of the same segment and stream on flush. Freed blocks first go to exact-size
 // quick lists (the hot path: no tree operations); quick lists are flushed into the merged
 // free index when a request misses, so merging happens before the pool ever grows.
@@ -208,6 +209,11 @@ class block_arena {
     restricted_segment_ = segment;
     restricted_min_ = min_request;
   }
+  // With `on`, best fit takes the free block that ends the highest region (the top of a
+  // heap that grows upwards in place) only where no other free block fits, so the top's
+  // size, which says only how far the heap has grown yet, decides nothing. The tops of
+  // lower regions (below unmapped holes) are fitted as any block.
+  void keep_top_for_last(bool on) noexcept { top_last_ = on; }
   // Whether free block b may serve a request needing `need` bytes under the restriction.
   bool serves(const block& b, std::size_t need) const noexcept {
     return b.segment != restricted_segment_ || need >= restricted_min_;
@@ -327,6 +333,7 @@ class block_arena {
   std::vector<block*> all_records_;   // every record ever made, for cleanup
   std::uint32_t restricted_segment_ = 0;
   std::size_t restricted_min_ = 0;  // 0: no restriction
+  bool top_last_ = false;  // keep_top_for_last
   std::size_t free_bytes_ = 0;
   std::size_t cached_bytes_ = 0;
   std::size_t allocated_bytes_ = 0;

@@ -472,7 +472,7 @@ std::size_t vmm_page_pool::drop_sleeping_cache_locked(std::span<const std::uint3
       va_insert(first, pages);
       st.chunks.erase(*it);
       st.released_pages -= pages;
-      k = chunk{};
+      forget_chunk(*it);
       dropped += pages;
     }
   }
@@ -540,7 +540,7 @@ bool vmm_page_pool::wake_run_locked(std::span<const std::uint32_t> run, stream_h
                       static_cast<char*>(st.host) + st.host_offset.at(run.front()), bytes, stream))
     return undo();
   for (std::uint32_t id : run.subspan(1)) {
-    chunks_[id] = chunk{};  // not live: its pages are the head's now
+    forget_chunk(id);  // its pages are the head's now
     st.chunks.erase(id);
   }
   st.chunks.erase(run.front());

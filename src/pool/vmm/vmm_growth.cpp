@@ -121,7 +121,7 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
   // Physical chunks: kept ones, then reclaimed ones, then new memory.
   std::size_t wanted = ext.first_page != no_page ? ext.pages : pages;
   std::size_t have = spare_pages_for(stream.value);
-  const std::size_t first_new = chunks_.size();
+  const std::uint64_t first_new = made_serial_;
   // Within the growth slack: new pages rather than a gather of scattered free ones (at
   // the limit or on a full device, the gather after all).
   const bool may_create = kind == growth::any;  // held_pages_only: kept and gathered pages
@@ -178,15 +178,15 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
   return true;
 }
 
-void vmm_page_pool::release_new_chunks(std::size_t first_new) {
-  for (std::uint32_t id = static_cast<std::uint32_t>(first_new); id < chunks_.size(); ++id) {
+void vmm_page_pool::release_new_chunks(std::uint64_t first_new) {
+  for (std::uint32_t id = 0; id < chunks_.size(); ++id) {
     chunk& c = chunks_[id];
-    if (!c.live || c.mapped_at != no_page) continue;
+    if (!c.live || c.made <= first_new || c.mapped_at != no_page) continue;
     if (!device_platform().release_physical(c.handle)) continue;
-    c.live = false;
     sub_reserved(c.pages * page_);
     counts_.pages_created -= c.pages;
     std::erase(spare_, id);
+    forget_chunk(id);
   }
 }
 
@@ -195,7 +195,7 @@ void vmm_page_pool::release_new_chunks(std::size_t first_new) {
 // needs all of it. Where only larger chunks are left, an idle one is released and the
 // missing pages made as one-page handles: mapped whole, its extra pages would be free
 // pages pinned by the block placed beside them, which no gather can move.
-bool vmm_page_pool::choose_chunks(std::size_t wanted, std::uintptr_t stream, std::size_t first_new,
+bool vmm_page_pool::choose_chunks(std::size_t wanted, std::uintptr_t stream, std::uint64_t first_new,
                                   std::vector<std::uint32_t>& chosen, std::size_t& covered) {
   std::sort(spare_.begin(), spare_.end(), [&](std::uint32_t a, std::uint32_t b) {
     return chunks_[a].pages < chunks_[b].pages;
@@ -223,10 +223,11 @@ bool vmm_page_pool::choose_chunks(std::size_t wanted, std::uintptr_t stream, std
     }
     if (!big.lent && big.retiring == 0 && big.waiting == 0 &&
         device_platform().release_physical(big.handle)) {
-      big.live = false;
       sub_reserved(big.pages * page_);
       counts_.pages_released += big.pages;
+      const std::uint32_t big_id = *over;
       spare_.erase(over);
+      forget_chunk(big_id);
       if (create_chunks(gap, handle_sizes::one_page)) continue;  // one-page chunks, at the end of spare_
       spare_.insert(spare_.end(), chosen.begin(), chosen.end());
       release_new_chunks(first_new);

@@ -48,6 +48,7 @@ struct vmm_page_counts {
   std::size_t mapped_pages = 0;
   std::size_t spare_pages = 0;        // unmapped physical pages kept for reuse
   std::size_t handles = 0;            // live physical handles
+  std::size_t handle_entries = 0;     // the handle table's length: the most handles held at once
   std::uint64_t pages_created = 0;
   std::uint64_t pages_reclaimed = 0;  // unmapped from free blocks to be remapped elsewhere
   std::uint64_t pages_released = 0;   // given back to the driver
@@ -229,6 +230,7 @@ class vmm_page_pool final : public pool_base {
     std::uint32_t retiring = 0;       // old mappings not yet unmapped (retiring_ runs)
     std::uint32_t waiting = 0;        // of those, ones whose last use may still be running
     std::uintptr_t only_stream = 0;   // while waiting != 0: the one stream that may map it
+    std::uint64_t made = 0;           // made_serial_ when created: which growth made it
   };
   // An old mapping of remapped chunks, unmapped once work on `stream` up to free `epoch`
   // is complete (work_pending false), by the map worker where there is one (queued).
@@ -344,7 +346,7 @@ class vmm_page_pool final : public pool_base {
   extension find_extension(const growth_request& g, bool& retiring_after_run) const;
   // Moves spare chunks this stream may map, covering `wanted` pages, into `chosen`; false
   // (chosen handed back, this growth's new chunks released) when that fails.
-  bool choose_chunks(std::size_t wanted, std::uintptr_t stream, std::size_t first_new,
+  bool choose_chunks(std::size_t wanted, std::uintptr_t stream, std::uint64_t first_new,
                      std::vector<std::uint32_t>& chosen, std::size_t& covered);
   // Takes `covered` pages of free address space for the growth; its first page, or no_page.
   std::size_t place_run(const growth_request& g, const extension& ext, std::size_t covered,
@@ -358,7 +360,10 @@ class vmm_page_pool final : public pool_base {
   result<physical_handle> create_handle(std::size_t bytes);
   bool shareable_refused_ = false;
   // Releases the chunks from `first_new` on that are spare (a failed growth's new ones).
-  void release_new_chunks(std::size_t first_new);
+  // Releases the spare chunks made after made_serial_ was `first_new`.
+  void release_new_chunks(std::uint64_t first_new);
+  std::uint32_t new_chunk_id();
+  void forget_chunk(std::uint32_t id) noexcept;
 
   std::size_t budget_locked() const noexcept;
   // Whether a growth of `pages` pages for a block of `size` gathers free pages before it
@@ -375,7 +380,12 @@ class vmm_page_pool final : public pool_base {
   std::size_t va_pages_ = 0;
   std::vector<std::uint32_t> page_table_;  // per VA page: the chunk mapped there, or no_chunk
   std::vector<std::uint32_t> spare_;       // unmapped live chunks
+  // Chunk ids index chunks_; the id of a chunk that leaves the pool (forget_chunk) is
+  // taken again by the next one made (new_chunk_id), so the table is as long as the most
+  // chunks held at once, not every chunk ever made.
   std::vector<chunk> chunks_;
+  std::vector<std::uint32_t> free_ids_;
+  std::uint64_t made_serial_ = 0;
   std::vector<retiring_run> retiring_;
   struct guarded_allocation {
     std::size_t first_page = 0, pages = 0;  // mapped; first_page + pages is the guard page
