@@ -84,9 +84,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bucket-mib", type=int, default=512, help="baseline: weight sync bucket")
     p.add_argument("--faults", action="store_true", help="layout two: kill / no-room checks")
-    p.add_argument("--backward-in-tag", action="store_true",
-                   help="gpumem layouts: the training step's tag is the process tag too, so "
-                   "autograd's thread allocates in it and no empty_cache() follows a sleep")
+    p.add_argument("--backward-untagged", action="store_true",
+                   help="gpumem layouts: the training step's tag is this thread's only, so "
+                   "autograd's thread allocates untagged and empty_cache() follows each "
+                   "trainer sleep (by default the tag is the process tag too)")
     p.add_argument("--find-max-batch", action="store_true")
     p.add_argument("--cap-gib", type=float, default=14.0, help="capacity: device memory cap")
     p.add_argument("--capacity-layouts", default="one,baseline")
@@ -116,21 +117,22 @@ def forward_args(a, **override):
     out = []
     for k, v in d.items():
         out += ["--" + k.replace("_", "-"), str(v)]
-    if a.backward_in_tag:
-        out.append("--backward-in-tag")
+    if a.backward_untagged:
+        out.append("--backward-untagged")
     return out
 
 
 def train_tag(gt, a):
-    """The scope of a training step: tag "train" for this thread, and with
-    --backward-in-tag for autograd's backward thread too."""
-    return gt.tag("train", all_threads=a.backward_in_tag)
+    """The scope of a training step: tag "train" for this thread and autograd's backward
+    thread (the process tag), unless --backward-untagged."""
+    return gt.tag("train", all_threads=not a.backward_untagged)
 
 
 def drop_untagged_cache(gt, a):
-    """After the trainer's sleep: the backward's untagged blocks (autograd's thread) go
-    back, unless --backward-in-tag put them in the tag, whose sleep gave them back."""
-    if not a.backward_in_tag:
+    """After the trainer's sleep, with --backward-untagged: the backward's untagged blocks
+    (autograd's thread) go back. By default they are the tag's, whose sleep released them
+    and whose wake maps them again as the tag's cache."""
+    if a.backward_untagged:
         gt.empty_cache()
 
 
