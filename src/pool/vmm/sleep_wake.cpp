@@ -191,15 +191,7 @@ void vmm_page_pool::sleep(sleep_mode mode, stream_handle stream) {
     st.frees_at_sleep = frees;
   }
   std::vector<std::uint32_t> ids = chunks_to_sleep_locked();
-  std::vector<std::uint32_t> cache;  // footprint:fast: chunks wholly under free blocks
-  if (fast()) {
-    const std::vector<bool> free = free_chunks_locked();
-    std::erase_if(ids, [&](std::uint32_t id) {
-      if (!free[id]) return false;
-      cache.push_back(id);
-      return true;
-    });
-  }
+  const std::vector<std::uint32_t> cache = take_cache_locked(ids);
   if (st.mode == sleep_mode::offload) stage_host_copy_locked(ids, resuming, stream);
   if (st.mode == sleep_mode::offload && !ids.empty()) {
     offload_and_retire_locked(ids, stream);
@@ -358,17 +350,9 @@ void vmm_page_pool::wake(stream_handle stream) {
     for (auto& [id, ph] : st.chunks) ids.push_back(id);
     std::sort(ids.begin(), ids.end(),
               [&](std::uint32_t a, std::uint32_t b) { return chunks_[a].mapped_at < chunks_[b].mapped_at; });
-    // footprint:fast: the chunks wholly under free blocks are cache (free when the sleep
-    // began, or freed since), woken after the rest and only where there is room.
-    std::vector<std::uint32_t> cache;
-    if (fast()) {
-      const std::vector<bool> free = free_chunks_locked();
-      std::erase_if(ids, [&](std::uint32_t id) {
-        if (!free[id]) return false;
-        cache.push_back(id);
-        return true;
-      });
-    }
+    // The cache (free when the sleep began, or freed since) wakes after the rest and only
+    // where there is room.
+    const std::vector<std::uint32_t> cache = take_cache_locked(ids);
     st.complete = false;  // from here the pool is partly awake until this call ends
     wake_runs_locked(ids, stream, true);
     wake_runs_locked(cache, stream, false);
@@ -397,6 +381,20 @@ std::vector<bool> vmm_page_pool::free_chunks_locked() {
   for (const reclaim_candidate& c : reclaim_candidates(true, nullptr, 0))
     for (std::uint32_t id : c.chunks) free[id] = true;
   return free;
+}
+
+// footprint:fast: moves the chunks of `ids` wholly under free blocks (the pool's cache) out
+// of `ids`, keeping both in order, and returns them; none in footprint:tight.
+std::vector<std::uint32_t> vmm_page_pool::take_cache_locked(std::vector<std::uint32_t>& ids) {
+  std::vector<std::uint32_t> cache;
+  if (!fast()) return cache;
+  const std::vector<bool> free = free_chunks_locked();
+  std::erase_if(ids, [&](std::uint32_t id) {
+    if (!free[id]) return false;
+    cache.push_back(id);
+    return true;
+  });
+  return cache;
 }
 
 // Wakes the sleeping chunks `order` (address order), side-by-side released ones as one

@@ -291,13 +291,10 @@ std::size_t vmm_page_pool::release_cached() {
   if (sleeping_locked()) {
     // Sleeping pages hold no physical memory: the cache among them leaves the pool, so
     // wake maps only the pages in use (footprint:tight's wake trims afterwards instead).
-    if (fast()) {
-      const std::vector<bool> free = free_chunks_locked();
-      std::vector<std::uint32_t> ids;
-      for (std::uint32_t id = 0; id < free.size(); ++id)
-        if (free[id]) ids.push_back(id);
-      drop_sleeping_cache_locked(ids);
-    }
+    std::vector<std::uint32_t> ids(sleep_->chunks.size());
+    std::transform(sleep_->chunks.begin(), sleep_->chunks.end(), ids.begin(),
+                   [](const auto& entry) { return entry.first; });
+    drop_sleeping_cache_locked(take_cache_locked(ids));
     return 0;
   }
   reclaim(va_pages_, true);

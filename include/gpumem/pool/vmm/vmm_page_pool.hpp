@@ -429,6 +429,7 @@ class vmm_page_pool final : public pool_base {
   void retire_sleeping_locked(std::span<const std::uint32_t> ids);
   void release_sleeping_chunk_locked(std::uint32_t id);
   std::vector<bool> free_chunks_locked();
+  std::vector<std::uint32_t> take_cache_locked(std::vector<std::uint32_t>& ids);
   std::size_t release_spare_locked();
   void wake_runs_locked(std::span<const std::uint32_t> order, stream_handle stream, bool live);
   std::size_t drop_sleeping_cache_locked(std::span<const std::uint32_t> ids);
