@@ -20,6 +20,7 @@ import ctypes
 import glob
 import os
 import threading
+import warnings
 
 __all__ = [
     "load", "library_path", "c_library_path", "version", "check_config", "Pool", "Stats",
@@ -432,8 +433,10 @@ def _sleep_mode(mode):
 
 
 class _Closing:
-    """close() by `with` and at garbage collection (where a failure is swallowed: nothing
-    can be raised there)."""
+    """close() by `with` and at garbage collection. Nothing can be raised there: a close
+    refused then (a pool a KV cache still stands on, collected in one cycle with it) is a
+    ResourceWarning naming the object and the reason, and what it held stays held until the
+    process ends."""
 
     def close(self):
         raise NotImplementedError
@@ -447,8 +450,12 @@ class _Closing:
     def __del__(self):
         try:
             self.close()
-        except Exception:  # pylint: disable=broad-except
-            pass
+        except Exception as e:  # pylint: disable=broad-except
+            try:
+                warnings.warn("gpumem: %s not closed at garbage collection: %s"
+                              % (type(self).__name__, e), ResourceWarning, stacklevel=2)
+            except Exception:  # pylint: disable=broad-except
+                pass  # interpreter shutdown: warnings may be gone
 
 
 class Pool(_Closing):

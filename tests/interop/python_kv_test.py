@@ -10,6 +10,7 @@ import gc
 import os
 import sys
 import unittest
+import warnings
 import weakref
 
 os.environ.setdefault("GPUMEM_DEVICE", "sim")
@@ -311,6 +312,18 @@ class KVCacheTest(unittest.TestCase):
         del view
         gc.collect()
         self.assertIsNone(owner())  # destroyed with the last view
+        pool.close()
+
+    def test_a_pool_close_refused_at_garbage_collection_is_a_resource_warning(self):
+        c, pool = make_cache()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            pool.__del__()  # what the collector runs, the cache still standing on the pool
+        self.assertEqual(len(seen), 1)
+        self.assertIs(seen[0].category, ResourceWarning)
+        self.assertRegex(str(seen[0].message), "Pool not closed at garbage collection: .*")
+        c.add_sequence(range(4))  # the pool is intact and open
+        c.close()
         pool.close()
 
     def test_dlpack_capsule_describes_the_view_and_its_deleter_releases_it(self):
