@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One GPU call that checks the newest GPU paths first: torch's headers copied to $OUT with
-# TORCH_HEADERS=1 (to build the native allocator against them elsewhere), the native allocator built and its tests run
-# (statistics, graphs, MemPool, CUDA IPC, sleep and sharing; TESTS overrides the list), then
-# examples/rl_colocate.py (RL_ARGS, default: without the capacity search) in the time left of
-# CALL_SECONDS (default 450). Logs and results go to $OUT.
+# One GPU call that checks the newest GPU paths first: the native allocator built and its tests
+# run (statistics, graphs, MemPool, CUDA IPC, sleep and sharing; TESTS overrides the list),
+# then examples/rl_colocate.py (RL_ARGS, default: without the capacity search) in the time
+# left of CALL_SECONDS (default 450). Results go to $OUT, the logs as one archive (logs.tgz);
+# TORCH_HEADERS=1 adds torch's headers (torchinc.tgz, to build the native allocator against
+# them elsewhere).
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-$PWD/gpu-validate-out}; mkdir -p "$OUT"
 T0=$SECONDS
