@@ -93,9 +93,12 @@ constexpr std::array<pool_option_info, 32> table{{
      "stay within the budget (the smallest of limit, the device's memory less 1/32, and "
      "set_budget): a loop that repeats settles with no driver call. A growth into the last "
      "32nd of the budget gathers free pages as tight does, and large requests are then not "
-     "rounded. tight gathers scattered free pages on every growth they can serve: reserved "
-     "bytes within about 1% of the live bytes, at a map, access grant and unmap per page "
-     "moved in every step, for colocation where reserved bytes must stay low.",
+     "rounded. A tag's sleep keeps its cache (released uncopied, mapped again by the wake "
+     "where there is room) and a wake maps side-by-side pages in handles of up to 64 MiB. "
+     "tight gathers scattered free pages on every growth they can serve: reserved bytes "
+     "within about 1% of the live bytes, at a map, access grant and unmap per page moved in "
+     "every step, for colocation where reserved bytes must stay low; a tag's sleep gives its "
+     "cache back first, and a wake maps a handle per page.",
      "footprint:tight"},
     {"growth_slack", "0",
      "vmm_page_pool with footprint:tight: memory it may hold beyond the peak live bytes, "
