@@ -7,16 +7,24 @@
 //   unmapped -> its handle is released (its bytes are now only on the host)
 //   released -> asleep; wake() creates a handle, maps it, grants access and copies back.
 // Offloaded chunks copy in slices; a slice is unmapped and released once its copies are
-// done, while the next slice copies. Wake queues each chunk's copy as soon as the chunk is
-// mapped, so the copies run under the next chunks' driver calls. A chunk that is mapped is
+// done, while the next slice copies. Wake maps side-by-side released chunks as one handle
+// (a run, up to a huge growth's handle size, footprint:fast) and queues each run's copy as
+// soon as it is mapped, so the copies run under the next runs' driver calls; the run's
+// first chunk takes the handle, the others leave the table. A chunk that is mapped is
 // awake whatever its record says; wake() puts an unmapped chunk (handle still held, bytes
 // intact) back with no copy.
+//
+// The cache (footprint:fast): chunks wholly under free blocks sleep with the rest but are
+// never copied, and wake maps them after the chunks in use, where there is room; the rest
+// leave the pool (drop_sleeping_cache_locked: carved out of their free blocks, their
+// address space free again). footprint:tight trims before it sleeps, so it has none.
 //
 // Invariants (checked by validate_holdings through sleeping_pages_locked()):
 //  - released_pages == sum of the pages of chunks in phase released;
 //  - every chunk with a record is live and keeps its pages in the page table;
-//  - host_offset names, for every chunk the current sleep copied, where its bytes are in
-//    `host` (offload only), until a wake completes and gives `host` back;
+//  - host_offset names, for every chunk the current sleep copied (none of the cache),
+//    where its bytes are in `host` (offload only), until a wake completes and gives
+//    `host` back;
 //  - `staging` holds at most one segment (the block of the last offload sleep, kept for
 //    the next one), so host memory stays flat across sleep / wake cycles of one size.
 #include <algorithm>
