@@ -70,6 +70,28 @@ class SleepWake : public gpumem_test::sim_pool_test {
     for (auto& a : all) pool.deallocate(a.p, a.bytes);
     all.clear();
   }
+  // Tag 1 holding 6 MiB in use (pattern `seed`) and 20 MiB of cache, asleep with offload.
+  static constexpr std::size_t in_use = 6 * MiB, cached = 20 * MiB;
+  void* sleep_with_cache(tagged_pool& pool, unsigned seed) {
+    void* state = pool.allocate(in_use, 256, {}, 1);
+    write_pattern(state, in_use, seed);
+    pool.deallocate(pool.allocate(cached, 256, {}, 1), cached);
+    pool.sleep(1, sleep_mode::offload);
+    return state;
+  }
+  // After a wake that had no room for the cache: the bytes in use only, restored; the pool
+  // valid, and it grows on demand again.
+  void expect_woken_without_cache(tagged_pool& pool, void* state, unsigned seed) {
+    EXPECT_FALSE(pool.asleep(1));
+    EXPECT_TRUE(has_pattern(state, in_use, seed));
+    EXPECT_EQ(pool.tag_stats(1).reserved_bytes, in_use);
+    EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  }
+  void expect_grows_again(tagged_pool& pool) {
+    void* grown = pool.allocate(cached, 256, {}, 1);
+    EXPECT_TRUE(pool.is_valid()) << pool.validate();
+    pool.deallocate(grown, cached);
+  }
 };
 
 TEST_F(SleepWake, TagsNeverSharePagesAndScopedTagRoutes) {
@@ -323,23 +345,14 @@ TEST_F(SleepWake, TagOfFindsTheRangeAmongManyTags) {
 TEST_F(SleepWake, CacheTheDriverRefusesAtWakeLeavesThePool) {
   vmm_page_pool untagged(sim);
   tagged_pool pool(untagged, {});
-  void* state = pool.allocate(6 * MiB, 256, {}, 1);
-  write_pattern(state, 6 * MiB, 4);
-  void* transient = pool.allocate(20 * MiB, 256, {}, 1);
-  pool.deallocate(transient, 20 * MiB);
-  pool.sleep(1, sleep_mode::offload);
+  void* state = sleep_with_cache(pool, 4);
   // The bytes in use wake with the first handle; every later one is refused.
   sim.inject_fault(platform_op::create_physical, sim_fault{2, true, 0.0, failure_kind::out_of_memory});
   pool.wake(1);
   sim.clear_faults();
-  EXPECT_FALSE(pool.asleep(1));
-  EXPECT_TRUE(has_pattern(state, 6 * MiB, 4));
-  EXPECT_EQ(pool.tag_stats(1).reserved_bytes, 6 * MiB);
-  EXPECT_TRUE(pool.is_valid()) << pool.validate();
-  void* grown = pool.allocate(20 * MiB, 256, {}, 1);
-  EXPECT_TRUE(pool.is_valid()) << pool.validate();
-  pool.deallocate(grown, 20 * MiB);
-  pool.deallocate(state, 6 * MiB);
+  expect_woken_without_cache(pool, state, 4);
+  expect_grows_again(pool);
+  pool.deallocate(state, in_use);
 }
 
 // Frees while asleep are allowed. footprint:tight gives the freed block's pages back at
@@ -416,24 +429,15 @@ TEST_F(SleepWake, FastSleepKeepsTheCacheAndTheWorkAfterWakeMakesNoDriverCall) {
 TEST_F(SleepWake, CacheWithoutRoomAtWakeLeavesThePool) {
   vmm_page_pool untagged(sim);
   tagged_pool pool(untagged, {});
-  void* state = pool.allocate(6 * MiB, 256, {}, 1);
-  write_pattern(state, 6 * MiB, 9);
-  void* transient = pool.allocate(20 * MiB, 256, {}, 1);
-  pool.deallocate(transient, 20 * MiB);
-  pool.sleep(1, sleep_mode::offload);
+  void* state = sleep_with_cache(pool, 9);
   const std::size_t squat = device_options().capacity - sim.used_bytes(0) - 16 * MiB;
   void* squatter = pool.allocate(squat, 256, {}, 0);
   pool.wake(1);
-  EXPECT_FALSE(pool.asleep(1));
-  EXPECT_TRUE(has_pattern(state, 6 * MiB, 9));
-  EXPECT_EQ(pool.tag_stats(1).reserved_bytes, 6 * MiB);
-  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  expect_woken_without_cache(pool, state, 9);
   pool.deallocate(squatter, squat);
   untagged.trim();
-  void* grown = pool.allocate(20 * MiB, 256, {}, 1);
-  EXPECT_TRUE(pool.is_valid()) << pool.validate();
-  pool.deallocate(grown, 20 * MiB);
-  pool.deallocate(state, 6 * MiB);
+  expect_grows_again(pool);
+  pool.deallocate(state, in_use);
 }
 
 // The fixture's TearDown checks that the device holds nothing afterwards: no handle,
