@@ -8,9 +8,11 @@ without a copy (docs/RL_COLOCATE.md).
     python examples/rl_colocate.py --layout two --faults
     python examples/rl_colocate.py --find-max-batch --layout baseline --cap-gib 14
 
-Each iteration: the generator makes a batch of rollouts (Hugging Face generate, greedy, over
-gpumem.hf.GpumemCache(attention="contiguous") in the gpumem layouts, transformers' own
-cache in the baseline), the rollouts get random rewards, the trainer takes one AdamW step
+Each iteration: the generator makes a batch of rollouts (Hugging Face generate, greedy; in
+the gpumem layouts over gpumem.hf.GpumemStaticCache with the decode steps in CUDA graphs,
+which transformers compiles for a static cache, the cache and the graphs' memory in tag
+"rollout" and kept at their addresses across its discard sleeps; --decode eager: over
+GpumemCache(attention="contiguous"); transformers' own cache, eager, in the baseline), the rollouts get random rewards, the trainer takes one AdamW step
 on a GRPO policy-gradient loss (group-normalised advantages, activation checkpointing), and
 the generator gets the new weights. The policy is a Llama-shaped model with random weights
 (bf16, ~1.1B parameters by default; no network).
@@ -18,8 +20,8 @@ the generator gets the new weights. The policy is a Llama-shaped model with rand
 Layouts (--layout):
   one       one process. The generator is the trainer's model itself: no weight sync.
             Gradients and AdamW states live in tag "train", offloaded during generation;
-            generate's memory, the KV cache included, lives in tag "rollout", discarded
-            during training.
+            generate's memory, the KV cache and the CUDA graphs' pool included, lives in
+            tag "rollout", discarded during training.
   two       two processes (gpumem.colocate). The trainer's weights live in one allocation
             of the shared tag, mapped by the generator through gpumem.ipc (one descriptor,
             no copy); after each step the trainer records a CUDA interprocess event, which
@@ -88,6 +90,10 @@ def parse_args(argv=None):
                    help="gpumem layouts: the training step's tag is this thread's only, so "
                    "autograd's thread allocates untagged and empty_cache() follows each "
                    "trainer sleep (by default the tag is the process tag too)")
+    p.add_argument("--decode", choices=["graphs", "eager"], default="graphs",
+                   help="gpumem layouts: decode steps in CUDA graphs (generate over "
+                   "gpumem.hf.GpumemStaticCache in tag rollout, compiled by transformers) or "
+                   "eagerly over GpumemCache(attention='contiguous')")
     p.add_argument("--find-max-batch", action="store_true")
     p.add_argument("--cap-gib", type=float, default=14.0, help="capacity: device memory cap")
     p.add_argument("--capacity-layouts", default="one,baseline")
@@ -119,6 +125,7 @@ def forward_args(a, **override):
         out += ["--" + k.replace("_", "-"), str(v)]
     if a.backward_untagged:
         out.append("--backward-untagged")
+    out += ["--decode", a.decode]
     return out
 
 
@@ -207,16 +214,39 @@ def logits_of(torch, model, batch):
     return out
 
 
+_STATIC_CACHES = {}  # the gpumem layouts' decode caches, by (model, rows): kept for the run
+
+
+def static_cache(a, model, rows):
+    """The static cache of `rows` rollouts: made once, in tag "rollout", so its addresses,
+    and the CUDA graphs captured over them, last the whole run while the tag's discard
+    sleep gives its memory back between generations."""
+    key = (id(model), rows)
+    if key not in _STATIC_CACHES:
+        from gpumem.hf import GpumemStaticCache
+        _STATIC_CACHES[key] = GpumemStaticCache(
+            model.config, max_cache_len=a.prompt_len + a.gen_len, tag="rollout")
+    return _STATIC_CACHES[key]
+
+
 def generate(torch, a, model, prompts, use_gpumem):
-    """Greedy rollouts [batch, prompt + gen] of the prompts; gpumem's cache in the gpumem
-    layouts (released at once; its pages are tag "rollout"'s, so the tag's discard sleep
-    gives them back), transformers' default cache in the baseline."""
+    """Greedy rollouts [batch, prompt + gen] of the prompts. The gpumem layouts decode in
+    CUDA graphs over a GpumemStaticCache (--decode graphs: transformers compiles the decode
+    step for a compileable cache; the graphs' memory is tag "rollout"'s, current here), or
+    eagerly over GpumemCache (released at once; its pages are the tag's). The baseline
+    uses transformers' default cache."""
     model.eval()
     prompts = prompts.cuda()
     kwargs = dict(attention_mask=torch.ones_like(prompts), max_new_tokens=a.gen_len,
                   min_new_tokens=a.gen_len, do_sample=False, pad_token_id=0, use_cache=True)
     with torch.no_grad():
-        if use_gpumem:
+        if use_gpumem and a.decode == "graphs":
+            cache = static_cache(a, model, prompts.shape[0])
+            if getattr(cache, "_rl_used", False):
+                cache.reset()  # after the tag's discard wake its bytes are undefined
+            cache._rl_used = True  # pylint: disable=protected-access
+            out = model.generate(prompts, past_key_values=cache, **kwargs)
+        elif use_gpumem:
             from gpumem.hf import GpumemCache
             cache = GpumemCache(model.config, attention="contiguous", tag="rollout",
                                 max_sequence_tokens=a.prompt_len + a.gen_len + 8)
@@ -228,6 +258,12 @@ def generate(torch, a, model, prompts, use_gpumem):
         else:
             out = model.generate(prompts, **kwargs)
     return out
+
+
+def graph_bytes(gt):
+    """Bytes the private pools of CUDA graphs hold from the driver now (0 while the tag they
+    belong to sleeps)."""
+    return int(gt.graph_pools()["reserved_bytes"])
 
 
 def grpo_loss(torch, a, model, seqs, rewards):
@@ -377,6 +413,7 @@ def run_one(a):
             t = sync(torch)
             seqs = generate(torch, a, model, prompts_for(torch, a, vocab, it), True)
             row["generate_s"] = sync(torch) - t
+        row["graph_bytes_generating"] = graph_bytes(gt)
         # The rollouts leave the tag that sleeps next: a sleeping tag's addresses are unmapped.
         seqs = seqs.clone()
         row["tokens_crc"] = crc_of(torch, seqs)
@@ -385,6 +422,7 @@ def run_one(a):
         gt.sleep("rollout", "discard")
         row["rollout_sleep_s"] = sync(torch) - t
         row["sleep_s"] += row["rollout_sleep_s"]
+        row["graph_bytes_training"] = graph_bytes(gt)
         t = sync(torch)
         gt.wake("train")
         row["train_wake_s"] = sync(torch) - t
@@ -522,9 +560,11 @@ def generator_main(a):
         row["sync_s"] = sync(torch) - t
         with gt.tag("rollout"):
             lb, payload = rollout_reply(torch, a, model, batch, msg, row, True)
+        row["graph_bytes_generating"] = graph_bytes(gt)
         t = sync(torch)
         gt.sleep("rollout", "discard")
         row["generator_sleep_s"] = sync(torch) - t
+        row["graph_bytes_training"] = graph_bytes(gt)
         row["logits_bytes"] = len(lb)
         row["generator"] = counts(torch, gt)
         return row, payload
@@ -848,7 +888,10 @@ def summarize(result, skip=WARM_UP):
              sleep_wake_over_pinned_range=[ratios[0], ratios[-1]] if ratios else None,
              logits_equal_all=all(r.get("logits_equal") for r in result["iterations"]),
              logits_max_diff=max(r.get("logits_max_diff") or 0 for r in result["iterations"]),
-             losses=[r["loss"] for r in result["iterations"]])
+             losses=[r["loss"] for r in result["iterations"]],
+             first_generate_s=result["iterations"][0].get("generate_s"),
+             graph_bytes_generating=max(values("graph_bytes_generating") or [0]),
+             graph_bytes_training=max(values("graph_bytes_training") or [0]))
     for side in ("trainer", "generator"):
         series = [r[side] for r in result["iterations"] if side in r]
         if series:

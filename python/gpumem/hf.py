@@ -59,7 +59,7 @@ except ImportError as e:  # torch or transformers missing: the module still impo
     _cu = None
     _IMPORT_ERROR = e
 
-__all__ = ["GpumemCache", "register_paged_attention", "PAGED_ATTENTION"]
+__all__ = ["GpumemCache", "GpumemStaticCache", "register_paged_attention", "PAGED_ATTENTION"]
 
 PAGED_ATTENTION = "gpumem_paged"
 
@@ -535,6 +535,45 @@ class GpumemCache(_Base):
             self._kv.free(s)
         self._seqs = new
         self._step = None
+
+
+_Static = _cu.StaticCache if _cu is not None and hasattr(_cu, "StaticCache") else object
+
+
+class GpumemStaticCache(_Static):
+    """transformers' StaticCache with its tensors in a gpumem tag, for decode in CUDA graphs.
+
+        cache = GpumemStaticCache(model.config, max_cache_len=prompt + new, tag="rollout")
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=new)
+        gpumem.torch.sleep("rollout", "discard")   # the cache's and the graphs' memory go
+        gpumem.torch.wake("rollout"); cache.reset() # back at the same addresses: the graphs
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=new)   # replay
+
+    The cache is compileable, so generate compiles its decode step (transformers' default
+    compile config: CUDA graphs through torch.compile). Its tensors are made at the first
+    update, in `tag` (None: the tag current then), and keep their addresses for the
+    cache's life; the graphs' private memory is the tag that was current at their capture
+    (generate inside `with gpumem.torch.tag(...)`). A discard sleep of the tag gives both
+    back and the wake maps them again where they were, so the captured graphs replay with
+    no new capture. reset() before each generate after a discard wake: the bytes are
+    undefined then, and masked positions must not hold NaN."""
+
+    def __init__(self, config, max_cache_len, *, tag=None, **kwargs):
+        _require()
+        if _Static is object:
+            raise ImportError("gpumem.hf: transformers.cache_utils has no StaticCache "
+                              "(transformers %s)" % _transformers_version())
+        super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
+        self._gpumem_tag = tag
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # The first update of a layer makes its tensors: in the cache's tag. Compiled
+        # steps (the decode) only write into tensors made already.
+        if self._gpumem_tag is None or torch.compiler.is_compiling():
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        import gpumem.torch as gt  # pylint: disable=import-outside-toplevel
+        with gt.tag(self._gpumem_tag):
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 def _dtype_name(dtype):

@@ -679,7 +679,9 @@ def sleep(tag_name, mode="offload", device=None):
     """Gives the tag's device memory back to the driver, keeping every address: 'offload'
     copies the bytes to pinned host memory first, 'discard' drops them (the KV cache).
     Waits for the device's work first. Tensors, pointers and CUDA graphs made before stay
-    valid after wake(); allocating in the tag meanwhile raises gpumem.InvalidArgumentError."""
+    valid after wake(); allocating in the tag meanwhile raises gpumem.InvalidArgumentError.
+    The private memory of CUDA graphs (and MemPools) made inside `with tag(tag_name)`
+    sleeps and wakes with the tag: a graph captured there replays after wake()."""
     import torch  # pylint: disable=import-outside-toplevel
     index = _device_index(device)
     torch.cuda.synchronize(index)
@@ -693,14 +695,20 @@ def sleep(tag_name, mode="offload", device=None):
     if clear is not None:
         clear()
         torch.cuda.synchronize(index)
-    pool(index).sleep(tag_name, mode, _current_stream(index))
+    lib = gpumem.load()
+    gpumem._check(lib, lib.gpumem_torch_sleep(  # pylint: disable=protected-access
+        gpumem._device(index), gpumem.tag_id(tag_name),  # pylint: disable=protected-access
+        gpumem._sleep_mode(mode), _current_stream(index)))  # pylint: disable=protected-access
 
 
 def wake(tag_name, device=None):
     """Maps new pages at the tag's addresses and restores its offloaded bytes, ordered on
-    the current stream before any work queued after it."""
+    the current stream before any work queued after it; the tag's CUDA graph pools too."""
     index = _device_index(device)
-    pool(index).wake(tag_name, _current_stream(index))
+    lib = gpumem.load()
+    gpumem._check(lib, lib.gpumem_torch_wake(  # pylint: disable=protected-access
+        gpumem._device(index), gpumem.tag_id(tag_name),  # pylint: disable=protected-access
+        _current_stream(index)))
 
 
 def tag_stats(tag_name, device=None):

@@ -16,6 +16,7 @@ struct graph_pool {
   int device = 0;
   mempool_id id{};
   gpumem_pool* pool = nullptr;
+  std::uint32_t tag = 0;  // the tag it sleeps and wakes with: its maker's current tag
   std::size_t uses = 0;  // begins not yet released
   std::size_t live = 0;  // allocations not yet freed
 };
@@ -137,6 +138,7 @@ void begin_allocate_to_pool(int device, mempool_id id, capture_filter filter, co
     fresh->device = device;
     fresh->id = id;
     fresh->pool = made;
+    fresh->tag = gpumem_current_tag();
     p = fresh.get();
     pools_.push_back(std::move(fresh));
   }
@@ -170,6 +172,48 @@ void release_pool(int device, mempool_id id) {
   if (p == nullptr || p->uses == 0) return;
   p->uses -= 1;
   destroy_if_unused_locked(p);
+}
+
+namespace {
+// Applies `change` (a sleep or a wake of the pool's memory) to every private pool of
+// (device, tag) for which `wanted(asleep)` holds, in the order they were made; stops at the
+// first failure.
+template <class Wanted, class Change>
+gpumem_status for_tag_pools(int device, std::uint32_t tag, Wanted wanted, Change change,
+                            std::size_t* done) noexcept {
+  *done = 0;
+  std::lock_guard lock(mutex_);
+  for (auto& p : pools_) {
+    if (p->device != device || p->tag != tag) continue;
+    const int asleep = gpumem_tag_asleep(p->pool, 0);
+    if (asleep < 0) return gpumem_last_status();
+    if (!wanted(asleep == 1)) continue;
+    if (const gpumem_status st = change(p->pool); st != GPUMEM_SUCCESS) return st;
+    *done += 1;
+  }
+  return GPUMEM_SUCCESS;
+}
+}  // namespace
+
+gpumem_status sleep_tag_pools(int device, std::uint32_t tag, int mode, void* stream,
+                              std::size_t* slept) noexcept {
+  return for_tag_pools(
+      device, tag, [](bool asleep) { return !asleep; },
+      [&](gpumem_pool* pool) { return gpumem_sleep(pool, 0, mode, stream); }, slept);
+}
+
+gpumem_status wake_tag_pools(int device, std::uint32_t tag, void* stream,
+                             std::size_t* woken) noexcept {
+  return for_tag_pools(
+      device, tag, [](bool asleep) { return asleep; },
+      [&](gpumem_pool* pool) { return gpumem_wake(pool, 0, stream); }, woken);
+}
+
+std::size_t tag_pool_count(int device, std::uint32_t tag) noexcept {
+  std::lock_guard lock(mutex_);
+  return static_cast<std::size_t>(std::count_if(pools_.begin(), pools_.end(), [&](const auto& p) {
+    return p->device == device && p->tag == tag;
+  }));
 }
 
 graph_pool_totals graph_pools_totals(int device) noexcept {

@@ -12,6 +12,10 @@
 //  - several graphs capturing into one id (`pool=`) share one private pool;
 //  - the private pool is destroyed, its memory given back to the driver, once the id is
 //    released as often as it was begun and its last allocation is freed.
+// A private pool belongs to the tag current on the thread that made it (gpumem_current_tag,
+// `with gpumem.torch.tag(...)`): it sleeps and wakes with that tag (sleep_tag_pools,
+// wake_tag_pools), keeping its addresses as the tag's own pages do, so a graph captured
+// inside a tag gives its memory back with the tag's sleep and replays after its wake.
 // A private pool takes the shared pool's configuration with cross-stream reuse by waiting
 // (a stream wait on an event is legal inside a capture, an event query is not), no memory
 // taken up front and none given back while it lives.
@@ -24,6 +28,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <utility>
 #include <vector>
@@ -71,6 +76,19 @@ void defer_free(const deferred_free& f);
 // once no capture runs, else none).
 std::vector<deferred_free> end_allocate_to_pool(int device, mempool_id id);
 void release_pool(int device, mempool_id id);
+
+// Sleeps (mode as gpumem_sleep) every private pool of (device, tag) that is awake, in the
+// order they were made; *slept counts them. GPUMEM_SUCCESS, or the first failure's status
+// (its text in gpumem_last_error): the pools before it sleep, the rest stay awake, and the
+// same call again goes on from there.
+gpumem_status sleep_tag_pools(int device, std::uint32_t tag, int mode, void* stream,
+                              std::size_t* slept) noexcept;
+// Wakes every private pool of (device, tag) that sleeps; *woken counts them. The first
+// failure (out of memory: no room) stops it, as sleep_tag_pools.
+gpumem_status wake_tag_pools(int device, std::uint32_t tag, void* stream,
+                             std::size_t* woken) noexcept;
+// The private pools of (device, tag) alive now.
+std::size_t tag_pool_count(int device, std::uint32_t tag) noexcept;
 
 // Private pools alive now, and the bytes they hold from the driver (for stats and tests).
 struct graph_pool_totals {

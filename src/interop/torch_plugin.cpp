@@ -65,6 +65,7 @@
 
 #include "gpumem/interop/gpumem.h"
 #include "gpumem/interop/gpumem_torch.h"
+#include "interop/c_api_internal.hpp"
 #include "interop/torch_graph_pools.hpp"
 
 #ifdef GPUMEM_TORCH_C10
@@ -80,6 +81,7 @@ std::mutex init_mutex_;
 // Why device d's pool could not be created ("" if it was not tried or succeeded); guarded
 // by init_mutex_. Printed once, thrown by every malloc for d.
 std::array<std::string, max_devices> init_error_{};
+std::array<gpumem_status, max_devices> init_status_{};  // the failed creation's status
 std::atomic<std::uint64_t> failures_{0};
 
 // On stderr, the one place a failure PyTorch cannot see is said.
@@ -189,13 +191,22 @@ std::string pool_config(int device) {
 // gpumem_torch_malloc's exception.
 thread_local std::string pool_failure_;
 
+// pool_for's null: this thread's gpumem error becomes pool_failure_ with `status`, so a
+// caller that returns gpumem_last_status() returns a failure, never success.
+gpumem_pool* no_pool(gpumem_status status) noexcept {
+  (void)gpumem::detail::c_api_fail(status != GPUMEM_SUCCESS ? status : GPUMEM_ERROR_INVALID_ARGUMENT,
+                                   pool_failure_.empty() ? "gpumem_torch: no pool for the device"
+                                                         : pool_failure_.c_str());
+  return nullptr;
+}
+
 gpumem_pool* pool_for(int device) noexcept {
   try {
     if (device < 0 || device >= max_devices) {
       pool_failure_ = "device " + std::to_string(device) + " is out of range (0.." +
                       std::to_string(max_devices - 1) + ")";
       print(pool_failure_.c_str());
-      return nullptr;
+      return no_pool(GPUMEM_ERROR_INVALID_ARGUMENT);
     }
     gpumem_pool* pool = pools_[device].load(std::memory_order_acquire);
     if (pool != nullptr) return pool;
@@ -204,10 +215,11 @@ gpumem_pool* pool_for(int device) noexcept {
     if (pool != nullptr) return pool;
     if (!init_error_[device].empty()) {  // every later call fails the same way: printed once
       pool_failure_ = init_error_[device];
-      return nullptr;
+      return no_pool(init_status_[device]);
     }
     const std::string config = pool_config(device);
     if (gpumem_pool_create(config.c_str(), &pool) != GPUMEM_SUCCESS) {
+      init_status_[device] = gpumem_last_status();
       init_error_[device] = "cannot create the pool for device " + std::to_string(device) +
                             " from '" + config + "': " + gpumem_last_error();
       if (gpumem_last_status() == GPUMEM_ERROR_CUDA)
@@ -216,14 +228,14 @@ gpumem_pool* pool_for(int device) noexcept {
             "simulated device, for tests)";
       pool_failure_ = init_error_[device];
       print(pool_failure_.c_str());
-      return nullptr;
+      return no_pool(init_status_[device]);
     }
     pools_[device].store(pool, std::memory_order_release);
     return pool;
   } catch (...) {
     pool_failure_.clear();  // may throw no more: clear() does not allocate
     print("pool creation failed (host memory or locking)");
-    return nullptr;
+    return no_pool(GPUMEM_ERROR_INTERNAL);
   }
 }
 
@@ -514,6 +526,58 @@ GPUMEM_API void gpumem_torch_end_allocate_to_pool(int device, gpumem_torch::memp
 
 GPUMEM_API void gpumem_torch_release_pool(int device, gpumem_torch::mempool_id id) {
   gpumem_torch::release_pool(device, id);
+}
+
+namespace {
+// Whether `tag` of the device's pool was ever allocated in (a sleep or wake of one never
+// used is refused by gpumem_sleep).
+bool tag_used(gpumem_pool* pool, uint32_t tag) {
+  gpumem_stats s{};
+  return gpumem_tag_stats(pool, tag, &s) == GPUMEM_SUCCESS && s.allocations != 0;
+}
+}  // namespace
+
+// A tag of the device's pool and the private pools (CUDA graphs, MemPools) made under it
+// sleep together (torch_graph_pools.hpp): the device's part first, then the private pools.
+// Refusals and failures are gpumem_sleep's; a call that fails halfway leaves the parts
+// before the failure asleep, and the same call again puts the rest to sleep. A call with
+// nothing left awake is refused as gpumem_sleep refuses a second sleep.
+GPUMEM_API int gpumem_torch_sleep(int device, uint32_t tag, int mode, void* stream) {
+  gpumem_pool* pool = pool_for(device);
+  if (pool == nullptr) return gpumem_last_status();
+  const std::size_t privates = gpumem_torch::tag_pool_count(device, tag);
+  if (privates == 0 || tag == GPUMEM_TAG_SHARED || (mode != GPUMEM_SLEEP_OFFLOAD && mode != GPUMEM_SLEEP_DISCARD))
+    return gpumem_sleep(pool, tag, mode, stream);
+  const int asleep = gpumem_tag_asleep(pool, tag);
+  if (asleep < 0) return gpumem_last_status();
+  bool any = false;
+  if (asleep == 0 && tag_used(pool, tag)) {
+    if (const gpumem_status st = gpumem_sleep(pool, tag, mode, stream); st != GPUMEM_SUCCESS)
+      return st;
+    any = true;
+  }
+  std::size_t slept = 0;
+  const gpumem_status st = gpumem_torch::sleep_tag_pools(device, tag, mode, stream, &slept);
+  if (st != GPUMEM_SUCCESS || any || slept != 0) return st;
+  return gpumem_sleep(pool, tag, mode, stream);  // nothing was awake: its refusal
+}
+
+// Wakes what gpumem_torch_sleep put to sleep: the device's part first, then the private
+// pools. Out of memory (no room) stops it with the rest still asleep and their bytes
+// kept; the same call again goes on. A call with nothing asleep is refused as gpumem_wake
+// refuses a wake of a tag that does not sleep.
+GPUMEM_API int gpumem_torch_wake(int device, uint32_t tag, void* stream) {
+  gpumem_pool* pool = pool_for(device);
+  if (pool == nullptr) return gpumem_last_status();
+  if (gpumem_torch::tag_pool_count(device, tag) == 0) return gpumem_wake(pool, tag, stream);
+  const int asleep = gpumem_tag_asleep(pool, tag);
+  if (asleep < 0) return gpumem_last_status();
+  if (asleep == 1)
+    if (const gpumem_status st = gpumem_wake(pool, tag, stream); st != GPUMEM_SUCCESS) return st;
+  std::size_t woken = 0;
+  const gpumem_status st = gpumem_torch::wake_tag_pools(device, tag, stream, &woken);
+  if (st != GPUMEM_SUCCESS || asleep == 1 || woken != 0) return st;
+  return gpumem_wake(pool, tag, stream);  // nothing was asleep: its refusal
 }
 
 // Allocates `size` at exactly `ptr` in the private pool of (device, id): the allocator's

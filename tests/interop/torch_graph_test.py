@@ -119,6 +119,38 @@ class CudaGraphs(unittest.TestCase):
                 "private reserved %d -> %d bytes" % (held["reserved_bytes"], after["reserved_bytes"]))
         self.assertTrue(ok)
 
+    def test_a_graph_captured_in_a_tag_sleeps_and_wakes_with_it(self):
+        # The rollout's decode graphs: captured inside a tag, their private memory goes back
+        # to the driver with the tag's discard sleep and comes back at the same addresses
+        # with its wake, so the same graph replays, with eager's results, after the wake.
+        model = _mlp(1024, 3).eval()
+        base = gpumem.torch.graph_pools()["reserved_bytes"]  # other graphs' pools
+        with gpumem.torch.tag("graph-sleep"):
+            x = torch.randn(64, 1024, device="cuda")
+            with torch.no_grad():
+                g, out = _capture(model, x)
+        held = gpumem.torch.graph_pools()["reserved_bytes"]
+        gpumem.torch.sleep("graph-sleep", "discard")
+        asleep = gpumem.torch.graph_pools()["reserved_bytes"]
+        # Memory for something else while it sleeps, as the trainer's step.
+        filler = torch.ones(held // 4 + 1, device="cuda")
+        del filler
+        gpumem.torch.wake("graph-sleep")
+        awake = gpumem.torch.graph_pools()["reserved_bytes"]
+        worst = 0.0
+        with torch.no_grad():
+            for _ in range(5):
+                x.copy_(torch.randn(64, 1024, device="cuda"))
+                g.replay()
+                worst = max(worst, (out - model(x)).abs().max().item())
+        ok = held > base and asleep <= base and awake >= held and worst == 0.0
+        _record("a graph captured in a tag: discard sleep and wake with it, then replays",
+                ok, "graph pools %d -> %d asleep -> %d awake bytes; max |replay - eager| = %g"
+                % (held, asleep, awake, worst))
+        self.assertTrue(ok, (held, asleep, awake, worst))
+        del g, out, x
+        _drop_cublas_workspaces()
+
     def test_several_graphs_sharing_a_pool_and_side_stream_replays(self):
         a, b = _mlp(512, 2).eval(), _mlp(512, 3).eval()
         x = torch.randn(32, 512, device="cuda")

@@ -13,6 +13,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "gpumem/interop/gpumem.h"
@@ -333,6 +334,102 @@ TEST(TorchPlugin, AGraphPoolTakesBackAFreedAllocationAtItsAddress) {
   gpumem_torch_graph_pools(&pools, nullptr, nullptr);
   EXPECT_EQ(pools, 0u);
   EXPECT_EQ(gpumem_torch_graph_pool_allocate_at(0, id, out, 4 * MiB, nullptr), -1);  // gone
+}
+
+static unsigned long long graph_reserved() {
+  unsigned long long pools = 0, reserved = 0, live = 0;
+  gpumem_torch_graph_pools(&pools, &reserved, &live);
+  return reserved;
+}
+
+// A graph captured inside a tag (the rollout's decode in `with gpumem.torch.tag(...)`) has
+// its private pool sleep and wake with the tag: the device's part and the graph's memory go
+// back to the driver together and come back at the same addresses. A second sleep, a wake
+// of what does not sleep and an allocation in the sleeping graph pool are refused.
+TEST(TorchPlugin, AGraphPoolMadeUnderATagSleepsAndWakesWithIt) {
+  constexpr uint32_t tag = 41;
+  const uint32_t previous = gpumem_set_current_tag(tag);
+  void* cache = gpumem_torch_malloc(2 * MiB, 0, nullptr);  // the tag's own pages
+  const mempool_id id{10, 0};
+  gpumem_torch_begin_allocate_to_pool(0, id, [](CUstream_st*) { return true; });
+  void* out = gpumem_torch_malloc(4 * MiB, 0, nullptr);
+  gpumem_torch_end_allocate_to_pool(0, id);
+  gpumem_set_current_tag(previous);
+  ASSERT_TRUE(cache != nullptr && out != nullptr);
+  ASSERT_GE(graph_reserved(), 4u * MiB);
+  gpumem_pool* pool = gpumem_torch_pool(0);
+
+  ASSERT_EQ(gpumem_torch_sleep(0, tag, GPUMEM_SLEEP_DISCARD, nullptr), GPUMEM_SUCCESS)
+      << gpumem_last_error();
+  EXPECT_EQ(gpumem_tag_asleep(pool, tag), 1);
+  EXPECT_EQ(graph_reserved(), 0u);  // the graph's pages went with the tag's
+  EXPECT_EQ(gpumem_torch_sleep(0, tag, GPUMEM_SLEEP_DISCARD, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  gpumem_torch_begin_allocate_to_pool(0, id, [](CUstream_st*) { return true; });
+  const failure refused = failure_of(MiB, 0);
+  gpumem_torch_end_allocate_to_pool(0, id);
+  gpumem_torch_release_pool(0, id);
+  EXPECT_NE(refused.what.find("asleep"), std::string::npos) << refused.what;
+
+  ASSERT_EQ(gpumem_torch_wake(0, tag, nullptr), GPUMEM_SUCCESS) << gpumem_last_error();
+  EXPECT_EQ(gpumem_tag_asleep(pool, tag), 0);
+  EXPECT_GE(graph_reserved(), 4u * MiB);
+  EXPECT_EQ(gpumem_torch_wake(0, tag, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  // The replay's address is the graph pool's again: taken back there after its free.
+  gpumem_torch_free(out, 4 * MiB, 0, nullptr);
+  ASSERT_EQ(gpumem_torch_graph_pool_allocate_at(0, id, out, 4 * MiB, nullptr), GPUMEM_SUCCESS)
+      << gpumem_last_error();
+  gpumem_torch_free(out, 4 * MiB, 0, nullptr);
+  gpumem_torch_free(cache, 2 * MiB, 0, nullptr);
+  gpumem_torch_release_pool(0, id);
+  EXPECT_EQ(graph_reserved(), 0u);
+}
+
+// A graph pool belongs to the tag current when it was made, not to the tag that sleeps: an
+// untagged graph keeps its memory through another tag's sleep, and a tag with only a graph
+// pool (nothing of its own in the device pool) sleeps and wakes that pool alone.
+TEST(TorchPlugin, AGraphPoolSleepsOnlyWithItsOwnTag) {
+  const mempool_id untagged{11, 0}, tagged{12, 0};
+  gpumem_torch_begin_allocate_to_pool(0, untagged, [](CUstream_st*) { return true; });
+  void* a = gpumem_torch_malloc(2 * MiB, 0, nullptr);
+  gpumem_torch_end_allocate_to_pool(0, untagged);
+  constexpr uint32_t tag = 42;
+  const uint32_t previous = gpumem_set_current_tag(tag);
+  gpumem_torch_begin_allocate_to_pool(0, tagged, [](CUstream_st*) { return true; });
+  void* b = gpumem_torch_malloc(2 * MiB, 0, nullptr);
+  gpumem_torch_end_allocate_to_pool(0, tagged);
+  gpumem_set_current_tag(previous);
+  ASSERT_TRUE(a != nullptr && b != nullptr);
+  const unsigned long long both = graph_reserved();
+  ASSERT_GE(both, 4u * MiB);
+
+  ASSERT_EQ(gpumem_torch_sleep(0, tag, GPUMEM_SLEEP_OFFLOAD, nullptr), GPUMEM_SUCCESS)
+      << gpumem_last_error();
+  const unsigned long long asleep = graph_reserved();
+  EXPECT_GE(asleep, 2u * MiB);  // the untagged graph's
+  EXPECT_LE(asleep, both - 2 * MiB);
+  EXPECT_EQ(gpumem_tag_asleep(gpumem_torch_pool(0), tag), 0);  // nothing of its own there
+  ASSERT_EQ(gpumem_torch_wake(0, tag, nullptr), GPUMEM_SUCCESS) << gpumem_last_error();
+  EXPECT_EQ(graph_reserved(), both);
+  EXPECT_EQ(gpumem_torch_sleep(0, tag, 7, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);  // a bad mode
+  gpumem_torch_free(a, 2 * MiB, 0, nullptr);
+  gpumem_torch_free(b, 2 * MiB, 0, nullptr);
+  gpumem_torch_release_pool(0, untagged);
+  gpumem_torch_release_pool(0, tagged);
+  EXPECT_EQ(graph_reserved(), 0u);
+}
+
+// A call that finds no pool for its device fails with a typed status even on a thread whose
+// last gpumem call succeeded (its last status is GPUMEM_SUCCESS).
+TEST(TorchPlugin, NoPoolForTheDeviceIsAFailureOnAFreshThread) {
+  int sleep_status = 0, wake_status = 0, fraction_status = 0;
+  std::thread([&] {
+    sleep_status = gpumem_torch_sleep(4096, 1, GPUMEM_SLEEP_DISCARD, nullptr);
+    wake_status = gpumem_torch_wake(-1, 1, nullptr);
+    fraction_status = gpumem_torch_set_memory_fraction(4096, 0.5);
+  }).join();
+  EXPECT_EQ(sleep_status, GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(wake_status, GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(fraction_status, GPUMEM_ERROR_INVALID_ARGUMENT);
 }
 
 // CUDA IPC handles (the native allocator's shareIpcHandle / getIpcDevPtr): a live tensor's

@@ -74,6 +74,12 @@ GPUMEM_API void gpumem_torch_reset(void);
 GPUMEM_API int gpumem_torch_mark_step(void);
 GPUMEM_API unsigned long long gpumem_torch_failures(void);
 GPUMEM_API int gpumem_torch_oom_is_torch_type(void);
+/* Sleep and wake of a tag of the device's pool together with the private pools (CUDA
+ * graphs, MemPools) made while it was the thread's current tag: arguments, refusals and
+ * failures as gpumem_sleep / gpumem_wake. A call that fails halfway leaves the parts before
+ * the failure asleep (or awake); the same call again completes it. */
+GPUMEM_API int gpumem_torch_sleep(int device, uint32_t tag, int mode, void* stream);
+GPUMEM_API int gpumem_torch_wake(int device, uint32_t tag, void* stream);
 /* REQUIRES: out != NULL. Creates the device's pool if needed (as gpumem_torch_stats). */
 GPUMEM_API int gpumem_torch_memory_counts(int device, gpumem_torch_counts* out);
 /* Peaks (requested bytes, allocations, reserved bytes) restart from the current values. */
