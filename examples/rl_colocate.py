@@ -900,6 +900,28 @@ def summarize(result, skip=WARM_UP):
     return s
 
 
+def memory_state(torch):
+    """What this process holds when it runs out of memory: the device's free bytes, the
+    allocator's reserved and allocated bytes and, under gpumem, each tag's and the graph
+    pools' (for the capacity search's failures)."""
+    free, total = torch.cuda.mem_get_info()
+    state = {"device_free": int(free), "device_total": int(total),
+             "reserved": int(torch.cuda.memory_reserved()),
+             "allocated": int(torch.cuda.memory_allocated())}
+    if "gpumem.torch" in sys.modules:
+        gt = sys.modules["gpumem.torch"]
+        state["tags"] = {}
+        for tag in ("weights", "train", "rollout"):
+            try:
+                st = gt.tag_stats(tag)
+                state["tags"][tag] = {k: st[k] for k in ("live_bytes", "reserved_bytes",
+                                                          "peak_reserved_bytes") if k in st}
+            except Exception as e:  # pylint: disable=broad-except
+                state["tags"][tag] = str(e)
+        state["graph_pools"] = gt.graph_pools()
+    return state
+
+
 def run_child(a, layout, extra=(), timeout=None):
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
@@ -1021,7 +1043,12 @@ def main(argv=None):
     else:
         import torch
         runner = {"one": run_one, "two": run_two, "baseline": run_baseline}[a.layout]
-        out = runner(a)
+        try:
+            out = runner(a)
+        except torch.OutOfMemoryError:
+            print(json.dumps({"out_of_memory": a.layout, "batch": a.batch,
+                              **memory_state(torch)}), flush=True)
+            raise
         out["summary"] = summarize(out)
         out["device"] = torch.cuda.get_device_name()
         out["torch"] = torch.__version__

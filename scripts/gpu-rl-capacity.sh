@@ -23,6 +23,6 @@ for layout in ${LAYOUTS:-baseline one}; do
   args=(--layout "$layout" --find-max-batch --capacity-tries "${TRIES:-4}")
   [ -n "$bounds" ] && args+=(--capacity-bounds "$layout:$bounds")
   timeout "${T_LAYOUT:-280}" python3 examples/rl_colocate.py "${args[@]}" ${RL_ARGS:-} \
-    --json "$OUT/capacity_$layout.json" 2>&1 | grep -E '^\{"capacity"|Error|error' | head -20
+    --json "$OUT/capacity_$layout.json" 2>&1 | grep -E '^\{"capacity"|^\{"out_of_memory"|Error|error' | head -20
   echo "$layout exit ${PIPESTATUS[0]}"
 done
