@@ -240,13 +240,25 @@ def generate(torch, a, model, prompts, use_gpumem):
     kwargs = dict(attention_mask=torch.ones_like(prompts), max_new_tokens=a.gen_len,
                   min_new_tokens=a.gen_len, do_sample=False, pad_token_id=0, use_cache=True)
     with torch.no_grad():
+        out = None
         if use_gpumem and a.decode == "graphs":
             cache = static_cache(a, model, prompts.shape[0])
             if getattr(cache, "_rl_used", False):
                 cache.reset()  # after the tag's discard wake its bytes are undefined
             cache._rl_used = True  # pylint: disable=protected-access
-            out = model.generate(prompts, past_key_values=cache, **kwargs)
-        elif use_gpumem:
+            try:
+                out = model.generate(prompts, past_key_values=cache, **kwargs)
+            except Exception as e:  # pylint: disable=broad-except
+                # Compilation is the installed torch's and transformers': a failure there
+                # costs the run its graphs, not its figures. The result says so.
+                a.decode = "eager"
+                a.decode_fallback = "%s: %s" % (type(e).__name__, str(e).splitlines()[0][:300])
+                print(json.dumps({"decode_fallback": a.decode_fallback}), file=sys.stderr,
+                      flush=True)
+                _STATIC_CACHES.clear()
+        if out is not None:
+            pass
+        elif use_gpumem and a.decode == "eager":
             from gpumem.hf import GpumemCache
             cache = GpumemCache(model.config, attention="contiguous", tag="rollout",
                                 max_sequence_tokens=a.prompt_len + a.gen_len + 8)
@@ -414,6 +426,7 @@ def run_one(a):
             seqs = generate(torch, a, model, prompts_for(torch, a, vocab, it), True)
             row["generate_s"] = sync(torch) - t
         row["graph_bytes_generating"] = graph_bytes(gt)
+        row["decode"] = a.decode
         # The rollouts leave the tag that sleeps next: a sleeping tag's addresses are unmapped.
         seqs = seqs.clone()
         row["tokens_crc"] = crc_of(torch, seqs)
@@ -561,6 +574,7 @@ def generator_main(a):
         with gt.tag("rollout"):
             lb, payload = rollout_reply(torch, a, model, batch, msg, row, True)
         row["graph_bytes_generating"] = graph_bytes(gt)
+        row["decode"] = a.decode
         t = sync(torch)
         gt.sleep("rollout", "discard")
         row["generator_sleep_s"] = sync(torch) - t
@@ -1050,6 +1064,8 @@ def main(argv=None):
                               **memory_state(torch)}), flush=True)
             raise
         out["summary"] = summarize(out)
+        out["decode"] = a.decode if a.layout != "baseline" else "eager"
+        out["decode_fallback"] = getattr(a, "decode_fallback", None)
         out["device"] = torch.cuda.get_device_name()
         out["torch"] = torch.__version__
         import transformers
