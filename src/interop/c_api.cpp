@@ -83,7 +83,9 @@ void* pool_body::allocate_untagged(std::size_t bytes, std::size_t alignment,
                                    gpumem::stream_handle stream) {
   auto attempt = [&] { return front().allocate(bytes, alignment, stream); };
   auto* v = vmm.load(std::memory_order_acquire);
-  if (v == nullptr) return attempt();  // no other tag holds memory, tag 0 never slept
+  // No other tag holds memory, tag 0 never slept: no gate. A gpumem_sleep(0) that makes
+  // the state meanwhile is safe: the pool refuses allocations from its sleep's start.
+  if (v == nullptr) return attempt();
   // Tag 0's gate held shared: a gpumem_sleep(0) waits for the allocation or refuses it.
   return c_api_vmm_while_untagged_awake(v, [&]() -> void* {
     try {
@@ -173,7 +175,9 @@ gpumem_status refuse_handle(const gpumem_pool* pool, std::uint32_t state,
 }
 
 // Whether untagged allocations are refused because tag 0 sleeps (gpumem_sleep); sets the
-// error then. One atomic load while no tag was ever used.
+// error then, naming the tag. One atomic load while no tag was ever used. An early answer
+// only: a call past it that races a sleep is refused by the pool itself, under its lock
+// (vmm_page_pool::sleep).
 bool untagged_asleep(const pool_body& body, const char* where) noexcept {
   const auto* vmm = body.vmm.load(std::memory_order_acquire);
   if (vmm == nullptr || !gpumem::detail::c_api_vmm_untagged_asleep(vmm)) return false;

@@ -4,17 +4,22 @@
 // retry reach every tag's memory; gpumem_record_stream works for tagged, shared and
 // imported allocations as for untagged ones; frees find their tag among many; the host
 // memory of offload sleeps stays flat and goes back on request; KV storage made under a
-// tag is the tag's and sleeps with it.
+// tag is the tag's and sleeps with it; untagged allocations racing tag 0's first sleep get
+// mapped memory or a refusal.
 #include "gpumem/interop/gpumem.h"
 #include "gpumem/interop/gpumem_kv.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "gpumem/platform/sim_platform.hpp"
+#include "interop/c_api_internal.hpp"
 
 namespace {
 
@@ -105,6 +110,95 @@ TEST(c_api_tags, tag_0_holding_nothing_sleeps_refuses_untagged_allocations_and_w
   EXPECT_EQ(gpumem_allocate_tagged(h.pool, MiB, 256, nullptr, 0, &refused),
             GPUMEM_ERROR_INVALID_ARGUMENT);
   ASSERT_EQ(gpumem_wake(h.pool, 0, nullptr), GPUMEM_SUCCESS) << last_error();
+}
+
+// The first gpumem_sleep(0) of a pool makes its tag state: an untagged small block this
+// thread freed (its thread cache holds it) and the cache of free pages are refused while
+// tag 0 sleeps, by gpumem_malloc and gpumem_allocate_at alike, and served after the wake.
+TEST(c_api_tags, the_first_sleep_of_tag_0_refuses_what_the_thread_cache_and_cache_hold) {
+  pool_handle h(small_sim);
+  ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+  constexpr std::size_t small = 4 * KiB;
+  void* held = gpumem_malloc(h.pool, small, nullptr);
+  void* cached = gpumem_malloc(h.pool, small, nullptr);
+  void* big = gpumem_malloc(h.pool, 8 * MiB, nullptr);
+  ASSERT_NE(held, nullptr);
+  ASSERT_NE(cached, nullptr);
+  ASSERT_NE(big, nullptr);
+  ASSERT_EQ(gpumem_free(h.pool, cached, small, nullptr), GPUMEM_SUCCESS);
+  ASSERT_EQ(gpumem_free(h.pool, big, 8 * MiB, nullptr), GPUMEM_SUCCESS);
+  ASSERT_EQ(gpumem_sleep(h.pool, 0, GPUMEM_SLEEP_DISCARD, nullptr), GPUMEM_SUCCESS) << last_error();
+  for (std::size_t bytes : {small, 8 * MiB}) {
+    EXPECT_EQ(gpumem_malloc(h.pool, bytes, nullptr), nullptr);
+    EXPECT_EQ(gpumem_last_status(), GPUMEM_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(last_error().find("asleep"), std::string::npos) << last_error();
+  }
+  EXPECT_EQ(gpumem_allocate_at(h.pool, big, 8 * MiB, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(h.stats().live_bytes, small);
+  ASSERT_EQ(gpumem_wake(h.pool, 0, nullptr), GPUMEM_SUCCESS) << last_error();
+  void* again = gpumem_malloc(h.pool, small, nullptr);
+  ASSERT_NE(again, nullptr) << last_error();
+  EXPECT_TRUE(h.pool->body->own_sim->check_access(0, again, small).ok());
+  EXPECT_EQ(gpumem_free(h.pool, again, small, nullptr), GPUMEM_SUCCESS);
+  EXPECT_EQ(gpumem_free(h.pool, held, small, nullptr), GPUMEM_SUCCESS);
+  EXPECT_EQ(h.pool->body->pool->validate(), "");
+}
+
+// Untagged allocations racing the first sleep of tag 0 (which makes the tag state while
+// they may be past the look-up of it), on fresh pools: each gets memory or
+// GPUMEM_ERROR_INVALID_ARGUMENT; one that began after the sleep returned and ended before
+// the wake began is refused; and once awake (the cache dropped while asleep: a block handed
+// out from it would be unmapped for good) every allocation held is mapped and the pool valid.
+TEST(c_api_tags, untagged_allocations_racing_the_first_sleep_get_mapped_memory_or_a_refusal) {
+  constexpr std::size_t small = 4 * KiB;
+  for (int round = 0; round < 8; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    pool_handle h(small_sim);
+    ASSERT_EQ(h.status, GPUMEM_SUCCESS);
+    // A free 8 MiB block: the cache a footprint:fast sleep keeps in the arena.
+    ASSERT_EQ(gpumem_free(h.pool, gpumem_malloc(h.pool, 8 * MiB, nullptr), 8 * MiB, nullptr),
+              GPUMEM_SUCCESS);
+    std::atomic<int> phase{0};  // 1: the sleep returned; 2: the wake begins; 3: stop
+    std::atomic<std::size_t> served{0};
+    std::vector<std::pair<void*, std::size_t>> held;
+    std::string wrong;
+    std::thread worker([&] {
+      for (std::size_t i = 0; phase.load() != 3; ++i) {
+        const std::size_t bytes = i % 4 == 3 ? 8 * MiB : small;
+        const int began = phase.load();
+        void* p = gpumem_malloc(h.pool, bytes, nullptr);
+        const int ended = phase.load();
+        if (p == nullptr) {
+          if (gpumem_last_status() != GPUMEM_ERROR_INVALID_ARGUMENT && wrong.empty())
+            wrong = std::string("refused with ") + gpumem_status_name(gpumem_last_status());
+        } else {
+          if (began == 1 && ended == 1 && wrong.empty()) wrong = "served while tag 0 slept";
+          served.fetch_add(1);
+          held.emplace_back(p, bytes);
+        }
+        if (held.size() > 6) {
+          (void)gpumem_free(h.pool, held.front().first, held.front().second, nullptr);
+          held.erase(held.begin());
+        }
+      }
+    });
+    while (served.load() < 16) std::this_thread::yield();
+    ASSERT_EQ(gpumem_sleep(h.pool, 0, GPUMEM_SLEEP_DISCARD, nullptr), GPUMEM_SUCCESS) << last_error();
+    phase.store(1);
+    EXPECT_EQ(gpumem_pool_trim(h.pool, nullptr), GPUMEM_SUCCESS);  // drops the sleeping cache
+    phase.store(2);
+    ASSERT_EQ(gpumem_wake(h.pool, 0, nullptr), GPUMEM_SUCCESS) << last_error();
+    const std::size_t woke_at = served.load();
+    while (served.load() < woke_at + 16) std::this_thread::yield();
+    phase.store(3);
+    worker.join();
+    EXPECT_EQ(wrong, "");
+    for (auto [p, n] : held) {
+      EXPECT_TRUE(h.pool->body->own_sim->check_access(0, p, n).ok()) << p << " is not mapped";
+      EXPECT_EQ(gpumem_free(h.pool, p, n, nullptr), GPUMEM_SUCCESS);
+    }
+    EXPECT_EQ(h.pool->body->pool->validate(), "");
+  }
 }
 
 // A sleep, wake or look-up of a tag never allocated in is refused or answered without

@@ -388,6 +388,109 @@ TEST_F(SleepWake, FreeWhileAsleepIsAllowedAndItsPagesAreCacheOrGivenBack) {
     }
 }
 
+// An asleep pool refuses every allocation itself, under its lock, whatever layer the call
+// comes through (here none: the pool's own allocate and allocate_at, as an untagged C API
+// call that raced the first sleep reaches them): footprint:fast keeps a free 8 MiB block in
+// the arena as cache, its pages released, and would hand it out. The refusal says why and
+// changes nothing; after wake the same requests get mapped memory.
+TEST_F(SleepWake, AnAsleepPoolRefusesAllocationsItsReleasedCacheWouldServe) {
+  for (sleep_mode mode : {sleep_mode::discard, sleep_mode::offload}) {
+    SCOPED_TRACE(mode == sleep_mode::discard ? "discard" : "offload");
+    vmm_page_pool pool(sim);  // footprint:fast, the default
+    void* keep = pool.allocate(8 * MiB);
+    void* cache = pool.allocate(8 * MiB);
+    pool.deallocate(cache, 8 * MiB);
+    pool.sleep(mode);
+    ASSERT_TRUE(pool.asleep());
+    ASSERT_FALSE(sim.check_access(0, cache, 8 * MiB).ok()) << "the cache's pages were not released";
+    const resource_stats before = pool.stats();
+    try {
+      (void)pool.allocate(8 * MiB);
+      ADD_FAILURE() << "an allocation from the asleep pool was served";
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("is asleep"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("wake it"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW((void)pool.allocate_at(cache, 8 * MiB, {}), invalid_argument);
+    EXPECT_EQ(pool.stats().live_bytes, before.live_bytes);
+    EXPECT_EQ(pool.stats().allocations, before.allocations);
+    EXPECT_TRUE(pool.asleep());
+    EXPECT_TRUE(pool.is_valid()) << pool.validate();
+    pool.wake();
+    void* again = pool.allocate(8 * MiB);
+    EXPECT_TRUE(sim.check_access(0, again, 8 * MiB).ok());
+    EXPECT_TRUE(pool.is_valid()) << pool.validate();
+    pool.deallocate(again, 8 * MiB);
+    pool.deallocate(keep, 8 * MiB);
+  }
+}
+
+// A small block this thread freed sits in its thread cache, where an allocation takes it
+// without the pool lock: freed before the sleep (footprint:fast keeps it there) or while
+// asleep (either footprint). The sleep turns that path off and drains the caches, so the
+// request reaches the pool and is refused; the wake turns it on again.
+TEST_F(SleepWake, AnAsleepPoolRefusesSmallRequestsItsThreadCacheHolds) {
+  for (footprint_mode footprint : {footprint_mode::fast, footprint_mode::tight})
+    for (bool freed_asleep : {false, true}) {
+      SCOPED_TRACE(std::string(footprint == footprint_mode::fast ? "fast" : "tight") +
+                   (freed_asleep ? ", freed while asleep" : ", freed before the sleep"));
+      pool_options o;
+      o.footprint = footprint;
+      vmm_page_pool pool(sim, 0, o);
+      constexpr std::size_t small = 4096;
+      void* held = pool.allocate(small);
+      void* freed = pool.allocate(small);
+      if (!freed_asleep) pool.deallocate(freed, small);
+      pool.sleep(sleep_mode::discard);
+      if (freed_asleep) pool.deallocate(freed, small);
+      EXPECT_THROW((void)pool.allocate(small), invalid_argument);
+      EXPECT_TRUE(pool.is_valid()) << pool.validate();
+      pool.wake();
+      void* again = pool.allocate(small);
+      EXPECT_TRUE(sim.check_access(0, again, small).ok());
+      pool.deallocate(again, small);
+      pool.deallocate(held, small);
+      EXPECT_TRUE(pool.is_valid()) << pool.validate();
+    }
+}
+
+// A sleep that failed halfway leaves part of the pages released: allocations are refused,
+// saying how to finish; the same sleep again, then a wake, serves them again. A sleep that
+// failed before any page slept leaves the pool awake and serving.
+TEST_F(SleepWake, AHalfAsleepPoolRefusesAllocationsAndAPoolNeverAsleepServes) {
+  vmm_page_pool pool(sim);
+  std::vector<void*> blocks;
+  for (int i = 0; i < 4; ++i) blocks.push_back(pool.allocate(4 * MiB));
+  sim.inject_fault(platform_op::release_physical, sim_fault{2, false, 0.0, failure_kind::driver_error});
+  EXPECT_THROW(pool.sleep(sleep_mode::discard), cuda_error);
+  sim.clear_faults();
+  ASSERT_TRUE(pool.asleep());
+  try {
+    (void)pool.allocate(MiB);
+    ADD_FAILURE() << "an allocation from the half-asleep pool was served";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("failed halfway"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("sleep again"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.sleep(sleep_mode::discard);
+  EXPECT_THROW((void)pool.allocate(MiB), invalid_argument);
+  pool.wake();
+  void* served = pool.allocate(MiB);
+  EXPECT_TRUE(sim.check_access(0, served, MiB).ok());
+  pool.deallocate(served, MiB);
+
+  sim.inject_fault(platform_op::stream_synchronize, sim_fault{1, false, 0.0, failure_kind::driver_error});
+  EXPECT_THROW(pool.sleep(sleep_mode::discard), cuda_error);
+  sim.clear_faults();
+  EXPECT_FALSE(pool.asleep());
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  served = pool.allocate(MiB);
+  pool.deallocate(served, MiB);
+  for (void* b : blocks) pool.deallocate(b, 4 * MiB);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+}
+
 // footprint:fast keeps free memory across a sleep as cache: released uncopied (the host
 // block holds the bytes in use only), mapped again by wake in few handles, so the same
 // work after the wake makes no driver call; tight gives it back before the sleep.

@@ -363,6 +363,27 @@ TEST_F(StepPlanner, ADifferentRequestTakesTheRestOfTheStepToThePoolAndTheNextSte
   end_loop(*this, planner, l);
 }
 
+// Planned addresses come from the region without the pool: while the pool sleeps (the
+// region's pages released with the rest) the planner refuses them as the pool refuses its
+// own, changing nothing; after the wake the plan serves the same step again.
+TEST_F(StepPlanner, APlannedRequestWhileThePoolSleepsIsRefusedAndThePlanServesAfterTheWake) {
+  vmm_page_pool pool(sim, 0);
+  step_planner planner(pool);
+  loop l;
+  start_on_plan(*this, planner, l);
+  ASSERT_TRUE(planner.counts().region_bytes > 0);
+  const step_planner_counts before = planner.counts();
+  pool.sleep(sleep_mode::discard);
+  EXPECT_THROW((void)planner.allocate(3 * MiB, 256, {}), invalid_argument);  // the step's first
+  EXPECT_EQ(planner.counts().planned_allocations, before.planned_allocations);
+  EXPECT_EQ(planner.counts().steps_left_plan, before.steps_left_plan);
+  EXPECT_EQ(planner.validate(), "");
+  pool.wake();
+  run_step(planner, l, {});  // writes and checks every allocation's bytes
+  EXPECT_EQ(planner.counts().planned_allocations, before.planned_allocations + 9u);
+  end_loop(*this, planner, l);
+}
+
 TEST_F(StepPlanner, AStepThatLeavesAtItsCycleStartRejoinsWhereTheNextCycleBegins) {
   vmm_page_pool pool(sim, 0);
   step_planner planner(pool);

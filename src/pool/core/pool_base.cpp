@@ -259,6 +259,8 @@ void* pool_base::do_allocate(std::size_t bytes, std::size_t alignment, stream_ha
 void* pool_base::allocate_locked(std::size_t bytes, std::size_t alignment, stream_handle stream,
                                  detail::thread_cache* mine_if_known) {
   std::lock_guard lock(mutex_);
+  if (asleep_.load(std::memory_order_relaxed)) [[unlikely]]
+    throw invalid_argument(asleep_refusal_locked("allocate"));
   if (options_.guard) {
     void* g = allocate_guarded(bytes, alignment, stream);
     if (g == nullptr) {
@@ -309,6 +311,8 @@ void* pool_base::allocate_at(void* ptr, std::size_t bytes, stream_handle stream)
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   if (bytes == 0) throw invalid_argument("pool_base::allocate_at: 0 bytes");
   std::lock_guard lock(mutex_);
+  if (asleep_.load(std::memory_order_relaxed)) [[unlikely]]
+    throw invalid_argument(asleep_refusal_locked("allocate_at"));
   if (options_.guard) throw not_supported("pool_base::allocate_at: not available in guard mode");
   detail::thread_cache& mine = cache_for_this_thread_locked();
   drain_thread_caches();  // a cached block there goes back to its arena, merged
@@ -505,8 +509,35 @@ void pool_base::set_observer(pool_observer* observer) {
                            "' pool already has an observer; detach it first");
   observer_ = observer;
   // An observer must see every call: no fast path while one is attached.
-  fast_path_.store(fast_path_allowed_ && observer == nullptr, std::memory_order_relaxed);
+  update_fast_path_locked();
   if (observer != nullptr) drain_thread_caches();
+}
+
+void pool_base::check_awake(std::string_view caller) const {
+  std::lock_guard lock(mutex_);
+  if (asleep_.load(std::memory_order_relaxed)) throw invalid_argument(asleep_refusal_locked(caller));
+}
+
+// A thread on the fast path read fast_path_ before the store below and takes its cache's
+// mutex after: either before the drain takes it (its allocation or free is then one the
+// sleep sees, as any made before it) or after (its cache is empty, the request goes to the
+// pool lock and is refused; a free kept there is of a block the sleep saw allocated, so its
+// pages sleep and wake as pages in use). Taking that mutex after the drain released it, the
+// thread reads fast_path_ false from then on.
+void pool_base::refuse_allocations_locked() {
+  asleep_.store(true, std::memory_order_relaxed);
+  update_fast_path_locked();
+  drain_thread_caches();
+}
+
+void pool_base::allow_allocations_locked() noexcept {
+  asleep_.store(false, std::memory_order_relaxed);
+  update_fast_path_locked();
+}
+
+std::string pool_base::asleep_refusal_locked(std::string_view caller) const {
+  return std::string(name()) + "::" + std::string(caller) +
+         ": the pool is asleep; wake it before allocating";
 }
 
 const steady_pool_clock pool_base::steady_clock_;

@@ -311,6 +311,8 @@ std::string pool_base::validate() const {
   std::size_t held = 0;
   for (const auto& a : arenas_) held += a->allocated_bytes() + a->cached_bytes() + a->free_bytes();
   if (held > stats_.reserved_bytes + asleep_bytes_locked()) return "arenas hold more than is reserved";
+  if (asleep_.load(std::memory_order_relaxed) && fast_path_.load(std::memory_order_relaxed))
+    return "the thread caches' fast path is on while the pool sleeps";
   // Each allocated arena block is either live (recorded in one thread cache) or freed into
   // one thread cache, never both and never twice.
   std::size_t live_requested = 0, live_blocks = 0, cached_in_threads = 0, records = 0;

@@ -112,6 +112,10 @@ void step_planner::count_free(std::size_t bytes) noexcept {
 void* step_planner::do_allocate(std::size_t bytes, std::size_t alignment, stream_handle stream) {
   if (!recording_.load(std::memory_order_acquire)) return pool_.allocate(bytes, alignment, stream);
   std::lock_guard lock(mutex_);
+  // Planned addresses are handed out without the pool: while it sleeps (the region's pages
+  // released with the rest) they are refused as the pool refuses its own, before anything
+  // changes.
+  if (pool_.asleep_now()) pool_.check_awake("allocate");
   state& s = *s_;
   begin_cycle_if_due(s);
   const step_event e{step_event::kind::alloc, 0, s.next_id, bytes, alignment, stream.value};

@@ -19,6 +19,11 @@
 // leave the pool (drop_sleeping_cache_locked: carved out of their free blocks, their
 // address space free again). footprint:tight trims before it sleeps, so it has none.
 //
+// Allocations: refused from the moment sleep() takes the lock for its steps until the
+// pool is awake again (asleep_locked() false: a wake completed, or a sleep failed before
+// any chunk slept), through pool_base::refuse_allocations_locked, which also drains the
+// thread caches before the cache is told apart from the pages in use.
+//
 // Invariants (checked by validate_holdings through sleeping_pages_locked()):
 //  - released_pages == sum of the pages of chunks in phase released;
 //  - every chunk with a record is live and keeps its pages in the page table;
@@ -31,7 +36,9 @@
 #include <map>
 #include <memory>
 #include <span>
+#include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "gpumem/errors.hpp"
@@ -106,7 +113,34 @@ void* take_staging_block(pinned_host_pool& staging, std::size_t bytes, stream_ha
   return block;
 }
 
+// Runs `f` when the scope ends, however it ends.
+template <class F>
+class at_scope_end {
+ public:
+  explicit at_scope_end(F f) : f_(std::move(f)) {}
+  at_scope_end(const at_scope_end&) = delete;
+  at_scope_end& operator=(const at_scope_end&) = delete;
+  ~at_scope_end() { f_(); }
+
+ private:
+  F f_;
+};
+
 }  // namespace
+
+std::string vmm_page_pool::asleep_refusal_locked(std::string_view caller) const {
+  const std::string head = "vmm_page_pool::" + std::string(caller) + ": ";
+  if (sleep_ != nullptr && sleep_->complete)
+    return head + "the pool is asleep (its pages are released; in a tagged pool, its tag "
+                  "sleeps); wake it before allocating";
+  return head + "a sleep or wake of the pool failed halfway and left part of its pages "
+                "asleep (" + format_bytes(sleeping_pages_locked() * page_) +
+         " released); sleep again to complete the sleep, or wake it, before allocating";
+}
+
+void vmm_page_pool::allow_allocations_if_awake_locked() noexcept {
+  if (!asleep_locked()) allow_allocations_locked();
+}
 
 bool vmm_page_pool::sleeping_locked() const noexcept {
   return sleep_ != nullptr && !sleep_->chunks.empty();
@@ -190,6 +224,10 @@ void vmm_page_pool::sleep(sleep_mode mode, stream_handle stream) {
   if (counts_.lent_pages != 0)  // lent between the check above and here
     throw invalid_argument("vmm_page_pool::sleep: " + std::to_string(counts_.lent_pages) +
                            " pages are lent out (a KV cache maps them); return them first");
+  // No allocation from here on (the file comment); a sleep that fails before any chunk
+  // sleeps leaves the pool awake and serving.
+  const at_scope_end follow([this]() noexcept { allow_allocations_if_awake_locked(); });
+  refuse_allocations_locked();
   retire_completed(true);  // no old mapping of a remapped page is left
   if (fast()) release_spare_locked();  // held unmapped: nothing to keep at an address
   if (sleep_ == nullptr) sleep_ = std::make_unique<detail::vmm_sleep_state>();
@@ -352,6 +390,9 @@ void vmm_page_pool::wake(stream_handle stream) {
   {
     std::lock_guard lock(mutex_);
     if (!asleep_locked()) throw invalid_argument("vmm_page_pool::wake: not asleep");
+    // Allocations are served again once every chunk is awake; a failed wake leaves the
+    // pool partly asleep, still refusing them.
+    const at_scope_end follow([this]() noexcept { allow_allocations_if_awake_locked(); });
     auto& st = *sleep_;
     // Address order, so that side-by-side chunks wake as one handle (wake_runs_locked).
     std::vector<std::uint32_t> ids;

@@ -355,6 +355,9 @@ std::string vmm_page_pool::describe_holdings() const {
 }
 
 std::string vmm_page_pool::validate_holdings() const {
+  if (asleep_now() != asleep_locked())
+    return asleep_locked() ? "the pool is asleep but serves allocations"
+                           : "the pool refuses allocations but is awake";
   std::size_t live_pages = 0, mapped = 0;
   for (std::uint32_t id = 0; id < chunks_.size(); ++id) {
     const chunk& c = chunks_[id];

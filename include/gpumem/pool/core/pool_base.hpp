@@ -44,7 +44,14 @@
 // cannot serve a request, before the pool grows, trims or gives memory back (with size
 // classes, a small request first grows its arena from pages the pool holds), and reports
 // count cached blocks as cached. The fast path is off with guard, scrub, a release
-// threshold or an observer attached (each needs every call).
+// threshold or an observer attached (each needs every call), and while the pool sleeps.
+//
+// Sleep (vmm_page_pool::sleep): from the moment a sleep takes the pool lock until a wake
+// completes (or while a failed sleep or wake leaves pages released), every allocation is
+// refused under the pool lock with gpumem::invalid_argument (allocate, allocate_at), and
+// the fast path is off with every thread cache drained into the arenas: no block whose
+// pages sleep is handed out, whichever path or layer the request comes through. Frees stay
+// allowed.
 // validate() and the reports are exact when no call is in flight on another thread.
 //
 // Observation: set_observer() attaches a pool_observer (telemetry's event recorder) told
@@ -203,6 +210,15 @@ class pool_base : public memory_resource {
   bool free_except(void* ptr, std::size_t bytes, stream_handle stream,
                    const std::vector<kept_range>& keep);
 
+  // Whether allocations are refused now because the pool sleeps (see the file comment):
+  // one relaxed load, for layers in front of the pool that hand out its memory themselves
+  // (step_planner's region). What it reads is written under the pool lock; a caller that
+  // must not race a sleep rechecks with check_awake.
+  bool asleep_now() const noexcept { return asleep_.load(std::memory_order_relaxed); }
+  // Throws gpumem::invalid_argument, the pool's own refusal naming `caller`, while the pool
+  // sleeps; returns otherwise. Takes the pool lock.
+  void check_awake(std::string_view caller) const;
+
   // Attaches `observer` (nullptr detaches). REQUIRES: it outlives the pool or is
   // detached first. Throws gpumem::invalid_argument when another observer is attached.
   void set_observer(pool_observer* observer);
@@ -244,6 +260,14 @@ class pool_base : public memory_resource {
   // Bytes of the arenas' memory whose pages sleep (vmm_page_pool::sleep): released to the
   // driver, so not reserved, while their blocks stay in the arenas. REQUIRES: mutex_ held.
   virtual std::size_t asleep_bytes_locked() const { return 0; }
+  // Sleep (vmm_page_pool::sleep): refuse_allocations_locked() refuses every allocation
+  // from now on, turns the thread caches' fast path off and drains them into the arenas
+  // (so a sleep sees their blocks as free); it may throw what a drain throws (the pool
+  // stays valid, the refusal in force). allow_allocations_locked() ends both. The refusal's
+  // text is asleep_refusal_locked's. REQUIRES: mutex_ held.
+  void refuse_allocations_locked();
+  void allow_allocations_locked() noexcept;
+  virtual std::string asleep_refusal_locked(std::string_view caller) const;
   // Guard mode (pool_options::guard; vmm_page_pool only): an allocation of its own pages
   // with an unmapped page after it. nullptr: out of memory. REQUIRES: mutex_ held.
   // Hooks rather than a policy object: guard mode places pages in the page pool's own
@@ -504,7 +528,15 @@ class pool_base : public memory_resource {
   const std::uint64_t pool_id_;
   const bool fast_path_allowed_;          // by the options, fixed at construction
   // Read on every call, written rarely: on a line of their own, away from the totals.
-  alignas(64) std::atomic<bool> fast_path_{false};  // allowed and no observer attached
+  alignas(64) std::atomic<bool> fast_path_{false};  // allowed, no observer, not asleep
+  // Allocations refused (the pool sleeps); written under mutex_ (refuse_allocations_locked).
+  std::atomic<bool> asleep_{false};
+  // fast_path_ from its reasons: the options, the observer, the sleep. REQUIRES: mutex_ held.
+  void update_fast_path_locked() noexcept {
+    fast_path_.store(fast_path_allowed_ && observer_ == nullptr &&
+                         !asleep_.load(std::memory_order_relaxed),
+                     std::memory_order_relaxed);
+  }
   std::vector<std::unique_ptr<detail::thread_cache>> caches_;
   std::unordered_map<std::thread::id, detail::thread_cache*> cache_of_thread_;
   // Shared totals of live bytes and their peaks, on a line of their own (pool_state.hpp).

@@ -37,7 +37,9 @@
 // A cycle begins on the plan only when no planned allocation is live. When the loop
 // changes (two steps in a row the same but not the plan), the plan is rebuilt once the
 // region is idle. Allocations made before the first mark, those that outlive their cycle,
-// and those of other streams are the pool's, as without a plan.
+// and those of other streams are the pool's, as without a plan. While the pool sleeps
+// (vmm_page_pool::sleep) every allocation is refused with the pool's own
+// gpumem::invalid_argument, planned ones too (the region's pages sleep with the pool's).
 //
 // Threads: before the first mark every call goes straight to the pool (one atomic load
 // more, no shared write: a planner no one marks costs nothing); from it on, calls take the

@@ -9,6 +9,7 @@
 // vmm_guard.cpp.
 //
 // Invariants (validate()):
+//  - allocations are refused (pool_base::asleep_now()) exactly while asleep();
 //  - reserved_bytes == sum of live chunk sizes == (mapped + spare + lent chunk pages) * page_size,
 //    less the pages of chunks asleep (sleep(): handle released, pages kept in the table);
 //  - a mapped chunk's pages all name it in the page table, and are covered by arena blocks;
@@ -111,8 +112,14 @@ class vmm_page_pool final : public pool_base {
   // sleeps; footprint:fast keeps it as cache, released uncopied and mapped again by wake
   // after the pages in use, where the budget and the device have room (the rest leaves the
   // pool), so the work after a wake does not grow the pool again.
-  // REQUIRES: no allocation from this pool from sleep() until wake() returns (tagged_pool
-  // refuses them); before sleep(), work using the memory is queued on `stream` or complete.
+  // From the moment sleep() takes the pool lock until a wake() completes, and while a
+  // failed sleep or wake leaves pages asleep, every allocation is refused with
+  // gpumem::invalid_argument (allocate, allocate_at, lend_pages; pool_base's file comment:
+  // the thread caches are drained and bypassed meanwhile), so no block whose pages sleep is
+  // handed out, whatever layer the request comes through (tagged_pool and the C API refuse
+  // earlier too, with the tag's name). An allocation that took the lock before the sleep is
+  // one the sleep sees in use. REQUIRES: before sleep(), work using the memory is queued
+  // on `stream` or complete.
   // Frees while asleep are allowed: their pages are cache (fast) or given back (tight).
   // trim() while asleep drops the sleeping cache (footprint:fast), so wake maps only the
   // pages in use.
@@ -202,6 +209,9 @@ class vmm_page_pool final : public pool_base {
   double slack_now() const noexcept { return std::max(options_.growth_slack, raised_slack_); }
   std::string validate_holdings() const override;
   std::size_t asleep_bytes_locked() const override { return sleeping_pages_locked() * page_; }
+  // Why an allocation is refused while asleep: a completed sleep, or one (or a wake) that
+  // failed halfway and what completes it.
+  std::string asleep_refusal_locked(std::string_view caller) const override;
   void* allocate_guarded(std::size_t bytes, std::size_t alignment, stream_handle stream) override;
   bool free_guarded(std::uintptr_t addr, std::size_t bytes, stream_handle stream) override;
 
@@ -419,6 +429,9 @@ class vmm_page_pool final : public pool_base {
   bool sleeping_locked() const noexcept;  // some chunk sleeps (wholly or mid-way)
   bool asleep_locked() const noexcept;    // asleep(): a sleep completed, or chunks sleep
   void forget_sleeping_chunks() noexcept;  // the destructor's: sleeping chunks are not live
+  // Ends the refusal of allocations (pool_base::allow_allocations_locked) unless asleep:
+  // how sleep() and wake() leave the pool, whether they complete or throw.
+  void allow_allocations_if_awake_locked() noexcept;
   std::size_t sleeping_pages_locked() const noexcept;
   // sleep()'s and wake()'s steps (sleep_wake.cpp). REQUIRES: mutex_ held, sleep_ != null.
   std::vector<std::uint32_t> chunks_to_sleep_locked() const;
