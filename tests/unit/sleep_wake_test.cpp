@@ -201,6 +201,42 @@ TEST_F(SleepWake, WakeMapsAdjacentPagesAsFewHandlesInFastMode) {
   }
 }
 
+// Where memory is short (less than an eighth of the device free after the wake), each page
+// wakes as its own handle: a merged handle's pages move and go back only together, so the
+// pages a training step frees after the wake would stay pinned where an out-of-memory retry
+// needs them. With plenty of room the pages merge (the test above).
+TEST_F(SleepWake, WakeMapsOneHandlePerPageWhereMemoryIsShort) {
+  pool_options o;
+  o.footprint = footprint_mode::fast;
+  vmm_page_pool untagged(sim, 0, o);
+  tagged_pool pool(untagged, o);
+  std::vector<allocation> tagged;
+  for (unsigned i = 0; i < 40; ++i) tagged.push_back({pool.allocate(2 * MiB, 256, {}, 1), 2 * MiB, i});
+  for (auto& a : tagged) write_pattern(a.p, a.bytes, a.seed);
+  const std::size_t reserved = pool.tag_stats(1).reserved_bytes;
+  pool.sleep(1, sleep_mode::offload);
+  // Another user of the device leaves the wake its 80 MiB and a sixteenth of the device.
+  const std::size_t free_now = sim.mem_info(0).value().free;
+  const physical_handle other =
+      sim.create_physical(0, free_now - 80 * MiB - gpumem_test::GiB / 16).value();
+  const auto creates = calls(platform_op::create_physical);
+  const auto grants = calls(platform_op::set_access);
+  pool.wake(1);
+  EXPECT_EQ(calls(platform_op::create_physical) - creates, 40u);
+  EXPECT_EQ(calls(platform_op::set_access) - grants, 40u);
+  expect_patterns(tagged);
+  EXPECT_EQ(pool.tag_stats(1).reserved_bytes, reserved);
+  // Every other block freed: their pages go back, none pinned by a neighbour in use.
+  for (std::size_t i = 0; i < tagged.size(); i += 2) pool.deallocate(tagged[i].p, tagged[i].bytes);
+  pool.trim();
+  EXPECT_EQ(pool.tag_stats(1).reserved_bytes, reserved / 2);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  for (std::size_t i = 1; i < tagged.size(); i += 2) pool.deallocate(tagged[i].p, tagged[i].bytes);
+  pool.trim();
+  EXPECT_EQ(pool.tag_stats(1).reserved_bytes, 0u);
+  ASSERT_TRUE(sim.release_physical(other).ok());
+}
+
 // A wake whose merged handle cannot be had (the device is out of memory for it) wakes the
 // pages one by one where they fit, and otherwise fails as before: bytes kept on the host.
 TEST_F(SleepWake, WakeFallsBackToOneHandlePerChunkWhenTheMergedOneFails) {

@@ -8,8 +8,8 @@
 //   released -> asleep; wake() creates a handle, maps it, grants access and copies back.
 // Offloaded chunks copy in slices; a slice is unmapped and released once its copies are
 // done, while the next slice copies. Wake maps side-by-side released chunks as one handle
-// (a run, up to a huge growth's handle size, footprint:fast) and queues each run's copy as
-// soon as it is mapped, so the copies run under the next runs' driver calls; the run's
+// (a run, up to a huge growth's handle size, footprint:fast, while memory is plentiful:
+// plentiful_share) and queues each run's copy as soon as it is mapped, so the copies run under the next runs' driver calls; the run's
 // first chunk takes the handle, the others leave the table. A chunk that is mapped is
 // awake whatever its record says; wake() puts an unmapped chunk (handle still held, bytes
 // intact) back with no copy.
@@ -458,11 +458,12 @@ void vmm_page_pool::wake_runs_locked(std::span<const std::uint32_t> order, strea
   const std::size_t budget = budget_locked();
   const std::size_t room = budget - budget / budget_margin_share;
   std::size_t device_room = static_cast<std::size_t>(-1);
-  if (!live) {
-    if (auto info = device_platform().mem_info(device())) {
-      const std::size_t headroom = info.value().total / budget_headroom_share;
-      device_room = info.value().free > headroom ? info.value().free - headroom : 0;
-    }
+  std::size_t device_free = static_cast<std::size_t>(-1), plentiful = 0;
+  if (auto info = device_platform().mem_info(device())) {
+    device_free = info.value().free;
+    plentiful = info.value().total / plentiful_share;
+    const std::size_t headroom = info.value().total / budget_headroom_share;
+    if (!live) device_room = device_free > headroom ? device_free - headroom : 0;
   }
   for (std::size_t i = 0; i < order.size();) {
     const std::size_t n = wake_run_length_locked(order, i, live);
@@ -470,16 +471,21 @@ void vmm_page_pool::wake_runs_locked(std::span<const std::uint32_t> order, strea
     i += n;
     // (A chunk an earlier, failed sleep left unmapped keeps its handle: it maps back with
     // no new memory.)
-    if (!live && sleep_->chunks.at(run.front()) == detail::vmm_sleep_state::phase::released) {
-      std::size_t bytes = 0;
-      for (std::uint32_t id : run) bytes += chunks_[id].pages * page_;
+    const bool released =
+        sleep_->chunks.at(run.front()) == detail::vmm_sleep_state::phase::released;
+    std::size_t bytes = 0;
+    for (std::uint32_t id : run) bytes += chunks_[id].pages * page_;
+    if (!live && released) {
       if (reserved_locked() + bytes > room || bytes > device_room) {
         drop_sleeping_cache_locked(run);
         continue;
       }
       device_room -= bytes;
     }
-    if (n > 1 && wake_run_locked(run, stream, live)) continue;
+    const bool merge = n > 1 && device_free >= bytes && device_free - bytes >= plentiful &&
+                       reserved_locked() + bytes <= budget - budget / plentiful_share;
+    if (released) device_free = device_free > bytes ? device_free - bytes : 0;
+    if (merge && wake_run_locked(run, stream, live)) continue;
     for (std::uint32_t id : run) {
       if (live) {
         wake_chunk_locked(id, stream, true);

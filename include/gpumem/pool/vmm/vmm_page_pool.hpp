@@ -146,6 +146,11 @@ class vmm_page_pool final : public pool_base {
   std::size_t budget() const;
   static constexpr std::size_t budget_headroom_share = 32;
   static constexpr std::size_t budget_margin_share = 32;
+  // A wake maps side-by-side pages as one handle only while, after it, at least a
+  // plentiful_share-th of the device stays free: a merged handle's pages move and go back
+  // only together, so where memory is short each page wakes as its own handle, which a
+  // later gather can move and a trim or an out-of-memory retry can give back.
+  static constexpr std::size_t plentiful_share = 8;
   // Pinned host memory that offload sleeps hold: the copy of the sleeping pages, and
   // between sleeps the same block kept for the next one (pinned memory is slow to get).
   // Repeated sleeps of up to the same size reuse that block, so it does not grow; a larger
