@@ -167,7 +167,11 @@ vmm_page_counts vmm_page_pool::page_counts() const {
 }
 
 pool_base::page_holdings vmm_page_pool::page_holdings_locked() const {
-  return {page_, spare_pages() * page_};
+  page_holdings h{page_, spare_pages() * page_, {}};
+  for (const chunk& c : chunks_)
+    if (c.live && c.pages > 1 && c.mapped_at != no_page)
+      h.multi_page_handles.emplace_back(page_address(c.mapped_at), c.pages * page_);
+  return h;
 }
 
 std::size_t vmm_page_pool::spare_pages() const {
