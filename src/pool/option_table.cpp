@@ -45,8 +45,9 @@ constexpr std::array<pool_option_info, 32> table{{
     {"huge_growth", "1G",
      "vmm_page_pool without big_chunk: a growth creating at least this many bytes takes "
      "handles of a sixteenth of it (64 MiB by default), which serve only requests of that "
-     "size or more (with footprint:fast, any request: the run is part of the arena's heap); "
-     "0: one page per handle always. Faster large growths, against coarser handles.",
+     "size or more (with footprint:fast, any request: the run is part of the arena's heap; "
+     "there without a limit or set_budget a growth is one handle anyway); 0: one page per "
+     "handle always. Faster large growths, against coarser handles.",
      "huge_growth:0"},
     {"scrub", "off",
      "Zero every block (a memset on the freeing stream) at free, before any other owner can "
@@ -93,7 +94,9 @@ constexpr std::array<pool_option_info, 32> table{{
      "stay within the budget (the smallest of limit, the device's memory less 1/32, and "
      "set_budget): a loop that repeats settles with no driver call. A growth into the last "
      "32nd of the budget gathers free pages as tight does, and large requests are then not "
-     "rounded. A tag's sleep keeps its cache (released uncopied, mapped again by the wake "
+     "rounded. Without a limit or set_budget a growth's new pages are one physical handle "
+     "(one create, map and access grant, at most 1/32 of the budget's room left). "
+     "A tag's sleep keeps its cache (released uncopied, mapped again by the wake "
      "where there is room) and a wake maps side-by-side pages in handles of up to 64 MiB. "
      "tight gathers scattered free pages on every growth they can serve: reserved bytes "
      "within about 1% of the live bytes, at a map, access grant and unmap per page moved in "

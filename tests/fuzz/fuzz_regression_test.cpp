@@ -126,7 +126,8 @@ namespace {
 TEST(fuzz_regression, vmm_page_pool_survives_an_unmap_failing_inside_a_growth_undo) {
   gpumem::sim_platform sim(gpumem::sim_options{.capacity = 256 * MiB, .granularity = 2 * MiB});
   {
-    gpumem::vmm_page_pool pool(sim);
+    // One-page handles: the 4 MiB growth maps two chunks, so the second map can fail.
+    gpumem::vmm_page_pool pool(sim, 0, gpumem::pool_options::parse("huge_growth:0"));
     sim.inject_fault(gpumem::platform_op::map,
                      gpumem::sim_fault{.nth = 2, .kind = gpumem::failure_kind::driver_error});
     sim.inject_fault(gpumem::platform_op::unmap,
@@ -214,7 +215,8 @@ TEST(fuzz_regression, vmm_page_pool_keeps_a_chunk_whose_release_fails_inside_a_c
     SCOPED_TRACE(lending ? "lend_pages (kv_block_storage growth)" : "pool growth");
     sim_platform sim(sim_options{.capacity = 256 * MiB, .granularity = 2 * MiB});
     {
-      vmm_page_pool pool(sim);
+      // One-page handles: the 4 MiB growth creates two chunks, so the second create can fail.
+      vmm_page_pool pool(sim, 0, pool_options::parse("huge_growth:0"));
       constexpr std::size_t block = 16 * 1024, per_page = 2 * MiB / block;
       kv_block_storage storage(pool, block, 8 * per_page);
       sim.inject_fault(platform_op::create_physical,

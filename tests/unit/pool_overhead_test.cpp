@@ -131,8 +131,38 @@ TEST_F(PoolOverhead, ACachingPoolOutOfMemoryInFreePiecesSaysWhatJoinsThem) {
   pool.deallocate(b, 20 * MiB);
 }
 
+// A multi-page handle goes back whole: its free pages are releasable only once none of its
+// pages holds a block. Checked against trim, which gives back exactly the releasable bytes:
+// footprint:fast's handle per growth, and big_chunk:4's 4-page handles.
+TEST_F(PoolOverhead, AMultiPageHandleIsReleasableOnlyOnceAllItsPagesAreFree) {
+  for (const char* conf : {"thread_cache:off", "thread_cache:off,big_chunk:4"}) {
+    SCOPED_TRACE(conf);
+    vmm_page_pool pool(sim, 0, pool_options::parse(conf));
+    void* first = pool.allocate(16 * MiB);  // pages 0-7: one 8-page or two 4-page handles
+    void* second = pool.allocate(3 * MiB);  // pages 8-9
+    pool.deallocate(first, 16 * MiB);
+    overhead_breakdown o = explain_overhead(pool);
+    EXPECT_EQ(o.free_releasable, 16 * MiB) << "every page of the free handles is free";
+    // The next block takes page 0: the handle holding it keeps its other pages.
+    void* third = pool.allocate(MiB + 512);
+    o = explain_overhead(pool);
+    const std::size_t handle = std::string(conf).find("big_chunk") != std::string::npos ? 8 * MiB : 16 * MiB;
+    EXPECT_EQ(o.free_releasable, 16 * MiB - handle);
+    EXPECT_EQ(o.free_pinned, (handle - MiB - 512) + MiB);
+    EXPECT_EQ(parts(o), o.reserved);
+    EXPECT_EQ(pool.trim(), 16 * MiB - handle) << "trim gives back what the report calls releasable";
+    o = explain_overhead(pool);
+    EXPECT_EQ(o.free_releasable, 0u);
+    EXPECT_EQ(parts(o), o.reserved);
+    pool.deallocate(second, 3 * MiB);
+    pool.deallocate(third, MiB + 512);
+  }
+}
+
 TEST_F(PoolOverhead, FreeWholePagesAreReleasableAndPagesSharedWithALiveBlockAreNot) {
-  vmm_page_pool pool(sim, 0, no_thread_cache());
+  pool_options one_page = no_thread_cache();
+  one_page.huge_growth_bytes = 0;  // one page per handle: each free page goes back alone
+  vmm_page_pool pool(sim, 0, one_page);
   void* first = pool.allocate(8 * MiB);   // pages 0-3
   void* second = pool.allocate(3 * MiB);  // pages 4-5, not rounded (over a 32nd of 11 MiB)
   overhead_breakdown o = explain_overhead(pool);

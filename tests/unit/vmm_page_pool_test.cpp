@@ -71,7 +71,7 @@ TEST_F(VmmPagePool, ReusesAFreedBlockWithoutDriverCalls) {
 }
 
 TEST_F(VmmPagePool, GrowthCreatesExactlyTheMissingPagesAndGrantsAccessOnce) {
-  vmm_page_pool pool(sim);
+  vmm_page_pool pool(sim, 0, pool_options::parse("huge_growth:0"));  // one-page handles
   const auto maps = calls(platform_op::map);
   const auto access = calls(platform_op::set_access);
   void* p = pool.allocate(7 * MiB);  // 4 pages, one handle each (each page moves alone)
@@ -163,8 +163,9 @@ TEST_F(VmmPagePool, BigChunkOptionUsesFewerBiggerHandlesForBigGrowths) {
 }
 
 TEST_F(VmmPagePool, AHugeGrowthTakesBigHandlesSmallerOnesAndReservationsOnePage) {
-  // huge_growth:128M on the 1 GiB sim: growths creating >= 128 MiB take 8 MiB handles.
-  pool_options o = pool_options::parse("huge_growth:128M");
+  // huge_growth:128M on the 1 GiB sim: growths creating >= 128 MiB take 8 MiB handles
+  // (under a limit: footprint:fast's handle per growth is off there).
+  pool_options o = pool_options::parse("huge_growth:128M,limit:900M");
   ASSERT_EQ(o.huge_growth_bytes, 128 * MiB);
   {
     vmm_page_pool pool(sim, 0, o);
@@ -200,8 +201,69 @@ TEST_F(VmmPagePool, AHugeGrowthTakesBigHandlesSmallerOnesAndReservationsOnePage)
   EXPECT_THROW(pool_options::parse("huge_growth:lots"), invalid_argument);
 }
 
+TEST_F(VmmPagePool, AFastGrowthIsOneHandleOneMapAndOneGrant) {
+  // The default footprint:fast: a 20 MiB growth (10 pages) is one cuMemCreate, one
+  // cuMemMap and one cuMemSetAccess over one handle, as c10 takes one cudaMalloc.
+  vmm_page_pool pool(sim);
+  const auto creates = calls(platform_op::create_physical);
+  const auto maps = calls(platform_op::map);
+  const auto access = calls(platform_op::set_access);
+  void* p = pool.allocate(20 * MiB);
+  EXPECT_EQ(calls(platform_op::create_physical), creates + 1);
+  EXPECT_EQ(calls(platform_op::map), maps + 1);
+  EXPECT_EQ(calls(platform_op::set_access), access + 1);
+  vmm_page_counts c = pool.page_counts();
+  EXPECT_EQ(c.handles, 1u);
+  EXPECT_EQ(c.pages_created, 10u);
+  fill(p, 20 * MiB, 0x3c);
+  EXPECT_TRUE(holds(p, 20 * MiB, 0x3c));
+  // A block extended in place by the pages it lacks: those pages are one more handle.
+  pool.deallocate(p, 20 * MiB);
+  void* q = pool.allocate(30 * MiB);
+  EXPECT_EQ(pool.page_counts().handles, 2u);
+  EXPECT_EQ(pool.page_counts().pages_created, 15u);
+  fill(q, 30 * MiB, 0x4d);
+  EXPECT_TRUE(holds(q, 30 * MiB, 0x4d));
+  expect_page_accounting(pool);
+  pool.deallocate(q, 30 * MiB);
+  // Given back whole once all its pages are free.
+  EXPECT_EQ(pool.trim(), 30 * MiB);
+  EXPECT_EQ(pool.stats().reserved_bytes, 0u);
+  EXPECT_EQ(sim.live_objects().handles, 0u);
+}
+
+TEST_F(VmmPagePool, GrowthHandlesShrinkNearTheBudgetAndStayOnePageUnderALimit) {
+  {
+    // The 1 GiB sim's budget is 992 MiB (less a 32nd). A 600 MiB growth (300 pages)
+    // leaves 196 pages of room: handles of at most a 32nd of it, 6 pages: 50 handles.
+    vmm_page_pool pool(sim);
+    void* p = pool.allocate(600 * MiB);
+    EXPECT_EQ(pool.page_counts().handles, 50u);
+    EXPECT_EQ(pool.page_counts().pages_created, 300u);
+    expect_page_accounting(pool);
+    pool.deallocate(p, 600 * MiB);
+  }
+  // One page per handle where coarse handles would pin free pages against the gather
+  // (limit, set_budget) or where the options ask for it (huge_growth:0, footprint:tight).
+  for (const char* conf : {"limit:900M", "huge_growth:0", "footprint:tight"}) {
+    SCOPED_TRACE(conf);
+    vmm_page_pool pool(sim, 0, pool_options::parse(conf));
+    const auto access = calls(platform_op::set_access);
+    void* p = pool.allocate(20 * MiB);
+    EXPECT_EQ(pool.page_counts().handles, 10u);
+    EXPECT_EQ(calls(platform_op::set_access), access + 1) << "one grant over the run";
+    pool.deallocate(p, 20 * MiB);
+  }
+  vmm_page_pool pool(sim);
+  pool.set_budget(900 * MiB);
+  void* p = pool.allocate(20 * MiB);
+  EXPECT_EQ(pool.page_counts().handles, 10u);
+  pool.deallocate(p, 20 * MiB);
+}
+
 TEST_F(VmmPagePool, ASpareBigHandleIsNotMappedWhereFewerPagesAreMissing) {
-  vmm_page_pool pool(sim, 0, pool_options::parse("huge_growth:128M"));  // 4-page handles
+  // 4-page handles (under a limit: footprint:fast's handle per growth is off there)
+  vmm_page_pool pool(sim, 0, pool_options::parse("huge_growth:128M,limit:900M"));
   void* a = pool.allocate(128 * MiB);  // sixteen 4-page handles
   void* b = pool.allocate(2 * MiB);    // one page above them
   pool.deallocate(a, 128 * MiB);
@@ -353,7 +415,8 @@ TEST_F(VmmPagePool, AFreeRunHoldingHalfARequestGrowsInPlace) {
   const auto unmaps = calls(platform_op::unmap);
   void* b = pool.allocate(12 * MiB);  // 6 pages: the free 4 and 2 new ones mapped above
   EXPECT_EQ(b, a);
-  EXPECT_EQ(calls(platform_op::map), maps + 2) << "the run's own pages were remapped";
+  EXPECT_EQ(calls(platform_op::map), maps + 1) << "the run's own pages were remapped";
+  EXPECT_EQ(pool.page_counts().handles, 2u) << "the 2 new pages: one handle";
   EXPECT_EQ(calls(platform_op::unmap), unmaps);
   EXPECT_EQ(pool.stats().reserved_bytes, 12 * MiB);
   fill(b, 12 * MiB, 0x3c);
@@ -674,9 +737,10 @@ TEST_F(VmmPagePool, VirtualRangeExhaustionIsOutOfMemoryAndLeaksNothing) {
   vmm_page_pool pool(sim, 0, o);
   void* a = pool.allocate(8 * MiB);
   void* b = pool.allocate(8 * MiB);
+  const std::size_t handles = pool.page_counts().handles;
   EXPECT_THROW(pool.allocate(2 * MiB), out_of_memory);
   EXPECT_EQ(pool.stats().reserved_bytes, 16 * MiB);
-  EXPECT_EQ(pool.page_counts().handles, 8u) << "a failed growth kept a new handle";
+  EXPECT_EQ(pool.page_counts().handles, handles) << "a failed growth kept a new handle";
   expect_page_accounting(pool);
   pool.deallocate(a, 8 * MiB);
   void* c = pool.allocate(2 * MiB);  // fits in a's freed run

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <map>
 #include <utility>
+#include <vector>
 
 #include "gpumem/pool/core/pool_base.hpp"
 
@@ -13,9 +14,38 @@ namespace {
 
 constexpr std::size_t unit = 512;
 
+using handle_ranges = std::vector<std::pair<std::uintptr_t, std::size_t>>;
+
+// The multi-page handles a live or cached block touches a page of, in any segment: their
+// free pages go back only with the block.
+handle_ranges pinned_handles_of(const std::vector<memory_segment>& segments, std::size_t page,
+                                handle_ranges handles) {
+  if (page == 0 || handles.empty()) return {};
+  std::sort(handles.begin(), handles.end());
+  std::vector<bool> pinned(handles.size(), false);
+  for (const memory_segment& seg : segments)
+    for (const memory_block& b : seg.blocks) {
+      if (b.st == memory_block::state::free) continue;
+      const std::uintptr_t lo = b.address / page * page;
+      const std::uintptr_t hi = (b.address + b.size + page - 1) / page * page;
+      auto it = std::upper_bound(handles.begin(), handles.end(),
+                                 std::pair{lo, static_cast<std::size_t>(-1)});
+      if (it != handles.begin()) --it;
+      for (; it != handles.end() && it->first < hi; ++it)
+        if (it->first + it->second > lo) pinned[static_cast<std::size_t>(it - handles.begin())] = true;
+    }
+  handle_ranges out;
+  for (std::size_t i = 0; i < handles.size(); ++i)
+    if (pinned[i]) out.push_back(handles[i]);
+  return out;
+}
+
 // Free bytes of one segment: {pinned, releasable}. With pages, a free byte is releasable
-// when no live or cached block touches its page; without, when none is in its segment.
-std::pair<std::size_t, std::size_t> free_bytes_of(const memory_segment& seg, std::size_t page) {
+// when no live or cached block touches its page, nor any page of the multi-page handle it
+// lies in (pinned_handles: a handle is given back whole); without, when none is in its
+// segment.
+std::pair<std::size_t, std::size_t> free_bytes_of(const memory_segment& seg, std::size_t page,
+                                                  const handle_ranges& pinned_handles) {
   std::size_t free = 0;
   for (const memory_block& b : seg.blocks)
     if (b.st == memory_block::state::free) free += b.size;
@@ -33,6 +63,13 @@ std::pair<std::size_t, std::size_t> free_bytes_of(const memory_segment& seg, std
     if (b.st == memory_block::state::free) continue;
     for (std::size_t p = (b.address - base) / page; p * page < b.address + b.size - base; ++p)
       touched[p] = true;
+  }
+  for (const auto& [at, bytes] : pinned_handles) {
+    if (at + bytes <= base || at >= seg.address + seg.size) continue;
+    const std::size_t first = at > base ? (at - base) / page : 0;
+    const std::size_t end = std::min(touched.size(), (at + bytes - base + page - 1) / page);
+    std::fill(touched.begin() + static_cast<std::ptrdiff_t>(first),
+              touched.begin() + static_cast<std::ptrdiff_t>(end), true);
   }
   std::size_t releasable = 0;
   for (const memory_block& b : seg.blocks) {
@@ -103,7 +140,8 @@ namespace detail {
 overhead_breakdown breakdown_of(std::string allocator, std::size_t reserved,
                                 std::size_t live_bytes, std::size_t page_size,
                                 std::size_t kept_unmapped,
-                                const std::vector<memory_segment>& segments) {
+                                const std::vector<memory_segment>& segments,
+                                const handle_ranges& multi_page_handles) {
   overhead_breakdown o;
   o.allocator = std::move(allocator);
   o.reserved = reserved;
@@ -111,6 +149,7 @@ overhead_breakdown breakdown_of(std::string allocator, std::size_t reserved,
   o.kept_unmapped = kept_unmapped;
   std::size_t in_segments = 0;
   std::map<std::pair<std::size_t, std::size_t>, std::size_t> shapes;  // (requested, block) -> count
+  const handle_ranges pinned_handles = pinned_handles_of(segments, page_size, multi_page_handles);
   for (const memory_segment& seg : segments) {
     in_segments += seg.size;
     for (const memory_block& b : seg.blocks) {
@@ -122,7 +161,7 @@ overhead_breakdown breakdown_of(std::string allocator, std::size_t reserved,
       o.block_rounding += b.size - std::min(in_units, b.size);
       if (b.size > in_units) shapes[{b.requested, b.size}] += 1;
     }
-    const auto [pinned, releasable] = free_bytes_of(seg, o.page_size);
+    const auto [pinned, releasable] = free_bytes_of(seg, o.page_size, pinned_handles);
     o.free_pinned += pinned;
     o.free_releasable += releasable;
     if (seg.small) o.free_in_small_arena += pinned + releasable;

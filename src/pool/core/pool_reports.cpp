@@ -290,7 +290,8 @@ overhead_breakdown pool_base::overhead() const {
 overhead_breakdown pool_base::overhead_locked() const {
   const page_holdings pages = page_holdings_locked();
   return detail::breakdown_of(std::string(name()), stats_.reserved_bytes, live_bytes_locked(),
-                              pages.page_size, pages.kept_unmapped, segments_locked());
+                              pages.page_size, pages.kept_unmapped, segments_locked(),
+                              pages.multi_page_handles);
 }
 
 void pool_base::inspect(

@@ -125,7 +125,8 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
   // Within the growth slack: new pages rather than a gather of scattered free ones (at
   // the limit or on a full device, the gather after all).
   const bool may_create = kind == growth::any;  // held_pages_only: kept and gathered pages
-  if (have < wanted && may_create && !g.tight && create_chunks(wanted - have, handle_sizes::growth))
+  if (have < wanted && may_create && !g.tight &&
+      create_chunks(wanted - have, fast() ? handle_sizes::whole_growth : handle_sizes::growth))
     have = spare_pages_for(stream.value);
   // footprint:fast within the budget gathers only where new pages cannot be had (the
   // device is full), or for the small arena from a reservation up front (memory held so

@@ -167,7 +167,11 @@ vmm_page_counts vmm_page_pool::page_counts() const {
 }
 
 pool_base::page_holdings vmm_page_pool::page_holdings_locked() const {
-  return {page_, spare_pages() * page_};
+  page_holdings h{page_, spare_pages() * page_, {}};
+  for (const chunk& c : chunks_)
+    if (c.live && c.pages > 1 && c.mapped_at != no_page)
+      h.multi_page_handles.emplace_back(page_address(c.mapped_at), c.pages * page_);
+  return h;
 }
 
 std::size_t vmm_page_pool::spare_pages() const {
@@ -216,15 +220,26 @@ bool vmm_page_pool::create_chunks(std::size_t pages, handle_sizes sizes) {
       forget_chunk(id);
     }
   };
-  // The multi-page handle size this call may use (1: none; see handle_sizes).
+  // The multi-page handle size this call may use (1: none; see handle_sizes), and whether
+  // the pages left past its multiples make one handle too rather than one each.
   std::size_t big = 1;
+  bool rest_whole = false;
   if (sizes != handle_sizes::one_page && options_.big_chunk_pages > 1) {
     if (pages >= 2 * options_.big_chunk_pages) big = options_.big_chunk_pages;
-  } else if (sizes == handle_sizes::growth && pages * page_ >= options_.huge_growth_bytes) {
+  } else if (sizes == handle_sizes::whole_growth && whole_growth_handles()) {
+    // At most a growth_room_share-th of the room the budget has left after this growth:
+    // handles shrink towards one page as the pool nears its budget, where a partly used
+    // handle would pin its free pages against the gather.
+    const std::size_t budget = budget_locked(), after = reserved_locked() + bytes;
+    const std::size_t room_pages = after < budget ? (budget - after) / page_ : 0;
+    big = std::clamp<std::size_t>(room_pages / growth_room_share, 1, pages);
+    rest_whole = true;
+  } else if (sizes != handle_sizes::one_page && sizes != handle_sizes::reservation &&
+             pages * page_ >= options_.huge_growth_bytes) {
     big = huge_chunk_pages();
   }
   for (std::size_t left = pages; left > 0;) {
-    const std::size_t n = left >= big ? big : 1;
+    const std::size_t n = left >= big ? big : (rest_whole ? left : 1);
     auto h = create_handle(n * page_);
     if (!h) {
       undo();

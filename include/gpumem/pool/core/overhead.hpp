@@ -15,7 +15,9 @@
 //            + free_pinned                    free bytes sharing a page (vmm_page_pool) or a
 //                                             segment (caching_pool) with a live or cached
 //                                             block: nothing can give them back
-//            + free_releasable                free whole pages, or wholly free segments:
+//            + free_releasable                free whole pages (of a multi-page handle: only
+//                                             where all its pages are free), or wholly free
+//                                             segments:
 //                                             trim() / release_cached() could give them back
 //            + kept_unmapped                  physical pages kept unmapped for reuse
 //                                             (vmm_page_pool)
@@ -27,7 +29,9 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace gpumem {
@@ -73,11 +77,12 @@ overhead_breakdown explain_overhead(const pool_base& pool);
 namespace detail {
 // The breakdown of `segments`, which hold all of a pool's memory but `kept_unmapped` bytes
 // (physical pages not mapped) and guard-mode allocations (live bytes outside them).
-// page_size: the page by which free bytes are releasable (0: by whole segment).
-overhead_breakdown breakdown_of(std::string allocator, std::size_t reserved,
-                                std::size_t live_bytes, std::size_t page_size,
-                                std::size_t kept_unmapped,
-                                const std::vector<memory_segment>& segments);
+// page_size: the page by which free bytes are releasable (0: by whole segment);
+// multi_page_handles: mapped (address, bytes) ranges whose pages are releasable only together.
+overhead_breakdown breakdown_of(
+    std::string allocator, std::size_t reserved, std::size_t live_bytes, std::size_t page_size,
+    std::size_t kept_unmapped, const std::vector<memory_segment>& segments,
+    const std::vector<std::pair<std::uintptr_t, std::size_t>>& multi_page_handles = {});
 }  // namespace detail
 
 }  // namespace gpumem

@@ -254,6 +254,9 @@ class pool_base : public memory_resource {
   struct page_holdings {
     std::size_t page_size = 0;
     std::size_t kept_unmapped = 0;
+    // Mapped physical handles of more than one page, as (address, bytes): each gives its
+    // pages back only together, once none of them holds a live or cached block.
+    std::vector<std::pair<std::uintptr_t, std::size_t>> multi_page_handles;
   };
   virtual page_holdings page_holdings_locked() const { return {}; }
   virtual std::string validate_holdings() const { return {}; }
