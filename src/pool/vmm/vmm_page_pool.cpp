@@ -233,7 +233,13 @@ bool vmm_page_pool::create_chunks(std::size_t pages, handle_sizes sizes) {
     const std::size_t budget = budget_locked(), after = reserved_locked() + bytes;
     const std::size_t room_pages = after < budget ? (budget - after) / page_ : 0;
     big = std::clamp<std::size_t>(room_pages / growth_room_share, 1, pages);
-    rest_whole = true;
+    // And only while the device has plenty free after it (plentiful_share): the budget is
+    // of this pool alone, and other processes (a colocated generator, a ballast) or other
+    // pools may have filled the device, where a pinned page costs an out-of-memory.
+    if (auto info = device_platform().mem_info(device());
+        !info || info.value().free < bytes + info.value().total / plentiful_share)
+      big = 1;
+    rest_whole = big > 1;
   } else if (sizes != handle_sizes::one_page && sizes != handle_sizes::reservation &&
              pages * page_ >= options_.huge_growth_bytes) {
     big = huge_chunk_pages();

@@ -244,7 +244,8 @@ class vmm_page_pool final : public pool_base {
   // pages back only once all of them are free, so near a budget the gather finds fewer
   // pages to move (sim, each trace under limit 1.03x its peak: 31 of 47 out of memory with
   // coarse handles, none with one-page ones). Handles stay within a growth_room_share-th of
-  // the budget's room left (create_chunks), so they shrink as a device without a limit fills.
+  // the budget's room left (create_chunks), so they shrink as a device without a limit fills,
+  // and are one page where less than a plentiful_share-th of the device would stay free.
   enum class handle_sizes { one_page, growth, whole_growth, reservation };
   static constexpr std::size_t growth_room_share = 32;
   bool whole_growth_handles() const noexcept {
