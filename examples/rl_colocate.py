@@ -375,7 +375,9 @@ def offloaded_bytes(gt):
 
 
 def crc_of(torch, t):
-    return zlib.crc32(to_bytes(torch, t.to(torch.int64)))
+    """CRC of the tokens' values: a compact copy, as torch.save writes a view's whole
+    storage (generate may return a view of a larger buffer)."""
+    return zlib.crc32(to_bytes(torch, t.detach().to(torch.int64).contiguous().clone()))
 
 
 def preallocate_grads(torch, model):
