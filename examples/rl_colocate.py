@@ -9,10 +9,10 @@ without a copy (docs/RL_COLOCATE.md).
     python examples/rl_colocate.py --find-max-batch --layout baseline --cap-gib 14
 
 Each iteration: the generator makes a batch of rollouts (Hugging Face generate, greedy; in
-the gpumem layouts over gpumem.hf.GpumemStaticCache with the decode steps in CUDA graphs,
-which transformers compiles for a static cache, the cache and the graphs' memory in tag
-"rollout" and kept at their addresses across its discard sleeps; --decode eager: over
-GpumemCache(attention="contiguous"); transformers' own cache, eager, in the baseline), the rollouts get random rewards, the trainer takes one AdamW step
+the gpumem layouts over GpumemCache(attention="contiguous"), or with --decode graphs over
+gpumem.hf.GpumemStaticCache with the decode steps in CUDA graphs, which transformers
+compiles for a static cache, the cache and the graphs' memory in tag "rollout" and kept at
+their addresses across its discard sleeps; transformers' own cache in the baseline), the rollouts get random rewards, the trainer takes one AdamW step
 on a GRPO policy-gradient loss (group-normalised advantages, activation checkpointing), and
 the generator gets the new weights. The policy is a Llama-shaped model with random weights
 (bf16, ~1.1B parameters by default; no network).
@@ -20,8 +20,8 @@ the generator gets the new weights. The policy is a Llama-shaped model with rand
 Layouts (--layout):
   one       one process. The generator is the trainer's model itself: no weight sync.
             Gradients and AdamW states live in tag "train", offloaded during generation;
-            generate's memory, the KV cache and the CUDA graphs' pool included, lives in
-            tag "rollout", discarded during training.
+            generate's memory, the KV cache (with --decode graphs the CUDA graphs' pool
+            too) included, lives in tag "rollout", discarded during training.
   two       two processes (gpumem.colocate). The trainer's weights live in one allocation
             of the shared tag, mapped by the generator through gpumem.ipc (one descriptor,
             no copy); after each step the trainer records a CUDA interprocess event, which
@@ -90,10 +90,12 @@ def parse_args(argv=None):
                    help="gpumem layouts: the training step's tag is this thread's only, so "
                    "autograd's thread allocates untagged and empty_cache() follows each "
                    "trainer sleep (by default the tag is the process tag too)")
-    p.add_argument("--decode", choices=["graphs", "eager"], default="graphs",
-                   help="gpumem layouts: decode steps in CUDA graphs (generate over "
-                   "gpumem.hf.GpumemStaticCache in tag rollout, compiled by transformers) or "
-                   "eagerly over GpumemCache(attention='contiguous')")
+    p.add_argument("--decode", choices=["graphs", "eager"], default="eager",
+                   help="gpumem layouts: decode steps eagerly over "
+                   "GpumemCache(attention='contiguous'), as the baseline decodes, so the "
+                   "rollouts and losses of every layout are the same; or in CUDA graphs "
+                   "(generate over gpumem.hf.GpumemStaticCache in tag rollout, compiled by "
+                   "transformers), whose rollouts differ from eager decoding's")
     p.add_argument("--find-max-batch", action="store_true")
     p.add_argument("--cap-gib", type=float, default=14.0, help="capacity: device memory cap")
     p.add_argument("--capacity-layouts", default="one,baseline")
