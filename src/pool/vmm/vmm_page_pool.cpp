@@ -232,13 +232,15 @@ bool vmm_page_pool::create_chunks(std::size_t pages, handle_sizes sizes) {
     // handle would pin its free pages against the gather.
     const std::size_t budget = budget_locked(), after = reserved_locked() + bytes;
     const std::size_t room_pages = after < budget ? (budget - after) / page_ : 0;
-    big = std::clamp<std::size_t>(room_pages / growth_room_share, 1, pages);
-    // And only while the device has plenty free after it (plentiful_share): the budget is
-    // of this pool alone, and other processes (a colocated generator, a ballast) or other
-    // pools may have filled the device, where a pinned page costs an out-of-memory.
+    // The same share of the device's free memory after it, and one page where less than a
+    // plentiful_share-th of the device would stay free: the budget is this pool's alone,
+    // and other processes (a colocated generator, a ballast) or other pools may have filled
+    // the device, where a pinned page costs an out-of-memory.
+    std::size_t free_pages = 0;
     if (auto info = device_platform().mem_info(device());
-        !info || info.value().free < bytes + info.value().total / plentiful_share)
-      big = 1;
+        info && info.value().free >= bytes + info.value().total / plentiful_share)
+      free_pages = (info.value().free - bytes) / page_;
+    big = std::clamp<std::size_t>(std::min(room_pages, free_pages) / growth_room_share, 1, pages);
     rest_whole = big > 1;
   } else if (sizes != handle_sizes::one_page && sizes != handle_sizes::reservation &&
              pages * page_ >= options_.huge_growth_bytes) {
