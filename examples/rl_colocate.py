@@ -1063,9 +1063,10 @@ def main(argv=None):
         runner = {"one": run_one, "two": run_two, "baseline": run_baseline}[a.layout]
         try:
             out = runner(a)
-        except torch.OutOfMemoryError:
+        except torch.OutOfMemoryError as e:
+            # The allocator's whole report too: gpumem's says where every reserved byte is.
             print(json.dumps({"out_of_memory": a.layout, "batch": a.batch,
-                              **memory_state(torch)}), flush=True)
+                              **memory_state(torch), "report": str(e)[:20000]}), flush=True)
             raise
         out["summary"] = summarize(out)
         out["decode"] = a.decode if a.layout != "baseline" else "eager"
