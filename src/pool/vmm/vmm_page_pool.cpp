@@ -236,11 +236,14 @@ bool vmm_page_pool::create_chunks(std::size_t pages, handle_sizes sizes) {
     // plentiful_share-th of the device would stay free: the budget is this pool's alone,
     // and other processes (a colocated generator, a ballast) or other pools may have filled
     // the device, where a pinned page costs an out-of-memory.
-    std::size_t free_pages = 0;
-    if (auto info = device_platform().mem_info(device());
-        info && info.value().free >= bytes + info.value().total / plentiful_share)
-      free_pages = (info.value().free - bytes) / page_;
-    big = std::clamp<std::size_t>(std::min(room_pages, free_pages) / growth_room_share, 1, pages);
+    big = std::clamp<std::size_t>(room_pages / growth_room_share, 1, pages);
+    if (big > 1) {  // the device is asked only where the handle would be coarse
+      std::size_t free_pages = 0;
+      if (auto info = device_platform().mem_info(device());
+          info && info.value().free >= bytes + info.value().total / plentiful_share)
+        free_pages = (info.value().free - bytes) / page_;
+      big = std::clamp<std::size_t>(std::min(big, free_pages / growth_room_share), 1, pages);
+    }
     rest_whole = big > 1;
   } else if (sizes != handle_sizes::one_page && sizes != handle_sizes::reservation &&
              pages * page_ >= options_.huge_growth_bytes) {
