@@ -258,9 +258,7 @@ def generate(torch, a, model, prompts, use_gpumem):
                 print(json.dumps({"decode_fallback": a.decode_fallback}), file=sys.stderr,
                       flush=True)
                 _STATIC_CACHES.clear()
-        if out is not None:
-            pass
-        elif use_gpumem and a.decode == "eager":
+        if out is None and use_gpumem and a.decode == "eager":
             from gpumem.hf import GpumemCache
             cache = GpumemCache(model.config, attention="contiguous", tag="rollout",
                                 max_sequence_tokens=a.prompt_len + a.gen_len + 8)
@@ -269,7 +267,7 @@ def generate(torch, a, model, prompts, use_gpumem):
             finally:
                 cache.release()
                 del cache
-        else:
+        elif out is None:
             out = model.generate(prompts, **kwargs)
     return out
 
