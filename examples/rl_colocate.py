@@ -918,8 +918,8 @@ def summarize(result, skip=WARM_UP):
 
 def memory_state(torch):
     """What this process holds when it runs out of memory: the device's free bytes, the
-    allocator's reserved and allocated bytes and, under gpumem, each tag's and the graph
-    pools' (for the capacity search's failures)."""
+    allocator's reserved and allocated bytes and, under gpumem, each tag's, the graph
+    pools' and where the pool's reserved bytes go (for the capacity search's failures)."""
     free, total = torch.cuda.mem_get_info()
     state = {"device_free": int(free), "device_total": int(total),
              "reserved": int(torch.cuda.memory_reserved()),
@@ -935,6 +935,10 @@ def memory_state(torch):
             except Exception as e:  # pylint: disable=broad-except
                 state["tags"][tag] = str(e)
         state["graph_pools"] = gt.graph_pools()
+        try:
+            state["explain"] = gt.explain()
+        except Exception as e:  # pylint: disable=broad-except
+            state["explain"] = str(e)
     return state
 
 

@@ -3,7 +3,8 @@
 # plug-in where build-gpu lacks it, then for each layout of LAYOUTS (default "baseline one")
 # bisects the largest rollout batch under the cap, each try a fresh process, between the
 # bounds BOUNDS_<layout> ("FITS:FAILS", from an earlier search; none: doubling from 128).
-# RL_ARGS adds flags to every try. Results go to $OUT/capacity_<layout>.json.
+# RL_ARGS adds flags to every try. Results go to $OUT/capacity_<layout>.json, each try's
+# output (an out-of-memory's whole report) to $OUT/capacity_<layout>.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-rl-capacity-out}
@@ -23,6 +24,7 @@ for layout in ${LAYOUTS:-baseline one}; do
   args=(--layout "$layout" --find-max-batch --capacity-tries "${TRIES:-4}")
   [ -n "$bounds" ] && args+=(--capacity-bounds "$layout:$bounds")
   timeout "${T_LAYOUT:-280}" python3 examples/rl_colocate.py "${args[@]}" ${RL_ARGS:-} \
-    --json "$OUT/capacity_$layout.json" 2>&1 | grep -E '^\{"capacity"|^\{"out_of_memory"|Error|error' | head -20
+    --json "$OUT/capacity_$layout.json" 2>&1 | tee "$OUT/capacity_$layout.log" |
+    grep -E '^\{"capacity"|^\{"out_of_memory"|Error|error' | cut -c1-700 | head -20
   echo "$layout exit ${PIPESTATUS[0]}"
 done
