@@ -8,8 +8,8 @@ without a copy (docs/RL_COLOCATE.md).
     python examples/rl_colocate.py --layout two --faults
     python examples/rl_colocate.py --find-max-batch --layout baseline --cap-gib 14
 
-Each iteration: the generator makes a batch of rollouts (Hugging Face generate, greedy; in
-the gpumem layouts over GpumemCache(attention="contiguous"), or with --decode graphs over
+Each iteration: the generator makes a batch of rollouts (Hugging Face generate, sampled
+from the seed's random stream; in the gpumem layouts over GpumemCache(attention="contiguous"), or with --decode graphs over
 gpumem.hf.GpumemStaticCache with the decode steps in CUDA graphs, which transformers
 compiles for a static cache, the cache and the graphs' memory in tag "rollout" and kept at
 their addresses across its discard sleeps; transformers' own cache in the baseline), the rollouts get random rewards, the trainer takes one AdamW step
@@ -19,14 +19,16 @@ the generator gets the new weights. The policy is a Llama-shaped model with rand
 
 Layouts (--layout):
   one       one process. The generator is the trainer's model itself: no weight sync.
-            Gradients and AdamW states live in tag "train", offloaded during generation;
-            generate's memory, the KV cache (with --decode graphs the CUDA graphs' pool
+            Gradients live in tag "train", offloaded during generation; AdamW's states
+            in tag "optim", offloaded from the end of one optimizer step to the start of
+            the next (awake for opt.step() alone, so the forward and backward's
+            activations take their room, for the same bytes copied); generate's memory, the KV cache (with --decode graphs the CUDA graphs' pool
             too) included, lives in tag "rollout", discarded during training.
   two       two processes (gpumem.colocate). The trainer's weights live in one allocation
             of the shared tag, mapped by the generator through gpumem.ipc (one descriptor,
             no copy); after each step the trainer records a CUDA interprocess event, which
             the generator waits on before it reads the weights. Each process sleeps its
-            idle tag ("train" offload, "rollout" discard).
+            idle tags ("train" and "optim" offload as in one, "rollout" discard).
   baseline  two processes under PyTorch's own allocator, as frameworks do it today: the
             weights copied in buckets through torch.multiprocessing.reductions.reduce_tensor
             (CUDA IPC; verl's pattern), the idle side's tensors moved to pinned host memory
@@ -231,8 +233,10 @@ def static_cache(a, model, rows):
     return _STATIC_CACHES[key]
 
 
-def generate(torch, a, model, prompts, use_gpumem):
-    """Greedy rollouts [batch, prompt + gen] of the prompts. The gpumem layouts decode in
+def generate(torch, a, model, prompts, use_gpumem, iteration):
+    """Rollouts [batch, prompt + gen] of the prompts, sampled (temperature 1) from the
+    random-number stream of --seed and the iteration, so every layout draws the same
+    tokens from the same logits and the rollouts of a group differ. The gpumem layouts decode in
     CUDA graphs over a GpumemStaticCache (--decode graphs: transformers compiles the decode
     step for a compileable cache; the graphs' memory is tag "rollout"'s, current here), or
     eagerly over GpumemCache (released at once; its pages are the tag's). The baseline
@@ -240,7 +244,9 @@ def generate(torch, a, model, prompts, use_gpumem):
     model.eval()
     prompts = prompts.cuda()
     kwargs = dict(attention_mask=torch.ones_like(prompts), max_new_tokens=a.gen_len,
-                  min_new_tokens=a.gen_len, do_sample=False, pad_token_id=0, use_cache=True)
+                  min_new_tokens=a.gen_len, do_sample=True, temperature=1.0, top_k=0,
+                  top_p=1.0, pad_token_id=0, use_cache=True)
+    torch.manual_seed(a.seed * 1000003 + iteration)
     with torch.no_grad():
         out = None
         if use_gpumem and a.decode == "graphs":
@@ -295,15 +301,45 @@ def make_trainer(torch, a, model):
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=a.lr)
 
 
-def train_step(torch, a, model, opt, seqs, rewards):
+def train_step(torch, a, model, opt, seqs, rewards, states=None):
+    """One GRPO step; the loss. With `states` (OptimizerStates), AdamW's states are awake
+    for opt.step() only."""
     model.train()
     loss = grpo_loss(torch, a, model, seqs, rewards)
     loss.backward()
-    opt.step()
+    if states is None:
+        opt.step()
+    else:
+        states.step(opt)
     opt.zero_grad(set_to_none=False)  # the gradients stay where they are (their tag)
     value = float(loss)
     del loss
     return value
+
+
+class OptimizerStates:
+    """AdamW's states in tag "optim", awake for the optimizer step alone: they sleep
+    (offload) from the end of one step to the start of the next, through generation and
+    through the next forward and backward, whose activations take their room. The bytes
+    copied per iteration are those of a sleep during generation alone; the wake moves from
+    before the forward to before opt.step(). Addresses stay, so the optimizer's own tensors
+    serve again with no code of its own. `last` holds the latest step's sleep and wake
+    seconds."""
+
+    def __init__(self, torch, gt):
+        self.torch, self.gt = torch, gt
+        self.last = {}
+
+    def step(self, opt):
+        torch, gt = self.torch, self.gt
+        t = sync(torch)
+        safe_wake(gt, "optim")  # asleep since the last step; before the first, empty
+        self.last["optim_wake_s"] = sync(torch) - t
+        with gt.tag("optim"):
+            opt.step()  # the first step creates the states here
+        t = sync(torch)
+        gt.sleep("optim", "offload")
+        self.last["optim_sleep_s"] = sync(torch) - t
 
 
 def rollout_reply(torch, a, model, batch, msg, row, gpumem_cache):
@@ -311,7 +347,8 @@ def rollout_reply(torch, a, model, batch, msg, row, gpumem_cache):
     of the prompts in msg.payload (generate_s in row); (logits bytes, whole payload)."""
     logits = logits_of(torch, model, batch)
     t = sync(torch)
-    seqs = generate(torch, a, model, from_bytes(torch, msg.payload), gpumem_cache)
+    seqs = generate(torch, a, model, from_bytes(torch, msg.payload), gpumem_cache,
+                    msg.meta["iteration"])
     row["generate_s"] = sync(torch) - t
     lb = to_bytes(torch, logits)
     return lb, lb + to_bytes(torch, seqs)
@@ -337,7 +374,7 @@ def pinned_bandwidth(torch, nbytes=1 * GiB):
     return out
 
 
-SLEEPING_TAGS = ("train", "rollout")
+SLEEPING_TAGS = ("train", "optim", "rollout")
 
 
 def host_bytes_held(gt):
@@ -369,9 +406,10 @@ def release_host(gt):
 
 
 def offloaded_bytes(gt):
-    """The bytes tag "train"'s offload sleep copies each way: its pinned host block, which
-    holds the copy of every page the sleep kept (free pages are given back uncopied)."""
-    return int(gt.host_bytes("train"))
+    """The bytes the offload sleeps of tags "train" and "optim" copy each way: their pinned
+    host blocks, which hold the copy of every page the sleeps kept (free pages are given
+    back uncopied)."""
+    return int(gt.host_bytes("train")) + int(gt.host_bytes("optim"))
 
 
 def crc_of(torch, t):
@@ -406,6 +444,7 @@ def run_one(a):
     with gt.tag("train"):
         opt = make_trainer(torch, a, model)
         preallocate_grads(torch, model)
+    states = OptimizerStates(torch, gt)
     rows = []
     for it in range(a.iters):
         row = {"iteration": it}
@@ -425,7 +464,7 @@ def run_one(a):
             row["logits_equal"] = bool(torch.equal(seen, reference))
             row["logits_max_diff"] = float((seen - reference).abs().max())
             t = sync(torch)
-            seqs = generate(torch, a, model, prompts_for(torch, a, vocab, it), True)
+            seqs = generate(torch, a, model, prompts_for(torch, a, vocab, it), True, it)
             row["generate_s"] = sync(torch) - t
         row["graph_bytes_generating"] = graph_bytes(gt)
         row["decode"] = a.decode
@@ -445,8 +484,13 @@ def run_one(a):
         row["moved_bytes"] = offloaded_bytes(gt)
         t = sync(torch)
         with train_tag(gt, a):
-            row["loss"] = train_step(torch, a, model, opt, seqs, rewards_for(torch, a, it))
-        row["train_s"] = sync(torch) - t
+            row["loss"] = train_step(torch, a, model, opt, seqs, rewards_for(torch, a, it),
+                                     states)
+        row.update(states.last)
+        # The states' sleep and wake count as sleep and wake, not as training.
+        row["train_s"] = sync(torch) - t - row["optim_sleep_s"] - row["optim_wake_s"]
+        row["sleep_s"] += row["optim_sleep_s"]
+        row["wake_s"] += row["optim_wake_s"]
         del seqs
         row["trainer"] = counts(torch, gt)
         rows.append(row)
@@ -458,9 +502,10 @@ def run_one(a):
 # --- layout two ----------------------------------------------------------------------------------
 
 class GpumemTrainer:
-    """The trainer of layout two: weights in one shared allocation, gradients and AdamW
-    states in tag "train" (offloaded while the generator works), an interprocess event
-    recorded after each step (trainer_iteration's protocol)."""
+    """The trainer of layout two: weights in one shared allocation, gradients in tag
+    "train" (offloaded while the generator works), AdamW's states in tag "optim" (awake
+    for the optimizer step alone: OptimizerStates), an interprocess event recorded after
+    each step (trainer_iteration's protocol)."""
 
     def __init__(self, torch, gt, a):
         self.torch, self.gt, self.a = torch, gt, a
@@ -484,6 +529,7 @@ class GpumemTrainer:
         with gt.tag("train"):
             self.opt = make_trainer(torch, a, model)
             preallocate_grads(torch, model)
+        self.states = OptimizerStates(torch, gt)
         self.event = torch.cuda.Event(interprocess=True)
         self.event.record()
         self.reference = logits_of(torch, model, self.batch)
@@ -526,7 +572,10 @@ class GpumemTrainer:
         self.last["tokens_crc"] = crc_of(torch, seqs)
         with train_tag(self.gt, self.a):
             loss = train_step(torch, self.a, self.model, self.opt, seqs,
-                              rewards_for(torch, self.a, self.iteration))
+                              rewards_for(torch, self.a, self.iteration),
+                              self.states)
+        if self.states is not None:
+            self.last.update(self.states.last)
         self.losses.append(loss)
         return loss
 
@@ -603,8 +652,12 @@ def two_process_loop(torch, gt, a, trainer, peer, layout):
         loss, meta, timings = colocate.trainer_iteration(trainer, peer.channel, it)
         row = {"iteration": it, "loss": loss, **timings, **trainer.last,
                **{k: v for k, v in meta.items() if k != "logits_bytes"}}
-        row["sleep_s"] = row.get("trainer_sleep_s", 0) + row.get("generator_sleep_s", 0)
-        row["wake_s"] = row.get("trainer_wake_s", 0) + row.get("generator_wake_s", 0)
+        # The AdamW states' sleep and wake (inside train) count as sleep and wake.
+        row["train_s"] -= row.get("optim_sleep_s", 0) + row.get("optim_wake_s", 0)
+        row["sleep_s"] = sum(row.get(k, 0) for k in ("trainer_sleep_s", "generator_sleep_s",
+                                                      "optim_sleep_s"))
+        row["wake_s"] = sum(row.get(k, 0) for k in ("trainer_wake_s", "generator_wake_s",
+                                                     "optim_wake_s"))
         row["moved_bytes"] = trainer.moved_bytes() if hasattr(trainer, "moved_bytes") \
             else offloaded_bytes(gt)
         row["trainer"] = counts(torch, gt, trainer.moved_bytes() if gt is None else 0)
@@ -649,7 +702,7 @@ def faults(torch, gt, a, trainer, peer, alone):
                           torch.full((a.batch, a.gen_len), 5, device="cuda")], 1)
         with gt.tag("train"):
             loss = train_step(torch, a, trainer.model, trainer.opt, seqs,
-                              rewards_for(torch, a, 0))
+                              rewards_for(torch, a, 0), trainer.states)
         trainer.publish()
         peer2 = spawn_generator(a, "generator")
         trainer.share(peer2.channel)
@@ -669,26 +722,29 @@ def faults(torch, gt, a, trainer, peer, alone):
                        "trainer_step_after_kill_loss": loss, "new_generator_loss": loss2,
                        "new_generator_logits_equal": trainer.last.get("logits_equal"),
                        "new_generator_stop_status": stop}
-    # A wake with no room: the train tag asleep, the device filled, wake refused.
-    probe = [t.detach().float().sum().item() for t in list(trainer.opt.state.values())[0].values()
-             if torch.is_tensor(t) and t.is_cuda]
-    gt.sleep("train", "offload")
+    # A wake with no room: tag "optim" (AdamW's states, asleep between steps) offloaded, the
+    # device filled, wake refused; once there is room, the states come back intact.
+    def state_sums():
+        return [t.detach().float().sum().item()
+                for st in trainer.opt.state.values() for t in st.values()
+                if torch.is_tensor(t) and t.is_cuda]
+    safe_wake(gt, "optim")
+    probe = state_sums()
+    gt.sleep("optim", "offload")
     gt.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     ballast = torch.empty(max(free - 256 * (1 << 20), 0), dtype=torch.uint8, device="cuda")
     try:
-        gt.wake("train")
+        gt.wake("optim")
         out["no_room"] = {"error": "the wake succeeded with %d bytes free" % (256 << 20)}
     except gpumem.OutOfMemoryError as e:
-        still = gt.pool().asleep("train")
+        still = gt.pool().asleep("optim")
         del ballast
         gt.empty_cache()
-        gt.wake("train")
-        again = [t.detach().float().sum().item()
-                 for t in list(trainer.opt.state.values())[0].values()
-                 if torch.is_tensor(t) and t.is_cuda]
+        gt.wake("optim")
         out["no_room"] = {"error_type": type(e).__name__, "message": str(e).split("\n")[0],
-                          "tag_still_asleep": still, "bytes_restored_after": again == probe}
+                          "tag_still_asleep": still, "bytes_restored_after": state_sums() == probe,
+                          "states_checked": len(probe)}
     return out
 
 
@@ -736,6 +792,7 @@ class BaselineTrainer:
         self.opt = make_trainer(torch, a, self.model)
         preallocate_grads(torch, self.model)
         self.offload = PinnedOffload(torch)
+        self.states = None  # AdamW's states stay on the device through the training step
         self.reference = logits_of(torch, self.model, self.batch)
         self.last = {}
         self.losses = []
@@ -896,7 +953,8 @@ def summarize(result, skip=WARM_UP):
     ratios = sorted(x / pinned_s for x in per_iteration) if pinned_s else []
     keys = ("generate_s", "train_s", "sync_s", "sleep_s", "wake_s", "train_sleep_s",
             "train_wake_s", "rollout_sleep_s", "rollout_wake_s", "empty_cache_s",
-            "trainer_sleep_s", "trainer_wake_s", "generator_sleep_s", "generator_wake_s")
+            "trainer_sleep_s", "trainer_wake_s", "generator_sleep_s", "generator_wake_s",
+            "optim_sleep_s", "optim_wake_s")
     s = {k + "_mean": mean(k) for k in keys if values(k)}
     s.update({k + "_median": median(k) for k in keys if values(k)})
     s.update(moved_bytes=moved, pinned_copy_s=pinned_s, iterations_summarized=len(rows),
@@ -927,7 +985,7 @@ def memory_state(torch):
     if "gpumem.torch" in sys.modules:
         gt = sys.modules["gpumem.torch"]
         state["tags"] = {}
-        for tag in ("weights", "train", "rollout"):
+        for tag in ("weights", "train", "optim", "rollout"):
             try:
                 st = gt.tag_stats(tag)
                 state["tags"][tag] = {k: st[k] for k in ("live_bytes", "reserved_bytes",
