@@ -395,8 +395,10 @@ def counts(torch, gt, host_bytes=0):
 
 
 def release_host(gt):
-    """Gives back the pinned host memory of every sleeping tag (both awake now) and
-    reports whether it dropped to 0."""
+    """At the end of a run: wakes AdamW's states (asleep since the last step; the other
+    tags are awake), gives back the pinned host memory of every sleeping tag and reports
+    whether it dropped to 0."""
+    safe_wake(gt, "optim")
     before = host_bytes_held(gt)
     released = sum(int(gt.release_host(tag)) for tag in SLEEPING_TAGS
                    if gt.tag_stats(tag)["allocations"])
