@@ -312,7 +312,7 @@ def train_step(torch, a, model, opt, seqs, rewards, states=None):
     else:
         states.step(opt)
     opt.zero_grad(set_to_none=False)  # the gradients stay where they are (their tag)
-    value = float(loss)
+    value = float(loss.detach())
     del loss
     return value
 
