@@ -1,8 +1,9 @@
 """The mechanics of examples/rl_colocate.py's two-process layout on the sim device, through
 gpumem.colocate and gpumem's Pool (no torch, no GPU): a trainer whose weights live in the
 shared tag, exported once as a descriptor to a generator process that maps them; the
-trainer's optimizer state in a tag that sleeps with offload while the generator works (its
-bytes survive every sleep); the generator's KV memory in a tag that sleeps with discard
+trainer's gradients in a tag that sleeps with offload while the generator works, its
+optimizer states in one that sleeps from the end of one step to the next's update (the
+bytes of both survive every sleep); the generator's KV memory in a tag that sleeps with discard
 while the trainer works. Each generate checks that the generator reads the trainer's newest
 weights (the bytes the last training step wrote, no copy). Over the iterations, the open
 descriptors and the pools' reserved bytes of both processes stay equal. The generator
@@ -10,7 +11,7 @@ killed with SIGKILL mid-iteration: the trainer goes on (its tag awake, its bytes
 with no descriptor or device byte more than before the generator started, and a new
 generator serves the next iteration. A wake with no room raises OutOfMemoryError and leaves
 the bytes on the host: a wake once there is room restores them. The host memory of the
-offload is given back on request.
+offload is given back on request; a tag still asleep refuses that until it wakes.
 
     python tests/interop/python_rl_colocate_test.py     # GPUMEM_LIB, PYTHONPATH as ctest's
 """
@@ -26,6 +27,7 @@ from gpumem import colocate
 MIB = 1 << 20
 WEIGHT_BYTES = 6 * MIB + 4096
 STATE_BYTES = 8 * MIB
+OPTIM_BYTES = 12 * MIB
 KV_BYTES = 10 * MIB
 CONF = "sim_capacity:96M"
 ITERATIONS = 6
@@ -99,18 +101,23 @@ def generator_main(fd):
 # --- the trainer ---------------------------------------------------------------------------
 
 class SimTrainer:
-    """Weights in the shared tag, optimizer state in tag "train" (offloaded while the
-    generator works); each step writes new weights and a new state."""
+    """Weights in the shared tag, gradients in tag "train" (offloaded while the generator
+    works), optimizer states in tag "optim" (offloaded from the end of one step to the start
+    of the next's update, as the example's AdamW states); each step writes new weights, new
+    gradients and new states."""
 
     def __init__(self, test):
         self.test = test
         self.pool = gpumem.Pool(CONF, allocator="vmm_page_pool", platform="sim")
         self.weights = self.pool.malloc_tagged(WEIGHT_BYTES, "shared")
         self.state = self.pool.malloc_tagged(STATE_BYTES, "train")
+        self.optim = self.pool.malloc_tagged(OPTIM_BYTES, "optim")
         self.version = 0
         self.hold = False  # the generator waits after its progress message (to be killed)
         fill(self.weights, WEIGHT_BYTES, self.version)
         fill(self.state, STATE_BYTES, 1000 + self.version)
+        fill(self.optim, OPTIM_BYTES, 2000 + self.version)
+        self.pool.sleep("optim", "offload")
 
     def share_weights(self, channel):
         fd = self.pool.export(self.weights)
@@ -134,9 +141,16 @@ class SimTrainer:
         # The state slept with offload while the generator worked: its bytes are back.
         self.test.assertEqual(checksum(self.state, STATE_BYTES),
                               expected_checksum(STATE_BYTES, 1000 + self.version))
+        # The update: the optimizer states wake for it alone, with the last step's bytes.
+        self.pool.wake("optim")
+        self.pool.stream_synchronize()
+        self.test.assertEqual(checksum(self.optim, OPTIM_BYTES),
+                              expected_checksum(OPTIM_BYTES, 2000 + self.version))
         self.version += 1
         fill(self.weights, WEIGHT_BYTES, self.version)
         fill(self.state, STATE_BYTES, 1000 + self.version)
+        fill(self.optim, OPTIM_BYTES, 2000 + self.version)
+        self.pool.sleep("optim", "offload")
         return float(self.version)
 
     def publish(self):
@@ -145,6 +159,9 @@ class SimTrainer:
     def close(self):
         self.pool.free(self.weights, WEIGHT_BYTES)
         self.pool.free(self.state, STATE_BYTES)
+        if self.pool.asleep("optim"):
+            self.pool.wake("optim")
+        self.pool.free(self.optim, OPTIM_BYTES)
         self.pool.close()
 
 
@@ -183,13 +200,18 @@ class RlColocateTest(unittest.TestCase):
             meta = self.iterate(peer, it)
             trainer_counts.append(self.counts())
             generator_counts.append((meta["fds"], meta["reserved"]))
-            host.append(self.trainer.pool.host_bytes("train"))
-        # Steady: nothing grows from the first iteration on, in either process; the
-        # offload's pinned host memory is one block of the state's size, reused.
+            host.append((self.trainer.pool.host_bytes("train"),
+                         self.trainer.pool.host_bytes("optim")))
+        # Steady: nothing grows from the first iteration on, in either process; each
+        # offload's pinned host memory is one block of its tag's size, reused.
         self.assertEqual(len(set(trainer_counts)), 1, trainer_counts)
         self.assertEqual(len(set(generator_counts)), 1, generator_counts)
         self.assertEqual(len(set(host)), 1, host)
-        self.assertGreaterEqual(host[0], STATE_BYTES)
+        self.assertGreaterEqual(host[0][0], STATE_BYTES)
+        self.assertGreaterEqual(host[0][1], OPTIM_BYTES)
+        # Between steps the optimizer states are on the host alone: the trainer holds
+        # less device memory than with them awake.
+        self.assertTrue(self.trainer.pool.asleep("optim"))
 
         # Killed mid-iteration: the trainer goes on, awake, its bytes intact.
         self.trainer.hold = True
@@ -199,6 +221,7 @@ class RlColocateTest(unittest.TestCase):
         self.assertEqual(peer.proc.returncode, -9)
         self.trainer.hold = False
         self.assertFalse(self.trainer.pool.asleep("train"))
+        self.assertTrue(self.trainer.pool.asleep("optim"))  # as between any two steps
         self.assertEqual(checksum(self.trainer.state, STATE_BYTES),
                          expected_checksum(STATE_BYTES, 1000 + self.trainer.version))
         self.assertEqual(self.counts(), before_spawn)
@@ -209,10 +232,22 @@ class RlColocateTest(unittest.TestCase):
             self.iterate(peer, ITERATIONS + 1 + it)
         self.assertEqual(peer.stop(), 0)
         self.assertEqual(self.counts(), before_spawn)
-        # The host memory of the offload goes back when the trainer asks.
-        self.assertEqual(self.trainer.pool.host_bytes("train"), host[0])
-        self.assertEqual(self.trainer.pool.release_host("train"), host[0])
-        self.assertEqual(self.trainer.pool.host_bytes("train"), 0)
+        # The host memory of the offload goes back when the trainer asks: a tag awake at
+        # once; a tag asleep (the optimizer states after the last step) holds its only copy
+        # there, so its release is refused until it wakes, its bytes intact.
+        pool = self.trainer.pool
+        self.assertEqual(pool.host_bytes("train"), host[0][0])
+        self.assertEqual(pool.release_host("train"), host[0][0])
+        self.assertEqual(pool.host_bytes("train"), 0)
+        with self.assertRaisesRegex(gpumem.InvalidArgumentError, "wake it first"):
+            pool.release_host("optim")
+        self.assertEqual(pool.host_bytes("optim"), host[0][1])
+        pool.wake("optim")
+        pool.stream_synchronize()
+        self.assertEqual(checksum(self.trainer.optim, OPTIM_BYTES),
+                         expected_checksum(OPTIM_BYTES, 2000 + self.trainer.version))
+        self.assertEqual(pool.release_host("optim"), host[0][1])
+        self.assertEqual(pool.host_bytes("optim"), 0)
 
     def test_a_wake_with_no_room_keeps_the_bytes_on_the_host(self):
         pool = self.trainer.pool
