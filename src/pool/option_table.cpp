@@ -7,7 +7,7 @@ namespace gpumem {
 namespace {
 
 // Descriptions hold no '|' (they are Markdown table cells) and no line breaks.
-constexpr std::array<pool_option_info, 32> table{{
+constexpr std::array<pool_option_info, 33> table{{
     {"reserve", "0 (none)",
      "Physical memory taken up front (suffixes K, M, G, T). vmm_page_pool also maps it up "
      "front, so requests within it make no driver call. Trades memory held from the start "
@@ -116,6 +116,15 @@ constexpr std::array<pool_option_info, 32> table{{
      "peak of live bytes, growth_slack is raised (up to 0.1): memory spent on speed only "
      "where the workload makes the pool remap often.",
      "remap_budget:0.05"},
+    {"soft_budget", "0 (off)",
+     "vmm_page_pool with footprint:fast: a soft budget at (1 + F) x the live bytes' peak so "
+     "far (or the live bytes with the request, if more), F a fraction (0 to 1). A growth "
+     "past it first gathers the free pages of physical handles lying wholly in cached free "
+     "blocks, the rest made as one new handle. Less memory (sim, 45 traces: fragmentation "
+     "geomean 1.0863 -> 1.0567 with 0.03, 1.0638 with 0.1) for memory-moving driver calls "
+     "in every pass (over 1% of a pass's allocations on 13 / 6 traces, against none) and "
+     "the first pass's modelled driver time 2.35x / 2.0x caching_pool's, against 1.27x.",
+     "soft_budget:0.1"},
     {"release_idle", "off",
      "caching_pool: before a new segment would raise the reserved peak, free wholly idle "
      "segments first. Lower peaks, at a cudaFree (which waits for the device) each time. "

@@ -139,6 +139,11 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
       if (!(o.growth_slack >= 0.0 && o.growth_slack <= 1.0))
         throw invalid_argument("config: growth_slack must be a fraction in [0, 1], not '" +
                                std::string(value) + "'");
+    } else if (key == "soft_budget") {
+      o.soft_budget = parse_number(value, key);
+      if (!(o.soft_budget >= 0.0 && o.soft_budget <= 1.0))
+        throw invalid_argument("config: soft_budget must be a fraction in [0, 1], not '" +
+                               std::string(value) + "'");
     } else if (key == "remap_budget") {
       o.remap_budget = parse_number(value, key);
       if (!(o.remap_budget >= 0.0 && o.remap_budget <= 1.0))
@@ -230,6 +235,7 @@ std::string pool_options::to_string() const {
                                                : "auto")
       << ",footprint:" << (footprint == footprint_mode::tight ? "tight" : "fast")
       << ",growth_slack:" << growth_slack << ",remap_budget:" << remap_budget
+      << ",soft_budget:" << soft_budget
       << ",release_idle:" << (release_idle ? "on" : "off")
       << ",lifetime_hints:" << (lifetime_hints ? "on" : "off") << ",peer_access:";
   if (peer_access_all) {

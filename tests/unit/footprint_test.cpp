@@ -3,7 +3,8 @@
 // pages, freed blocks stay mapped, and a repeat makes no driver call. From the last
 // budget_margin_share-th of the budget on (the budget: limit, the device less 1/32, or
 // set_budget) it gathers free pages as footprint:tight does on every growth, and does not
-// round large requests to whole pages.
+// round large requests to whole pages. With soft_budget it gathers from (1 + F) x the live
+// bytes' peak on, taking the free pages of whole handles.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -187,6 +188,44 @@ TEST_F(Footprint, FastGathersWhereNewPagesWouldReachTheBudgetsMargin) {
   EXPECT_EQ(pool.stats().reserved_bytes, 64 * MiB);
   EXPECT_EQ(pool.stats().peak_reserved_bytes, 64 * MiB);
   check_and_free(pool, h);
+}
+
+// soft_budget:F: past (1 + F) x the live bytes' peak so far (64 MiB: the sixteen 4 MiB
+// blocks), the 16 MiB request's growth (to 80 MiB) gathers the holes' pages first: each
+// hole is one whole growth's handle (2 pages), moved whole. Within it, new pages as before.
+TEST_F(Footprint, FastPastItsSoftBudgetGathersWholeHandlesOfTheHoles) {
+  pool_options o;
+  o.soft_budget = 0.1;  // 70.4 MiB
+  {
+    vmm_page_pool pool(sim, 0, o);
+    holes h = make_holes_then_ask_16_mib(pool);
+    EXPECT_EQ(pool.page_counts().pages_reclaimed, 8u);
+    EXPECT_EQ(pool.page_counts().pages_created, 32u);
+    EXPECT_EQ(pool.stats().peak_reserved_bytes, 64 * MiB);
+    check_and_free(pool, h);
+  }
+  o.soft_budget = 0.3;  // 83.2 MiB: the growth stays within it
+  vmm_page_pool pool(sim, 0, o);
+  holes h = make_holes_then_ask_16_mib(pool);
+  EXPECT_EQ(pool.page_counts().pages_reclaimed, 0u);
+  EXPECT_EQ(pool.stats().reserved_bytes, 80 * MiB);
+  check_and_free(pool, h);
+}
+
+TEST(FootprintOption, SoftBudgetIsAFractionOrRefused) {
+  EXPECT_EQ(pool_options{}.soft_budget, 0.0);
+  EXPECT_EQ(pool_options::parse("soft_budget:0.05").soft_budget, 0.05);
+  EXPECT_NE(pool_options::parse("soft_budget:0.05").to_string().find("soft_budget:0.05"),
+            std::string::npos);
+  for (const char* bad : {"soft_budget:-0.1", "soft_budget:1.5", "soft_budget:x", "soft_budget:",
+                          "soft_budget:nan"}) {
+    try {
+      (void)pool_options::parse(bad);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("soft_budget"), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST_F(Footprint, ABudgetBelowTheReservedBytesGivesCachedMemoryBack) {

@@ -77,8 +77,8 @@ TEST(option_table, unknown_key_message_lists_the_keys_in_table_order) {
               "config: unknown key 'bogus' (known: reserve, reserve_fraction, limit, "
               "release_threshold, small_threshold, cross_stream, va_reserve, big_chunk, "
               "huge_growth, scrub, shareable, guard, thread_cache, round_large, small_classes, "
-              "small_cache, map_worker, footprint, growth_slack, remap_budget, release_idle, "
-              "lifetime_hints, peer_access)");
+              "small_cache, map_worker, footprint, growth_slack, remap_budget, soft_budget, "
+              "release_idle, lifetime_hints, peer_access)");
   }
 }
 

@@ -45,6 +45,9 @@ struct pool_options {
   map_worker_mode map_worker = map_worker_mode::automatic;
   double growth_slack = 0.0;
   double remap_budget = 0.0;
+  // vmm_page_pool with footprint:fast: the soft budget, a fraction of the peak live bytes
+  // (0: none); see option_table.cpp.
+  double soft_budget = 0.0;
   bool release_idle = false;
   bool lifetime_hints = true;
   footprint_mode footprint = footprint_mode::fast;

@@ -102,12 +102,28 @@ bool vmm_page_pool::growth_is_tight(std::size_t size, std::size_t pages, stream_
   return short_of_memory;
 }
 
+// The soft budget: within the budget, a cache that stops growing at (1 + F) x the live
+// bytes' peak so far, where its free pages can be moved instead. footprint:fast's handles
+// are whole growths, so only free blocks covering whole handles give pages: a gather there
+// replaces a growth at about its driver time, but the next pass places its blocks anew and
+// gathers too (sim, 45 traces, docs/PAGE_POOL.md "Rules measured against the goals").
+bool vmm_page_pool::past_soft_budget(std::size_t size, std::size_t pages, stream_handle stream) const {
+  if (!fast() || options_.soft_budget <= 0.0) return false;
+  const std::size_t held = spare_pages_for(stream.value);
+  const std::size_t missing = pages > held ? pages - held : 0;
+  if (missing == 0) return false;
+  const double after = static_cast<double>(reserved_locked() + missing * page_);
+  const double live = static_cast<double>(std::max(peak_live_so_far(), live_bytes_locked() + size));
+  return after > (1.0 + options_.soft_budget) * live;
+}
+
 bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena_id, std::size_t size,
                                  std::size_t alignment, stream_handle stream, growth kind) {
   const std::size_t pad = alignment > arena.unit() ? alignment - arena.unit() : 0;
   const std::size_t pages = (size + pad + page_ - 1) / page_;
   if (!address_space_for(pages)) return false;
   const bool tight = growth_is_tight(size, pages, stream);
+  const bool soft = !tight && past_soft_budget(size, pages, stream);
   const growth_request g{arena, arena_id, size, pad, pages, stream, tight,
                          options_.huge_growth_bytes != 0 && size >= options_.huge_growth_bytes};
   bool retiring_after_run = false;  // a half run's next page still retiring (map worker)
@@ -125,15 +141,15 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
   // Within the growth slack: new pages rather than a gather of scattered free ones (at
   // the limit or on a full device, the gather after all).
   const bool may_create = kind == growth::any;  // held_pages_only: kept and gathered pages
-  if (have < wanted && may_create && !g.tight &&
+  if (have < wanted && may_create && !g.tight && !soft &&
       create_chunks(wanted - have, fast() ? handle_sizes::whole_growth : handle_sizes::growth))
     have = spare_pages_for(stream.value);
-  // footprint:fast within the budget gathers only where new pages cannot be had (the
-  // device is full), or for the small arena from a reservation up front (memory held so
+  // footprint:fast within the budget gathers only past its soft budget (soft_budget), where
+  // new pages cannot be had (the device is full), or for the small arena from a reservation up front (memory held so
   // that requests within it create nothing); a growth limited to held pages otherwise
   // takes kept ones alone.
   const bool reserved_up_front = options_.reserve_bytes != 0 || options_.reserve_fraction > 0;
-  const bool may_gather = g.tight || !fast() || kind == growth::any || reserved_up_front;
+  const bool may_gather = g.tight || soft || !fast() || kind == growth::any || reserved_up_front;
   if (have < wanted && may_gather) {
     reclaim(wanted - have, false, &stream, ext.block_end, arena_id);
     // Counted again: a reclaimed chunk may still be retiring for another stream.
@@ -143,8 +159,9 @@ bool vmm_page_pool::grow_untimed(detail::block_arena& arena, std::uint32_t arena
       wanted = ext.first_page != no_page ? ext.pages : pages;
     }
   }
-  if (have < wanted && (!may_create || !create_chunks(wanted - have, handle_sizes::growth)))
-    return false;
+  // Past the soft budget, what the gather left missing is one handle, as a growth within it.
+  const handle_sizes rest = soft ? handle_sizes::whole_growth : handle_sizes::growth;
+  if (have < wanted && (!may_create || !create_chunks(wanted - have, rest))) return false;
 
   std::vector<std::uint32_t> chosen;
   std::size_t covered = 0;

@@ -344,6 +344,9 @@ class pool_base : public memory_resource {
   std::size_t peak_live_so_far() const noexcept {
     return live_totals_.peak_live.load(std::memory_order_relaxed);
   }
+  // Live (requested) bytes now: the shared totals, the locked paths' counts and every
+  // thread cache's pending bytes. REQUIRES: mutex_ held.
+  std::size_t live_bytes_locked() const;
 
   // Gives every thread cache's freed blocks back to the arenas (before reclaiming free
   // memory); keep_small: those of the large arena only. REQUIRES: mutex_ held.
@@ -551,7 +554,6 @@ class pool_base : public memory_resource {
   live_and_held totals(const detail::thread_cache* mine) const noexcept;
   // Sums of the totals, the locked paths' counts and every cache's pending bytes.
   // REQUIRES: mutex_ held.
-  std::size_t live_bytes_locked() const;
   std::size_t block_bytes_locked() const;
   std::size_t guarded_live_bytes_ = 0;  // requested bytes of live guarded allocations
   std::size_t guarded_live_count_ = 0;

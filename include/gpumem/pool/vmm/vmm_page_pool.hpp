@@ -400,6 +400,11 @@ class vmm_page_pool final : public pool_base {
   // Whether a growth of `pages` pages for a block of `size` gathers free pages before it
   // makes new ones (vmm_growth.cpp); sets the large requests' rounding for the budget.
   bool growth_is_tight(std::size_t size, std::size_t pages, stream_handle stream);
+  // footprint:fast with pool_options::soft_budget: whether a growth of `pages` pages for a
+  // block of `size` would take the reserved bytes past (1 + soft_budget) x the live bytes'
+  // peak so far (or the live bytes with the request, if more): then it gathers the free
+  // pages of whole handles before it makes new ones (vmm_growth.cpp).
+  bool past_soft_budget(std::size_t size, std::size_t pages, stream_handle stream) const;
   // Whether the virtual range has a free run of `pages` pages for a growth (vmm_growth.cpp);
   // sets va_exhausted_ when not.
   bool address_space_for(std::size_t pages);
