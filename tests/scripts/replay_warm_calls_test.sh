@@ -47,7 +47,7 @@ moving = ("cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAcce
           "cudaMalloc", "cudaFree", "cuMemAlloc", "cuMemFree")
 # name: (total last-pass calls, traces within 1%, fragmentation geomean, worst)
 ceilings = {
-    "fast": dict(calls=95, within=45, geomean=1.0864, worst=1.3441),
+    "fast": dict(calls=51, within=45, geomean=1.0864, worst=1.3441),
     "tight": dict(calls=47865, within=2, geomean=1.0077, worst=1.0397),
     "capped": dict(calls=31050, within=6, geomean=1.0065, worst=1.0195),
 }
