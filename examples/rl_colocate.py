@@ -58,6 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import zlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -1002,20 +1003,28 @@ def memory_state(torch):
     return state
 
 
+# A layout's process that ran out of device memory (in itself, or in its generator) exits
+# with this status; any other failure exits otherwise, so the capacity search never counts a
+# crash, a timeout or a failing tear-down as "does not fit".
+OUT_OF_MEMORY_EXIT = 86
+
+
 def run_child(a, layout, extra=(), timeout=None):
+    """Runs one layout in a fresh process: (its exit status, None on a timeout; its JSON
+    when it exited 0)."""
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     cmd = [sys.executable, os.path.abspath(__file__), "--layout", layout, "--json", path] + \
         forward_args(a) + list(extra)
     try:
         proc = subprocess.run(cmd, timeout=timeout)
-        ok = proc.returncode == 0
-        out = json.load(open(path)) if ok and os.path.getsize(path) else None
+        status = proc.returncode
+        out = json.load(open(path)) if status == 0 and os.path.getsize(path) else None
     except subprocess.TimeoutExpired:
-        ok, out = False, None
+        status, out = None, None
     finally:
         os.unlink(path)
-    return ok, out
+    return status, out
 
 
 def ballast_main(a):
@@ -1056,32 +1065,37 @@ def find_max_batch(a):
                torch.cuda.mem_get_info()[0]}
     try:
         for layout in a.capacity_layouts.split(","):
-            tries = []
+            tries, failed = [], []
 
             def fits(b):
-                ok, _ = run_child(a, layout, ["--iters", "2", "--batch", str(b)], timeout=300)
-                tries.append([b, ok])
-                print(json.dumps({"capacity": layout, "batch": b, "fits": ok}), flush=True)
-                return ok
+                status, _ = run_child(a, layout, ["--iters", "2", "--batch", str(b)],
+                                      timeout=300)
+                if status not in (0, OUT_OF_MEMORY_EXIT):
+                    failed.append({"batch": b, "exit_status": status})
+                    print(json.dumps({"capacity": layout, "batch": b, "error": failed[-1]}),
+                          flush=True)
+                    return None
+                tries.append([b, status == 0])
+                print(json.dumps({"capacity": layout, "batch": b, "fits": status == 0}),
+                      flush=True)
+                return status == 0
 
             lo, hi, b = known_bounds(a, layout)
             while len(tries) < a.capacity_tries:
-                if hi is None:
-                    if fits(b):
-                        lo, b = b, b * 2
-                    else:
-                        hi = b
+                batch = b if hi is None else (lo + hi) // 2 // a.group * a.group
+                if hi is not None and batch <= lo:
+                    break
+                ok = fits(batch)
+                if ok is None:
+                    break  # neither fits nor runs out of memory: the search stops there
+                if ok:
+                    lo, b = batch, batch * 2
                 else:
-                    mid = (lo + hi) // 2 // a.group * a.group
-                    if mid <= lo:
-                        break
-                    if fits(mid):
-                        lo = mid
-                    else:
-                        hi = mid
+                    hi = batch
             given = known_bounds(a, layout)
             results[layout] = {"max_batch": lo, "first_failing": hi, "tries": tries,
-                               "given_bounds": list(given[:2]) if given[2] is None else None}
+                               "given_bounds": list(given[:2]) if given[2] is None else None,
+                               "errors": failed}
     finally:
         ballast.stdin.close()
         ballast.wait()
@@ -1107,9 +1121,10 @@ def main(argv=None):
     elif a.layout == "all":
         out = {"date": time.strftime("%Y-%m-%d"), "args": vars(a), "layouts": {}}
         for layout in ("baseline", "one", "two"):
-            ok, r = run_child(a, layout, ["--faults"] if layout == "two" else [])
-            if not ok:
-                out["layouts"][layout] = {"error": "the %s run failed (see its stderr)" % layout}
+            status, r = run_child(a, layout, ["--faults"] if layout == "two" else [])
+            if status != 0:
+                out["layouts"][layout] = {"error": "the %s run failed (see its stderr)" % layout,
+                                          "exit_status": status}
                 continue
             out["layouts"][layout] = r
         base = out["layouts"].get("baseline", {}).get("summary", {}).get("losses")
@@ -1122,14 +1137,22 @@ def main(argv=None):
             out["capacity"] = find_max_batch(a)
     else:
         import torch
+        import gpumem
         runner = {"one": run_one, "two": run_two, "baseline": run_baseline}[a.layout]
         try:
             out = runner(a)
-        except torch.OutOfMemoryError as e:
+        except (torch.OutOfMemoryError, gpumem.OutOfMemoryError) as e:
             # The allocator's whole report too: gpumem's says where every reserved byte is.
             print(json.dumps({"out_of_memory": a.layout, "batch": a.batch,
                               **memory_state(torch), "report": str(e)[:20000]}), flush=True)
-            raise
+            traceback.print_exc()
+            return OUT_OF_MEMORY_EXIT
+        except colocate.PeerError as e:
+            if e.error_type not in ("OutOfMemoryError", "torch.OutOfMemoryError"):
+                raise
+            print(json.dumps({"out_of_memory": a.layout, "batch": a.batch, "in": "generator",
+                              **memory_state(torch), "report": str(e)[:20000]}), flush=True)
+            return OUT_OF_MEMORY_EXIT
         out["summary"] = summarize(out)
         out["decode"] = a.decode if a.layout != "baseline" else "eager"
         out["decode_fallback"] = getattr(a, "decode_fallback", None)

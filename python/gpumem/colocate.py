@@ -53,7 +53,13 @@ class PeerClosed(ConnectionError):
 
 
 class PeerError(RuntimeError):
-    """The other process answered a request with an error (its text is the message)."""
+    """The other process answered a request with an error (its text is the message);
+    `error_type` is the name of the exception's class there ("OutOfMemoryError", ...), or
+    None where the reply did not say."""
+
+    def __init__(self, text, error_type=None):
+        super().__init__(text)
+        self.error_type = error_type
 
 
 def _refuse(why):
@@ -207,8 +213,10 @@ class Channel:
                 continue
             if msg.kind == "error":
                 msg.close()
+                error_type = msg.meta.get("type")
                 raise PeerError("gpumem.colocate: the peer failed %r: %s"
-                                % (kind, msg.meta.get("text", "?")))
+                                % (kind, msg.meta.get("text", "?")),
+                                error_type if isinstance(error_type, str) else None)
             return msg
 
 

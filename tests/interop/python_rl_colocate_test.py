@@ -290,6 +290,31 @@ class RlColocateTest(unittest.TestCase):
             a.close()
             b.close()
 
+    def test_a_failing_handler_answers_with_its_error_type_and_the_loop_goes_on(self):
+        import threading
+
+        def boom(msg, channel):
+            raise MemoryError("no room for the rollouts")
+
+        a, b = colocate.Channel.pair()
+        served = []
+        server = threading.Thread(target=lambda: served.append(
+            colocate.serve(b, {"boom": boom, "echo": lambda m, c: ({}, m.payload)})))
+        server.start()
+        try:
+            with self.assertRaises(colocate.PeerError) as err:
+                a.call("boom")
+            self.assertEqual(err.exception.error_type, "MemoryError")
+            self.assertIn("no room for the rollouts", str(err.exception))
+            with a.call("echo", payload=b"still serving") as reply:
+                self.assertEqual(reply.payload, b"still serving")
+            a.call("stop").close()
+        finally:
+            server.join(10)
+            a.close()
+            b.close()
+        self.assertEqual(served, [True])
+
     def test_flat_layout_aligns_and_refuses_duplicates(self):
         offsets, total = colocate.flat_layout([("a", 10), ("b", 256), ("c", 0), ("d", 1)])
         self.assertEqual(offsets, {"a": 0, "b": 256, "c": 512, "d": 512})
