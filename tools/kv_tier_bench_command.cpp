@@ -101,11 +101,11 @@ void redis_benchmark(const std::string& url, std::size_t value_bytes, std::size_
                      std::size_t pipeline, figures& out) {
   const bool cluster = url.rfind("redis-cluster://", 0) == 0;
   if (!cluster && url.rfind("redis://", 0) != 0) return;
-  // [[USER]:PASSWORD@]HOST:PORT[,...][/DB]: the first host. redis-benchmark takes a
+  // [[USER]:PASSWORD@]HOST:PORT[,...][/DB][?OPTIONS]: the first host. redis-benchmark takes a
   // password only on its command line, which other users of the machine can read: a
   // server that needs one gets no comparison.
   std::string rest = url.substr(url.find("://") + 3);
-  std::string hostport = rest.substr(0, rest.find('/'));
+  std::string hostport = rest.substr(0, rest.find_first_of("/?"));
   std::string password;
   if (const auto at = hostport.rfind('@'); at != std::string::npos) {
     const std::string info = hostport.substr(0, at);

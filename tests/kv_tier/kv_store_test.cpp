@@ -108,6 +108,30 @@ TEST(RedisStore, MalformedUrlsAreRefusedWithTheReason) {
   EXPECT_EQ(make_redis_store("redis://alice:sekret@127.0.0.1:1/2")->name(),
             "redis://alice:***@127.0.0.1:1/2");
   EXPECT_EQ(make_redis_store("redis://:p%40ss@127.0.0.1:1")->name(), "redis://:***@127.0.0.1:1");
+  // Options in the query: each checked, named when refused; the password still hidden.
+  refused("redis://:sekret@h:1?connect_timeout_ms=0", "connect_timeout_ms='0' is not a whole number in [1, 3600000]");
+  refused("redis://:sekret@h:1?command_timeout_ms=-5", "command_timeout_ms='-5'");
+  refused("redis://:sekret@h:1?command_timeout_ms=99999999999999999999", "command_timeout_ms=");
+  refused("redis://:sekret@h:1?command_timeout_ms=", "command_timeout_ms=''");
+  refused("redis://:sekret@h:1?max_links=0", "max_links='0'");
+  refused("redis://:sekret@h:1?ttl_seconds=4294967296", "ttl_seconds=");
+  refused("redis://:sekret@h:1?max_reply_bytes=lots", "max_reply_bytes");
+  refused("redis://:sekret@h:1?max_reply_bytes=100", "max_reply_bytes at least 1024");
+  refused("redis://:sekret@h:1?backoff_min_ms=500&backoff_max_ms=100", "backoff");
+  refused("redis://:sekret@h:1?timeout=5", "unknown option 'timeout' (there are connect_timeout_ms");
+  refused("redis://:sekret@h:1?ttl_seconds=5&ttl_seconds=6", "'ttl_seconds' given twice");
+  refused("redis://:sekret@h:1?ttl_seconds", "'ttl_seconds' is not KEY=VALUE");
+  refused("redis://:sekret@h:1?=5", "is not KEY=VALUE");
+  refused("redis://:sekret@h:1?ttl_seconds=5&", "'' is not KEY=VALUE");
+  refused("redis://:sekret@h:1?key_prefix=%zz", "two hex digits");
+  refused("redis://:sekret@h:1?key_prefix=" + std::string(257, 'k'), "key_prefix is over 256 bytes");
+  refused("redis://:sekret@h:1/x?ttl_seconds=5", "database 'x'");
+  EXPECT_EQ(make_redis_store("redis://:p%40ss@127.0.0.1:1/2?key_prefix=a%40b:&ttl_seconds=60")->name(),
+            "redis://:***@127.0.0.1:1/2?key_prefix=a%40b:&ttl_seconds=60");
+  EXPECT_NO_THROW((void)make_redis_store(
+      "redis-cluster://127.0.0.1:1,127.0.0.1:2?connect_timeout_ms=3600000&command_timeout_ms=1&"
+      "backoff_min_ms=10&backoff_max_ms=10&max_reply_bytes=2M&pipeline_bytes=1G&max_links=4096&"
+      "ttl_seconds=0"));
   EXPECT_EQ(make_redis_store("redis-cluster://:x@127.0.0.1:1,127.0.0.1:2/0")->name(),
             "redis-cluster://:***@127.0.0.1:1,127.0.0.1:2/0");
 }

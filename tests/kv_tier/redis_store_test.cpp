@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <mutex>
@@ -99,6 +100,29 @@ TEST(RedisStore, CredentialsAndTheDatabaseFromTheUrlOrTheOptions) {
   auto named = make_redis_store("redis://" + at, o);
   EXPECT_EQ(hits(get_records(*named, payload, 1, 5)), 5u);
   EXPECT_EQ(named->stats().errors, 0u);
+}
+
+TEST(RedisStore, OptionsFromTheUrlQueryReachTheServer) {
+  GPUMEM_REQUIRE_REDIS();
+  redis_server server;
+  // key_prefix, ttl_seconds and max_reply_bytes from the query; the options given in code
+  // stay where the query is silent.
+  auto s = make_redis_store(server.url() + "?key_prefix=run%2F7:&ttl_seconds=600&max_reply_bytes=" +
+                                std::to_string(record_bytes + 1024),
+                            fast_redis_options(300ms, drop_report));
+  ASSERT_EQ(put_records(*s, payload, 1, 3), 3u);
+  EXPECT_EQ(hits(get_records(*s, payload, 1, 3)), 3u);
+  const std::string keys = server.cli({"KEYS", "run/7:*"});
+  EXPECT_EQ(std::count(keys.begin(), keys.end(), '\n'), 3) << keys;
+  EXPECT_EQ(server.cli({"KEYS", "gpumem:kv:*"}).find("gpumem"), std::string::npos)
+      << "the default prefix is replaced";
+  const std::string first = keys.substr(0, keys.find('\n'));
+  const int ttl = std::stoi(server.cli({"TTL", first}));
+  EXPECT_GT(ttl, 500);
+  EXPECT_LE(ttl, 600);
+  // A record over the query's max_reply_bytes is not stored.
+  EXPECT_EQ(put_records(*s, 2 * payload, 10, 1), 0u);
+  EXPECT_EQ(server.cli({"DBSIZE"}), "3\n");
 }
 
 TEST(RedisStore, RefusedCredentialsAreMissesCountedAndReportedWithoutThePassword) {

@@ -3,6 +3,7 @@
 
 #include <arpa/inet.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <cstring>
@@ -11,6 +12,7 @@
 
 #include "gpumem/errors.hpp"
 #include "gpumem/kv/tier/kv_record.hpp"
+#include "gpumem/pool/pool_options.hpp"
 #include "redis_link.hpp"
 
 namespace gpumem {
@@ -540,6 +542,78 @@ std::string percent_decoded(std::string_view text, std::string_view url) {
   return out;
 }
 
+// A whole number in [lo, hi] from a URL option's value; throws invalid_argument naming it.
+std::uint64_t url_whole(const std::string& value, std::string_view key, std::uint64_t lo,
+                        std::uint64_t hi, const std::string& url) {
+  const bool digits = !value.empty() && value.size() <= 19 &&
+                      value.find_first_not_of("0123456789") == std::string::npos;
+  const std::uint64_t v = digits ? std::stoull(value) : 0;
+  if (!digits || v < lo || v > hi)
+    throw invalid_argument("kv store URL '" + url + "': " + std::string(key) + "='" + value +
+                           "' is not a whole number in [" + std::to_string(lo) + ", " +
+                           std::to_string(hi) + "]");
+  return v;
+}
+
+// The options a URL's query (?KEY=VALUE&...) sets; each key at most once. Throws
+// invalid_argument naming the key and, for an unknown one, the keys there are.
+void apply_url_options(std::string_view query, const std::string& url, redis_store_options& o) {
+  constexpr std::uint64_t hour_ms = 3'600'000;
+  std::vector<std::string> seen;
+  // Every '&' separates two items, so "a=1&" has an empty second item, refused.
+  for (bool more = !query.empty(); more;) {
+    const auto amp = query.find('&');
+    const std::string_view item = query.substr(0, amp);
+    more = amp != std::string_view::npos;
+    query = more ? query.substr(amp + 1) : std::string_view{};
+    const auto eq = item.find('=');
+    if (eq == std::string_view::npos || eq == 0)
+      throw invalid_argument("kv store URL '" + url + "': option '" + std::string(item) +
+                             "' is not KEY=VALUE");
+    const std::string key(item.substr(0, eq));
+    const std::string value = percent_decoded(item.substr(eq + 1), url);
+    if (std::find(seen.begin(), seen.end(), key) != seen.end())
+      throw invalid_argument("kv store URL '" + url + "': option '" + key + "' given twice");
+    seen.push_back(key);
+    const auto ms = [&](std::uint64_t lo) {
+      return std::chrono::milliseconds(url_whole(value, key, lo, hour_ms, url));
+    };
+    const auto bytes = [&] {
+      try {
+        return parse_bytes(value);
+      } catch (const invalid_argument& e) {
+        throw invalid_argument("kv store URL '" + url + "': " + key + ": " + e.what());
+      }
+    };
+    if (key == "connect_timeout_ms") {
+      o.connect_timeout = ms(1);
+    } else if (key == "command_timeout_ms") {
+      o.command_timeout = ms(1);
+    } else if (key == "backoff_min_ms") {
+      o.backoff_min = ms(1);
+    } else if (key == "backoff_max_ms") {
+      o.backoff_max = ms(1);
+    } else if (key == "max_reply_bytes") {
+      o.max_reply_bytes = bytes();
+    } else if (key == "pipeline_bytes") {
+      o.pipeline_bytes = bytes();
+    } else if (key == "max_links") {
+      o.max_links = url_whole(value, key, 1, 4096, url);
+    } else if (key == "ttl_seconds") {
+      o.ttl_seconds = static_cast<std::uint32_t>(url_whole(value, key, 0, 0x7fffffff, url));
+    } else if (key == "key_prefix") {
+      if (value.size() > 256)
+        throw invalid_argument("kv store URL '" + url + "': key_prefix is over 256 bytes");
+      o.key_prefix = value;
+    } else {
+      throw invalid_argument("kv store URL '" + url + "': unknown option '" + key +
+                             "' (there are connect_timeout_ms, command_timeout_ms, "
+                             "backoff_min_ms, backoff_max_ms, max_reply_bytes, pipeline_bytes, "
+                             "max_links, ttl_seconds, key_prefix)");
+    }
+  }
+}
+
 }  // namespace
 
 std::unique_ptr<kv_store> make_redis_store(std::string_view url, redis_store_options options) {
@@ -555,6 +629,13 @@ std::unique_ptr<kv_store> make_redis_store(std::string_view url, redis_store_opt
     throw invalid_argument("kv store URL '" + std::string(url) +
                            "': expected redis://HOST:PORT or redis-cluster://HOST:PORT,...");
   }
+  const std::size_t scheme = url.size() - rest.size();  // where the part after "//" starts
+  // ?KEY=VALUE&... after the hosts and the database: options (apply_url_options).
+  std::string_view query;
+  if (const auto q = rest.find('?'); q != std::string_view::npos) {
+    query = rest.substr(q + 1);
+    rest = rest.substr(0, q);
+  }
   // The name shown in reports and errors: the URL with the password hidden.
   std::string name(url);
   // [[USER]:PASSWORD@] before the hosts.
@@ -562,7 +643,6 @@ std::unique_ptr<kv_store> make_redis_store(std::string_view url, redis_store_opt
   if (const auto at = rest.substr(0, path).rfind('@'); at != std::string_view::npos) {
     const std::string_view info = rest.substr(0, at);
     const auto colon = info.find(':');
-    const std::size_t scheme = url.size() - rest.size();
     if (colon == std::string_view::npos)
       throw invalid_argument("kv store URL '" + std::string(url.substr(0, scheme)) +
                              "***@" + std::string(url.substr(scheme + at + 1)) +
@@ -585,6 +665,7 @@ std::unique_ptr<kv_store> make_redis_store(std::string_view url, redis_store_opt
     options.database = static_cast<unsigned>(v);
     rest = rest.substr(0, slash);
   }
+  apply_url_options(query, name, options);
   std::vector<redis_endpoint> seeds = parse_endpoints(rest, name);
   if (!is_cluster && seeds.size() != 1)
     throw invalid_argument("kv store URL '" + std::string(url) +
