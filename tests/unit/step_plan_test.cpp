@@ -384,6 +384,50 @@ TEST_F(StepPlanner, APlannedRequestWhileThePoolSleepsIsRefusedAndThePlanServesAf
   end_loop(*this, planner, l);
 }
 
+TEST_F(StepPlanner, AMarkWhileThePoolSleepsDefersTheCycleToTheWakeWithoutABackoff) {
+  // A loop whose cycle begins at the mark (everything freed within the step), marked while
+  // its tag sleeps, as an RL trainer marks its step: the cycle begins with the first
+  // request after the wake, on the plan, and no refusal is counted or backed off from.
+  vmm_page_pool pool(sim, 0);
+  step_planner planner(pool);
+  const auto step = [&] {
+    void* a = planner.allocate(5 * MiB, 256, {});
+    void* b = planner.allocate(7 * MiB + 512, 256, {});
+    fill(a, 5 * MiB, 0x11);
+    fill(b, 7 * MiB + 512, 0x22);
+    ASSERT_TRUE(holds(a, 5 * MiB, 0x11));
+    planner.deallocate(b, 7 * MiB + 512, {});
+    planner.deallocate(a, 5 * MiB, {});
+  };
+  planner.mark_step();
+  step();
+  planner.mark_step();
+  step();
+  pool.sleep(sleep_mode::discard);
+  planner.mark_step();  // the plan is built while the pool sleeps: no region yet
+  auto c = planner.counts();
+  ASSERT_EQ(c.plans_built, 1u);
+  EXPECT_EQ(c.region_takes, 0u);
+  EXPECT_EQ(c.region_failures, 0u);
+  pool.wake();
+  step();
+  c = planner.counts();
+  EXPECT_EQ(c.region_takes, 1u) << "taken by the first request after the wake";
+  EXPECT_EQ(c.region_failures, 0u);
+  EXPECT_EQ(c.planned_allocations, 2u);
+  EXPECT_EQ(c.planned_steps, 1u);
+  // Marked again while asleep, the region held: the next step after the wake is planned.
+  pool.sleep(sleep_mode::discard);
+  planner.mark_step();
+  pool.wake();
+  step();
+  c = planner.counts();
+  EXPECT_EQ(c.planned_allocations, 4u);
+  EXPECT_EQ(c.planned_steps, 2u);
+  EXPECT_EQ(c.region_failures, 0u);
+  EXPECT_EQ(planner.validate(), "");
+}
+
 TEST_F(StepPlanner, AStepThatLeavesAtItsCycleStartRejoinsWhereTheNextCycleBegins) {
   vmm_page_pool pool(sim, 0);
   step_planner planner(pool);

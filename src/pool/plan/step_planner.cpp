@@ -331,6 +331,10 @@ void step_planner::mark_step() {
 
 void step_planner::begin_cycle_if_due(state& s) {
   if (!s.plan || s.cycle_begun || s.step_events != s.cycle_start) return;
+  // While the pool sleeps the region can be neither taken nor served from: the cycle begins
+  // at the first request after the wake that still comes at its event (a mark made while
+  // the tag sleeps, then the step after the wake), and nothing counts as a refusal.
+  if (pool_.asleep_now()) return;
   s.cycle_begun = true;
   const std::size_t live = live_bytes_.load(std::memory_order_relaxed);
   // The cycle before ran whole on the plan: it began where cycles begin. (One that began
@@ -393,7 +397,9 @@ bool step_planner::take_region(state& s) {
   } catch (const out_of_memory&) {
     // Not now: the loop runs on the pool as before; try again after 2, 4, ... steps.
   } catch (const invalid_argument&) {
-    // A region larger than the device: the same.
+    // A region larger than the device: the same. A pool that fell asleep since
+    // begin_cycle_if_due looked refuses too; that is no failure of the region.
+    if (pool_.asleep_now()) return false;
   }
   if (region == nullptr) {
     ++s.counts.region_failures;
