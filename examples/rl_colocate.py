@@ -334,12 +334,12 @@ class OptimizerStates:
     def step(self, opt):
         torch, gt = self.torch, self.gt
         t = sync(torch)
-        safe_wake(gt, "optim")  # asleep since the last step; before the first, empty
-        self.last["optim_wake_s"] = sync(torch) - t
-        with gt.tag("optim"):
-            opt.step()  # the first step creates the states here
-        t = sync(torch)
-        gt.sleep("optim", "offload")
+        # Asleep since the last step (before the first, empty); tag "optim" is current in
+        # the block, so the first step creates the states there.
+        with gt.awake("optim", then="offload"):
+            self.last["optim_wake_s"] = sync(torch) - t
+            opt.step()
+            t = sync(torch)
         self.last["optim_sleep_s"] = sync(torch) - t
 
 
@@ -399,7 +399,7 @@ def release_host(gt):
     """At the end of a run: wakes AdamW's states (asleep since the last step; the other
     tags are awake), gives back the pinned host memory of every sleeping tag and reports
     whether it dropped to 0."""
-    safe_wake(gt, "optim")
+    wake_if_asleep(gt, "optim")
     before = host_bytes_held(gt)
     released = sum(int(gt.release_host(tag)) for tag in SLEEPING_TAGS
                    if gt.tag_stats(tag)["allocations"])
@@ -427,12 +427,9 @@ def preallocate_grads(torch, model):
             p.grad = torch.zeros_like(p)
 
 
-def safe_wake(gt, tag):
-    import gpumem
-    try:
+def wake_if_asleep(gt, tag):
+    if gt.asleep(tag):
         gt.wake(tag)
-    except gpumem.InvalidArgumentError:
-        pass  # not asleep, or never allocated in
 
 
 # --- layout one --------------------------------------------------------------------------------
@@ -459,7 +456,7 @@ def run_one(a):
         row["sleep_s"] = sync(torch) - t
         row["empty_cache_s"] = row["sleep_s"] - row["train_sleep_s"]
         t = sync(torch)
-        safe_wake(gt, "rollout")
+        wake_if_asleep(gt, "rollout")
         row["wake_s"] = row["rollout_wake_s"] = sync(torch) - t
         row["sync_s"] = 0.0  # the generator reads the trainer's tensors themselves
         with gt.tag("rollout"):
@@ -620,7 +617,7 @@ def generator_main(a):
         channel.send("progress", {"stage": "generating"})
         row = {}
         t = sync(torch)
-        safe_wake(gt, "rollout")
+        wake_if_asleep(gt, "rollout")
         row["generator_wake_s"] = sync(torch) - t
         t = sync(torch)
         torch.cuda.current_stream().wait_event(state["event"])
@@ -731,7 +728,7 @@ def faults(torch, gt, a, trainer, peer, alone):
         return [t.detach().float().sum().item()
                 for st in trainer.opt.state.values() for t in st.values()
                 if torch.is_tensor(t) and t.is_cuda]
-    safe_wake(gt, "optim")
+    wake_if_asleep(gt, "optim")
     probe = state_sums()
     gt.sleep("optim", "offload")
     gt.empty_cache()

@@ -460,6 +460,37 @@ class _Closing:
                 pass  # interpreter shutdown: warnings may be gone
 
 
+class _AwakeFor:
+    """The block a tag is awake for (Pool.awake, gpumem.torch.awake): entering wakes it if
+    it sleeps; leaving, by the block's end or by an exception, puts it to sleep in mode
+    `then` (None: it stays awake). A wake that fails (no room: OutOfMemoryError, the
+    bytes still on the host) raises from the `with` line and runs nothing of the block.
+    `enter`/`leave` run inside the wake and the sleep (the torch version makes the tag
+    current there)."""
+
+    def __init__(self, asleep, wake, sleep, then, enter=None, leave=None):
+        if then is not None:
+            _sleep_mode(then)  # refused now, not after the block ran
+        self._asleep, self._wake, self._sleep, self._then = asleep, wake, sleep, then
+        self._enter, self._leave = enter, leave
+        self.woke = False
+
+    def __enter__(self):
+        self.woke = bool(self._asleep())
+        if self.woke:
+            self._wake()
+        if self._enter is not None:
+            self._enter()
+        return self
+
+    def __exit__(self, *exc):
+        if self._leave is not None:
+            self._leave()
+        if self._then is not None:
+            self._sleep(self._then)
+        return False
+
+
 class Pool(_Closing):
     """A gpumem pool (gpumem_pool_create). `config` is a GPUMEM_CONF string; allocator,
     device and platform, when given, are added to it as the C API's keys. A pool serves one
@@ -591,7 +622,15 @@ class Pool(_Closing):
         """Maps new pages at the same addresses and restores the offloaded bytes."""
         _check(self._lib, self._lib.gpumem_wake(self.handle, tag_id(tag), _stream_value(stream)))
 
+    def awake(self, tag, then="offload", stream=None):
+        """`with pool.awake("optim"): ...` wakes `tag` if it sleeps, runs the block, and puts
+        the tag to sleep again in mode `then` ("offload", "discard", or None to leave it
+        awake), also when the block raises. The context's `woke` says whether it slept."""
+        return _AwakeFor(lambda: self.asleep(tag), lambda: self.wake(tag, stream),
+                         lambda mode: self.sleep(tag, mode, stream), then)
+
     def asleep(self, tag):
+        """Whether `tag` sleeps (its pages released, its addresses kept)."""
         r = self._lib.gpumem_tag_asleep(self.handle, tag_id(tag))
         if r < 0:
             _raise(self._lib, self._lib.gpumem_last_status())

@@ -711,6 +711,26 @@ def wake(tag_name, device=None):
         _current_stream(index)))
 
 
+def asleep(tag_name, device=None):
+    """Whether the tag sleeps on the device (sleep() done, wake() not yet)."""
+    return pool(_device_index(device)).asleep(tag_name)
+
+
+def awake(tag_name, then="offload", device=None):
+    """`with gpumem.torch.awake("optim"): opt.step()` wakes the tag if it sleeps, makes it
+    the current tag for the block (as tag(): what the block allocates lands in it, so the
+    optimizer's first step makes its states there), and puts it to sleep again in mode
+    `then` when the block ends or raises ("offload", "discard", or None to leave it awake).
+    A wake with no room raises OutOfMemoryError from the `with` line, the tag still asleep
+    with its bytes on the host. The context's `woke` says whether the tag slept."""
+    index = _device_index(device)
+    scope = tag(tag_name)
+    return gpumem._AwakeFor(  # pylint: disable=protected-access
+        lambda: asleep(tag_name, index), lambda: wake(tag_name, index),
+        lambda mode: sleep(tag_name, mode, index), then,
+        enter=scope.__enter__, leave=lambda: scope.__exit__(None, None, None))
+
+
 def tag_stats(tag_name, device=None):
     """Live and reserved bytes of one tag."""
     return pool(_device_index(device)).tag_stats(tag_name)

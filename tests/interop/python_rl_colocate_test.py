@@ -142,15 +142,15 @@ class SimTrainer:
         self.test.assertEqual(checksum(self.state, STATE_BYTES),
                               expected_checksum(STATE_BYTES, 1000 + self.version))
         # The update: the optimizer states wake for it alone, with the last step's bytes.
-        self.pool.wake("optim")
-        self.pool.stream_synchronize()
-        self.test.assertEqual(checksum(self.optim, OPTIM_BYTES),
-                              expected_checksum(OPTIM_BYTES, 2000 + self.version))
-        self.version += 1
-        fill(self.weights, WEIGHT_BYTES, self.version)
-        fill(self.state, STATE_BYTES, 1000 + self.version)
-        fill(self.optim, OPTIM_BYTES, 2000 + self.version)
-        self.pool.sleep("optim", "offload")
+        with self.pool.awake("optim", then="offload") as update:
+            self.test.assertTrue(update.woke)
+            self.pool.stream_synchronize()
+            self.test.assertEqual(checksum(self.optim, OPTIM_BYTES),
+                                  expected_checksum(OPTIM_BYTES, 2000 + self.version))
+            self.version += 1
+            fill(self.weights, WEIGHT_BYTES, self.version)
+            fill(self.state, STATE_BYTES, 1000 + self.version)
+            fill(self.optim, OPTIM_BYTES, 2000 + self.version)
         return float(self.version)
 
     def publish(self):
@@ -263,6 +263,47 @@ class RlColocateTest(unittest.TestCase):
         self.trainer.wake()
         self.assertEqual(checksum(self.trainer.state, STATE_BYTES),
                          expected_checksum(STATE_BYTES, 1000))
+
+    def test_awake_wakes_for_the_block_and_sleeps_after_it_even_when_it_raises(self):
+        pool = self.trainer.pool
+        self.assertTrue(pool.asleep("optim"))
+        # A mode refused before anything wakes.
+        with self.assertRaises(ValueError):
+            pool.awake("optim", then="nap")
+        self.assertTrue(pool.asleep("optim"))
+        # The block raises: the tag sleeps again with what the block wrote.
+        with self.assertRaises(KeyError):
+            with pool.awake("optim") as update:
+                self.assertTrue(update.woke)
+                self.assertFalse(pool.asleep("optim"))
+                fill(self.trainer.optim, OPTIM_BYTES, 77)
+                raise KeyError("the step failed")
+        self.assertTrue(pool.asleep("optim"))
+        # then=None: it stays awake; a tag already awake is not woken again.
+        with pool.awake("optim", then=None) as update:
+            self.assertTrue(update.woke)
+        self.assertFalse(pool.asleep("optim"))
+        pool.stream_synchronize()
+        self.assertEqual(checksum(self.trainer.optim, OPTIM_BYTES), expected_checksum(OPTIM_BYTES, 77))
+        with pool.awake("optim", then="offload") as update:
+            self.assertFalse(update.woke)
+        self.assertTrue(pool.asleep("optim"))
+        # A wake with no room raises from the `with` line: the block does not run, and the
+        # bytes stay on the host until a wake with room.
+        free, _ = pool.device_memory()
+        filler = pool.malloc(free - 2 * MIB)  # less room than the states' 12 MiB
+        ran = []
+        with self.assertRaises(gpumem.OutOfMemoryError):
+            with pool.awake("optim"):
+                ran.append(True)
+        self.assertEqual(ran, [])
+        self.assertTrue(pool.asleep("optim"))
+        pool.free(filler, free - 2 * MIB)
+        with pool.awake("optim"):
+            pool.stream_synchronize()
+            self.assertEqual(checksum(self.trainer.optim, OPTIM_BYTES),
+                             expected_checksum(OPTIM_BYTES, 77))
+        self.assertTrue(pool.asleep("optim"))
 
     def test_the_channel_refuses_bad_frames_and_closes_their_descriptors(self):
         a, b = colocate.Channel.pair()

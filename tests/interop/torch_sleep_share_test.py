@@ -3,7 +3,9 @@ device): tensors made under gpumem.torch.tag sleep (the driver's free memory ris
 tag's bytes) and wake with the same bytes at the same addresses; a CUDA graph captured
 before the sleep replays with identical results after the wake; allocating in a sleeping
 tag raises; a cuBLAS workspace first made inside a tag that then sleeps does not take
-the next matrix product down with it; gpumem.ipc shares a tensor with a spawned process that checks and writes it."""
+the next matrix product down with it; AdamW's states sleep between steps in a tag awake for opt.step() alone (gpumem.torch.awake) and
+step as an optimizer whose states never sleep; gpumem.ipc shares a tensor with a spawned
+process that checks and writes it."""
 import os
 import socket
 import subprocess
@@ -94,6 +96,37 @@ def main():
     assert torch.equal(w, w_copy), "weights changed across sleep/wake"
     assert torch.equal(y, expected), "the graph's output changed across sleep/wake"
     del graph
+
+    # AdamW's states in a tag awake for the step alone (gpumem.torch.awake): the first step
+    # makes them inside the tag, they sleep between steps, and the steps match an
+    # optimizer whose states never sleep.
+    torch.manual_seed(3)
+    model = torch.nn.Linear(256, 256, device="cuda")
+    twin = torch.nn.Linear(256, 256, device="cuda")
+    twin.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_twin = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    assert not gt.asleep("optim")
+    for step in range(3):
+        xb = torch.randn(32, 256, device="cuda")
+        for m in (model, twin):
+            m(xb).square().mean().backward()
+        with gt.awake("optim") as update:
+            assert update.woke == (step > 0), (step, update.woke)
+            opt.step()
+        opt_twin.step()
+        assert gt.asleep("optim")
+        assert gt.tag_stats("optim")["live_bytes"] >= 2 * 4 * (256 * 256 + 256), gt.tag_stats("optim")
+        opt.zero_grad()
+        opt_twin.zero_grad()
+    with gt.awake("optim", then=None):
+        pass
+    assert not gt.asleep("optim")
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q), "a step whose states slept differs"
+    for st, st_twin in zip(opt.state.values(), opt_twin.state.values()):
+        assert torch.equal(st["exp_avg_sq"], st_twin["exp_avg_sq"])
+    del model, twin, opt, opt_twin
 
     with gt.tag("shared"):
         t = torch.zeros(1 << 20, device="cuda")
