@@ -579,6 +579,63 @@ TEST_F(SleepWake, CacheWithoutRoomAtWakeLeavesThePool) {
   pool.deallocate(state, in_use);
 }
 
+// A growth's one handle (footprint:fast) partly in use when the tag sleeps: its pages in use
+// are restored and its free pages are cache, so a wake needs room for the pages in use
+// alone, and with room the cache comes back too (the next request makes no driver call).
+TEST_F(SleepWake, AHandlePartlyInUseAtSleepNeedsRoomAtWakeForItsPagesInUseOnly) {
+  vmm_page_pool untagged(sim);
+  tagged_pool pool(untagged, {});
+  // 24 MiB: one handle on this 1 GiB device (a growth's handle is at most a 32nd of the room).
+  const auto partly_in_use = [&](unsigned seed) {
+    const auto creates = calls(platform_op::create_physical);
+    pool.deallocate(pool.allocate(24 * MiB, 256, {}, 1), 24 * MiB);
+    EXPECT_EQ(calls(platform_op::create_physical), creates + 1) << "one growth, one handle";
+    void* state = pool.allocate(in_use, 256, {}, 1);
+    write_pattern(state, in_use, seed);
+    EXPECT_EQ(pool.tag_stats(1).reserved_bytes, 24 * MiB);
+    return state;
+  };
+  // No room for the handle, room for the pages in use: the wake restores them alone.
+  void* state = partly_in_use(5);
+  pool.sleep(1, sleep_mode::offload);
+  EXPECT_EQ(pool.tag_stats(1).reserved_bytes, 0u);
+  const std::size_t squat = device_options().capacity - sim.used_bytes(0) - 16 * MiB;
+  void* squatter = pool.allocate(squat, 256, {}, 0);
+  pool.wake(1);
+  expect_woken_without_cache(pool, state, 5);
+  pool.deallocate(squatter, squat);
+  untagged.trim();
+  pool.deallocate(state, in_use);
+  pool.trim();
+  ASSERT_EQ(pool.tag_stats(1).reserved_bytes, 0u);
+  // With room: the pages in use restored, the free ones mapped again as cache, and a request
+  // they cover served without a driver call.
+  state = partly_in_use(6);
+  pool.sleep(1, sleep_mode::offload);
+  pool.wake(1);
+  EXPECT_TRUE(has_pattern(state, in_use, 6));
+  EXPECT_EQ(pool.tag_stats(1).reserved_bytes, 24 * MiB);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  const auto creates = calls(platform_op::create_physical), maps = calls(platform_op::map);
+  void* more = pool.allocate(12 * MiB, 256, {}, 1);
+  write_pattern(more, 12 * MiB, 8);
+  EXPECT_EQ(calls(platform_op::create_physical), creates);
+  EXPECT_EQ(calls(platform_op::map), maps);
+  EXPECT_TRUE(has_pattern(state, in_use, 6));
+  // Discard: the same, with nothing to restore.
+  pool.sleep(1, sleep_mode::discard);
+  const std::size_t squat_more = device_options().capacity - sim.used_bytes(0) - 20 * MiB;
+  squatter = pool.allocate(squat_more, 256, {}, 0);
+  pool.wake(1);
+  EXPECT_FALSE(pool.asleep(1));
+  EXPECT_GE(pool.tag_stats(1).reserved_bytes, in_use + 12 * MiB);
+  EXPECT_LT(pool.tag_stats(1).reserved_bytes, 24 * MiB);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.deallocate(squatter, squat_more);
+  pool.deallocate(more, 12 * MiB);
+  pool.deallocate(state, in_use);
+}
+
 // The fixture's TearDown checks that the device holds nothing afterwards: no handle,
 // mapping, range or pinned host block.
 TEST_F(SleepWake, DestroyingASleepingOrHalfAsleepPoolLeaksNothing) {

@@ -17,7 +17,13 @@
 // The cache (footprint:fast): chunks wholly under free blocks sleep with the rest but are
 // never copied, and wake maps them after the chunks in use, where there is room; the rest
 // leave the pool (drop_sleeping_cache_locked: carved out of their free blocks, their
-// address space free again). footprint:tight trims before it sleeps, so it has none.
+// address space free again). footprint:tight trims before it sleeps, so it has none. A
+// chunk of several pages partly under free blocks copies only its pages in use; once
+// released (a released chunk has no handle, so its record may be cut anywhere) it is split
+// into runs all in use or all free (split_released_chunks_locked, again at wake for what
+// was freed meanwhile): its free runs are cache, so a wake needs room for the pages in use
+// alone. The host copy keeps each chunk's layout: a run's bytes lie at its chunk's offset
+// plus the run's, and a free page's place there is left unwritten.
 //
 // Allocations: refused from the moment sleep() takes the lock for its steps until the
 // pool is awake again (asleep_locked() false: a wake completed, or a sleep failed before
@@ -256,6 +262,7 @@ void vmm_page_pool::sleep(sleep_mode mode, stream_handle stream) {
   for (auto& [id, ph] : st.chunks)
     if (ph == phase::unmapped) left.push_back(id);
   for (std::uint32_t id : left) release_sleeping_chunk_locked(id);
+  split_released_chunks_locked();
   st.complete = true;
 }
 
@@ -328,22 +335,37 @@ void vmm_page_pool::offload_and_retire_locked(std::span<const std::uint32_t> ids
 void vmm_page_pool::copy_to_host_locked(std::span<const std::uint32_t> ids,
                                         stream_handle stream) {
   const auto& st = *sleep_;
-  for (std::size_t i = 0; i < ids.size();) {
-    std::size_t j = i + 1;
-    const chunk& first = chunks_[ids[i]];
-    std::size_t pages = first.pages;
-    while (j < ids.size() && chunks_[ids[j]].mapped_at == first.mapped_at + pages &&
-           st.host_offset.at(ids[j]) == st.host_offset.at(ids[i]) + pages * page_) {
-      pages += chunks_[ids[j]].pages;
-      ++j;
+  const auto partly_free = fast() ? partly_free_pages_locked(ids)
+                                  : std::unordered_map<std::uint32_t, std::vector<bool>>{};
+  // Runs of pages in use: (first VA page, pages, host offset), side by side ones joined.
+  struct run {
+    std::size_t first, pages, host;
+  };
+  std::vector<run> runs;
+  auto add = [&](std::size_t first, std::size_t pages, std::size_t host) {
+    if (!runs.empty() && runs.back().first + runs.back().pages == first &&
+        runs.back().host + runs.back().pages * page_ == host)
+      runs.back().pages += pages;
+    else
+      runs.push_back({first, pages, host});
+  };
+  for (std::uint32_t id : ids) {
+    const chunk& c = chunks_[id];
+    const std::size_t host = st.host_offset.at(id);
+    const auto mask = partly_free.find(id);
+    if (mask == partly_free.end()) {
+      add(c.mapped_at, c.pages, host);
+      continue;
     }
-    auto* host = static_cast<char*>(st.host) + st.host_offset.at(ids[i]);
-    if (auto s = device_platform().memcpy_async(
-            host, reinterpret_cast<void*>(page_address(first.mapped_at)), pages * page_, stream);
+    for (std::size_t k = 0; k < c.pages; ++k)
+      if (!mask->second[k]) add(c.mapped_at + k, 1, host + k * page_);
+  }
+  for (const run& r : runs)
+    if (auto s = device_platform().memcpy_async(static_cast<char*>(st.host) + r.host,
+                                                reinterpret_cast<void*>(page_address(r.first)),
+                                                r.pages * page_, stream);
         !s)
       throw_cuda_error(s, "vmm_page_pool::sleep: copy the pages to the host");
-    i = j;
-  }
 }
 
 // Unmaps and releases the chunks `ids` (their copies, if any, are done): runs of adjacent
@@ -394,6 +416,7 @@ void vmm_page_pool::wake(stream_handle stream) {
     // pool partly asleep, still refusing them.
     const at_scope_end follow([this]() noexcept { allow_allocations_if_awake_locked(); });
     auto& st = *sleep_;
+    split_released_chunks_locked();  // pages freed while asleep are cache too
     // Address order, so that side-by-side chunks wake as one handle (wake_runs_locked).
     std::vector<std::uint32_t> ids;
     for (auto& [id, ph] : st.chunks) ids.push_back(id);
@@ -430,6 +453,65 @@ std::vector<bool> vmm_page_pool::free_chunks_locked() {
   for (const reclaim_candidate& c : reclaim_candidates(true, nullptr, 0))
     for (std::uint32_t id : c.chunks) free[id] = true;
   return free;
+}
+
+std::unordered_map<std::uint32_t, std::vector<bool>> vmm_page_pool::partly_free_pages_locked(
+    std::span<const std::uint32_t> ids) {
+  std::unordered_map<std::uint32_t, std::vector<bool>> free;
+  for (std::uint32_t id : ids)
+    if (chunks_[id].pages > 1) free.emplace(id, std::vector<bool>(chunks_[id].pages, false));
+  if (free.empty()) return free;
+  for (std::uint32_t a : {small_arena, large_arena, long_arena}) {
+    arena(a).flush();
+    for (const detail::block* b : arena(a).free_blocks()) {
+      const std::size_t first = (b->addr - va_base_ + page_ - 1) / page_;
+      const std::size_t end = (b->addr + b->size - va_base_) / page_;
+      for (std::size_t p = first; p < end; ++p) {
+        const std::uint32_t id = page_table_[p];
+        if (id == no_chunk || id == retiring_page) continue;
+        if (auto it = free.find(id); it != free.end()) it->second[p - chunks_[id].mapped_at] = true;
+      }
+    }
+  }
+  std::erase_if(free, [](const auto& entry) {
+    const auto& mask = entry.second;
+    return std::all_of(mask.begin(), mask.end(), [](bool f) { return f; }) ||
+           std::none_of(mask.begin(), mask.end(), [](bool f) { return f; });
+  });
+  return free;
+}
+
+// footprint:fast: splits every released chunk partly under free blocks into runs all in
+// use or all free (the file comment).
+void vmm_page_pool::split_released_chunks_locked() {
+  using phase = detail::vmm_sleep_state::phase;
+  if (!fast()) return;
+  std::vector<std::uint32_t> released;
+  for (const auto& [id, ph] : sleep_->chunks)
+    if (ph == phase::released && chunks_[id].pages > 1) released.push_back(id);
+  for (const auto& [id, mask] : partly_free_pages_locked(released))
+    for (std::size_t k = mask.size() - 1; k > 0; --k)  // from the top: `id` keeps the bottom
+      if (mask[k] != mask[k - 1]) split_released_chunk_locked(id, k);
+}
+
+// Cuts the released chunk `id` at its page `at`: it keeps the pages below, a new record
+// (returned) takes the rest, asleep as released with its part of the host copy.
+std::uint32_t vmm_page_pool::split_released_chunk_locked(std::uint32_t id, std::size_t at) {
+  auto& st = *sleep_;
+  const std::uint32_t tail = new_chunk_id();  // may grow chunks_: no reference is held over it
+  chunks_[tail] = chunks_[id];
+  chunk& head = chunks_[id];
+  chunk& rest = chunks_[tail];
+  rest.pages = head.pages - at;
+  rest.mapped_at = head.mapped_at + at;
+  head.pages = at;
+  std::fill_n(page_table_.begin() + static_cast<std::ptrdiff_t>(rest.mapped_at), rest.pages, tail);
+  st.chunks[tail] = detail::vmm_sleep_state::phase::released;
+  if (const auto h = st.host_offset.find(id); h != st.host_offset.end()) {
+    const std::size_t offset = h->second + at * page_;
+    st.host_offset[tail] = offset;
+  }
+  return tail;
 }
 
 // footprint:fast: moves the chunks of `ids` wholly under free blocks (the pool's cache) out

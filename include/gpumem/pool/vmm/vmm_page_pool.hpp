@@ -468,6 +468,13 @@ class vmm_page_pool final : public pool_base {
   void retire_sleeping_locked(std::span<const std::uint32_t> ids);
   void release_sleeping_chunk_locked(std::uint32_t id);
   std::vector<bool> free_chunks_locked();
+  // For each chunk of `ids` of more than one page that is partly under free blocks: which
+  // of its pages lie wholly under them (true) and which hold live bytes. Chunks wholly
+  // free or wholly in use are left out.
+  std::unordered_map<std::uint32_t, std::vector<bool>> partly_free_pages_locked(
+      std::span<const std::uint32_t> ids);
+  void split_released_chunks_locked();
+  std::uint32_t split_released_chunk_locked(std::uint32_t id, std::size_t at);
   std::vector<std::uint32_t> take_cache_locked(std::vector<std::uint32_t>& ids);
   std::size_t release_spare_locked();
   void wake_runs_locked(std::span<const std::uint32_t> order, stream_handle stream, bool live);
