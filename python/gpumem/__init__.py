@@ -212,6 +212,8 @@ def _declare(lib):
         "gpumem_torch_stats": (c.c_int, [c.c_int, c.POINTER(Stats)]),
         "gpumem_torch_sleep": (c.c_int, [c.c_int, c.c_uint32, c.c_int, c.c_void_p]),
         "gpumem_torch_wake": (c.c_int, [c.c_int, c.c_uint32, c.c_void_p]),
+        "gpumem_torch_tag_asleep": (c.c_int, [c.c_int, c.c_uint32]),
+        "gpumem_torch_tag_used": (c.c_int, [c.c_int, c.c_uint32]),
         "gpumem_torch_snapshot": (c.c_int, [c.c_int, c.c_char_p]),
         "gpumem_torch_empty_cache": (c.c_ulonglong, []),
         "gpumem_torch_failures": (c.c_ulonglong, []),

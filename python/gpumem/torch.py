@@ -711,9 +711,25 @@ def wake(tag_name, device=None):
         _current_stream(index)))
 
 
+def _tag_query(entry, tag_name, device):
+    lib = gpumem.load()
+    r = getattr(lib, entry)(gpumem._device(_device_index(device)),  # pylint: disable=protected-access
+                            gpumem.tag_id(tag_name))
+    if r < 0:
+        gpumem._raise(lib, lib.gpumem_last_status())  # pylint: disable=protected-access
+    return bool(r)
+
+
 def asleep(tag_name, device=None):
-    """Whether the tag sleeps on the device (sleep() done, wake() not yet)."""
-    return pool(_device_index(device)).asleep(tag_name)
+    """Whether the tag sleeps on the device (sleep() done, wake() not yet): its pages or the
+    private pools of the CUDA graphs made under it."""
+    return _tag_query("gpumem_torch_tag_asleep", tag_name, device)
+
+
+def tag_used(tag_name, device=None):
+    """Whether sleep() finds anything of the tag: it was allocated in, or CUDA graphs (or
+    MemPools) were made under it."""
+    return _tag_query("gpumem_torch_tag_used", tag_name, device)
 
 
 def awake(tag_name, then="offload", device=None):

@@ -216,6 +216,13 @@ std::size_t tag_pool_count(int device, std::uint32_t tag) noexcept {
   }));
 }
 
+std::size_t tag_pools_asleep(int device, std::uint32_t tag) noexcept {
+  std::lock_guard lock(mutex_);
+  return static_cast<std::size_t>(std::count_if(pools_.begin(), pools_.end(), [&](const auto& p) {
+    return p->device == device && p->tag == tag && gpumem_tag_asleep(p->pool, 0) == 1;
+  }));
+}
+
 graph_pool_totals graph_pools_totals(int device) noexcept {
   graph_pool_totals t;
   std::lock_guard lock(mutex_);

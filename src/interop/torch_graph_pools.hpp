@@ -89,6 +89,8 @@ gpumem_status wake_tag_pools(int device, std::uint32_t tag, void* stream,
                              std::size_t* woken) noexcept;
 // The private pools of (device, tag) alive now.
 std::size_t tag_pool_count(int device, std::uint32_t tag) noexcept;
+// Of those, the ones asleep (wholly or part way).
+std::size_t tag_pools_asleep(int device, std::uint32_t tag) noexcept;
 
 // Private pools alive now, and the bytes they hold from the driver (for stats and tests).
 struct graph_pool_totals {

@@ -580,6 +580,19 @@ GPUMEM_API int gpumem_torch_wake(int device, uint32_t tag, void* stream) {
   return gpumem_wake(pool, tag, stream);  // nothing was asleep: its refusal
 }
 
+GPUMEM_API int gpumem_torch_tag_asleep(int device, uint32_t tag) {
+  gpumem_pool* pool = pool_for(device);
+  if (pool == nullptr) return -1;
+  if (const int own = gpumem_tag_asleep(pool, tag); own != 0) return own;
+  return gpumem_torch::tag_pools_asleep(device, tag) > 0 ? 1 : 0;
+}
+
+GPUMEM_API int gpumem_torch_tag_used(int device, uint32_t tag) {
+  gpumem_pool* pool = pool_for(device);
+  if (pool == nullptr) return -1;
+  return tag_used(pool, tag) || gpumem_torch::tag_pool_count(device, tag) > 0 ? 1 : 0;
+}
+
 // Allocates `size` at exactly `ptr` in the private pool of (device, id): the allocator's
 // setCheckpointPoolState gives a CUDA graph tree's checkpointed allocations back their
 // addresses. GPUMEM_SUCCESS; -1 for a size under 1 or no private pool of that id on the

@@ -408,7 +408,13 @@ TEST(TorchPlugin, AGraphPoolSleepsOnlyWithItsOwnTag) {
   EXPECT_GE(asleep, 2u * MiB);  // the untagged graph's
   EXPECT_LE(asleep, both - 2 * MiB);
   EXPECT_EQ(gpumem_tag_asleep(gpumem_torch_pool(0), tag), 0);  // nothing of its own there
+  EXPECT_EQ(gpumem_torch_tag_asleep(0, tag), 1);  // its graph pool is
+  EXPECT_EQ(gpumem_torch_tag_used(0, tag), 1);
+  EXPECT_EQ(gpumem_torch_tag_asleep(0, 0), 0);  // the untagged graph's tag is awake
   ASSERT_EQ(gpumem_torch_wake(0, tag, nullptr), GPUMEM_SUCCESS) << gpumem_last_error();
+  EXPECT_EQ(gpumem_torch_tag_asleep(0, tag), 0);
+  EXPECT_EQ(gpumem_torch_tag_used(0, 4242), 0);  // never allocated in, no graph made under it
+  EXPECT_EQ(gpumem_torch_tag_asleep(0, 4242), 0);
   EXPECT_EQ(graph_reserved(), both);
   EXPECT_EQ(gpumem_torch_sleep(0, tag, 7, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);  // a bad mode
   gpumem_torch_free(a, 2 * MiB, 0, nullptr);
@@ -429,6 +435,13 @@ TEST(TorchPlugin, NoPoolForTheDeviceIsAFailureOnAFreshThread) {
   }).join();
   EXPECT_EQ(sleep_status, GPUMEM_ERROR_INVALID_ARGUMENT);
   EXPECT_EQ(wake_status, GPUMEM_ERROR_INVALID_ARGUMENT);
+  int asleep_status = 0, used_status = 0;
+  std::thread([&] {
+    asleep_status = gpumem_torch_tag_asleep(4096, 1);
+    used_status = gpumem_torch_tag_used(-1, 1);
+  }).join();
+  EXPECT_EQ(asleep_status, -1);
+  EXPECT_EQ(used_status, -1);
   EXPECT_EQ(fraction_status, GPUMEM_ERROR_INVALID_ARGUMENT);
 }
 

@@ -80,6 +80,12 @@ GPUMEM_API int gpumem_torch_oom_is_torch_type(void);
  * the failure asleep (or awake); the same call again completes it. */
 GPUMEM_API int gpumem_torch_sleep(int device, uint32_t tag, int mode, void* stream);
 GPUMEM_API int gpumem_torch_wake(int device, uint32_t tag, void* stream);
+/* Whether the tag sleeps as gpumem_torch_sleep puts it to sleep: its part of the device's
+ * pool or one of its private pools. 1 or 0; -1 (the error set) with no pool for the device. */
+GPUMEM_API int gpumem_torch_tag_asleep(int device, uint32_t tag);
+/* Whether gpumem_torch_sleep finds anything of the tag: it was allocated in, or it holds a
+ * private pool. 1 or 0; -1 (the error set) with no pool for the device. */
+GPUMEM_API int gpumem_torch_tag_used(int device, uint32_t tag);
 /* REQUIRES: out != NULL. Creates the device's pool if needed (as gpumem_torch_stats). */
 GPUMEM_API int gpumem_torch_memory_counts(int device, gpumem_torch_counts* out);
 /* Peaks (requested bytes, allocations, reserved bytes) restart from the current values. */
