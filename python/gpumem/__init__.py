@@ -179,6 +179,7 @@ def _declare(lib):
         "gpumem_pool_counter": (c.c_int, [pool_p, c.c_char_p, c.POINTER(c.c_uint64)]),
         "gpumem_pool_trim": (c.c_int, [pool_p, c.POINTER(c.c_uint64)]),
         "gpumem_pool_set_budget": (c.c_int, [pool_p, c.c_uint64, c.POINTER(c.c_uint64)]),
+        "gpumem_pool_set_keep_free": (c.c_int, [pool_p, c.c_uint64]),
         "gpumem_pool_mark_step": (c.c_int, [pool_p]),
         "gpumem_pool_allocator": (c.c_char_p, [pool_p]),
         "gpumem_pool_platform": (c.c_char_p, [pool_p]),
@@ -213,6 +214,7 @@ def _declare(lib):
         "gpumem_torch_sleep": (c.c_int, [c.c_int, c.c_uint32, c.c_int, c.c_void_p]),
         "gpumem_torch_wake": (c.c_int, [c.c_int, c.c_uint32, c.c_void_p]),
         "gpumem_torch_tag_asleep": (c.c_int, [c.c_int, c.c_uint32]),
+        "gpumem_torch_set_keep_free": (c.c_int, [c.c_int, c.c_uint64]),
         "gpumem_torch_tag_used": (c.c_int, [c.c_int, c.c_uint32]),
         "gpumem_torch_snapshot": (c.c_int, [c.c_int, c.c_char_p]),
         "gpumem_torch_empty_cache": (c.c_ulonglong, []),
@@ -583,6 +585,12 @@ class Pool(_Closing):
         released = ctypes.c_uint64()
         _check(self._lib, self._lib.gpumem_pool_trim(self.handle, ctypes.byref(released)))
         return released.value
+
+    def set_keep_free(self, nbytes):
+        """Device memory every new physical handle of the pool (every tag) leaves free, as
+        the option keep_free (0: none): a growth past it gathers or raises OutOfMemoryError,
+        a wake past it leaves the tag asleep with its bytes on the host."""
+        _check(self._lib, self._lib.gpumem_pool_set_keep_free(self.handle, _unsigned(nbytes, "bytes", 64)))
 
     def report(self, size=0):
         """The out-of-memory report the pool would give for a request of `size` bytes."""

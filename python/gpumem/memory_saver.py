@@ -23,10 +23,10 @@ GPUMEM_ENABLE=1 does).
 Where torch_memory_saver ends the process (a pause of a paused tag, a resume of a running
 one), this raises gpumem.InvalidArgumentError and changes nothing. The host copy is pinned
 memory whatever `cpu_backup_backend` names; with `retain_cpu_backup` false (the default, as
-there) a resume gives it back. Not offered, raising gpumem.NotSupportedError:
-`enable_disk_backup`, `set_disk_backup_dir`, `get_cpu_backup` (the host copy is one block
-per tag, not a tensor per allocation) and a nonzero `memory_margin_bytes` (gpumem bounds the
-pool's own bytes instead: GPUMEM_CONF=limit:..., or torch.cuda.set_per_process_memory_fraction).
+there) a resume gives it back. `memory_margin_bytes` is gpumem's keep_free: every new page,
+of any tag or none, leaves that much device memory free. Not offered, raising
+gpumem.NotSupportedError: `enable_disk_backup`, `set_disk_backup_dir` and `get_cpu_backup`
+(the host copy is one block per tag, not a tensor per allocation).
 """
 import contextlib
 import os
@@ -46,7 +46,8 @@ def _refuse(why):
 
 class TorchMemorySaver:
     """torch_memory_saver.TorchMemorySaver on gpumem (the module comment). `backend` serves
-    the tags: gpumem.torch by default (tag, sleep, wake, asleep, tag_used, release_host);
+    the tags: gpumem.torch by default (tag, sleep, wake, asleep, tag_used, release_host,
+    set_keep_free);
     tests give one over a gpumem.Pool."""
 
     def __init__(self, backend=None):
@@ -165,10 +166,9 @@ class TorchMemorySaver:
 
     @memory_margin_bytes.setter
     def memory_margin_bytes(self, value):
-        if value:
-            _refuse("memory_margin_bytes=%r: gpumem keeps no per-allocation margin of free "
-                    "device memory; bound the pool with GPUMEM_CONF=limit:BYTES or "
-                    "torch.cuda.set_per_process_memory_fraction" % (value,))
+        """Device memory every new page leaves free (gpumem's keep_free, for every tag and
+        the untagged memory as well as the regions')."""
+        self._serving().set_keep_free(value)
 
     @property
     def retain_cpu_backup(self):

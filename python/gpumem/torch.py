@@ -747,6 +747,18 @@ def awake(tag_name, then="offload", device=None):
         enter=scope.__enter__, leave=lambda: scope.__exit__(None, None, None))
 
 
+def set_keep_free(nbytes, device=None):
+    """Device memory every new physical handle leaves free (the driver's free bytes), in
+    every tag and in the private pools of CUDA graphs, as GPUMEM_CONF's keep_free (0:
+    none): memory kept for other processes and libraries. A growth past it gathers free
+    pages or raises torch's out-of-memory error; a wake past it raises OutOfMemoryError
+    and leaves the tag asleep."""
+    lib = gpumem.load()
+    gpumem._check(lib, lib.gpumem_torch_set_keep_free(  # pylint: disable=protected-access
+        gpumem._device(_device_index(device)),  # pylint: disable=protected-access
+        gpumem._unsigned(nbytes, "bytes", 64)))  # pylint: disable=protected-access
+
+
 def tag_stats(tag_name, device=None):
     """Live and reserved bytes of one tag."""
     return pool(_device_index(device)).tag_stats(tag_name)

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <span>
 #include <string>
 #include <string_view>
@@ -179,6 +180,21 @@ gpumem_status gpumem_allocate_tagged(gpumem_pool* pool, size_t size, size_t alig
   return guarded("gpumem_allocate_tagged", [&] {
     // Tag 0 too: through the planner (the tags' front for tag 0), refused while it sleeps.
     *out = state_of(parts).tags.allocate(size, alignment, to_stream(stream), tag);
+  });
+}
+
+gpumem_status gpumem_pool_set_keep_free(gpumem_pool* pool, uint64_t bytes) {
+  const auto parts = gpumem::detail::c_api_pool(pool, "gpumem_pool_set_keep_free");
+  if (parts.pool == nullptr) return gpumem_last_status();
+  return guarded("gpumem_pool_set_keep_free", [&] {
+    if (dynamic_cast<gpumem::vmm_page_pool*>(parts.pool) == nullptr)
+      throw gpumem::invalid_argument("gpumem_pool_set_keep_free: keep_free is a vmm_page_pool's "
+                                     "(allocator:vmm_page_pool)");
+    if (bytes > std::numeric_limits<std::size_t>::max())
+      throw gpumem::invalid_argument("gpumem_pool_set_keep_free: " + std::to_string(bytes) +
+                                     " bytes do not fit this machine's size_t");
+    // Through the tags, made now if need be, so tags made later get it too.
+    state_of(parts).tags.set_keep_free(static_cast<std::size_t>(bytes));
   });
 }
 

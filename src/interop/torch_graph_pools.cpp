@@ -35,6 +35,7 @@ std::vector<std::unique_ptr<graph_pool>> pools_;   // guarded by mutex_
 std::vector<capture> captures_;                    // guarded by mutex_
 std::unordered_map<void*, graph_pool*> owner_;     // guarded by mutex_
 std::vector<deferred_free> deferred_;              // guarded by mutex_
+std::unordered_map<int, std::size_t> keep_free_;   // by device (set_keep_free); guarded by mutex_
 // Read without the lock on every allocation and free: while both are 0 the shared pool
 // serves everything at the cost of one load each.
 std::atomic<std::size_t> active_captures_{0};
@@ -139,6 +140,8 @@ void begin_allocate_to_pool(int device, mempool_id id, capture_filter filter, co
     fresh->id = id;
     fresh->pool = made;
     fresh->tag = gpumem_current_tag();
+    if (auto k = keep_free_.find(device); k != keep_free_.end())
+      (void)gpumem_pool_set_keep_free(made, k->second);  // a vmm_page_pool: accepted
     p = fresh.get();
     pools_.push_back(std::move(fresh));
   }
@@ -214,6 +217,16 @@ std::size_t tag_pool_count(int device, std::uint32_t tag) noexcept {
   return static_cast<std::size_t>(std::count_if(pools_.begin(), pools_.end(), [&](const auto& p) {
     return p->device == device && p->tag == tag;
   }));
+}
+
+gpumem_status set_keep_free(int device, std::size_t bytes) noexcept {
+  std::lock_guard lock(mutex_);
+  keep_free_[device] = bytes;
+  for (auto& p : pools_)
+    if (p->device == device)
+      if (const gpumem_status st = gpumem_pool_set_keep_free(p->pool, bytes); st != GPUMEM_SUCCESS)
+        return st;
+  return GPUMEM_SUCCESS;
 }
 
 std::size_t tag_pools_asleep(int device, std::uint32_t tag) noexcept {

@@ -89,8 +89,11 @@ gpumem_status wake_tag_pools(int device, std::uint32_t tag, void* stream,
                              std::size_t* woken) noexcept;
 // The private pools of (device, tag) alive now.
 std::size_t tag_pool_count(int device, std::uint32_t tag) noexcept;
-// Of those, the ones asleep (wholly or part way).
+// Of the private pools of (device, tag), the ones asleep (wholly or part way).
 std::size_t tag_pools_asleep(int device, std::uint32_t tag) noexcept;
+// gpumem_pool_set_keep_free for every private pool of the device, now and made later; the
+// first failure's status.
+gpumem_status set_keep_free(int device, std::size_t bytes) noexcept;
 
 // Private pools alive now, and the bytes they hold from the driver (for stats and tests).
 struct graph_pool_totals {

@@ -580,6 +580,15 @@ GPUMEM_API int gpumem_torch_wake(int device, uint32_t tag, void* stream) {
   return gpumem_wake(pool, tag, stream);  // nothing was asleep: its refusal
 }
 
+// The device's pool and its tags first, then the private pools (CUDA graphs, MemPools).
+GPUMEM_API int gpumem_torch_set_keep_free(int device, uint64_t bytes) {
+  gpumem_pool* pool = pool_for(device);
+  if (pool == nullptr) return gpumem_last_status();
+  if (const gpumem_status st = gpumem_pool_set_keep_free(pool, bytes); st != GPUMEM_SUCCESS)
+    return st;
+  return gpumem_torch::set_keep_free(device, static_cast<std::size_t>(bytes));
+}
+
 GPUMEM_API int gpumem_torch_tag_asleep(int device, uint32_t tag) {
   gpumem_pool* pool = pool_for(device);
   if (pool == nullptr) return -1;

@@ -7,7 +7,7 @@ namespace gpumem {
 namespace {
 
 // Descriptions hold no '|' (they are Markdown table cells) and no line breaks.
-constexpr std::array<pool_option_info, 33> table{{
+constexpr std::array<pool_option_info, 34> table{{
     {"reserve", "0 (none)",
      "Physical memory taken up front (suffixes K, M, G, T). vmm_page_pool also maps it up "
      "front, so requests within it make no driver call. Trades memory held from the start "
@@ -37,6 +37,12 @@ constexpr std::array<pool_option_info, 33> table{{
     {"va_reserve", "2x device memory",
      "vmm_page_pool's virtual address range. Virtual address space costs no memory.",
      "va_reserve:256G"},
+    {"keep_free", "0 (none)",
+     "vmm_page_pool: device memory (the driver's free bytes) that every new physical handle "
+     "leaves free, for other processes and libraries: a growth that would pass it gathers "
+     "free pages or fails with out_of_memory, a wake leaves the tag asleep, its bytes on the "
+     "host. torch_memory_saver's memory_margin_bytes. A free-memory query per new handle.",
+     "keep_free:1G"},
     {"big_chunk", "0",
      "vmm_page_pool: growths of at least 2N pages use N-page physical handles (0: one page "
      "per handle, but for huge growths). Fewer driver calls per growth, against handles "

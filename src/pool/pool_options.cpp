@@ -151,6 +151,8 @@ void pool_options::apply(pool_options& o, std::string_view key, std::string_view
                                std::string(value) + "'");
     } else if (key == "va_reserve") {
       o.va_reserve_bytes = parse_bytes(value);
+    } else if (key == "keep_free") {
+      o.keep_free_bytes = parse_bytes(value);
     } else if (key == "huge_growth") {
       o.huge_growth_bytes = parse_bytes(value);
     } else if (key == "big_chunk") {
@@ -223,7 +225,8 @@ std::string pool_options::to_string() const {
       << (cross_stream == cross_stream_policy::wait                 ? "wait"
           : cross_stream == cross_stream_policy::wait_before_growth ? "wait_before_growth"
                                                                     : "event")
-      << ",va_reserve:" << va_reserve_bytes << ",big_chunk:" << big_chunk_pages
+      << ",va_reserve:" << va_reserve_bytes << ",keep_free:" << keep_free_bytes
+      << ",big_chunk:" << big_chunk_pages
       << ",huge_growth:" << huge_growth_bytes
       << ",scrub:" << (scrub ? "on" : "off") << ",guard:" << (guard ? "on" : "off")
       << ",shareable:" << (shareable ? "on" : "off")

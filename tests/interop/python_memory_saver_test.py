@@ -4,8 +4,9 @@ per (tag, cpu backup); pause releases every page (offloading the backed-up tags,
 rest) and resume restores them at the same addresses, the backed-up bytes intact and the
 host copy given back unless retained; a pause or resume of one tag leaves the others; a
 double pause or a resume of nothing is refused with nothing changed; a resume without room
-raises and resumes once there is room; disable() allocates untagged; the features gpumem
-does not offer are refused by name; install() makes `import torch_memory_saver` find it.
+raises and resumes once there is room; memory_margin_bytes keeps that much of the device
+free (gpumem's keep_free); disable() allocates untagged; the features gpumem does not offer
+are refused by name; install() makes `import torch_memory_saver` find it.
 
     python tests/interop/python_memory_saver_test.py     # GPUMEM_LIB, PYTHONPATH as ctest's
 """
@@ -54,6 +55,9 @@ class PoolTags:
 
     def release_host(self, name):
         return self.pool.release_host(name)
+
+    def set_keep_free(self, nbytes):
+        self.pool.set_keep_free(nbytes)
 
 
 def fill(ptr, nbytes, byte):
@@ -160,14 +164,25 @@ class MemorySaverTest(unittest.TestCase):
         self.pool.free(inside, MIB)
         self.pool.free(untagged, MIB)
 
+    def test_memory_margin_bytes_keeps_that_much_of_the_device_free(self):
+        free, _ = self.pool.device_memory()
+        self.saver.memory_margin_bytes = free - 8 * MIB
+        with self.assertRaises(gpumem.OutOfMemoryError) as err:
+            self.region_alloc(16 * MIB, 0x12, tag="m")
+        self.assertIn("keep_free", str(err.exception))
+        with self.assertRaises(NotImplementedError):
+            _ = self.saver.memory_margin_bytes
+        with self.assertRaises(ValueError):
+            self.saver.memory_margin_bytes = -1
+        self.saver.memory_margin_bytes = 0
+        p = self.region_alloc(16 * MIB, 0x12, tag="m")
+        self.assertTrue(holds(p, 16 * MIB, 0x12))
+        self.pool.free(p, 16 * MIB)
+
     def test_what_gpumem_does_not_offer_is_refused_by_name(self):
         with self.assertRaises(gpumem.NotSupportedError):
             with self.saver.region(tag="d", enable_disk_backup=True):
                 pass
-        with self.assertRaises(gpumem.NotSupportedError) as err:
-            self.saver.memory_margin_bytes = 1 << 30
-        self.assertIn("limit", str(err.exception))
-        self.saver.memory_margin_bytes = 0  # no margin: nothing to refuse
         with self.assertRaises(gpumem.NotSupportedError):
             self.saver.get_cpu_backup(None)
         with self.assertRaises(gpumem.NotSupportedError):

@@ -424,6 +424,31 @@ TEST(TorchPlugin, AGraphPoolSleepsOnlyWithItsOwnTag) {
   EXPECT_EQ(graph_reserved(), 0u);
 }
 
+// keep_free through the plug-in reaches the device's pool and the private pools of CUDA
+// graphs, those made later too: every growth past it is an out-of-memory naming it.
+TEST(TorchPlugin, KeepFreeReachesTheDevicesPoolAndItsGraphPools) {
+  gpumem_pool* pool = gpumem_torch_pool(0);
+  (void)gpumem_torch_empty_cache();  // what earlier tests freed would serve without a growth
+  std::size_t free = 0, total = 0;
+  ASSERT_EQ(gpumem_device_memory(pool, &free, &total), GPUMEM_SUCCESS) << gpumem_last_error();
+  ASSERT_EQ(gpumem_torch_set_keep_free(0, free - 2 * MiB), GPUMEM_SUCCESS) << gpumem_last_error();
+  const failure device_pool = failure_of(8 * MiB, 0);
+  EXPECT_NE(device_pool.what.find("keep_free"), std::string::npos) << device_pool.what;
+  const mempool_id id{13, 0};
+  gpumem_torch_begin_allocate_to_pool(0, id, [](CUstream_st*) { return true; });
+  const failure graph_pool = failure_of(8 * MiB, 0);
+  gpumem_torch_end_allocate_to_pool(0, id);
+  EXPECT_NE(graph_pool.what.find("keep_free"), std::string::npos) << graph_pool.what;
+  ASSERT_EQ(gpumem_torch_set_keep_free(0, 0), GPUMEM_SUCCESS) << gpumem_last_error();
+  gpumem_torch_begin_allocate_to_pool(0, id, [](CUstream_st*) { return true; });
+  void* p = gpumem_torch_malloc(8 * MiB, 0, nullptr);
+  gpumem_torch_end_allocate_to_pool(0, id);
+  EXPECT_NE(p, nullptr);
+  gpumem_torch_free(p, 8 * MiB, 0, nullptr);
+  gpumem_torch_release_pool(0, id);
+  EXPECT_EQ(gpumem_torch_set_keep_free(4096, 0), GPUMEM_ERROR_INVALID_ARGUMENT);
+}
+
 // A call that finds no pool for its device fails with a typed status even on a thread whose
 // last gpumem call succeeded (its last status is GPUMEM_SUCCESS).
 TEST(TorchPlugin, NoPoolForTheDeviceIsAFailureOnAFreshThread) {

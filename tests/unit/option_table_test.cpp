@@ -75,7 +75,7 @@ TEST(option_table, unknown_key_message_lists_the_keys_in_table_order) {
   } catch (const gpumem::invalid_argument& e) {
     EXPECT_EQ(std::string(e.what()),
               "config: unknown key 'bogus' (known: reserve, reserve_fraction, limit, "
-              "release_threshold, small_threshold, cross_stream, va_reserve, big_chunk, "
+              "release_threshold, small_threshold, cross_stream, va_reserve, keep_free, big_chunk, "
               "huge_growth, scrub, shareable, guard, thread_cache, round_large, small_classes, "
               "small_cache, map_worker, footprint, growth_slack, remap_budget, soft_budget, "
               "release_idle, lifetime_hints, peer_access)");

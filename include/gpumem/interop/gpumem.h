@@ -207,6 +207,12 @@ GPUMEM_API gpumem_status gpumem_pool_trim(gpumem_pool* pool, uint64_t* released)
  * the budget in force. The PyTorch plug-in sets it from set_per_process_memory_fraction. */
 GPUMEM_API gpumem_status gpumem_pool_set_budget(gpumem_pool* pool, uint64_t bytes,
                                                 uint64_t* budget_out);
+/* Device memory (the driver's free bytes) that every new physical handle of the pool leaves
+ * free, in every tag, as the option keep_free (0: none): a growth that would pass it gathers
+ * free pages or fails with GPUMEM_ERROR_OUT_OF_MEMORY, and a wake leaves the tag asleep with
+ * its bytes on the host. GPUMEM_ERROR_INVALID_ARGUMENT for another allocator or a value over
+ * this machine's size_t. */
+GPUMEM_API gpumem_status gpumem_pool_set_keep_free(gpumem_pool* pool, uint64_t bytes);
 /* "vmm_page_pool" or "caching_pool"; "" for NULL. The accessors below answer "" (or -1)
  * for NULL, and also for a destroyed pool, where they set the error as well. */
 GPUMEM_API const char* gpumem_pool_allocator(gpumem_pool* pool);

@@ -80,6 +80,9 @@ GPUMEM_API int gpumem_torch_oom_is_torch_type(void);
  * the failure asleep (or awake); the same call again completes it. */
 GPUMEM_API int gpumem_torch_sleep(int device, uint32_t tag, int mode, void* stream);
 GPUMEM_API int gpumem_torch_wake(int device, uint32_t tag, void* stream);
+/* gpumem_pool_set_keep_free for the device's pool (every tag) and the private pools of its
+ * CUDA graphs and MemPools, those made later too. */
+GPUMEM_API int gpumem_torch_set_keep_free(int device, uint64_t bytes);
 /* Whether the tag sleeps as gpumem_torch_sleep puts it to sleep: its part of the device's
  * pool or one of its private pools. 1 or 0; -1 (the error set) with no pool for the device. */
 GPUMEM_API int gpumem_torch_tag_asleep(int device, uint32_t tag);

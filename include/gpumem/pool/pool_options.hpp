@@ -31,6 +31,9 @@ struct pool_options {
   std::size_t small_threshold = std::size_t{1} << 20;
   cross_stream_policy cross_stream = cross_stream_policy::event;
   std::size_t va_reserve_bytes = 0;
+  // vmm_page_pool: device memory every new physical handle leaves free (0: none); see
+  // option_table.cpp.
+  std::size_t keep_free_bytes = 0;
   std::size_t big_chunk_pages = 0;
   std::size_t huge_growth_bytes = std::size_t{1} << 30;
   bool scrub = false;

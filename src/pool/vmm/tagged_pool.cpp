@@ -262,6 +262,14 @@ std::size_t tagged_pool::trim() {
   return released;
 }
 
+void tagged_pool::set_keep_free(std::size_t bytes) {
+  // Under the lock that makes tags: a tag made meanwhile gets the new value either way.
+  std::lock_guard lock(tags_mutex_);
+  options_.keep_free_bytes = bytes;
+  for (auto& [tag, e] : tags_)
+    if (e->vmm != nullptr) e->vmm->set_keep_free(bytes);
+}
+
 std::string tagged_pool::describe_tags(std::size_t limit) const {
   struct line {
     std::string tag;

@@ -23,6 +23,16 @@ std::size_t vmm_page_pool::budget() const {
   return budget_locked();
 }
 
+void vmm_page_pool::set_keep_free(std::size_t bytes) {
+  std::lock_guard lock(mutex_);
+  keep_free_ = bytes;
+}
+
+std::size_t vmm_page_pool::keep_free() const {
+  std::lock_guard lock(mutex_);
+  return keep_free_;
+}
+
 void vmm_page_pool::set_budget(std::size_t bytes) {
   bool over = false;
   {

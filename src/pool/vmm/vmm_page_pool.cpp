@@ -27,6 +27,7 @@ vmm_page_pool::vmm_page_pool(platform& platform, int device, pool_options option
   // Large blocks own whole pages unless configured otherwise (pool_options::round_large).
   if (options_.round_large == 0) options_.round_large = page_;
   counts_.page_size = page_;
+  keep_free_ = options_.keep_free_bytes;
   std::size_t va = options.va_reserve_bytes != 0 ? options.va_reserve_bytes
                                                  : 2 * device_total_bytes();
   va = (va + page_ - 1) / page_ * page_;
@@ -287,6 +288,17 @@ void vmm_page_pool::forget_chunk(std::uint32_t id) noexcept {
 }
 
 result<physical_handle> vmm_page_pool::create_handle(std::size_t bytes) {
+  if (keep_free_ != 0) {
+    // The driver's view: memory other processes and libraries hold counts too.
+    const auto info = device_platform().mem_info(device());
+    if (info && (info.value().free < bytes || info.value().free - bytes < keep_free_))
+      return status::failure(platform_op::create_physical, failure_kind::out_of_memory, 2,
+                             "CUDA_ERROR_OUT_OF_MEMORY",
+                             "keep_free: device " + std::to_string(device()) + " has " +
+                                 format_bytes(info.value().free) + " free; " +
+                                 format_bytes(bytes) + " more would leave less than " +
+                                 format_bytes(keep_free_));
+  }
   if (options_.shareable && !shareable_refused_) {
     auto h = device_platform().create_shareable_physical(device(), bytes);
     if (h || (h.error().kind != failure_kind::not_supported &&
@@ -373,6 +385,9 @@ std::string vmm_page_pool::describe_holdings() const {
         << " bytes of addresses in use, the largest free run " << largest_run * page_
         << " bytes, too small for the request; raise va_reserve\n";
   }
+  if (keep_free_ != 0)
+    out << "  keep_free: every new physical handle leaves " << format_bytes(keep_free_)
+        << " of the device free\n";
   if (counts_.unmap_failures > 0)
     out << "  " << counts_.unmap_failures
         << " unmaps of old mappings failed so far; those runs stay mapped until a retry "

@@ -102,6 +102,9 @@ class tagged_pool final : public memory_resource {
   resource_stats stats() const override;
   // Gives the free memory of every tag back to the driver; returns the bytes released.
   std::size_t trim();
+  // vmm_page_pool::set_keep_free for every tag's pool (the untagged one's if it is a
+  // vmm_page_pool) and for the tags made later.
+  void set_keep_free(std::size_t bytes);
   // One line per tag holding memory: its reserved, live and asleep state, the largest
   // first (at most `limit` lines, then a count of the rest).
   std::string describe_tags(std::size_t limit = 8) const;

@@ -144,6 +144,12 @@ class vmm_page_pool final : public pool_base {
   // growths gather until the reserved bytes fit it again.
   void set_budget(std::size_t bytes);
   std::size_t budget() const;
+  // Device memory (the driver's free bytes) every new physical handle leaves free
+  // (pool_options::keep_free; 0: none): a creation that would pass it fails as out of
+  // memory, so a growth gathers or throws out_of_memory, a wake leaves the pool asleep with
+  // its bytes on the host, and lend_pages throws. Costs a free-memory query per new handle.
+  void set_keep_free(std::size_t bytes);
+  std::size_t keep_free() const;
   static constexpr std::size_t budget_headroom_share = 32;
   static constexpr std::size_t budget_margin_share = 32;
   // A wake maps side-by-side pages as one handle only while, after it, at least a
@@ -412,6 +418,7 @@ class vmm_page_pool final : public pool_base {
 
   std::size_t page_ = 0;
   std::size_t budget_set_ = 0;  // set_budget's bytes (0: none)
+  std::size_t keep_free_ = 0;   // set_keep_free's bytes, from pool_options::keep_free_bytes
   std::uintptr_t va_base_ = 0;
   std::size_t va_pages_ = 0;
   std::vector<std::uint32_t> page_table_;  // per VA page: the chunk mapped there, or no_chunk
