@@ -3,7 +3,8 @@ an engine written for torch_memory_saver uses it: install() in place of the pack
 region enables gpumem, tensors made in regions with and without a CPU backup and a CUDA
 graph captured with cuda_graph() are released by pause() (the driver's free memory rises by
 their bytes) and come back by resume() at the same addresses: the backed-up weights equal,
-the graph replaying to the same output; a second pause is refused."""
+the graph replaying to the same output; a second pause is refused; memory_margin_bytes
+keeps that much of the device free."""
 import os
 import sys
 
@@ -59,6 +60,20 @@ def main():
     assert torch.equal(y, expected), "the graph's output changed across pause / resume"
     kv.fill_(3)
     assert int(kv[-1]) == 3
+    # memory_margin_bytes (gpumem's keep_free): a growth that would leave less free fails.
+    torch.cuda.empty_cache()
+    tms.memory_margin_bytes = torch.cuda.mem_get_info()[0] - (64 << 20)
+    try:
+        with tms.region(tag="kv_cache"):
+            torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError as e:
+        assert "keep_free" in str(e), e
+    else:
+        raise AssertionError("an allocation past memory_margin_bytes succeeded")
+    tms.memory_margin_bytes = 0
+    with tms.region(tag="kv_cache"):
+        more = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    del more
     print("torch_memory_saver_test: ok (released %.1f MiB)" % (released / 2**20))
     return 0
 
