@@ -13,7 +13,7 @@ H=include  # torch's header folders, relative to the torch package
 [ "${TORCH_HEADERS:-0}" = 1 ] &&
   (cd "$TD" && tar czf "$OUT/torchinc.tgz" $H/c10 $H/torch/headeronly $H/torch/csrc/cuda $H/ATen/cuda 2>&1 | tail -2)
 echo "ptrace_scope $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null) uid $(id -u)"
-BENCH=0 OUT=$OUT TESTS="${TESTS:-torch_native_allocator_test torch_graph_test torch_mempool_test torch_sleep_share_test}" timeout 330 ./scripts/gpu-native.sh 2>&1 | tail -45
+BENCH=0 OUT=$OUT TESTS="${TESTS:-torch_native_allocator_test torch_graph_test torch_mempool_test torch_sleep_share_test torch_memory_saver_test}" timeout 330 ./scripts/gpu-native.sh 2>&1 | tail -45
 export PYTHONPATH=$PWD/python GPUMEM_LIB=$PWD/build-gpu/src/interop/libgpumem_torch.so PYTHONDONTWRITEBYTECODE=1
 LEFT=$((${CALL_SECONDS:-450} - (SECONDS - T0)))
 echo "rl: $LEFT s left"
