@@ -56,6 +56,9 @@ class PoolTags:
     def release_host(self, name):
         return self.pool.release_host(name)
 
+    def host_bytes(self, name):
+        return self.pool.host_bytes(name)
+
     def set_keep_free(self, nbytes):
         self.pool.set_keep_free(nbytes)
 
