@@ -311,13 +311,16 @@ void vmm_page_pool::stage_host_copy_locked(std::span<const std::uint32_t> ids, b
 void vmm_page_pool::offload_and_retire_locked(std::span<const std::uint32_t> ids,
                                               stream_handle stream) {
   stream_events events(device_platform(), device());
+  // Which pages of partly used chunks are free: found once, as nothing is allocated meanwhile.
+  const auto partly_free = fast() ? partly_free_pages_locked(ids)
+                                  : std::unordered_map<std::uint32_t, std::vector<bool>>{};
   std::span<const std::uint32_t> prev;
   std::size_t slice = 0;
   for (std::size_t begin = 0; begin < ids.size(); ++slice) {
     std::size_t end = begin, bytes = 0;
     while (end < ids.size() && (end == begin || bytes < sleep_slice_bytes))
       bytes += chunks_[ids[end++]].pages * page_;
-    copy_to_host_locked(ids.subspan(begin, end - begin), stream);
+    copy_to_host_locked(ids.subspan(begin, end - begin), partly_free, stream);
     events.record(slice % 2, stream);
     if (slice > 0) {
       events.wait((slice - 1) % 2, stream);
@@ -330,13 +333,14 @@ void vmm_page_pool::offload_and_retire_locked(std::span<const std::uint32_t> ids
   retire_sleeping_locked(prev);
 }
 
-// Queues on `stream` the copies of the chunks `ids` to their places in the host block;
-// copies of adjacent chunks (adjacent in the host block too) go as one.
-void vmm_page_pool::copy_to_host_locked(std::span<const std::uint32_t> ids,
-                                        stream_handle stream) {
+// Queues on `stream` the copies of the chunks `ids` to their places in the host block, but
+// the free pages `partly_free` names (partly_free_pages_locked); copies of adjacent runs
+// (adjacent in the host block too) go as one.
+void vmm_page_pool::copy_to_host_locked(
+    std::span<const std::uint32_t> ids,
+    const std::unordered_map<std::uint32_t, std::vector<bool>>& partly_free,
+    stream_handle stream) {
   const auto& st = *sleep_;
-  const auto partly_free = fast() ? partly_free_pages_locked(ids)
-                                  : std::unordered_map<std::uint32_t, std::vector<bool>>{};
   // Runs of pages in use: (first VA page, pages, host offset), side by side ones joined.
   struct run {
     std::size_t first, pages, host;

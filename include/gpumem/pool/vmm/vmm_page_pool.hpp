@@ -471,7 +471,9 @@ class vmm_page_pool final : public pool_base {
   void stage_host_copy_locked(std::span<const std::uint32_t> ids, bool resuming,
                               stream_handle stream);
   void offload_and_retire_locked(std::span<const std::uint32_t> ids, stream_handle stream);
-  void copy_to_host_locked(std::span<const std::uint32_t> ids, stream_handle stream);
+  void copy_to_host_locked(std::span<const std::uint32_t> ids,
+                           const std::unordered_map<std::uint32_t, std::vector<bool>>& partly_free,
+                           stream_handle stream);
   void retire_sleeping_locked(std::span<const std::uint32_t> ids);
   void release_sleeping_chunk_locked(std::uint32_t id);
   std::vector<bool> free_chunks_locked();
