@@ -438,6 +438,7 @@ TEST(TorchPlugin, KeepFreeReachesTheDevicesPoolAndItsGraphPools) {
   gpumem_torch_begin_allocate_to_pool(0, id, [](CUstream_st*) { return true; });
   const failure graph_pool = failure_of(8 * MiB, 0);
   gpumem_torch_end_allocate_to_pool(0, id);
+  gpumem_torch_release_pool(0, id);  // every begin is matched by a release, as in PyTorch
   EXPECT_NE(graph_pool.what.find("keep_free"), std::string::npos) << graph_pool.what;
   ASSERT_EQ(gpumem_torch_set_keep_free(0, 0), GPUMEM_SUCCESS) << gpumem_last_error();
   gpumem_torch_begin_allocate_to_pool(0, id, [](CUstream_st*) { return true; });
