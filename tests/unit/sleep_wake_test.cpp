@@ -599,6 +599,9 @@ TEST_F(SleepWake, AHandlePartlyInUseAtSleepNeedsRoomAtWakeForItsPagesInUseOnly) 
   void* state = partly_in_use(5);
   pool.sleep(1, sleep_mode::offload);
   EXPECT_EQ(pool.tag_stats(1).reserved_bytes, 0u);
+  // The host copy holds the pages in use alone, not the handle's free pages.
+  EXPECT_GE(pool.host_bytes(1), in_use);
+  EXPECT_LT(pool.host_bytes(1), in_use + 2 * MiB);
   const std::size_t squat = device_options().capacity - sim.used_bytes(0) - 16 * MiB;
   void* squatter = pool.allocate(squat, 256, {}, 0);
   pool.wake(1);
@@ -634,6 +637,43 @@ TEST_F(SleepWake, AHandlePartlyInUseAtSleepNeedsRoomAtWakeForItsPagesInUseOnly) 
   pool.deallocate(squatter, squat_more);
   pool.deallocate(more, 12 * MiB);
   pool.deallocate(state, in_use);
+}
+
+// Pages in use on both sides of free ones in one handle: the host copy packs them, and the
+// wake puts each back at its own address, also where one of them was freed while asleep
+// (its pages then wake as cache, uncopied).
+TEST_F(SleepWake, PagesInUseAroundAFreeHoleComeBackAtTheirAddressesFromAPackedHostCopy) {
+  vmm_page_pool untagged(sim);
+  tagged_pool pool(untagged, {});
+  const auto creates = calls(platform_op::create_physical);
+  pool.deallocate(pool.allocate(24 * MiB, 256, {}, 1), 24 * MiB);
+  ASSERT_EQ(calls(platform_op::create_physical), creates + 1) << "one growth, one handle";
+  void* low = pool.allocate(4 * MiB, 256, {}, 1);
+  void* hole = pool.allocate(8 * MiB, 256, {}, 1);
+  void* mid = pool.allocate(4 * MiB, 256, {}, 1);
+  void* high = pool.allocate(4 * MiB, 256, {}, 1);
+  write_pattern(low, 4 * MiB, 11);
+  write_pattern(mid, 4 * MiB, 12);
+  write_pattern(high, 4 * MiB, 13);
+  pool.deallocate(hole, 8 * MiB);
+  for (int round = 0; round < 2; ++round) {
+    pool.sleep(1, sleep_mode::offload);
+    EXPECT_EQ(pool.host_bytes(1), 12 * MiB) << "round " << round << ": three 4 MiB blocks";
+    EXPECT_TRUE(pool.is_valid()) << pool.validate();
+    if (round == 1) pool.deallocate(mid, 4 * MiB);  // freed asleep: cache at the wake
+    pool.wake(1);
+    EXPECT_TRUE(pool.is_valid()) << pool.validate();
+    EXPECT_TRUE(has_pattern(low, 4 * MiB, 11)) << "round " << round;
+    if (round == 0) EXPECT_TRUE(has_pattern(mid, 4 * MiB, 12)) << "round " << round;
+    EXPECT_TRUE(has_pattern(high, 4 * MiB, 13)) << "round " << round;
+  }
+  // Discard after offload: nothing restored, the host block kept for the next offload.
+  pool.sleep(1, sleep_mode::discard);
+  pool.wake(1);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.deallocate(low, 4 * MiB);
+  pool.deallocate(high, 4 * MiB);
+  EXPECT_EQ(pool.release_host(1), 12 * MiB);
 }
 
 // The fixture's TearDown checks that the device holds nothing afterwards: no handle,

@@ -22,8 +22,8 @@
 // released (a released chunk has no handle, so its record may be cut anywhere) it is split
 // into runs all in use or all free (split_released_chunks_locked, again at wake for what
 // was freed meanwhile): its free runs are cache, so a wake needs room for the pages in use
-// alone. The host copy keeps each chunk's layout: a run's bytes lie at its chunk's offset
-// plus the run's, and a free page's place there is left unwritten.
+// alone. The host copy holds the pages in use alone, in address order (host_runs maps a
+// page to its place), so it is as large as the live bytes the sleep copies.
 //
 // Allocations: refused from the moment sleep() takes the lock for its steps until the
 // pool is awake again (asleep_locked() false: a wake completed, or a sleep failed before
@@ -33,9 +33,10 @@
 // Invariants (checked by validate_holdings through sleeping_pages_locked()):
 //  - released_pages == sum of the pages of chunks in phase released;
 //  - every chunk with a record is live and keeps its pages in the page table;
-//  - host_offset names, for every chunk the current sleep copied (none of the cache),
-//    where its bytes are in `host` (offload only), until a wake completes and gives
-//    `host` back;
+//  - host_runs names, for every page the current sleep copied (none of the cache, no free
+//    page of a partly used chunk), where its bytes are in `host` (offload only), until a
+//    wake completes and gives `host` back; every page of a chunk that sleeps released and
+//    wakes with its bytes restored has a place there, its pages side by side;
 //  - `staging` holds at most one segment (the block of the last offload sleep, kept for
 //    the next one), so host memory stays flat across sleep / wake cycles of one size.
 #include <algorithm>
@@ -194,9 +195,7 @@ std::size_t vmm_page_pool::release_host() {
                            " live in that host memory; wake it first");
   if (st.host != nullptr) {  // left by a sleep that failed before any page slept
     st.staging->deallocate(st.host, st.host_bytes, stream_handle{});
-    st.host = nullptr;
-    st.host_bytes = 0;
-    st.host_offset.clear();
+    st.clear_host_layout();
   }
   const std::size_t held = st.staging->stats().reserved_bytes;
   st.staging->trim();  // waits for the copies of the last wake
@@ -244,9 +243,14 @@ void vmm_page_pool::sleep(sleep_mode mode, stream_handle stream) {
   }
   std::vector<std::uint32_t> ids = chunks_to_sleep_locked();
   const std::vector<std::uint32_t> cache = take_cache_locked(ids);
-  if (st.mode == sleep_mode::offload) stage_host_copy_locked(ids, resuming, stream);
-  if (st.mode == sleep_mode::offload && !ids.empty()) {
-    offload_and_retire_locked(ids, stream);
+  const bool offload = st.mode == sleep_mode::offload;
+  // Which pages of partly used chunks are free: found once, as nothing is allocated meanwhile.
+  const auto partly_free = offload && fast()
+                               ? partly_free_pages_locked(ids)
+                               : std::unordered_map<std::uint32_t, std::vector<bool>>{};
+  if (offload) stage_host_copy_locked(ids, partly_free, resuming, stream);
+  if (offload && !ids.empty()) {
+    offload_and_retire_locked(ids, partly_free, stream);
   } else {
     // Nothing to copy: the work queued on the stream is done before the pages go.
     if (auto s = device_platform().stream_synchronize(stream); !s)
@@ -281,26 +285,34 @@ std::vector<std::uint32_t> vmm_page_pool::chunks_to_sleep_locked() const {
   return ids;
 }
 
-// The pinned host block the offloaded bytes of `ids` go to, chunk after chunk (kept by a
-// resumed sleep, which copies into the same places).
-void vmm_page_pool::stage_host_copy_locked(std::span<const std::uint32_t> ids, bool resuming,
-                                           stream_handle stream) {
+// The pinned host block the offloaded bytes of `ids` go to: their pages in use (all but
+// those `partly_free` names), in address order (kept by a resumed sleep, which copies into
+// the same places: no page is allocated while chunks sleep, so none it copies lacks one).
+void vmm_page_pool::stage_host_copy_locked(
+    std::span<const std::uint32_t> ids,
+    const std::unordered_map<std::uint32_t, std::vector<bool>>& partly_free, bool resuming,
+    stream_handle stream) {
   auto& st = *sleep_;
   if (st.staging == nullptr)
     st.staging = std::make_unique<pinned_host_pool>(device_platform(), device());
   if (!resuming && st.host != nullptr) {  // left by a sleep that failed before any page slept
     st.staging->deallocate(st.host, st.host_bytes, stream);
-    st.host = nullptr;
-    st.host_offset.clear();
+    st.clear_host_layout();
   }
   if (st.host == nullptr && !ids.empty()) {
-    std::size_t total = 0;
+    st.clear_host_layout();
     for (std::uint32_t id : ids) {
-      st.host_offset[id] = total;
-      total += chunks_[id].pages * page_;
+      const chunk& c = chunks_[id];
+      const auto mask = partly_free.find(id);
+      for (std::size_t k = 0; k < c.pages; ++k)
+        if (mask == partly_free.end() || !mask->second[k]) st.add_host_page(c.mapped_at + k, page_);
     }
-    st.host = take_staging_block(*st.staging, total, stream);
-    st.host_bytes = total;
+    try {
+      st.host = take_staging_block(*st.staging, st.host_bytes, stream);
+    } catch (...) {
+      st.clear_host_layout();
+      throw;
+    }
   }
 }
 
@@ -308,12 +320,11 @@ void vmm_page_pool::stage_host_copy_locked(std::span<const std::uint32_t> ids, b
 // before it (its copies done, and with them the work queued before) is unmapped and
 // released, so the driver calls run under the transfer instead of after it.
 // REQUIRES: !ids.empty().
-void vmm_page_pool::offload_and_retire_locked(std::span<const std::uint32_t> ids,
-                                              stream_handle stream) {
+void vmm_page_pool::offload_and_retire_locked(
+    std::span<const std::uint32_t> ids,
+    const std::unordered_map<std::uint32_t, std::vector<bool>>& partly_free,
+    stream_handle stream) {
   stream_events events(device_platform(), device());
-  // Which pages of partly used chunks are free: found once, as nothing is allocated meanwhile.
-  const auto partly_free = fast() ? partly_free_pages_locked(ids)
-                                  : std::unordered_map<std::uint32_t, std::vector<bool>>{};
   std::span<const std::uint32_t> prev;
   std::size_t slice = 0;
   for (std::size_t begin = 0; begin < ids.size(); ++slice) {
@@ -334,8 +345,8 @@ void vmm_page_pool::offload_and_retire_locked(std::span<const std::uint32_t> ids
 }
 
 // Queues on `stream` the copies of the chunks `ids` to their places in the host block, but
-// the free pages `partly_free` names (partly_free_pages_locked); copies of adjacent runs
-// (adjacent in the host block too) go as one.
+// the free pages `partly_free` names (partly_free_pages_locked), which have none; copies of
+// adjacent runs (adjacent in the host block too) go as one.
 void vmm_page_pool::copy_to_host_locked(
     std::span<const std::uint32_t> ids,
     const std::unordered_map<std::uint32_t, std::vector<bool>>& partly_free,
@@ -355,14 +366,10 @@ void vmm_page_pool::copy_to_host_locked(
   };
   for (std::uint32_t id : ids) {
     const chunk& c = chunks_[id];
-    const std::size_t host = st.host_offset.at(id);
     const auto mask = partly_free.find(id);
-    if (mask == partly_free.end()) {
-      add(c.mapped_at, c.pages, host);
-      continue;
-    }
     for (std::size_t k = 0; k < c.pages; ++k)
-      if (!mask->second[k]) add(c.mapped_at + k, 1, host + k * page_);
+      if (mask == partly_free.end() || !mask->second[k])
+        add(c.mapped_at + k, 1, st.host_offset(c.mapped_at + k, 1, page_));
   }
   for (const run& r : runs)
     if (auto s = device_platform().memcpy_async(static_cast<char*>(st.host) + r.host,
@@ -436,9 +443,7 @@ void vmm_page_pool::wake(stream_handle stream) {
     // Every chunk is awake: the host copy is free once the copies on `stream` are done.
     if (st.host != nullptr) {
       st.staging->deallocate(st.host, st.host_bytes, stream);
-      st.host = nullptr;
-      st.host_bytes = 0;
-      st.host_offset.clear();
+      st.clear_host_layout();
     }
   }
   // footprint:tight: blocks freed while asleep were restored with the rest: give their
@@ -511,10 +516,6 @@ std::uint32_t vmm_page_pool::split_released_chunk_locked(std::uint32_t id, std::
   head.pages = at;
   std::fill_n(page_table_.begin() + static_cast<std::ptrdiff_t>(rest.mapped_at), rest.pages, tail);
   st.chunks[tail] = detail::vmm_sleep_state::phase::released;
-  if (const auto h = st.host_offset.find(id); h != st.host_offset.end()) {
-    const std::size_t offset = h->second + at * page_;
-    st.host_offset[tail] = offset;
-  }
   return tail;
 }
 
@@ -638,7 +639,8 @@ std::size_t vmm_page_pool::wake_run_length_locked(std::span<const std::uint32_t>
     const std::uint32_t id = order[i + n];
     const chunk& c = chunks_[id];
     if (!released(id) || pages + c.pages > cap || c.mapped_at != prev.mapped_at + prev.pages) break;
-    if (copies && st.host_offset.at(id) != st.host_offset.at(order[i + n - 1]) + prev.pages * page_)
+    if (copies && st.host_offset(c.mapped_at, c.pages, page_) !=
+                      st.host_offset(prev.mapped_at, prev.pages, page_) + prev.pages * page_)
       break;
     pages += c.pages;
     ++n;
@@ -676,7 +678,8 @@ bool vmm_page_pool::wake_run_locked(std::span<const std::uint32_t> run, stream_h
   if (!grant_access(va, bytes)) return undo();
   if (restore && st.mode == sleep_mode::offload &&
       !p.memcpy_async(reinterpret_cast<void*>(va),
-                      static_cast<char*>(st.host) + st.host_offset.at(run.front()), bytes, stream))
+                      static_cast<char*>(st.host) + st.host_offset(head.mapped_at, pages, page_),
+                      bytes, stream))
     return undo();
   for (std::uint32_t id : run.subspan(1)) {
     forget_chunk(id);  // its pages are the head's now
@@ -740,7 +743,7 @@ void vmm_page_pool::wake_chunk_locked(std::uint32_t id, stream_handle stream, bo
     throw_cuda_error(s, "vmm_page_pool::wake: grant access to the pages");
   }
   if (ph == phase::released && restore && st.mode == sleep_mode::offload) {
-    auto* host = static_cast<char*>(st.host) + st.host_offset.at(id);
+    auto* host = static_cast<char*>(st.host) + st.host_offset(c.mapped_at, c.pages, page_);
     if (auto s = p.memcpy_async(reinterpret_cast<void*>(va), host, bytes, stream); !s) {
       (void)p.unmap(va, bytes);
       (void)p.release_physical(fresh);

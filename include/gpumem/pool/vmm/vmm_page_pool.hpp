@@ -468,9 +468,12 @@ class vmm_page_pool final : public pool_base {
   std::size_t sleeping_pages_locked() const noexcept;
   // sleep()'s and wake()'s steps (sleep_wake.cpp). REQUIRES: mutex_ held, sleep_ != null.
   std::vector<std::uint32_t> chunks_to_sleep_locked() const;
-  void stage_host_copy_locked(std::span<const std::uint32_t> ids, bool resuming,
-                              stream_handle stream);
-  void offload_and_retire_locked(std::span<const std::uint32_t> ids, stream_handle stream);
+  void stage_host_copy_locked(std::span<const std::uint32_t> ids,
+                              const std::unordered_map<std::uint32_t, std::vector<bool>>& partly_free,
+                              bool resuming, stream_handle stream);
+  void offload_and_retire_locked(std::span<const std::uint32_t> ids,
+                                 const std::unordered_map<std::uint32_t, std::vector<bool>>& partly_free,
+                                 stream_handle stream);
   void copy_to_host_locked(std::span<const std::uint32_t> ids,
                            const std::unordered_map<std::uint32_t, std::vector<bool>>& partly_free,
                            stream_handle stream);
