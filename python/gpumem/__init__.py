@@ -216,6 +216,8 @@ def _declare(lib):
         "gpumem_torch_tag_asleep": (c.c_int, [c.c_int, c.c_uint32]),
         "gpumem_torch_set_keep_free": (c.c_int, [c.c_int, c.c_uint64]),
         "gpumem_torch_tag_used": (c.c_int, [c.c_int, c.c_uint32]),
+        "gpumem_torch_host_bytes": (c.c_int, [c.c_int, c.c_uint32, c.POINTER(c.c_uint64)]),
+        "gpumem_torch_release_host": (c.c_int, [c.c_int, c.c_uint32, c.POINTER(c.c_uint64)]),
         "gpumem_torch_snapshot": (c.c_int, [c.c_int, c.c_char_p]),
         "gpumem_torch_empty_cache": (c.c_ulonglong, []),
         "gpumem_torch_failures": (c.c_ulonglong, []),

@@ -23,8 +23,8 @@ GPUMEM_ENABLE=1 does).
 Where torch_memory_saver ends the process (a pause of a paused tag, a resume of a running
 one), this raises gpumem.InvalidArgumentError and changes nothing. The host copy is pinned
 memory whatever `cpu_backup_backend` names; with `retain_cpu_backup` false (the default, as
-there) a resume gives back that of the tag's tensors (a CUDA graph's private pool keeps its
-own until the graph is freed). `memory_margin_bytes` is gpumem's keep_free: every new page,
+there) a resume gives it back, that of the CUDA graphs' private pools included.
+`memory_margin_bytes` is gpumem's keep_free: every new page,
 of any tag or none, leaves that much device memory free. Not offered, raising
 gpumem.NotSupportedError: `enable_disk_backup`, `set_disk_backup_dir` and `get_cpu_backup`
 (the host copy is one block per tag, not a tensor per allocation).
@@ -143,7 +143,7 @@ class TorchMemorySaver:
             backend.wake(name)
         if not self._retain:
             for name, cpu in paused:
-                if cpu and backend.host_bytes(name) > 0:  # a tag of graphs alone holds none
+                if cpu:
                     backend.release_host(name)
 
     @property

@@ -764,14 +764,23 @@ def tag_stats(tag_name, device=None):
     return pool(_device_index(device)).tag_stats(tag_name)
 
 
+def _host_call(entry, tag_name, device):
+    lib = gpumem.load()
+    out = ctypes.c_uint64()
+    gpumem._check(lib, getattr(lib, entry)(  # pylint: disable=protected-access
+        gpumem._device(_device_index(device)),  # pylint: disable=protected-access
+        gpumem.tag_id(tag_name), ctypes.byref(out)))
+    return out.value
+
+
 def host_bytes(tag_name, device=None):
-    """Pinned host bytes the tag holds for its offload sleeps (gpumem.Pool.host_bytes):
-    the same block across sleep / wake cycles, until release_host()."""
-    return pool(_device_index(device)).host_bytes(tag_name)
+    """Pinned host bytes the tag holds for its offload sleeps, the private pools of its CUDA
+    graphs included: the same blocks across sleep / wake cycles, until release_host()."""
+    return _host_call("gpumem_torch_host_bytes", tag_name, device)
 
 
 def release_host(tag_name, device=None):
-    """Gives the tag's pinned host memory (that of its offload sleeps) back now; returns
-    the bytes released. Raises gpumem.InvalidArgumentError while the tag sleeps with
-    offload (wake it first)."""
-    return pool(_device_index(device)).release_host(tag_name)
+    """Gives the tag's pinned host memory (that of its offload sleeps, the private pools of
+    its CUDA graphs included) back now; returns the bytes released. Raises
+    gpumem.InvalidArgumentError while the tag sleeps with offload (wake it first)."""
+    return _host_call("gpumem_torch_release_host", tag_name, device)

@@ -212,6 +212,32 @@ gpumem_status wake_tag_pools(int device, std::uint32_t tag, void* stream,
       [&](gpumem_pool* pool) { return gpumem_wake(pool, 0, stream); }, woken);
 }
 
+gpumem_status release_tag_pools_host(int device, std::uint32_t tag,
+                                     std::uint64_t* released) noexcept {
+  *released = 0;
+  std::size_t done = 0;
+  return for_tag_pools(
+      device, tag, [](bool) { return true; },
+      [&](gpumem_pool* pool) {
+        std::uint64_t bytes = 0;
+        const gpumem_status st = gpumem_release_host(pool, 0, &bytes);
+        *released += bytes;
+        return st;
+      },
+      &done);
+}
+
+std::uint64_t tag_pools_host_bytes(int device, std::uint32_t tag) noexcept {
+  std::uint64_t total = 0;
+  std::lock_guard lock(mutex_);
+  for (auto& p : pools_) {
+    if (p->device != device || p->tag != tag) continue;
+    std::uint64_t bytes = 0;
+    if (gpumem_tag_host_bytes(p->pool, 0, &bytes) == GPUMEM_SUCCESS) total += bytes;
+  }
+  return total;
+}
+
 std::size_t tag_pool_count(int device, std::uint32_t tag) noexcept {
   std::lock_guard lock(mutex_);
   return static_cast<std::size_t>(std::count_if(pools_.begin(), pools_.end(), [&](const auto& p) {

@@ -87,6 +87,13 @@ gpumem_status sleep_tag_pools(int device, std::uint32_t tag, int mode, void* str
 // failure (out of memory: no room) stops it, as sleep_tag_pools.
 gpumem_status wake_tag_pools(int device, std::uint32_t tag, void* stream,
                              std::size_t* woken) noexcept;
+// Gives back the pinned host memory of every private pool of (device, tag) (gpumem_release_host
+// of its tag 0); *released sums the bytes. The first refusal (a pool asleep with offload)
+// stops it, the pools before it released.
+gpumem_status release_tag_pools_host(int device, std::uint32_t tag,
+                                     std::uint64_t* released) noexcept;
+// The pinned host bytes the private pools of (device, tag) hold for their offload sleeps.
+std::uint64_t tag_pools_host_bytes(int device, std::uint32_t tag) noexcept;
 // The private pools of (device, tag) alive now.
 std::size_t tag_pool_count(int device, std::uint32_t tag) noexcept;
 // Of the private pools of (device, tag), the ones asleep (wholly or part way).

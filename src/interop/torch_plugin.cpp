@@ -589,6 +589,36 @@ GPUMEM_API int gpumem_torch_set_keep_free(int device, uint64_t bytes) {
   return gpumem_torch::set_keep_free(device, static_cast<std::size_t>(bytes));
 }
 
+// The device's part first (when the tag was allocated in there), then the private pools.
+GPUMEM_API int gpumem_torch_release_host(int device, uint32_t tag, uint64_t* released) {
+  if (released != nullptr) *released = 0;
+  gpumem_pool* pool = pool_for(device);
+  if (pool == nullptr) return gpumem_last_status();
+  const bool privates = gpumem_torch::tag_pool_count(device, tag) != 0;
+  std::uint64_t own = 0;
+  if (!privates || tag_used(pool, tag))
+    if (const gpumem_status st = gpumem_release_host(pool, tag, &own); st != GPUMEM_SUCCESS)
+      return st;
+  std::uint64_t theirs = 0;
+  const gpumem_status st = gpumem_torch::release_tag_pools_host(device, tag, &theirs);
+  if (released != nullptr) *released = own + theirs;
+  return st;
+}
+
+GPUMEM_API int gpumem_torch_host_bytes(int device, uint32_t tag, uint64_t* bytes) {
+  if (bytes == nullptr)
+    return gpumem::detail::c_api_fail(GPUMEM_ERROR_INVALID_ARGUMENT,
+                                      "gpumem_torch_host_bytes: null output pointer");
+  *bytes = 0;
+  gpumem_pool* pool = pool_for(device);
+  if (pool == nullptr) return gpumem_last_status();
+  std::uint64_t own = 0;
+  if (const gpumem_status st = gpumem_tag_host_bytes(pool, tag, &own); st != GPUMEM_SUCCESS)
+    return st;
+  *bytes = own + gpumem_torch::tag_pools_host_bytes(device, tag);
+  return GPUMEM_SUCCESS;
+}
+
 GPUMEM_API int gpumem_torch_tag_asleep(int device, uint32_t tag) {
   gpumem_pool* pool = pool_for(device);
   if (pool == nullptr) return -1;

@@ -2,8 +2,8 @@
 an engine written for torch_memory_saver uses it: install() in place of the package, the first
 region enables gpumem, tensors made in regions with and without a CPU backup and a CUDA
 graph captured with cuda_graph() are released by pause() (the driver's free memory rises by
-their bytes) and come back by resume() at the same addresses: the backed-up weights equal,
-the graph replaying to the same output; a second pause is refused; memory_margin_bytes
+their bytes) and come back by resume() at the same addresses: the backed-up weights and graph
+output equal, the graphs replaying to the same output, no host copy left behind; a second pause is refused; memory_margin_bytes
 keeps that much of the device free."""
 import os
 import sys
@@ -36,8 +36,12 @@ def main():
     with tms.cuda_graph(graph, tag="graph"):
         y = x @ w
     graph.replay()
+    backed = torch.cuda.CUDAGraph()  # its private pool offloads and comes back
+    with tms.cuda_graph(backed, tag="graph", enable_cpu_backup=True):
+        z = torch.relu(x @ w)
+    backed.replay()
     torch.cuda.synchronize()
-    expected, w_copy = y.clone(), w.clone()
+    expected, expected_z, w_copy = y.clone(), z.clone(), w.clone()
     kv_address, w_address = kv.data_ptr(), w.data_ptr()
 
     free_before = torch.cuda.mem_get_info()[0]
@@ -58,6 +62,13 @@ def main():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, expected), "the graph's output changed across pause / resume"
+    assert torch.equal(z, expected_z), "the backed-up graph's output changed across pause / resume"
+    z.zero_()
+    backed.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(z, expected_z), "the backed-up graph replays differently after resume"
+    for name in ("tms/weights/cpu", "tms/graph/cpu"):
+        assert gt.host_bytes(name) == 0, (name, gt.host_bytes(name), "host copy kept after resume")
     kv.fill_(3)
     assert int(kv[-1]) == 3
     # memory_margin_bytes (gpumem's keep_free): a growth that would leave less free fails.

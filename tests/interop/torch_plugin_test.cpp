@@ -411,8 +411,22 @@ TEST(TorchPlugin, AGraphPoolSleepsOnlyWithItsOwnTag) {
   EXPECT_EQ(gpumem_torch_tag_asleep(0, tag), 1);  // its graph pool is
   EXPECT_EQ(gpumem_torch_tag_used(0, tag), 1);
   EXPECT_EQ(gpumem_torch_tag_asleep(0, 0), 0);  // the untagged graph's tag is awake
+  EXPECT_EQ(gpumem_torch_release_host(0, tag, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT)
+      << "the graph pool's bytes live in that host memory";
   ASSERT_EQ(gpumem_torch_wake(0, tag, nullptr), GPUMEM_SUCCESS) << gpumem_last_error();
   EXPECT_EQ(gpumem_torch_tag_asleep(0, tag), 0);
+  // The graph pool's host copy stays for the next sleep until released, and the release
+  // reaches it though the tag holds nothing of its own in the device's pool.
+  uint64_t held = 0, released = 0;
+  ASSERT_EQ(gpumem_torch_host_bytes(0, tag, &held), GPUMEM_SUCCESS) << gpumem_last_error();
+  EXPECT_GE(held, 2u * MiB);
+  ASSERT_EQ(gpumem_torch_release_host(0, tag, &released), GPUMEM_SUCCESS) << gpumem_last_error();
+  EXPECT_EQ(released, held);
+  ASSERT_EQ(gpumem_torch_host_bytes(0, tag, &held), GPUMEM_SUCCESS) << gpumem_last_error();
+  EXPECT_EQ(held, 0u);
+  EXPECT_EQ(gpumem_torch_host_bytes(0, tag, nullptr), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(gpumem_torch_release_host(0, 4242, &released), GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(released, 0u);
   EXPECT_EQ(gpumem_torch_tag_used(0, 4242), 0);  // never allocated in, no graph made under it
   EXPECT_EQ(gpumem_torch_tag_asleep(0, 4242), 0);
   EXPECT_EQ(graph_reserved(), both);
@@ -461,13 +475,19 @@ TEST(TorchPlugin, NoPoolForTheDeviceIsAFailureOnAFreshThread) {
   }).join();
   EXPECT_EQ(sleep_status, GPUMEM_ERROR_INVALID_ARGUMENT);
   EXPECT_EQ(wake_status, GPUMEM_ERROR_INVALID_ARGUMENT);
-  int asleep_status = 0, used_status = 0;
+  int asleep_status = 0, used_status = 0, host_status = 0, release_status = 0;
+  uint64_t host = 7;
   std::thread([&] {
     asleep_status = gpumem_torch_tag_asleep(4096, 1);
     used_status = gpumem_torch_tag_used(-1, 1);
   }).join();
+  std::thread([&] { host_status = gpumem_torch_host_bytes(4096, 1, &host); }).join();
+  std::thread([&] { release_status = gpumem_torch_release_host(-1, 1, nullptr); }).join();
   EXPECT_EQ(asleep_status, -1);
   EXPECT_EQ(used_status, -1);
+  EXPECT_EQ(host_status, GPUMEM_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(host, 0u);
+  EXPECT_EQ(release_status, GPUMEM_ERROR_INVALID_ARGUMENT);
   EXPECT_EQ(fraction_status, GPUMEM_ERROR_INVALID_ARGUMENT);
 }
 

@@ -83,6 +83,12 @@ GPUMEM_API int gpumem_torch_wake(int device, uint32_t tag, void* stream);
 /* gpumem_pool_set_keep_free for the device's pool (every tag) and the private pools of its
  * CUDA graphs and MemPools, those made later too. */
 GPUMEM_API int gpumem_torch_set_keep_free(int device, uint64_t bytes);
+/* The pinned host memory a tag holds for its offload sleeps, its part of the device's pool
+ * and its private pools together: gpumem_tag_host_bytes and gpumem_release_host over every
+ * part. A release refused by one part (asleep with offload: wake it first) leaves the parts
+ * before it released; *released (may be null) sums the bytes given back. */
+GPUMEM_API int gpumem_torch_host_bytes(int device, uint32_t tag, uint64_t* bytes);
+GPUMEM_API int gpumem_torch_release_host(int device, uint32_t tag, uint64_t* released);
 /* Whether the tag sleeps as gpumem_torch_sleep puts it to sleep: its part of the device's
  * pool or one of its private pools. 1 or 0; -1 (the error set) with no pool for the device. */
 GPUMEM_API int gpumem_torch_tag_asleep(int device, uint32_t tag);
