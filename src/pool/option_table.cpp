@@ -41,7 +41,8 @@ constexpr std::array<pool_option_info, 34> table{{
      "vmm_page_pool: device memory (the driver's free bytes) that every new physical handle "
      "leaves free, for other processes and libraries: a growth that would pass it gathers "
      "free pages or fails with out_of_memory, a wake leaves the tag asleep, its bytes on the "
-     "host. torch_memory_saver's memory_margin_bytes. A free-memory query per new handle.",
+     "host. torch_memory_saver's memory_margin_bytes. A free-memory query per new handle, one "
+     "step with it in the process (pools growing at once never pass it together).",
      "keep_free:1G"},
     {"big_chunk", "0",
      "vmm_page_pool: growths of at least 2N pages use N-page physical handles (0: one page "

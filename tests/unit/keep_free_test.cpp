@@ -5,7 +5,11 @@
 // tagged_pool's setting reaches every tag, those made later too.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "gpumem/errors.hpp"
 #include "gpumem/platform/sim_platform.hpp"
@@ -103,6 +107,42 @@ TEST_F(KeepFree, ATaggedPoolsSettingReachesEveryTagAndTheTagsMadeLater) {
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
   pool.deallocate(two, 8 * MiB);
   pool.deallocate(one, 8 * MiB);
+}
+
+// Pools growing at once on several threads: the check and the new handle are one step in
+// the process, so no two growths both pass it on the same free bytes.
+TEST_F(KeepFree, PoolsGrowingAtOnceNeverPassItTogether) {
+  constexpr int threads = 8;
+  const std::size_t room = 64 * MiB, request = 16 * MiB;
+  std::vector<std::unique_ptr<vmm_page_pool>> pools;
+  for (int i = 0; i < threads; ++i) pools.push_back(std::make_unique<vmm_page_pool>(sim, 0));
+  const std::size_t keep = device_free() - room;
+  for (auto& p : pools) p->set_keep_free(keep);
+  for (int round = 0; round < 40; ++round) {
+    std::atomic<int> ready{0};
+    std::vector<void*> got(threads, nullptr);
+    std::vector<std::thread> workers;
+    for (int i = 0; i < threads; ++i)
+      workers.emplace_back([&, i] {
+        ready.fetch_add(1);
+        while (ready.load() < threads) std::this_thread::yield();
+        try {
+          got[i] = pools[i]->allocate(request, 256, {});
+        } catch (const out_of_memory&) {
+        }
+      });
+    for (auto& w : workers) w.join();
+    ASSERT_GE(device_free(), keep) << "round " << round << ": growths passed keep_free together";
+    int served = 0;
+    for (int i = 0; i < threads; ++i)
+      if (got[i] != nullptr) {
+        ++served;
+        pools[i]->deallocate(got[i], request);
+      }
+    EXPECT_GE(served, 1) << "round " << round;
+    EXPECT_LE(std::size_t(served), room / request) << "round " << round;
+    for (auto& p : pools) p->trim();
+  }
 }
 
 }  // namespace

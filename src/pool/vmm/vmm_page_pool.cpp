@@ -3,6 +3,7 @@
 #include "gpumem/pool/vmm/vmm_page_pool.hpp"
 
 #include <algorithm>
+#include <mutex>
 #include <sstream>
 
 #include "gpumem/errors.hpp"
@@ -287,8 +288,20 @@ void vmm_page_pool::forget_chunk(std::uint32_t id) noexcept {
   free_ids_.push_back(id);
 }
 
+namespace {
+// Held from keep_free's look at the device's free bytes to the handle made on it, so two
+// pools of the process growing at once do not both pass on the same free bytes. Taken
+// inside a pool's lock, never the other way round; only while keep_free is set.
+std::mutex& keep_free_gate() {
+  static std::mutex gate;
+  return gate;
+}
+}  // namespace
+
 result<physical_handle> vmm_page_pool::create_handle(std::size_t bytes) {
+  std::unique_lock<std::mutex> gate;
   if (keep_free_ != 0) {
+    gate = std::unique_lock(keep_free_gate());
     // The driver's view: memory other processes and libraries hold counts too.
     const auto info = device_platform().mem_info(device());
     if (info && (info.value().free < bytes || info.value().free - bytes < keep_free_))
