@@ -3,7 +3,8 @@
 // string decoded into 300 operations on a C API pool (tagged and untagged allocations,
 // frees, sleep / wake of every tag in every state, trim, record_stream, export / import,
 // refused calls), checked after each step against the reference model. Runs in every CI
-// build; GPUMEM_FUZZ_SEEDS overrides the seed count (for longer local runs).
+// build; GPUMEM_FUZZ_SEEDS overrides the seed count (for longer local runs) and
+// GPUMEM_FUZZ_FIRST_SEED the first seed.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -23,9 +24,15 @@ std::uint64_t tag_seeds() {
   return 3;
 }
 
+// GPUMEM_FUZZ_FIRST_SEED starts the seeds there (to replay one that failed).
+std::uint64_t first_seed() {
+  if (const char* s = std::getenv("GPUMEM_FUZZ_FIRST_SEED")) return std::strtoull(s, nullptr, 10);
+  return 0;
+}
+
 TEST(fuzz_corpus_tags, every_seed_keeps_the_model) {
   fuzz_counts counts;
-  for (std::uint64_t seed = 0; seed < tag_seeds(); ++seed) {
+  for (std::uint64_t seed = first_seed(); seed < first_seed() + tag_seeds(); ++seed) {
     const auto bytes = corpus_bytes(5'000'000 + seed, bytes_per_seed);
     const auto why = run_tag_fuzz(bytes.data(), bytes.size(), ops_per_seed, counts);
     ASSERT_TRUE(why.empty()) << "seed " << seed << ": " << why;

@@ -768,6 +768,29 @@ TEST_F(SleepWake, WakeOutOfMemoryKeepsTheBytesAndARetrySucceeds) {
   pool.deallocate(slept, 600 * MiB);
 }
 
+// A tag left partly asleep by a wake without room, its pages in use freed meanwhile, then
+// trimmed (as another tag's out-of-memory trims every tag): it stays asleep until the wake
+// is called again, which completes it, and it serves allocations after.
+TEST_F(SleepWake, APartlyAwakeTagTrimmedOfAllItsPagesStillCompletesItsWake) {
+  vmm_page_pool untagged(sim);
+  tagged_pool pool(untagged, {});
+  void* slept = pool.allocate(600 * MiB, 256, {}, 1);
+  pool.sleep(1, sleep_mode::offload);
+  void* squatter = pool.allocate(600 * MiB, 256, {}, 0);
+  EXPECT_THROW(pool.wake(1), out_of_memory);
+  ASSERT_TRUE(pool.asleep(1));
+  pool.deallocate(slept, 600 * MiB);  // allowed asleep: its pages are cache now
+  (void)pool.trim();
+  EXPECT_TRUE(pool.asleep(1)) << "the wake has not completed";
+  EXPECT_THROW((void)pool.allocate(MiB, 256, {}, 1), invalid_argument);
+  pool.wake(1);
+  EXPECT_FALSE(pool.asleep(1));
+  void* fresh = pool.allocate(8 * MiB, 256, {}, 1);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.deallocate(fresh, 8 * MiB);
+  pool.deallocate(squatter, 600 * MiB);
+}
+
 // An offload larger than one copy slice retires the slices one by one while the next
 // copies; a failure waiting for the second slice's copies leaves the first slice released
 // (the tag partly asleep, refusing allocations), and the retry completes; every byte

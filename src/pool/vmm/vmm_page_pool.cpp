@@ -342,6 +342,10 @@ std::size_t vmm_page_pool::release_cached() {
   if (sleeping_locked()) {
     // Sleeping pages hold no physical memory: the cache among them leaves the pool, so
     // wake maps only the pages in use (footprint:tight's wake trims afterwards instead).
+    // Partly asleep (a sleep or a wake that failed part way) it stays: the records keep the
+    // pool asleep until the same call again completes it, and dropping the last of them
+    // would leave a pool that refuses allocations and refuses the wake as "not asleep".
+    if (!sleep_->complete) return 0;
     std::vector<std::uint32_t> ids(sleep_->chunks.size());
     std::transform(sleep_->chunks.begin(), sleep_->chunks.end(), ids.begin(),
                    [](const auto& entry) { return entry.first; });
