@@ -291,6 +291,27 @@ TEST_F(VmmPagePool, ASpareBigHandleIsNotMappedWhereFewerPagesAreMissing) {
   pool.deallocate(b, 2 * MiB);
 }
 
+// A lent page is a one-page handle. With the device full, the pool's spare coarse handle (a
+// growth's, freed and unmapped) cannot be lent, so it is given back for one-page handles
+// rather than the lending failing while the pool holds the memory.
+TEST_F(VmmPagePool, LendingOnAFullDeviceTradesASpareCoarseHandleForOnePageOnes) {
+  vmm_page_pool pool(sim);
+  pool.deallocate(pool.allocate(24 * MiB), 24 * MiB);  // footprint:fast: one 12-page handle
+  ASSERT_EQ(pool.page_counts().handles, 1u);
+  const std::size_t free = sim.mem_info(0).value().free;
+  auto squatter = sim.create_physical(0, free - free % (2 * MiB));
+  ASSERT_TRUE(squatter);
+  std::vector<physical_handle> lent = pool.lend_pages(2);
+  EXPECT_EQ(lent.size(), 2u);
+  EXPECT_EQ(pool.page_counts().lent_pages, 2u);
+  EXPECT_LE(pool.stats().reserved_bytes, 24 * MiB);
+  EXPECT_TRUE(pool.is_valid()) << pool.validate();
+  pool.return_pages(lent);
+  ASSERT_TRUE(sim.release_physical(squatter.value()));
+  pool.trim();
+  EXPECT_EQ(pool.stats().reserved_bytes, 0u);
+}
+
 TEST_F(VmmPagePool, ConsecutiveLargeBlocksShareTheirBoundaryPage) {
   vmm_page_pool pool(sim);
   void* a = pool.allocate(3 * MiB);  // 2 pages, a 1 MiB free tail after it

@@ -27,10 +27,12 @@ std::vector<physical_handle> vmm_page_pool::lend_pages(std::size_t pages) {
     have = spare_single_pages();
   }
   if (have < pages && !create_chunks(pages - have, handle_sizes::one_page)) {
-    // Memory pressure: what other streams freed may be reclaimed once they finish.
+    // Memory pressure: what other streams freed may be reclaimed once they finish, and a
+    // spare handle of several pages, which cannot be lent, gives its memory to one-page ones.
     reclaim(pages - have, true);
     retire_completed(true);
     have = spare_single_pages();
+    if (have < pages) release_spare_locked(spare_kind::coarse);
     if (have < pages && !create_chunks(pages - have, handle_sizes::one_page)) {
       lock.unlock();
       throw out_of_memory(memory_report(pages * page_));

@@ -357,13 +357,17 @@ std::size_t vmm_page_pool::release_cached() {
   return release_spare_locked();
 }
 
-// Gives every spare chunk (held, unmapped) back to the driver; one whose release fails
-// stays spare, so the pool stays consistent. Returns the bytes released.
-std::size_t vmm_page_pool::release_spare_locked() {
+// Gives the spare chunks (held, unmapped) of `which` kind back to the driver; one whose
+// release fails stays spare, so the pool stays consistent. Returns the bytes released.
+std::size_t vmm_page_pool::release_spare_locked(spare_kind which) {
   std::size_t released = 0;
   std::vector<std::uint32_t> kept;
   for (std::uint32_t id : spare_) {
     chunk& c = chunks_[id];
+    if (which == spare_kind::coarse && c.pages == 1) {
+      kept.push_back(id);
+      continue;
+    }
     if (auto s = device_platform().release_physical(c.handle); !s) {
       kept.push_back(id);  // keep it; the pool stays consistent
       continue;

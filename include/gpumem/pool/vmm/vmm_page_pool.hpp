@@ -488,7 +488,8 @@ class vmm_page_pool final : public pool_base {
   void split_released_chunks_locked();
   std::uint32_t split_released_chunk_locked(std::uint32_t id, std::size_t at);
   std::vector<std::uint32_t> take_cache_locked(std::vector<std::uint32_t>& ids);
-  std::size_t release_spare_locked();
+  enum class spare_kind : std::uint8_t { all, coarse };  // coarse: of more than one page
+  std::size_t release_spare_locked(spare_kind which = spare_kind::all);
   void wake_runs_locked(std::span<const std::uint32_t> order, stream_handle stream, bool live);
   std::size_t drop_sleeping_cache_locked(std::span<const std::uint32_t> ids);
   void wake_chunk_locked(std::uint32_t id, stream_handle stream, bool restore);
