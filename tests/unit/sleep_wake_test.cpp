@@ -774,21 +774,23 @@ TEST_F(SleepWake, WakeOutOfMemoryKeepsTheBytesAndARetrySucceeds) {
 TEST_F(SleepWake, APartlyAwakeTagTrimmedOfAllItsPagesStillCompletesItsWake) {
   vmm_page_pool untagged(sim);
   tagged_pool pool(untagged, {});
-  void* slept = pool.allocate(600 * MiB, 256, {}, 1);
+  void* slept = pool.allocate(8 * MiB, 256, {}, 1);
   pool.sleep(1, sleep_mode::offload);
-  void* squatter = pool.allocate(600 * MiB, 256, {}, 0);
+  const std::size_t free = sim.mem_info(0).value().free;
+  auto squatter = sim.create_physical(0, free - free % (2 * MiB));
+  ASSERT_TRUE(squatter);
   EXPECT_THROW(pool.wake(1), out_of_memory);
   ASSERT_TRUE(pool.asleep(1));
-  pool.deallocate(slept, 600 * MiB);  // allowed asleep: its pages are cache now
+  pool.deallocate(slept, 8 * MiB);  // allowed asleep: its pages are cache now
   (void)pool.trim();
   EXPECT_TRUE(pool.asleep(1)) << "the wake has not completed";
   EXPECT_THROW((void)pool.allocate(MiB, 256, {}, 1), invalid_argument);
-  pool.wake(1);
+  pool.wake(1);  // the cache has no room: it leaves the pool
   EXPECT_FALSE(pool.asleep(1));
+  ASSERT_TRUE(sim.release_physical(squatter.value()));
   void* fresh = pool.allocate(8 * MiB, 256, {}, 1);
   EXPECT_TRUE(pool.is_valid()) << pool.validate();
   pool.deallocate(fresh, 8 * MiB);
-  pool.deallocate(squatter, 600 * MiB);
 }
 
 // An offload larger than one copy slice retires the slices one by one while the next
