@@ -654,9 +654,10 @@ class Pool(_Closing):
         return s.as_dict()
 
     def host_bytes(self, tag):
-        """Pinned host bytes `tag` holds for its offload sleeps: its pages' copy while it
-        sleeps, and after wake the same block kept for the next sleep (flat across sleep /
-        wake cycles of one size). 0 for a tag never used."""
+        """Pinned host bytes `tag` holds for its offload sleeps: the copy of its pages in
+        use while it sleeps (free pages are not copied), and after wake the same block kept
+        for the next sleep (flat across sleep / wake cycles of one size). 0 for a tag never
+        used."""
         out = ctypes.c_uint64()
         _check(self._lib, self._lib.gpumem_tag_host_bytes(self.handle, tag_id(tag),
                                                           ctypes.byref(out)))
